@@ -1,0 +1,168 @@
+"""Operator declarations: one frozen record per operator, in one registry.
+
+Each operator is declared once with its attribute schema, its JAX reference function (the
+executable specification), its shape rule, its ONNX mapping (import handlers keyed by ONNX
+``op_type`` and an export function), an analytic cost (FLOPs), a place for its Z3 axioms, and
+examples that the registry-driven tests use. Nothing outside this package branches on
+operator names: the IR, executor, generator, search and ONNX front door all read
+:data:`OPS`.
+
+Layouts follow ONNX: activations are NCHW, convolution kernels OIHW, matmul operands are
+``[..., M, K] @ [..., K, N]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+__all__ = [
+    "OPS",
+    "ONNX_IMPORTERS",
+    "OpDef",
+    "ShapeError",
+    "TensorType",
+    "declare",
+    "onnx_importer",
+    "get_op",
+]
+
+
+class ShapeError(ValueError):
+    """Raised by a shape rule when inputs or attributes are not valid for an operator."""
+
+
+class TensorType(NamedTuple):
+    """Static type of a tensor: ``shape`` (tuple of ints) and ``dtype`` (numpy dtype name)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        import numpy as np
+
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """Declaration of one operator.
+
+    Attributes:
+        name: lower_snake operator name, used in code and in serialized substitutions.
+        ref: JAX reference function ``ref(*inputs, **attrs)`` returning one array, or a tuple
+            of arrays when ``num_outputs`` is not 1. This is the operator's specification.
+        shape: shape rule ``shape(in_types, **attrs) -> list[TensorType]``; raises
+            :class:`ShapeError` for invalid inputs.
+        arity: number of inputs, or ``None`` for variadic operators.
+        attrs: attribute names with their defaults; every node stores all of them.
+        to_onnx: export function ``to_onnx(ctx, in_names, out_names, **attrs)`` emitting ONNX
+            nodes (opset 13 or newer forms) through ``ctx``.
+        flops: analytic cost ``flops(in_types, out_types, **attrs) -> float``; defaults to
+            one operation per output element.
+        examples: ``(in_types, attrs)`` pairs used by registry-driven tests.
+        axioms: Z3 axioms (added by the verification issue; empty for now).
+        canon: optional ``canon(in_types, attrs) -> attrs`` that puts attributes in canonical
+            form (for example negative axes), so structurally equal nodes compare equal.
+        doc: one-line description, with the source of its semantics.
+    """
+
+    name: str
+    ref: Callable[..., Any]
+    shape: Callable[..., list[TensorType]]
+    arity: int | None
+    attrs: dict[str, Any] = field(default_factory=dict)
+    to_onnx: Callable[..., None] | None = None
+    flops: Callable[..., float] | None = None
+    examples: tuple = ()
+    axioms: tuple = ()
+    canon: Callable[..., dict[str, Any]] | None = None
+    doc: str = ""
+
+    def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        """Fill defaults, reject unknown names, and freeze values into a sorted tuple.
+
+        Raises:
+            ShapeError: an attribute name that the operator does not declare.
+        """
+        attrs = dict(attrs)
+        unknown = set(attrs) - set(self.attrs)
+        if unknown:
+            raise ShapeError(f"{self.name}: unknown attribute(s) {sorted(unknown)}")
+        full = {**self.attrs, **attrs}
+        return tuple(sorted((k, _freeze(v)) for k, v in full.items()))
+
+    def infer(self, in_types: Sequence[TensorType], attrs: dict[str, Any]) -> list[TensorType]:
+        """Apply the shape rule, checking arity first.
+
+        Raises:
+            ShapeError: wrong number of inputs or invalid shapes/attributes.
+        """
+        if self.arity is not None and len(in_types) != self.arity:
+            raise ShapeError(f"{self.name}: expects {self.arity} inputs, got {len(in_types)}")
+        return [TensorType(tuple(int(d) for d in t.shape), str(t.dtype))
+                for t in self.shape(list(in_types), **attrs)]
+
+    def cost_flops(self, in_types, out_types, attrs) -> float:
+        """Analytic operation count (FLOPs) of one execution."""
+        if self.flops is not None:
+            return float(self.flops(in_types, out_types, **attrs))
+        return float(sum(t.size for t in out_types))
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, list | tuple):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+OPS: dict[str, OpDef] = {}
+ONNX_IMPORTERS: dict[str, Callable[..., Any]] = {}
+
+
+def declare(op: OpDef) -> OpDef:
+    """Add an operator to the registry. Raises ``ValueError`` on a duplicate name."""
+    if op.name in OPS:
+        raise ValueError(f"operator {op.name!r} declared twice")
+    OPS[op.name] = op
+    return op
+
+
+def onnx_importer(*op_types: str):
+    """Register ``fn(ctx, node_inputs, **onnx_attrs) -> list of outputs`` for ONNX op types.
+
+    ``ctx`` is duck-typed (see ``taso_jax.onnx_io``): ``ctx.op(name, inputs, **attrs)``
+    creates a node, ``ctx.const(tensor)`` returns a weight's value or ``None``,
+    ``ctx.weight(array)`` makes a new weight, ``ctx.type(tensor)`` gives its TensorType,
+    ``ctx.out_types`` the ONNX-inferred output types and ``ctx.opset`` the model's opset.
+    """
+
+    def register(fn):
+        for t in op_types:
+            ONNX_IMPORTERS[t] = fn
+        return fn
+
+    return register
+
+
+def get_op(name: str) -> OpDef:
+    """Look up an operator. Raises ``KeyError`` naming the unknown operator."""
+    try:
+        return OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown operator {name!r}") from None
+
+
+# Operator families register themselves on import.
+from taso_jax.ops import conv, elementwise, matmul, nn, tensor  # noqa: E402,F401

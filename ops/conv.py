@@ -1,0 +1,418 @@
+"""Convolution-family operators on NCHW activations and OIHW kernels.
+
+Sources: ONNX operator spec (Conv, BatchNormalization, MaxPool, AveragePool,
+GlobalAveragePool); TASO (Jia et al., SOSP 2019, Table 1 and Section 3) for ``enlarge``,
+the constant kernels, fused activations and ``merge_gconv``.
+
+Padding is one attribute: ``"same"`` (begin ``d*(k-1)//2``, end the rest, for every stride,
+so that a kernel can be enlarged without changing the result), ``"valid"`` (none), or an
+explicit ``(top, left, bottom, right)`` tuple. The ONNX importer canonicalises explicit pads
+to ``"same"``/``"valid"`` when they agree, which lets shape-generic substitutions match.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
+
+ACTIVATIONS = {"none": lambda x: x, "relu": jax.nn.relu, "sigmoid": jax.nn.sigmoid,
+               "tanh": jnp.tanh}
+_ACT_ONNX = {"relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh"}
+_F32 = "float32"
+
+
+def explicit_pads(padding, kernel_hw, dilations=(1, 1)) -> tuple[int, int, int, int]:
+    """Padding attribute to explicit ``(top, left, bottom, right)`` in pixels."""
+    if padding == "valid":
+        return (0, 0, 0, 0)
+    if padding == "same":
+        tot = [d * (k - 1) for k, d in zip(kernel_hw, dilations, strict=True)]
+        return (tot[0] // 2, tot[1] // 2, tot[0] - tot[0] // 2, tot[1] - tot[1] // 2)
+    if isinstance(padding, tuple) and len(padding) == 4 and all(isinstance(p, int) for p in padding):
+        return padding
+    raise ShapeError(f"padding must be 'same', 'valid' or (top, left, bottom, right), got {padding!r}")
+
+
+def canonical_padding(pads, kernel_hw, dilations=(1, 1)):
+    """Explicit pads to ``"valid"``/``"same"`` when they agree, else the tuple."""
+    pads = tuple(int(p) for p in pads)
+    if pads == (0, 0, 0, 0):
+        return "valid"
+    if pads == explicit_pads("same", kernel_hw, dilations):
+        return "same"
+    return pads
+
+
+def _window_out(size, k, s, d, pb, pe):
+    out = (size + pb + pe - d * (k - 1) - 1) // s + 1
+    if out <= 0:
+        raise ShapeError(f"window of size {k} does not fit input of size {size}")
+    return out
+
+
+def _act(x, activation):
+    try:
+        return ACTIVATIONS[activation](x)
+    except KeyError:
+        raise ShapeError(f"unknown activation {activation!r}") from None
+
+
+def _emit_act(ctx, y, outs, activation):
+    if activation == "none":
+        ctx.node("Identity", [y], outs)
+    else:
+        ctx.node(_ACT_ONNX[activation], [y], outs)
+
+
+# ---- conv2d -------------------------------------------------------------------------------
+
+def _conv2d(x, w, *, strides, padding, dilations, groups, activation):
+    t, l, b, r = explicit_pads(padding, w.shape[2:], dilations)
+    y = lax.conv_general_dilated(x, w, strides, [(t, b), (l, r)], rhs_dilation=dilations,
+                                 dimension_numbers=("NCHW", "OIHW", "NCHW"),
+                                 feature_group_count=groups)
+    return _act(y, activation)
+
+
+def _conv2d_shape(ts, *, strides, padding, dilations, groups, activation):
+    x, w = ts
+    if len(x.shape) != 4 or len(w.shape) != 4:
+        raise ShapeError(f"conv2d: expects NCHW input and OIHW kernel, got {x.shape}, {w.shape}")
+    if x.dtype != w.dtype:
+        raise ShapeError(f"conv2d: dtype mismatch {x.dtype} vs {w.dtype}")
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w.shape
+    if groups < 1 or c % groups or o % groups or c // groups != cg:
+        raise ShapeError(f"conv2d: input channels {c}, kernel {w.shape}, groups {groups} disagree")
+    _act(jnp.zeros(()), activation)
+    t, l, b, r = explicit_pads(padding, (kh, kw), dilations)
+    return [TensorType((n, o, _window_out(h, kh, strides[0], dilations[0], t, b),
+                        _window_out(wd, kw, strides[1], dilations[1], l, r)), x.dtype)]
+
+
+def _conv2d_flops(ins, outs, **_):
+    o, cg, kh, kw = ins[1].shape
+    return 2.0 * outs[0].size * cg * kh * kw
+
+
+def _conv2d_onnx(ctx, ins, outs, *, strides, padding, dilations, groups, activation):
+    kh, kw = ctx.shape(ins[1])[2:]
+    t, l, b, r = explicit_pads(padding, (kh, kw), dilations)
+    y = outs[0] if activation == "none" else ctx.fresh()
+    ctx.node("Conv", ins, [y], strides=list(strides), pads=[t, l, b, r],
+             dilations=list(dilations), group=groups, kernel_shape=[kh, kw])
+    if activation != "none":
+        _emit_act(ctx, y, outs, activation)
+
+
+declare(OpDef(
+    "conv2d", _conv2d, _conv2d_shape, 2,
+    attrs={"strides": (1, 1), "padding": "same", "dilations": (1, 1), "groups": 1,
+           "activation": "none"},
+    to_onnx=_conv2d_onnx, flops=_conv2d_flops,
+    examples=(
+        ([TensorType((1, 4, 9, 9), _F32), TensorType((6, 4, 3, 3), _F32)], {}),
+        ([TensorType((2, 4, 8, 8), _F32), TensorType((6, 2, 3, 3), _F32)],
+         {"strides": (2, 2), "groups": 2, "activation": "relu"}),
+        ([TensorType((1, 4, 9, 9), _F32), TensorType((4, 4, 3, 1), _F32)],
+         {"padding": (1, 0, 2, 1), "dilations": (2, 1), "activation": "tanh"}),
+        ([TensorType((1, 4, 9, 9), _F32), TensorType((4, 4, 3, 3), _F32)],
+         {"padding": "valid", "activation": "sigmoid"}),
+    ),
+    doc="2-D convolution, NCHW x OIHW -> NCHW, with groups and fused activation (ONNX Conv)"))
+
+
+def _same_upper_pads(in_hw, k_hw, strides, dilations, lower):
+    pads = []
+    for size, k, s, d in zip(in_hw, k_hw, strides, dilations, strict=True):
+        out = -(-size // s)
+        tot = max((out - 1) * s + d * (k - 1) + 1 - size, 0)
+        pads.append((tot - tot // 2, tot // 2) if lower else (tot // 2, tot - tot // 2))
+    return (pads[0][0], pads[1][0], pads[0][1], pads[1][1])
+
+
+def _onnx_pads(ctx, x_hw, k_hw, strides, dilations, auto_pad, pads):
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        return _same_upper_pads(x_hw, k_hw, strides, dilations, auto_pad == "SAME_LOWER")
+    if auto_pad == "VALID" or pads is None:
+        return (0, 0, 0, 0)
+    return tuple(int(p) for p in pads)
+
+
+@onnx_importer("Conv")
+def _import_conv(ctx, ins, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
+                 pads=None, strides=None):
+    x, w = ins[0], ins[1]
+    if len(ctx.type(x).shape) != 4:
+        return None  # 1-D and 3-D convolutions stay opaque
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    dil = tuple(dilations or (1, 1))
+    st = tuple(strides or (1, 1))
+    k_hw = ctx.type(w).shape[2:]
+    p = _onnx_pads(ctx, ctx.type(x).shape[2:], k_hw, st, dil, auto_pad, pads)
+    y = ctx.op("conv2d", [x, w], strides=st, padding=canonical_padding(p, k_hw, dil),
+               dilations=dil, groups=int(group))
+    if len(ins) > 2 and ins[2] is not None:
+        o = ctx.type(w).shape[0]
+        y = ctx.op("ewadd", [y, ctx.op("reshape", [ins[2]], shape=(1, o, 1, 1))])
+    return [y]
+
+
+# ---- enlarge ------------------------------------------------------------------------------
+
+def _enlarge(w, ref):
+    dh = ref.shape[2] - w.shape[2]
+    dw = ref.shape[3] - w.shape[3]
+    return jnp.pad(w, ((0, 0), (0, 0), (dh // 2, dh - dh // 2), (dw // 2, dw - dw // 2)))
+
+
+def _enlarge_shape(ts):
+    w, ref = ts
+    if len(w.shape) != 4 or len(ref.shape) != 4:
+        raise ShapeError(f"enlarge: expects OIHW kernels, got {w.shape}, {ref.shape}")
+    dh, dw = ref.shape[2] - w.shape[2], ref.shape[3] - w.shape[3]
+    if dh < 0 or dw < 0 or dh % 2 or dw % 2:
+        raise ShapeError(f"enlarge: cannot centre kernel {w.shape[2:]} in {ref.shape[2:]}")
+    return [TensorType(w.shape[:2] + ref.shape[2:], w.dtype)]
+
+
+def _enlarge_onnx(ctx, ins, outs):
+    kh, kw = ctx.shape(ins[0])[2:]
+    rh, rw = ctx.shape(ins[1])[2:]
+    dh, dw = rh - kh, rw - kw
+    pads = np.array([0, 0, dh // 2, dw // 2, 0, 0, dh - dh // 2, dw - dw // 2], np.int64)
+    ctx.node("Pad", [ins[0], ctx.const(pads)], outs)
+
+
+declare(OpDef(
+    "enlarge", _enlarge, _enlarge_shape, 2, to_onnx=_enlarge_onnx, flops=lambda i, o: 0.0,
+    examples=(([TensorType((4, 2, 1, 1), _F32), TensorType((3, 2, 3, 5), _F32)], {}),),
+    doc="zero-pad kernel w (OIHW) to the spatial size of ref, centred (TASO enlarge)"))
+
+
+# ---- merged grouped convolution kernel ----------------------------------------------------
+
+def _merge_gconv(w, *, groups, count):
+    o = w.shape[0]
+    opg = o // groups
+    block = (np.arange(o) // opg) % count
+    onehot = jnp.asarray(block[:, None] == np.arange(count)[None, :], w.dtype)
+    merged = w[:, None] * onehot[:, :, None, None, None]
+    return merged.reshape(o, count * w.shape[1], *w.shape[2:])
+
+
+def _merge_gconv_shape(ts, *, groups, count):
+    (w,) = ts
+    if len(w.shape) != 4 or groups < 1 or count < 1 or w.shape[0] % groups or groups % count:
+        raise ShapeError(f"merge_gconv: kernel {w.shape}, groups {groups}, count {count} disagree")
+    return [TensorType((w.shape[0], w.shape[1] * count, *w.shape[2:]), w.dtype)]
+
+
+def _merge_gconv_onnx(ctx, ins, outs, *, groups, count):
+    o, cg, kh, kw = ctx.shape(ins[0])
+    block = (np.arange(o) // (o // groups)) % count
+    onehot = (block[:, None] == np.arange(count)[None, :]).astype(ctx.dtype(ins[0]))
+    unsq = ctx.tmp("Unsqueeze", [ins[0], ctx.const(np.array([1], np.int64))])
+    prod = ctx.tmp("Mul", [unsq, ctx.const(onehot.reshape(o, count, 1, 1, 1))])
+    ctx.node("Reshape", [prod, ctx.const(np.array([o, count * cg, kh, kw], np.int64))], outs)
+
+
+declare(OpDef(
+    "merge_gconv", _merge_gconv, _merge_gconv_shape, 1, attrs={"groups": 1, "count": 1},
+    to_onnx=_merge_gconv_onnx, flops=lambda i, o, **_: 0.0,
+    examples=(([TensorType((8, 2, 3, 3), _F32)], {"groups": 4, "count": 2}),),
+    doc="kernel of a conv with `groups` groups, rewritten block-diagonally for groups/count "
+        "groups (TASO merge_gconv)"))
+
+
+# ---- constant kernels ---------------------------------------------------------------------
+
+def _const_kernel(value_fn):
+    def ref(*, channels, kernel, dtype):
+        k = np.zeros((channels, 1, *kernel), dtype)
+        value_fn(k, kernel)
+        return jnp.asarray(k)
+    return ref
+
+
+def _centre_one(k, kernel):
+    k[:, :, (kernel[0] - 1) // 2, (kernel[1] - 1) // 2] = 1
+
+
+def _uniform(k, kernel):
+    k[...] = 1.0 / (kernel[0] * kernel[1])
+
+
+def _const_kernel_shape(ts, *, channels, kernel, dtype):
+    return [TensorType((channels, 1, *kernel), dtype)]
+
+
+def _const_onnx(ref):
+    def to_onnx(ctx, ins, outs, **attrs):
+        ctx.node("Identity", [ctx.const(np.asarray(ref(**attrs)))], outs)
+    return to_onnx
+
+
+for _name, _fill, _doc in (
+        ("constant_identity_kernel", _centre_one,
+         "depthwise kernel [C,1,kh,kw], 1 at the centre: conv2d with groups=C is identity (TASO)"),
+        ("constant_pool_kernel", _uniform,
+         "depthwise kernel [C,1,kh,kw] of 1/(kh*kw): conv2d with groups=C is average pooling "
+         "(TASO)")):
+    _ref = _const_kernel(_fill)
+    declare(OpDef(_name, _ref, _const_kernel_shape, 0,
+                  attrs={"channels": 1, "kernel": (3, 3), "dtype": _F32},
+                  to_onnx=_const_onnx(_ref), flops=lambda i, o, **_: 0.0,
+                  examples=(([], {"channels": 3, "kernel": (3, 3)}),), doc=_doc))
+
+
+def _constant_one(*, shape, dtype):
+    return jnp.ones(shape, dtype)
+
+
+declare(OpDef("constant_one", _constant_one,
+              lambda ts, *, shape, dtype: [TensorType(shape, dtype)], 0,
+              attrs={"shape": (1,), "dtype": _F32}, to_onnx=_const_onnx(_constant_one),
+              flops=lambda i, o, **_: 0.0,
+              examples=(([], {"shape": (2, 3)}),), doc="tensor of ones (TASO constant one)"))
+
+
+# ---- batch normalization (inference) ------------------------------------------------------
+
+def _batchnorm(x, scale, bias, mean, var, *, epsilon):
+    shp = (1, -1) + (1,) * (x.ndim - 2)
+    inv = scale / jnp.sqrt(var + jnp.asarray(epsilon, x.dtype))
+    return (x - mean.reshape(shp)) * inv.reshape(shp) + bias.reshape(shp)
+
+
+def _batchnorm_shape(ts, *, epsilon):
+    x = ts[0]
+    if len(x.shape) < 2 or any(t.shape != (x.shape[1],) for t in ts[1:]):
+        raise ShapeError(f"batchnorm: parameters must be [C] for input {x.shape}")
+    return [x]
+
+
+declare(OpDef(
+    "batchnorm", _batchnorm, _batchnorm_shape, 5, attrs={"epsilon": 1e-5},
+    to_onnx=lambda ctx, ins, outs, *, epsilon: ctx.node(
+        "BatchNormalization", ins, outs, epsilon=epsilon),
+    examples=(([TensorType((2, 3, 4, 4), _F32)] + [TensorType((3,), _F32)] * 4, {}),),
+    doc="inference batch normalization over channel axis 1 (ONNX BatchNormalization)"))
+
+
+@onnx_importer("BatchNormalization")
+def _import_batchnorm(ctx, ins, *, epsilon=1e-5, training_mode=0, **_):
+    if training_mode or len(ctx.out_types) > 1:
+        return None
+    x, scale, bias, mean, var = ins
+    params = [ctx.const(t) for t in (scale, bias, mean, var)]
+    if any(p is None for p in params):
+        return [ctx.op("batchnorm", ins, epsilon=float(epsilon))]
+    # Constant parameters: inference BN is a per-channel affine map x * s + t; its
+    # coefficients are weights, so conv2d -> ewmul -> ewadd can be folded by substitutions.
+    scale, bias, mean, var = (np.asarray(p, np.float64) for p in params)
+    s = scale / np.sqrt(var + epsilon)
+    t = bias - mean * s
+    dt = ctx.type(x).dtype
+    shp = (1, -1) + (1,) * (len(ctx.type(x).shape) - 2)
+    y = ctx.op("ewmul", [x, ctx.weight(s.astype(dt).reshape(shp), "bn_scale")])
+    return [ctx.op("ewadd", [y, ctx.weight(t.astype(dt).reshape(shp), "bn_shift")])]
+
+
+# ---- pooling ------------------------------------------------------------------------------
+
+def _pool_pads(x_shape, kernel, strides, padding):
+    t, l, b, r = explicit_pads(padding, kernel)
+    return [(0, 0), (0, 0), (t, b), (l, r)]
+
+
+def _maxpool2d(x, *, kernel, strides, padding):
+    init = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+    return lax.reduce_window(x, jnp.asarray(init, x.dtype), lax.max, (1, 1, *kernel),
+                             (1, 1, *strides), _pool_pads(x.shape, kernel, strides, padding))
+
+
+def _avgpool2d(x, *, kernel, strides, padding, count_include_pad):
+    pads = _pool_pads(x.shape, kernel, strides, padding)
+    s = lax.reduce_window(x, jnp.asarray(0, x.dtype), lax.add, (1, 1, *kernel), (1, 1, *strides),
+                          pads)
+    if count_include_pad:
+        return s / (kernel[0] * kernel[1])
+    ones = jnp.ones((1, 1, *x.shape[2:]), x.dtype)
+    n = lax.reduce_window(ones, jnp.asarray(0, x.dtype), lax.add, (1, 1, *kernel),
+                          (1, 1, *strides), pads)
+    return s / n
+
+
+def _pool_shape(ts, *, kernel, strides, padding, **_):
+    (x,) = ts
+    if len(x.shape) != 4:
+        raise ShapeError(f"pool2d: expects NCHW input, got {x.shape}")
+    t, l, b, r = explicit_pads(padding, kernel)
+    n, c, h, w = x.shape
+    return [TensorType((n, c, _window_out(h, kernel[0], strides[0], 1, t, b),
+                        _window_out(w, kernel[1], strides[1], 1, l, r)), x.dtype)]
+
+
+def _pool_onnx(onnx_type):
+    def to_onnx(ctx, ins, outs, *, kernel, strides, padding, **extra):
+        kw = {"count_include_pad": int(extra["count_include_pad"])} if extra else {}
+        ctx.node(onnx_type, ins, outs, kernel_shape=list(kernel), strides=list(strides),
+                 pads=list(explicit_pads(padding, kernel)), **kw)
+    return to_onnx
+
+
+def _pool_flops(ins, outs, *, kernel, **_):
+    return float(outs[0].size * kernel[0] * kernel[1])
+
+
+_POOL_EX = [TensorType((1, 3, 9, 9), _F32)]
+declare(OpDef("maxpool2d", _maxpool2d, _pool_shape, 1,
+              attrs={"kernel": (2, 2), "strides": (2, 2), "padding": "valid"},
+              to_onnx=_pool_onnx("MaxPool"), flops=_pool_flops,
+              examples=((_POOL_EX, {}), (_POOL_EX, {"kernel": (3, 3), "padding": "same",
+                                                    "strides": (1, 1)})),
+              doc="2-D max pooling on NCHW (ONNX MaxPool)"))
+declare(OpDef("avgpool2d", _avgpool2d, _pool_shape, 1,
+              attrs={"kernel": (2, 2), "strides": (2, 2), "padding": "valid",
+                     "count_include_pad": False},
+              to_onnx=_pool_onnx("AveragePool"), flops=_pool_flops,
+              examples=((_POOL_EX, {}), (_POOL_EX, {"kernel": (3, 3), "padding": (1, 1, 1, 1),
+                                                    "strides": (1, 1)})),
+              doc="2-D average pooling on NCHW (ONNX AveragePool)"))
+
+
+@onnx_importer("MaxPool", "AveragePool")
+def _import_pool(ctx, ins, *, kernel_shape, auto_pad="NOTSET", pads=None, strides=None,
+                 ceil_mode=0, dilations=None, storage_order=0, count_include_pad=0):
+    x = ins[0]
+    if (len(ctx.type(x).shape) != 4 or len(ctx.out_types) > 1
+            or any(d != 1 for d in (dilations or ()))):
+        return None
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    k = tuple(kernel_shape)
+    st = tuple(strides or (1, 1))
+    p = list(_onnx_pads(ctx, ctx.type(x).shape[2:], k, st, (1, 1), auto_pad, pads))
+    if ceil_mode:
+        # ceil_mode adds windows at the end; extra end padding gives the same windows
+        # (max ignores -inf padding; average pooling would count it, so stays opaque).
+        if ctx.onnx_op != "MaxPool":
+            return None
+        for i, size in enumerate(ctx.type(x).shape[2:]):
+            out = ctx.out_types[0].shape[2 + i]
+            p[2 + i] += max((out - 1) * st[i] + k[i] - (size + p[i] + p[2 + i]), 0)
+    padding = canonical_padding(p, k)
+    if ctx.onnx_op == "MaxPool":
+        return [ctx.op("maxpool2d", [x], kernel=k, strides=st, padding=padding)]
+    return [ctx.op("avgpool2d", [x], kernel=k, strides=st, padding=padding,
+                   count_include_pad=bool(count_include_pad))]
+
+
+@onnx_importer("GlobalAveragePool")
+def _import_gap(ctx, ins, **_):
+    rank = len(ctx.type(ins[0]).shape)
+    return [ctx.op("reduce_mean", ins, axes=tuple(range(2, rank)), keepdims=True)]

@@ -1,0 +1,232 @@
+"""Elementwise operators with NumPy broadcasting (ONNX multidirectional broadcasting).
+
+Sources: ONNX operator spec (Add, Sub, Mul, Div, Pow, Relu, Sigmoid, Tanh, Gelu, Erf, Sqrt,
+Exp, Clip, Where, IsNaN, And, Not, Equal, Cast, Identity); TASO (Jia et al., SOSP 2019,
+Table 1) for ``ewadd``, ``ewmul``, ``scalar_mul`` and fused activations.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
+
+
+def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """NumPy broadcast of shapes. Raises :class:`ShapeError` when they do not broadcast."""
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError as e:
+        raise ShapeError(f"shapes {list(shapes)} do not broadcast") from e
+
+
+def _binary_shape(ts, **_):
+    a, b = ts
+    if a.dtype != b.dtype:
+        raise ShapeError(f"dtype mismatch {a.dtype} vs {b.dtype}")
+    return [TensorType(broadcast_shape(a.shape, b.shape), a.dtype)]
+
+
+def _same_shape(ts, **_):
+    return [ts[0]]
+
+
+def _emit(onnx_type):
+    def to_onnx(ctx, ins, outs, **_):
+        ctx.node(onnx_type, ins, outs)
+    return to_onnx
+
+
+_F32 = "float32"
+_EX2 = ((((2, 3, 4), _F32), ((3, 1), _F32)), {})
+_EX1 = ((((2, 3, 4), _F32),), {})
+
+
+def _binary(name, fn, onnx_type, doc):
+    declare(OpDef(name, fn, _binary_shape, 2, to_onnx=_emit(onnx_type),
+                  examples=(([TensorType(*t) for t in _EX2[0]], {}),), doc=doc))
+    onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
+
+
+_binary("ewadd", jnp.add, "Add", "a + b, broadcasting (ONNX Add; TASO ewadd)")
+_binary("ewsub", jnp.subtract, "Sub", "a - b, broadcasting (ONNX Sub)")
+_binary("ewmul", jnp.multiply, "Mul", "a * b, broadcasting (ONNX Mul; TASO ewmul)")
+_binary("ewdiv", jnp.divide, "Div", "a / b, broadcasting (ONNX Div)")
+_binary("pow", jnp.power, "Pow", "a ** b, broadcasting (ONNX Pow)")
+
+
+@onnx_importer("Sum")
+def _import_sum(ctx, ins, **_):
+    acc = ins[0]
+    for t in ins[1:]:
+        acc = ctx.op("ewadd", [acc, t])
+    return [acc]
+
+
+def _unary(name, fn, onnx_type, doc):
+    declare(OpDef(name, fn, _same_shape, 1, to_onnx=_emit(onnx_type),
+                  examples=(([TensorType(*_EX1[0][0])], {}),), doc=doc))
+    onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
+
+
+_unary("relu", jax.nn.relu, "Relu", "max(x, 0) (ONNX Relu)")
+_unary("sigmoid", jax.nn.sigmoid, "Sigmoid", "1 / (1 + exp(-x)) (ONNX Sigmoid)")
+_unary("tanh", jnp.tanh, "Tanh", "tanh(x) (ONNX Tanh)")
+_unary("erf", jax.lax.erf, "Erf", "error function (ONNX Erf)")
+_unary("sqrt", jnp.sqrt, "Sqrt", "square root (ONNX Sqrt)")
+_unary("exp", jnp.exp, "Exp", "exponential (ONNX Exp)")
+_unary("neg", jnp.negative, "Neg", "-x (ONNX Neg)")
+
+
+def _gelu(x, *, approximate="none"):
+    return jax.nn.gelu(x, approximate=(approximate == "tanh"))
+
+
+def _gelu_onnx(ctx, ins, outs, *, approximate):
+    if ctx.opset >= 20:
+        ctx.node("Gelu", ins, outs, approximate=approximate)
+        return
+    x = ins[0]
+    if approximate == "tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        x3 = ctx.tmp("Mul", [x, ctx.tmp("Mul", [x, x])])
+        inner = ctx.tmp("Add", [x, ctx.tmp("Mul", [x3, ctx.scalar(0.044715, ctx.dtype(x))])])
+        t = ctx.tmp("Tanh", [ctx.tmp("Mul", [inner, ctx.scalar(np.sqrt(2 / np.pi), ctx.dtype(x))])])
+    else:  # 0.5 x (1 + erf(x / sqrt(2)))
+        t = ctx.tmp("Erf", [ctx.tmp("Mul", [x, ctx.scalar(1 / np.sqrt(2), ctx.dtype(x))])])
+    one_plus = ctx.tmp("Add", [t, ctx.scalar(1.0, ctx.dtype(x))])
+    half_x = ctx.tmp("Mul", [x, ctx.scalar(0.5, ctx.dtype(x))])
+    ctx.node("Mul", [half_x, one_plus], outs)
+
+
+declare(OpDef("gelu", _gelu, _same_shape, 1, attrs={"approximate": "none"}, to_onnx=_gelu_onnx,
+              examples=(([TensorType((2, 5), _F32)], {}),
+                        ([TensorType((2, 5), _F32)], {"approximate": "tanh"})),
+              doc="Gaussian error linear unit (ONNX Gelu, opset 20)"))
+
+
+@onnx_importer("Gelu")
+def _import_gelu(ctx, ins, approximate="none", **_):
+    return [ctx.op("gelu", ins, approximate=approximate)]
+
+
+def _scalar_mul(x, *, scalar=1.0):
+    return x * jnp.asarray(scalar, x.dtype)
+
+
+declare(OpDef(
+    "scalar_mul", _scalar_mul, _same_shape, 1, attrs={"scalar": 1.0},
+    to_onnx=lambda ctx, ins, outs, *, scalar: ctx.node(
+        "Mul", [ins[0], ctx.scalar(scalar, ctx.dtype(ins[0]))], outs),
+    examples=(([TensorType((2, 3), _F32)], {"scalar": 2.5}),),
+    doc="x * c for a constant scalar attribute c (TASO scalar mul)"))
+
+
+def _clip(x, *, min=None, max=None):  # noqa: A002 - ONNX attribute names
+    if min is not None:
+        x = jnp.maximum(x, jnp.asarray(min, x.dtype))
+    if max is not None:
+        x = jnp.minimum(x, jnp.asarray(max, x.dtype))
+    return x
+
+
+def _clip_onnx(ctx, ins, outs, *, min, max):  # noqa: A002
+    dt = ctx.dtype(ins[0])
+    lo = ctx.scalar(min, dt) if min is not None else ""
+    hi = ctx.scalar(max, dt) if max is not None else ""
+    ctx.node("Clip", [ins[0], lo, hi] if max is not None else [ins[0], lo], outs)
+
+
+declare(OpDef("clip", _clip, _same_shape, 1, attrs={"min": None, "max": None},
+              to_onnx=_clip_onnx,
+              examples=(([TensorType((2, 3), _F32)], {"min": 0.0, "max": 6.0}),),
+              doc="min(max(x, min), max) (ONNX Clip; ReLU6 is clip(0, 6))"))
+
+
+@onnx_importer("Clip")
+def _import_clip(ctx, ins, min=None, max=None, **_):  # noqa: A002
+    # Opset < 11 carries min/max as attributes, later opsets as optional constant inputs.
+    bounds = [min, max]
+    for i, t in enumerate(ins[1:3]):
+        if t is None:
+            continue
+        v = ctx.const(t)
+        if v is None:
+            return None  # runtime bounds: keep the node opaque
+        bounds[i] = float(np.asarray(v).reshape(()))
+    return [ctx.op("clip", [ins[0]], min=bounds[0], max=bounds[1])]
+
+
+def _where(c, a, b):
+    return jnp.where(c, a, b)
+
+
+def _where_shape(ts, **_):
+    c, a, b = ts
+    if c.dtype != "bool":
+        raise ShapeError(f"where: condition must be bool, got {c.dtype}")
+    if a.dtype != b.dtype:
+        raise ShapeError(f"where: dtype mismatch {a.dtype} vs {b.dtype}")
+    return [TensorType(broadcast_shape(c.shape, a.shape, b.shape), a.dtype)]
+
+
+declare(OpDef("where", _where, _where_shape, 3, to_onnx=_emit("Where"),
+              examples=(([TensorType((2, 3), "bool"), TensorType((2, 3), _F32),
+                          TensorType((1, 3), _F32)], {}),),
+              doc="elementwise select c ? a : b (ONNX Where)"))
+onnx_importer("Where")(lambda ctx, ins, **_: [ctx.op("where", ins)])
+
+
+def _pred_shape(ts, **_):
+    return [TensorType(broadcast_shape(*(t.shape for t in ts)), "bool")]
+
+
+def _predicate(name, fn, onnx_type, arity, in_dtype, doc):
+    ex = [TensorType((2, 3), in_dtype)] * arity
+    declare(OpDef(name, fn, _pred_shape, arity, to_onnx=_emit(onnx_type),
+                  examples=((ex, {}),), doc=doc))
+    onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
+
+
+_predicate("isnan", jnp.isnan, "IsNaN", 1, _F32, "x != x (ONNX IsNaN)")
+_predicate("logical_and", jnp.logical_and, "And", 2, "bool", "a and b (ONNX And)")
+_predicate("logical_not", jnp.logical_not, "Not", 1, "bool", "not a (ONNX Not)")
+_predicate("equal", jnp.equal, "Equal", 2, _F32, "a == b (ONNX Equal)")
+_predicate("less", jnp.less, "Less", 2, _F32, "a < b (ONNX Less)")
+
+
+def _cast(x, *, to="float32"):
+    return x.astype(to)
+
+
+def _cast_onnx(ctx, ins, outs, *, to):
+    from onnx import helper
+
+    ctx.node("Cast", ins, outs, to=helper.np_dtype_to_tensor_dtype(np.dtype(to)))
+
+
+declare(OpDef("cast", _cast, lambda ts, *, to: [TensorType(ts[0].shape, to)], 1,
+              attrs={"to": "float32"}, to_onnx=_cast_onnx,
+              examples=(([TensorType((2, 3), "int64")], {"to": "float32"}),),
+              doc="convert element type (ONNX Cast)"))
+
+
+@onnx_importer("Cast")
+def _import_cast(ctx, ins, to, **_):
+    from onnx import helper
+
+    return [ctx.op("cast", ins, to=str(helper.tensor_dtype_to_np_dtype(to)))]
+
+
+@onnx_importer("Identity", "Dropout")
+def _import_identity(ctx, ins, training_mode=None, **_):
+    # Inference-mode Dropout is the identity, and its optional mask output is all true.
+    if len(ins) > 2 and ins[2] is not None:
+        mode = ctx.const(ins[2])
+        if mode is None or bool(np.asarray(mode)):
+            return None
+    outs = [ins[0]]
+    if len(ctx.out_types) > 1:
+        outs.append(ctx.weight(np.ones(ctx.out_types[1].shape, bool), "dropout_mask"))
+    return outs

@@ -1,0 +1,70 @@
+"""Matrix multiplication: ``[..., M, K] @ [..., K, N] -> [..., M, N]`` with batch broadcasting.
+
+Sources: ONNX operator spec (MatMul, Gemm); TASO (Jia et al., SOSP 2019, Table 1) for the
+fused activation.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
+from taso_jax.ops.conv import _ACT_ONNX, _act
+from taso_jax.ops.elementwise import broadcast_shape
+
+
+def _matmul(a, b, *, activation):
+    return _act(jnp.matmul(a, b), activation)
+
+
+def _matmul_shape(ts, *, activation):
+    a, b = ts
+    if len(a.shape) < 2 or len(b.shape) < 2:
+        raise ShapeError(f"matmul: operands need rank >= 2, got {a.shape}, {b.shape}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ShapeError(f"matmul: contracting sizes differ in {a.shape} @ {b.shape}")
+    if a.dtype != b.dtype:
+        raise ShapeError(f"matmul: dtype mismatch {a.dtype} vs {b.dtype}")
+    _act(jnp.zeros(()), activation)
+    batch = broadcast_shape(a.shape[:-2], b.shape[:-2])
+    return [TensorType(batch + (a.shape[-2], b.shape[-1]), a.dtype)]
+
+
+def _matmul_onnx(ctx, ins, outs, *, activation):
+    if activation == "none":
+        ctx.node("MatMul", ins, outs)
+    else:
+        ctx.node(_ACT_ONNX[activation], [ctx.tmp("MatMul", ins)], outs)
+
+
+_F32 = "float32"
+declare(OpDef(
+    "matmul", _matmul, _matmul_shape, 2, attrs={"activation": "none"}, to_onnx=_matmul_onnx,
+    flops=lambda ins, outs, **_: 2.0 * outs[0].size * ins[0].shape[-1],
+    examples=(([TensorType((3, 4), _F32), TensorType((4, 5), _F32)], {}),
+              ([TensorType((2, 1, 3, 4), _F32), TensorType((6, 4, 5), _F32)],
+               {"activation": "relu"})),
+    doc="batched matrix product with fused activation (ONNX MatMul; TASO matmul)"))
+
+
+@onnx_importer("MatMul")
+def _import_matmul(ctx, ins, **_):
+    if any(len(ctx.type(t).shape) < 2 for t in ins):
+        return None
+    return [ctx.op("matmul", ins)]
+
+
+@onnx_importer("Gemm")
+def _import_gemm(ctx, ins, *, alpha=1.0, beta=1.0, transA=0, transB=0):  # noqa: N803
+    a, b = ins[0], ins[1]
+    if transA:
+        a = ctx.op("transpose", [a], perm=(1, 0))
+    if transB:
+        b = ctx.op("transpose", [b], perm=(1, 0))
+    y = ctx.op("matmul", [a, b])
+    if alpha != 1.0:
+        y = ctx.op("scalar_mul", [y], scalar=float(alpha))
+    if len(ins) > 2 and ins[2] is not None and beta != 0.0:
+        c = ins[2] if beta == 1.0 else ctx.op("scalar_mul", [ins[2]], scalar=float(beta))
+        y = ctx.op("ewadd", [y, c])
+    return [y]

@@ -1,0 +1,118 @@
+"""Normalization and reduction operators: softmax, layer normalization, mean reduction.
+
+Sources: ONNX operator spec (Softmax opset 13, LayerNormalization opset 17, ReduceMean).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
+from taso_jax.ops.tensor import _canon_axis, _i64, _neg_axis
+
+_F32 = "float32"
+
+
+def _flops_per_elem(k):
+    return lambda ins, outs, **_: float(k * ins[0].size)
+
+
+def _softmax_shape(ts, *, axis):
+    _neg_axis(axis, len(ts[0].shape), "softmax")
+    return [ts[0]]
+
+
+declare(OpDef(
+    "softmax", lambda x, *, axis: jax.nn.softmax(x, axis=axis), _softmax_shape, 1,
+    attrs={"axis": -1},
+    to_onnx=lambda ctx, ins, outs, *, axis: ctx.node("Softmax", ins, outs, axis=axis),
+    flops=_flops_per_elem(5), canon=_canon_axis,
+    examples=(([TensorType((2, 3, 5), _F32)], {"axis": -1}),
+              ([TensorType((2, 3, 5), _F32)], {"axis": 1})),
+    doc="exp(x) / sum(exp(x)) along axis (ONNX Softmax, opset 13 semantics)"))
+
+
+@onnx_importer("Softmax")
+def _import_softmax(ctx, ins, axis=-1):
+    return [ctx.op("softmax", ins, axis=axis)]
+
+
+def _layernorm(x, scale, bias, *, axis, epsilon):
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + jnp.asarray(epsilon, x.dtype)) * scale + bias
+
+
+def _layernorm_shape(ts, *, axis, epsilon):
+    x, s, b = ts
+    ax = _neg_axis(axis, len(x.shape), "layernorm")
+    norm = x.shape[ax:] if ax else ()
+    for p in (s, b):
+        if np.broadcast_shapes(p.shape, norm) != norm:
+            raise ShapeError(f"layernorm: parameter {p.shape} does not fit {norm}")
+    return [x]
+
+
+declare(OpDef(
+    "layernorm", _layernorm, _layernorm_shape, 3, attrs={"axis": -1, "epsilon": 1e-5},
+    to_onnx=lambda ctx, ins, outs, *, axis, epsilon: ctx.node(
+        "LayerNormalization", ins, outs, axis=axis, epsilon=epsilon),
+    flops=_flops_per_elem(8), canon=_canon_axis,
+    examples=(([TensorType((2, 3, 8), _F32), TensorType((8,), _F32), TensorType((8,), _F32)],
+               {}),),
+    doc="normalize over axes [axis, rank) then scale and shift (ONNX LayerNormalization)"))
+
+
+@onnx_importer("LayerNormalization")
+def _import_layernorm(ctx, ins, *, axis=-1, epsilon=1e-5, stash_type=1):
+    if len(ctx.out_types) > 1:
+        return None
+    x, scale = ins[0], ins[1]
+    bias = ins[2] if len(ins) > 2 and ins[2] is not None else None
+    if bias is None:
+        bias = ctx.weight(np.zeros(ctx.type(scale).shape, ctx.type(scale).dtype), "ln_bias")
+    return [ctx.op("layernorm", [x, scale, bias], axis=axis, epsilon=float(epsilon))]
+
+
+def _reduce_mean_shape(ts, *, axes, keepdims):
+    (x,) = ts
+    r = len(x.shape)
+    ax = {a % r for a in axes}
+    if any(not -r <= a < r for a in axes):
+        raise ShapeError(f"reduce_mean: axes {axes} out of range for rank {r}")
+    shape = tuple(1 if i in ax else d for i, d in enumerate(x.shape) if keepdims or i not in ax)
+    return [TensorType(shape, x.dtype)]
+
+
+def _reduce_mean_onnx(ctx, ins, outs, *, axes, keepdims):
+    if ctx.opset >= 18:
+        ctx.node("ReduceMean", [ins[0], ctx.const(_i64(axes))], outs, keepdims=int(keepdims))
+    else:
+        ctx.node("ReduceMean", ins, outs, axes=list(axes), keepdims=int(keepdims))
+
+
+declare(OpDef(
+    "reduce_mean", lambda x, *, axes, keepdims: jnp.mean(x, axis=axes, keepdims=keepdims),
+    _reduce_mean_shape, 1, attrs={"axes": (), "keepdims": True}, to_onnx=_reduce_mean_onnx,
+    flops=_flops_per_elem(1),
+    examples=(([TensorType((2, 3, 4, 4), _F32)], {"axes": (2, 3)}),
+              ([TensorType((2, 3, 4), _F32)], {"axes": (-1,), "keepdims": False})),
+    doc="mean over the given axes (ONNX ReduceMean, GlobalAveragePool)"))
+
+
+@onnx_importer("ReduceMean")
+def _import_reduce_mean(ctx, ins, *, axes=None, keepdims=1, noop_with_empty_axes=0):
+    if len(ins) > 1 and ins[1] is not None:
+        v = ctx.const(ins[1])
+        if v is None:
+            return None
+        axes = np.asarray(v).tolist()
+    if not axes:
+        if noop_with_empty_axes:
+            return [ins[0]]
+        axes = list(range(len(ctx.type(ins[0]).shape)))
+    return [ctx.op("reduce_mean", [ins[0]], axes=tuple(int(a) for a in axes),
+                   keepdims=bool(keepdims))]

@@ -1,0 +1,285 @@
+"""Layout and indexing operators: concat, split, transpose, reshape, slice, pad, gather, expand.
+
+Sources: ONNX operator spec (Concat, Split, Transpose, Reshape, Flatten, Squeeze, Unsqueeze,
+Slice, Pad, Gather, Expand); TASO (Jia et al., SOSP 2019, Table 1) for concat and split.
+Axes are stored negative (``axis - rank``) so that substitutions written for one rank match
+tensors with extra leading dimensions.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
+
+_F32 = "float32"
+
+
+def _neg_axis(axis: int, rank: int, who: str) -> int:
+    if not -rank <= axis < rank:
+        raise ShapeError(f"{who}: axis {axis} out of range for rank {rank}")
+    return axis - rank if axis >= 0 else axis
+
+
+def _canon_axis(ts, attrs):
+    if ts:
+        attrs["axis"] = _neg_axis(attrs.get("axis", 0), len(ts[0].shape), "axis")
+    return attrs
+
+
+def _i64(values) -> np.ndarray:
+    return np.asarray(list(values), np.int64)
+
+
+# ---- concat / split -----------------------------------------------------------------------
+
+def _concat_shape(ts, *, axis):
+    if not ts:
+        raise ShapeError("concat: needs at least one input")
+    r = len(ts[0].shape)
+    ax = _neg_axis(axis, r, "concat") + r
+    for t in ts[1:]:
+        if len(t.shape) != r or t.dtype != ts[0].dtype or any(
+                a != b for i, (a, b) in enumerate(zip(t.shape, ts[0].shape)) if i != ax):
+            raise ShapeError(f"concat: inputs {[t.shape for t in ts]} differ off axis {axis}")
+    shape = list(ts[0].shape)
+    shape[ax] = sum(t.shape[ax] for t in ts)
+    return [TensorType(tuple(shape), ts[0].dtype)]
+
+
+declare(OpDef(
+    "concat", lambda *xs, axis: jnp.concatenate(xs, axis=axis), _concat_shape, None,
+    attrs={"axis": 0},
+    to_onnx=lambda ctx, ins, outs, *, axis: ctx.node("Concat", ins, outs, axis=axis),
+    flops=lambda i, o, **_: 0.0, canon=_canon_axis,
+    examples=(([TensorType((2, 3), _F32), TensorType((2, 5), _F32)], {"axis": 1}),
+              ([TensorType((2, 3, 4, 4), _F32)] * 3, {"axis": -3})),
+    doc="concatenate along axis (ONNX Concat; TASO concat)"))
+
+
+@onnx_importer("Concat")
+def _import_concat(ctx, ins, *, axis):
+    return [ctx.op("concat", [t for t in ins if ctx.type(t).size or len(ins) == 1], axis=axis)]
+
+
+def _split(x, *, axis, sizes):
+    idx = np.cumsum(sizes)[:-1].tolist()
+    return tuple(jnp.split(x, idx, axis=axis))
+
+
+def _split_shape(ts, *, axis, sizes):
+    (x,) = ts
+    ax = _neg_axis(axis, len(x.shape), "split") + len(x.shape)
+    if sum(sizes) != x.shape[ax] or any(s < 0 for s in sizes):
+        raise ShapeError(f"split: sizes {sizes} do not add up to {x.shape[ax]} on axis {axis}")
+    out = []
+    for s in sizes:
+        shape = list(x.shape)
+        shape[ax] = s
+        out.append(TensorType(tuple(shape), x.dtype))
+    return out
+
+
+declare(OpDef(
+    "split", _split, _split_shape, 1, attrs={"axis": 0, "sizes": ()},
+    to_onnx=lambda ctx, ins, outs, *, axis, sizes: ctx.node(
+        "Split", [ins[0], ctx.const(_i64(sizes))], outs, axis=axis),
+    flops=lambda i, o, **_: 0.0, canon=_canon_axis,
+    examples=(([TensorType((2, 7), _F32)], {"axis": 1, "sizes": (3, 4)}),),
+    doc="split along axis into parts of the given sizes; one output per part (ONNX Split)"))
+
+
+@onnx_importer("Split")
+def _import_split(ctx, ins, *, axis=0, split=None, num_outputs=None):
+    rank = len(ctx.type(ins[0]).shape)
+    ax = axis + rank if axis < 0 else axis
+    sizes = tuple(t.shape[ax] for t in ctx.out_types)
+    parts = ctx.op("split", [ins[0]], axis=axis, sizes=sizes)
+    return list(parts) if isinstance(parts, list | tuple) else [parts]
+
+
+# ---- transpose / reshape ------------------------------------------------------------------
+
+def _transpose_shape(ts, *, perm):
+    (x,) = ts
+    if sorted(perm) != list(range(len(x.shape))):
+        raise ShapeError(f"transpose: perm {perm} is not a permutation of rank {len(x.shape)}")
+    return [TensorType(tuple(x.shape[p] for p in perm), x.dtype)]
+
+
+declare(OpDef(
+    "transpose", lambda x, *, perm: jnp.transpose(x, perm), _transpose_shape, 1,
+    attrs={"perm": ()},
+    to_onnx=lambda ctx, ins, outs, *, perm: ctx.node("Transpose", ins, outs, perm=list(perm)),
+    flops=lambda i, o, **_: 0.0,
+    examples=(([TensorType((2, 3, 4), _F32)], {"perm": (2, 0, 1)}),),
+    doc="permute axes (ONNX Transpose)"))
+
+
+@onnx_importer("Transpose")
+def _import_transpose(ctx, ins, *, perm=None):
+    rank = len(ctx.type(ins[0]).shape)
+    return [ctx.op("transpose", ins, perm=tuple(perm) if perm else tuple(reversed(range(rank))))]
+
+
+def _reshape_shape(ts, *, shape):
+    (x,) = ts
+    if any(d < 0 for d in shape) or int(np.prod(shape)) != x.size:
+        raise ShapeError(f"reshape: cannot reshape {x.shape} to {shape}")
+    return [TensorType(tuple(shape), x.dtype)]
+
+
+declare(OpDef(
+    "reshape", lambda x, *, shape: jnp.reshape(x, shape), _reshape_shape, 1,
+    attrs={"shape": ()},
+    to_onnx=lambda ctx, ins, outs, *, shape: ctx.node(
+        "Reshape", [ins[0], ctx.const(_i64(shape))], outs),
+    flops=lambda i, o, **_: 0.0,
+    examples=(([TensorType((2, 3, 4), _F32)], {"shape": (6, 4)}),),
+    doc="reshape to a static shape (ONNX Reshape, Flatten, Squeeze, Unsqueeze)"))
+
+
+@onnx_importer("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def _import_reshape(ctx, ins, **_):
+    # All shapes are static after import, so the target shape is the inferred output shape.
+    return [ctx.op("reshape", [ins[0]], shape=ctx.out_types[0].shape)]
+
+
+# ---- slice / pad / gather / expand --------------------------------------------------------
+
+def _slice(x, *, starts, ends, steps):
+    return x[tuple(slice(s, e if e >= 0 else None, st)
+                   for s, e, st in zip(starts, ends, steps, strict=True))]
+
+
+def _slice_shape(ts, *, starts, ends, steps):
+    (x,) = ts
+    if not len(starts) == len(ends) == len(steps) == len(x.shape):
+        raise ShapeError(f"slice: starts/ends/steps need one entry per axis of {x.shape}")
+    shape = tuple(len(range(s, e, st)) for s, e, st in zip(starts, ends, steps, strict=True))
+    return [TensorType(shape, x.dtype)]
+
+
+def _slice_onnx(ctx, ins, outs, *, starts, ends, steps):
+    big = np.iinfo(np.int64).min
+    ends = [e if e >= 0 else big for e in ends]
+    ctx.node("Slice", [ins[0], ctx.const(_i64(starts)), ctx.const(_i64(ends)),
+                       ctx.const(_i64(range(len(starts)))), ctx.const(_i64(steps))], outs)
+
+
+declare(OpDef(
+    "slice", _slice, _slice_shape, 1, attrs={"starts": (), "ends": (), "steps": ()},
+    to_onnx=_slice_onnx, flops=lambda i, o, **_: 0.0,
+    examples=(([TensorType((5, 6), _F32)], {"starts": (1, 5), "ends": (4, -1),
+                                            "steps": (2, -2)}),),
+    doc="strided slice with per-axis start, end (exclusive; -1 past the front) and step "
+        "(ONNX Slice)"))
+
+
+@onnx_importer("Slice")
+def _import_slice(ctx, ins, **attrs):
+    shape = ctx.type(ins[0]).shape
+    if len(ins) == 1:  # opset < 10: attributes
+        starts, ends, axes = attrs["starts"], attrs["ends"], attrs.get("axes")
+        steps = None
+    else:
+        vals = [ctx.const(t) if t is not None else None for t in ins[1:]] + [None] * 3
+        if any(v is None for v, t in zip(vals, ins[1:3], strict=False)) or any(
+                t is not None and v is None for v, t in zip(vals[2:4], ins[3:5], strict=False)):
+            return None
+        starts, ends, axes, steps = (None if v is None else np.asarray(v).tolist()
+                                     for v in vals[:4])
+    axes = axes if axes is not None else list(range(len(starts)))
+    steps = steps if steps is not None else [1] * len(starts)
+    full = [(0, d, 1) for d in shape]
+    for s, e, a, st in zip(starts, ends, axes, steps, strict=True):
+        a = a + len(shape) if a < 0 else a
+        full[a] = slice(int(s), int(e), int(st)).indices(shape[a])
+    # Python's range end for a negative step that runs past the front is -1: store as -1.
+    return [ctx.op("slice", [ins[0]], starts=tuple(f[0] for f in full),
+                   ends=tuple(f[1] for f in full), steps=tuple(f[2] for f in full))]
+
+
+def _pad(x, *, pads, value):
+    r = x.ndim
+    return jnp.pad(x, [(pads[i], pads[i + r]) for i in range(r)],
+                   constant_values=jnp.asarray(value, x.dtype))
+
+
+def _pad_shape(ts, *, pads, value):
+    (x,) = ts
+    r = len(x.shape)
+    if len(pads) != 2 * r or any(p < 0 for p in pads):
+        raise ShapeError(f"pad: need {2 * r} non-negative pads for {x.shape}, got {pads}")
+    return [TensorType(tuple(d + pads[i] + pads[i + r] for i, d in enumerate(x.shape)), x.dtype)]
+
+
+declare(OpDef(
+    "pad", _pad, _pad_shape, 1, attrs={"pads": (), "value": 0.0},
+    to_onnx=lambda ctx, ins, outs, *, pads, value: ctx.node(
+        "Pad", [ins[0], ctx.const(_i64(pads)), ctx.scalar(value, ctx.dtype(ins[0]))], outs),
+    flops=lambda i, o, **_: 0.0,
+    examples=(([TensorType((2, 3), _F32)], {"pads": (0, 1, 2, 0), "value": 1.5}),),
+    doc="constant padding, pads = begins of every axis then ends (ONNX Pad, constant mode)"))
+
+
+@onnx_importer("Pad")
+def _import_pad(ctx, ins, *, mode="constant", pads=None, value=0.0):
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "constant":
+        return None
+    if len(ins) > 1:
+        p = ctx.const(ins[1])
+        v = ctx.const(ins[2]) if len(ins) > 2 and ins[2] is not None else 0.0
+        if p is None or v is None or (len(ins) > 3 and ins[3] is not None):
+            return None
+        pads, value = np.asarray(p).tolist(), float(np.asarray(v).reshape(()))
+    if any(p < 0 for p in pads):
+        return None
+    return [ctx.op("pad", [ins[0]], pads=tuple(int(p) for p in pads), value=float(value))]
+
+
+def _gather(data, idx, *, axis):
+    idx = jnp.where(idx < 0, idx + data.shape[axis], idx)
+    return jnp.take(data, idx, axis=axis, mode="clip")
+
+
+def _gather_shape(ts, *, axis):
+    d, i = ts
+    if not i.dtype.startswith("int"):
+        raise ShapeError(f"gather: indices must be integers, got {i.dtype}")
+    ax = _neg_axis(axis, len(d.shape), "gather") + len(d.shape)
+    return [TensorType(d.shape[:ax] + i.shape + d.shape[ax + 1:], d.dtype)]
+
+
+declare(OpDef(
+    "gather", _gather, _gather_shape, 2, attrs={"axis": 0},
+    to_onnx=lambda ctx, ins, outs, *, axis: ctx.node("Gather", ins, outs, axis=axis),
+    flops=lambda i, o, **_: 0.0, canon=_canon_axis,
+    examples=(([TensorType((10, 4), _F32), TensorType((2, 3), "int64")], {"axis": 0}),),
+    doc="take entries of data along axis at integer indices (ONNX Gather)"))
+onnx_importer("Gather")(lambda ctx, ins, axis=0: [ctx.op("gather", ins, axis=axis)])
+
+
+def _expand_shape(ts, *, shape):
+    (x,) = ts
+    try:
+        out = np.broadcast_shapes(x.shape, tuple(shape))
+    except ValueError as e:
+        raise ShapeError(f"expand: {x.shape} does not broadcast to {shape}") from e
+    if tuple(out) != tuple(shape):
+        raise ShapeError(f"expand: {x.shape} does not broadcast to {shape}")
+    return [TensorType(tuple(shape), x.dtype)]
+
+
+declare(OpDef(
+    "expand", lambda x, *, shape: jnp.broadcast_to(x, shape), _expand_shape, 1,
+    attrs={"shape": ()},
+    to_onnx=lambda ctx, ins, outs, *, shape: ctx.node(
+        "Expand", [ins[0], ctx.const(_i64(shape))], outs),
+    flops=lambda i, o, **_: 0.0,
+    examples=(([TensorType((3, 1), _F32)], {"shape": (2, 3, 4)}),),
+    doc="broadcast to a static shape (ONNX Expand)"))
+onnx_importer("Expand")(lambda ctx, ins, **_: [ctx.op("expand", [ins[0]],
+                                                      shape=ctx.out_types[0].shape)])

@@ -1,0 +1,450 @@
+"""ONNX import and export (opsets 9 to 20).
+
+Import: the model is loaded and checked, converted to opset 17 when older than 13 (so every
+operator has its modern form), given static shapes (``input_shapes`` fills symbolic
+dimensions) and run through ONNX shape inference. Initializers, ``Constant`` and
+``ConstantOfShape`` with a constant shape become weights. Each node goes through the
+importer that its operator declaration registered (``taso_jax.ops.ONNX_IMPORTERS``); a node
+without one, or whose importer declines or disagrees with ONNX shape inference, becomes an
+opaque node that is carried through unchanged.
+
+Export: weight-only subgraphs are evaluated and written as initializers; every other node is
+emitted by its declaration's ``to_onnx``. Input and output names are the original ones.
+
+Source: ONNX IR and operator specifications (onnx.ai, opsets 9-20).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+from taso_jax.graph import Graph, Node, Tensor, intern_node, leaf_node, make_node
+from taso_jax.ops import ONNX_IMPORTERS, OPS, ShapeError, TensorType
+
+__all__ = ["ModelError", "load_onnx", "export_onnx", "MIN_OPSET", "MAX_OPSET"]
+
+MIN_OPSET, MAX_OPSET = 9, 20
+_CONVERT_BELOW, _CONVERT_TO = 13, 17
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded: missing, not ONNX, truncated, unsupported opset, or
+    with symbolic dimensions and no ``input_shapes`` for them. The message names the problem
+    and where it is."""
+
+
+def _np_dtype(elem_type: int) -> str:
+    from onnx import helper
+
+    return str(np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)))
+
+
+def _read_model(source):
+    import onnx
+
+    if isinstance(source, onnx.ModelProto):
+        return source
+    path = os.fspath(source)
+    if not os.path.exists(path):
+        raise ModelError(f"{path}: file not found")
+    if os.path.isdir(path):
+        raise ModelError(f"{path}: is a directory, not an ONNX file")
+    try:
+        model = onnx.load(path)
+    except Exception as e:  # protobuf raises DecodeError and friends
+        raise ModelError(f"{path}: not a valid ONNX model ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'cannot parse'})") from e
+    if not model.graph.node and not model.graph.output:
+        raise ModelError(f"{path}: not a valid ONNX model (no graph)")
+    return model
+
+
+def _opset(model) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    return 1
+
+
+def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where: str):
+    inits = {i.name for i in model.graph.initializer}
+    for inp in model.graph.input:
+        if inp.name in inits:
+            continue
+        dims = inp.type.tensor_type.shape.dim
+        if inp.name in input_shapes:
+            want = tuple(int(d) for d in input_shapes[inp.name])
+            if len(want) != len(dims):
+                raise ModelError(f"{where}: input {inp.name!r} has rank {len(dims)}, "
+                                 f"--input-shape gives {list(want)}")
+            for d, v in zip(dims, want, strict=True):
+                if d.HasField("dim_value") and d.dim_value != v:
+                    raise ModelError(f"{where}: input {inp.name!r} has static size "
+                                     f"{d.dim_value}, --input-shape gives {v}")
+                d.Clear()
+                d.dim_value = v
+            continue
+        for i, d in enumerate(dims):
+            if not d.HasField("dim_value"):
+                label = d.dim_param or "?"
+                raise ModelError(f"{where}: input {inp.name!r} dimension {i} is symbolic "
+                                 f"({label!r}); give it with --input-shape "
+                                 f"{inp.name}=" + ",".join(
+                                     str(x.dim_value) if x.HasField("dim_value") else "N"
+                                     for x in dims))
+    unknown = set(input_shapes) - {i.name for i in model.graph.input}
+    if unknown:
+        raise ModelError(f"{where}: --input-shape names unknown input(s) {sorted(unknown)}")
+
+
+def _value_types(model) -> dict[str, TensorType]:
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    out: dict[str, TensorType] = {}
+    g = inferred.graph
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        tt = vi.type.tensor_type
+        if not tt.HasField("shape") or not tt.elem_type:
+            continue
+        if all(d.HasField("dim_value") for d in tt.shape.dim):
+            out[vi.name] = TensorType(tuple(d.dim_value for d in tt.shape.dim),
+                                      _np_dtype(tt.elem_type))
+    for init in g.initializer:
+        out[init.name] = TensorType(tuple(init.dims), _np_dtype(init.data_type))
+    return out
+
+
+def _missing_types_by_running(model, names: list[str], types: dict[str, TensorType]):
+    """Shapes that inference left open, read off one onnxruntime run on random inputs."""
+    import onnx
+    import onnxruntime as ort
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    del m.graph.output[:]
+    m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {}
+    rng = np.random.default_rng(0)
+    inits = {i.name for i in model.graph.initializer}
+    for inp in model.graph.input:
+        if inp.name in inits:
+            continue
+        t = types[inp.name]
+        feeds[inp.name] = (rng.integers(0, 8, t.shape) if "int" in t.dtype
+                           else rng.standard_normal(t.shape)).astype(t.dtype)
+    for n, v in zip(names, sess.run(names, feeds), strict=True):
+        types[n] = TensorType(tuple(v.shape), str(v.dtype))
+
+
+class _ImportContext:
+    """What an operator's ONNX importer sees (see ``taso_jax.ops.onnx_importer``)."""
+
+    def __init__(self, weights: dict[str, np.ndarray], opset: int):
+        self.weights = weights
+        self.opset = opset
+        self.out_types: list[TensorType] = []
+        self.onnx_op = ""
+        self._const_cache: dict[Tensor, np.ndarray] = {}
+
+    def op(self, name, inputs, **attrs):
+        node = make_node(name, inputs, attrs)
+        return node.outputs[0] if len(node.types) == 1 else list(node.outputs)
+
+    def type(self, t: Tensor) -> TensorType:
+        return t.type
+
+    def weight(self, array: np.ndarray, prefix: str = "const") -> Tensor:
+        i = len(self.weights)
+        while f"{prefix}_{i}" in self.weights:
+            i += 1
+        name = f"{prefix}_{i}"
+        self.weights[name] = np.asarray(array)
+        return leaf_node("weight", name, TensorType(np.shape(array), str(np.asarray(array).dtype))
+                         ).outputs[0]
+
+    def const(self, t: Tensor):
+        """Value of a tensor that depends on weights only, else ``None``."""
+        if t in self._const_cache:
+            return self._const_cache[t]
+        n = t.node
+        if n.op == "weight":
+            return self.weights[n.name]
+        if n.op in ("input", "opaque") or n.op not in OPS:
+            return None
+        args = [self.const(x) for x in n.inputs]
+        if any(a is None for a in args):
+            return None
+        from taso_jax.executor import run_node
+
+        vals = run_node(n, args)
+        for i, v in enumerate(vals):
+            self._const_cache[Tensor(n, i)] = np.asarray(v).astype(n.types[i].dtype)
+        return self._const_cache[t]
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    out = {}
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        if isinstance(v, list):
+            v = tuple(v)
+        out[a.name] = v
+    return out
+
+
+def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> Graph:
+    """Import an ONNX model (path or ``ModelProto``) into a :class:`~taso_jax.graph.Graph`.
+
+    Args:
+        source: file path or loaded ``onnx.ModelProto``. The file is only read.
+        input_shapes: static shapes for inputs with symbolic dimensions, e.g.
+            ``{"x": (1, 3, 224, 224)}``.
+
+    Returns:
+        The graph, with ``meta`` holding ``opset`` (after conversion), ``source_opset``,
+        ``opaque`` (ONNX op types kept opaque) and the names needed for export.
+
+    Raises:
+        ModelError: missing or unreadable file, opset outside 9-20, symbolic dimensions
+            without ``input_shapes``, or a model that ONNX's checker rejects.
+    """
+    import onnx
+    from onnx import numpy_helper, version_converter
+
+    where = str(source) if not isinstance(source, onnx.ModelProto) else "model"
+    model = _read_model(source)
+    src_opset = _opset(model)
+    if not MIN_OPSET <= src_opset <= MAX_OPSET:
+        raise ModelError(f"{where}: unsupported opset {src_opset} (supported: "
+                         f"{MIN_OPSET} to {MAX_OPSET})")
+    try:
+        onnx.checker.check_model(model)
+    except Exception as e:
+        raise ModelError(f"{where}: invalid ONNX model ({str(e).splitlines()[0]})") from e
+    model_copy = onnx.ModelProto()
+    model_copy.CopyFrom(model)
+    model = model_copy
+    _fix_input_shapes(model, input_shapes or {}, where)
+    opset = src_opset
+    if src_opset < _CONVERT_BELOW:
+        try:
+            model = version_converter.convert_version(model, _CONVERT_TO)
+            opset = _CONVERT_TO
+        except Exception as e:
+            raise ModelError(f"{where}: cannot convert opset {src_opset} to {_CONVERT_TO} "
+                             f"({str(e).splitlines()[0]})") from e
+    types = _value_types(model)
+    g = model.graph
+    missing = [o for n in g.node for o in n.output if o and o not in types]
+    if missing:
+        _missing_types_by_running(model, missing, types)
+
+    weights: dict[str, np.ndarray] = {}
+    env: dict[str, Tensor] = {}
+    for init in g.initializer:
+        arr = numpy_helper.to_array(init)
+        weights[init.name] = arr
+        env[init.name] = leaf_node("weight", init.name,
+                                   TensorType(arr.shape, str(arr.dtype))).outputs[0]
+    inputs: list[Node] = []
+    for inp in g.input:
+        if inp.name in env:
+            continue
+        node = leaf_node("input", inp.name, types[inp.name])
+        inputs.append(node)
+        env[inp.name] = node.outputs[0]
+
+    ctx = _ImportContext(weights, opset)
+    opsets = tuple(sorted((o.domain, o.version) for o in model.opset_import))
+    opaque: dict[str, int] = {}
+    for node in g.node:
+        outs = _import_node(node, env, types, ctx, opsets, model.ir_version, opaque)
+        for name, t in zip(node.output, outs, strict=True):
+            if name:
+                env[name] = t
+    outputs, names = [], []
+    for o in g.output:
+        outputs.append(env[o.name])
+        names.append(o.name)
+    meta = {"opset": opset, "source_opset": src_opset, "opsets": opsets,
+            "ir_version": model.ir_version, "opaque": dict(opaque),
+            "name": g.name or "graph"}
+    return Graph(tuple(inputs), tuple(outputs), tuple(names), weights, meta)
+
+
+def _constant_value(node, ctx: _ImportContext):
+    from onnx import numpy_helper
+
+    a = _attrs(node)
+    if node.op_type == "Constant":
+        for k, v in a.items():
+            if k == "value":
+                return numpy_helper.to_array(node.attribute[0].t)
+            if k in ("value_float", "value_int"):
+                return np.asarray(v, np.float32 if k == "value_float" else np.int64)
+            if k in ("value_floats", "value_ints"):
+                return np.asarray(v, np.float32 if k == "value_floats" else np.int64)
+        return None
+    if node.op_type == "ConstantOfShape":
+        return None  # needs the shape input's value: handled by the caller
+    return None
+
+
+def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tensor]:
+    from onnx import numpy_helper
+
+    out_types = [types.get(o) for o in node.output]
+    ins = [env[i] if i else None for i in node.input]
+    if node.domain in ("", "ai.onnx"):
+        value = _constant_value(node, ctx)
+        if node.op_type == "ConstantOfShape" and ins and ctx.const(ins[0]) is not None:
+            shape = tuple(int(d) for d in np.asarray(ctx.const(ins[0])).reshape(-1))
+            fill = (numpy_helper.to_array(node.attribute[0].t).reshape(-1)[0]
+                    if node.attribute else np.float32(0))
+            value = np.full(shape, fill, dtype=np.asarray(fill).dtype)
+        if value is not None:
+            return [ctx.weight(value, node.output[0] or "const")]
+        importer = ONNX_IMPORTERS.get(node.op_type)
+        if importer is not None and all(t is not None for t in out_types):
+            ctx.out_types = out_types
+            ctx.onnx_op = node.op_type
+            try:
+                res = importer(ctx, ins, **_attrs(node))
+            except (ShapeError, TypeError, ValueError, KeyError):
+                res = None
+            if res is not None and len(res) == len(node.output) and all(
+                    t.type == want for t, want in zip(res, out_types, strict=True)):
+                return list(res)
+    # Opaque: keep the ONNX node as it is; it runs in onnxruntime and is exported verbatim.
+    if any(t is None for t in out_types):
+        raise ModelError(f"node {node.name or node.op_type!r} ({node.op_type}): output shapes "
+                         "unknown after shape inference")
+    opaque[node.op_type] = opaque.get(node.op_type, 0) + 1
+    attrs = (("onnx_op", node.op_type), ("onnx", node.SerializeToString()),
+             ("opsets", opsets), ("ir_version", ir_version))
+    n = intern_node("opaque", attrs, tuple(t for t in ins if t is not None), tuple(out_types))
+    return list(n.outputs)
+
+
+class _ExportContext:
+    """What an operator's ``to_onnx`` sees."""
+
+    def __init__(self, opset: int):
+        from onnx import helper
+
+        self.helper = helper
+        self.opset = opset
+        self.nodes: list = []
+        self.initializers: list = []
+        self.types: dict[str, TensorType] = {}
+        self._n = 0
+
+    def fresh(self, prefix: str = "t") -> str:
+        self._n += 1
+        return f"_{prefix}{self._n}"
+
+    def node(self, op_type, ins, outs, **attrs):
+        self.nodes.append(self.helper.make_node(op_type, list(ins), list(outs),
+                                                name=self.fresh(op_type), **attrs))
+
+    def tmp(self, op_type, ins, **attrs) -> str:
+        out = self.fresh()
+        self.node(op_type, ins, [out], **attrs)
+        return out
+
+    def const(self, array, name: str | None = None) -> str:
+        from onnx import numpy_helper
+
+        array = np.asarray(array)
+        name = name or self.fresh("c")
+        self.initializers.append(numpy_helper.from_array(array, name))
+        self.types[name] = TensorType(array.shape, str(array.dtype))
+        return name
+
+    def scalar(self, value, dtype) -> str:
+        return self.const(np.asarray(value, dtype))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.types[name].shape
+
+    def dtype(self, name: str) -> str:
+        return self.types[name].dtype
+
+
+def export_onnx(graph: Graph, opset: int | None = None):
+    """Export a graph to an ``onnx.ModelProto`` that passes ``onnx.checker`` (full check).
+
+    Weight-only subgraphs are precomputed and stored as initializers. ``opset`` defaults to
+    the imported model's (at least 13); gelu is decomposed below opset 20.
+
+    Raises:
+        ValueError: an operator without an ONNX mapping.
+    """
+    from onnx import helper
+
+    from taso_jax.executor import compile_graph
+
+    opset = opset or max(int(graph.meta.get("opset", 17)), 13)
+    ctx = _ExportContext(opset)
+    compiled = compile_graph(graph)
+    names: dict[Tensor, str] = {}
+    for n in graph.inputs:
+        names[n.outputs[0]] = n.name
+        ctx.types[n.name] = n.types[0]
+    out_name = {}
+    for t, nm in zip(graph.outputs, graph.output_names, strict=True):
+        out_name.setdefault(t, nm)
+    for t, value in zip(compiled._const_keys, compiled.folded, strict=True):
+        nm = t.node.name if t.node.op == "weight" else ctx.fresh("folded")
+        names[t] = ctx.const(np.asarray(value).astype(t.dtype), nm)
+    for n in graph.nodes:
+        if n.op in ("input", "weight") or n in graph.weight_only:
+            continue
+        outs = []
+        for t in n.outputs:
+            names[t] = out_name.get(t) or ctx.fresh()
+            ctx.types[names[t]] = t.type
+            outs.append(names[t])
+        ins = [names[t] for t in n.inputs]
+        if n.op == "opaque":
+            import onnx
+
+            proto = onnx.NodeProto.FromString(n.attr("onnx"))
+            it = iter(ins)
+            new_in = [next(it) if x else "" for x in proto.input]
+            del proto.input[:]
+            proto.input.extend(new_in)
+            del proto.output[:]
+            proto.output.extend(outs)
+            ctx.nodes.append(proto)
+            continue
+        opdef = OPS[n.op]
+        if opdef.to_onnx is None:
+            raise ValueError(f"operator {n.op!r} has no ONNX mapping")
+        opdef.to_onnx(ctx, ins, outs, **dict(n.attrs))
+    outputs = []
+    for t, nm in zip(graph.outputs, graph.output_names, strict=True):
+        if names.get(t) != nm:  # an input, a constant, or a tensor output under two names
+            ctx.node("Identity", [names[t]], [nm])
+        outputs.append(helper.make_tensor_value_info(
+            nm, helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)), list(t.shape)))
+    inputs = [helper.make_tensor_value_info(
+        n.name, helper.np_dtype_to_tensor_dtype(np.dtype(n.types[0].dtype)),
+        list(n.types[0].shape)) for n in graph.inputs]
+    g = helper.make_graph(ctx.nodes, str(graph.meta.get("name", "graph")), inputs, outputs,
+                          initializer=ctx.initializers)
+    opsets = dict(graph.meta.get("opsets", ()))
+    opsets[""] = opset
+    opsets.pop("ai.onnx", None)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid(d, v)
+                                                for d, v in sorted(opsets.items())],
+                              producer_name="taso_jax")
+    model.ir_version = min(max(int(graph.meta.get("ir_version", 8)), 8), 10)
+    return model
