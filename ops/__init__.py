@@ -75,6 +75,10 @@ class OpDef:
         axioms: Z3 axioms (added by the verification issue; empty for now).
         canon: optional ``canon(in_types, attrs) -> attrs`` that puts attributes in canonical
             form (for example negative axes), so structurally equal nodes compare equal.
+        commutative: a binary operator whose inputs can be swapped; the matcher tries both
+            orders, so substitutions need not be written twice.
+        fusible: XLA fuses the operator into a neighbouring kernel (elementwise and layout
+            operators), so it costs no kernel launch of its own.
         doc: one-line description, with the source of its semantics.
     """
 
@@ -88,6 +92,8 @@ class OpDef:
     examples: tuple = ()
     axioms: tuple = ()
     canon: Callable[..., dict[str, Any]] | None = None
+    commutative: bool = False
+    fusible: bool = False
     doc: str = ""
 
     def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -44,15 +44,16 @@ _EX2 = ((((2, 3, 4), _F32), ((3, 1), _F32)), {})
 _EX1 = ((((2, 3, 4), _F32),), {})
 
 
-def _binary(name, fn, onnx_type, doc):
-    declare(OpDef(name, fn, _binary_shape, 2, to_onnx=_emit(onnx_type),
+def _binary(name, fn, onnx_type, doc, commutative=False):
+    declare(OpDef(name, fn, _binary_shape, 2, to_onnx=_emit(onnx_type), commutative=commutative,
+                  fusible=True,
                   examples=(([TensorType(*t) for t in _EX2[0]], {}),), doc=doc))
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
 
-_binary("ewadd", jnp.add, "Add", "a + b, broadcasting (ONNX Add; TASO ewadd)")
+_binary("ewadd", jnp.add, "Add", "a + b, broadcasting (ONNX Add; TASO ewadd)", True)
 _binary("ewsub", jnp.subtract, "Sub", "a - b, broadcasting (ONNX Sub)")
-_binary("ewmul", jnp.multiply, "Mul", "a * b, broadcasting (ONNX Mul; TASO ewmul)")
+_binary("ewmul", jnp.multiply, "Mul", "a * b, broadcasting (ONNX Mul; TASO ewmul)", True)
 _binary("ewdiv", jnp.divide, "Div", "a / b, broadcasting (ONNX Div)")
 _binary("pow", jnp.power, "Pow", "a ** b, broadcasting (ONNX Pow)")
 
@@ -66,7 +67,7 @@ def _import_sum(ctx, ins, **_):
 
 
 def _unary(name, fn, onnx_type, doc):
-    declare(OpDef(name, fn, _same_shape, 1, to_onnx=_emit(onnx_type),
+    declare(OpDef(name, fn, _same_shape, 1, to_onnx=_emit(onnx_type), fusible=True,
                   examples=(([TensorType(*_EX1[0][0])], {}),), doc=doc))
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
@@ -116,7 +117,7 @@ def _scalar_mul(x, *, scalar=1.0):
 
 
 declare(OpDef(
-    "scalar_mul", _scalar_mul, _same_shape, 1, attrs={"scalar": 1.0},
+    "scalar_mul", _scalar_mul, _same_shape, 1, attrs={"scalar": 1.0}, fusible=True,
     to_onnx=lambda ctx, ins, outs, *, scalar: ctx.node(
         "Mul", [ins[0], ctx.scalar(scalar, ctx.dtype(ins[0]))], outs),
     examples=(([TensorType((2, 3), _F32)], {"scalar": 2.5}),),
@@ -138,7 +139,7 @@ def _clip_onnx(ctx, ins, outs, *, min, max):  # noqa: A002
     ctx.node("Clip", [ins[0], lo, hi] if max is not None else [ins[0], lo], outs)
 
 
-declare(OpDef("clip", _clip, _same_shape, 1, attrs={"min": None, "max": None},
+declare(OpDef("clip", _clip, _same_shape, 1, attrs={"min": None, "max": None}, fusible=True,
               to_onnx=_clip_onnx,
               examples=(([TensorType((2, 3), _F32)], {"min": 0.0, "max": 6.0}),),
               doc="min(max(x, min), max) (ONNX Clip; ReLU6 is clip(0, 6))"))

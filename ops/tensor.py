@@ -82,7 +82,7 @@ def _split_shape(ts, *, axis, sizes):
 
 
 declare(OpDef(
-    "split", _split, _split_shape, 1, attrs={"axis": 0, "sizes": ()},
+    "split", _split, _split_shape, 1, attrs={"axis": 0, "sizes": ()}, fusible=True,
     to_onnx=lambda ctx, ins, outs, *, axis, sizes: ctx.node(
         "Split", [ins[0], ctx.const(_i64(sizes))], outs, axis=axis),
     flops=lambda i, o, **_: 0.0, canon=_canon_axis,
@@ -131,7 +131,7 @@ def _reshape_shape(ts, *, shape):
 
 
 declare(OpDef(
-    "reshape", lambda x, *, shape: jnp.reshape(x, shape), _reshape_shape, 1,
+    "reshape", lambda x, *, shape: jnp.reshape(x, shape), _reshape_shape, 1, fusible=True,
     attrs={"shape": ()},
     to_onnx=lambda ctx, ins, outs, *, shape: ctx.node(
         "Reshape", [ins[0], ctx.const(_i64(shape))], outs),
@@ -169,7 +169,7 @@ def _slice_onnx(ctx, ins, outs, *, starts, ends, steps):
 
 
 declare(OpDef(
-    "slice", _slice, _slice_shape, 1, attrs={"starts": (), "ends": (), "steps": ()},
+    "slice", _slice, _slice_shape, 1, attrs={"starts": (), "ends": (), "steps": ()}, fusible=True,
     to_onnx=_slice_onnx, flops=lambda i, o, **_: 0.0,
     examples=(([TensorType((5, 6), _F32)], {"starts": (1, 5), "ends": (4, -1),
                                             "steps": (2, -2)}),),

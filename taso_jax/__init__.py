@@ -1,0 +1,68 @@
+"""taso_jax: a tensor algebra superoptimizer for JAX/XLA.
+
+Generated graph substitutions, a cost-based backtracking search, and ONNX/JAX front doors
+(TASO, Jia et al., SOSP 2019, reimplemented for XLA). Typical use::
+
+    import taso_jax, onnx
+    g = taso_jax.load_onnx("model.onnx")
+    g2 = taso_jax.optimize(g)                       # g is unchanged
+    onnx.save(taso_jax.export_onnx(g2), "model.opt.onnx")
+"""
+
+from __future__ import annotations
+
+from taso_jax.executor import compile_graph, random_inputs
+from taso_jax.graph import Graph, GraphBuilder, GraphError, Node, Tensor, new_graph
+from taso_jax.onnx_io import ModelError, export_onnx, load_onnx
+from taso_jax.ops import OPS, ShapeError
+from taso_jax.substitution import (
+    Substitution,
+    default_substitutions,
+    load_substitutions,
+    save_substitutions,
+)
+
+__all__ = ["Graph", "GraphBuilder", "GraphError", "Node", "Tensor", "new_graph", "OPS",
+           "ShapeError", "ModelError", "load_onnx", "export_onnx", "compile_graph",
+           "random_inputs", "Substitution", "default_substitutions", "load_substitutions",
+           "save_substitutions", "optimize", "search_graph"]
+
+__version__ = "0.1.0"
+
+
+def search_graph(graph, alpha: float = 1.05, budget: int = 300, time_limit: float = 60.0,
+           cost_model="measured", substitutions=None, progress=None):
+    """Run the backtracking search and return a :class:`taso_jax.search.SearchResult`.
+
+    Args:
+        graph: a :class:`Graph` or a :class:`GraphBuilder` (its unused tensors become
+            outputs, as in TASO).
+        alpha: relaxation factor (TASO's default 1.05).
+        budget: maximum graphs expanded; time_limit: maximum seconds.
+        cost_model: ``"measured"`` (kernels timed on the current JAX device, cached),
+            ``"analytic"`` (FLOPs and bytes), or a :class:`taso_jax.search.CostModel`.
+        substitutions: list of :class:`Substitution`; defaults to the shipped set.
+        progress: ``progress(iterations, best_cost)`` callback.
+
+    Raises:
+        ValueError: bad ``alpha``, ``budget`` or ``cost_model``.
+    """
+    from taso_jax.search import backtracking_search, get_cost_model
+
+    if isinstance(graph, GraphBuilder):
+        graph = graph.graph()
+    if isinstance(cost_model, str):
+        cost_model = get_cost_model(cost_model)
+    subs = default_substitutions() if substitutions is None else substitutions
+    return backtracking_search(graph, subs, cost_model, alpha=alpha, budget=budget,
+                               time_limit=time_limit, progress=progress)
+
+
+def optimize(graph, alpha: float = 1.05, budget: int = 300, time_limit: float = 60.0,
+             cost_model="measured", substitutions=None) -> Graph:
+    """Return the cheapest equivalent graph found (TASO's ``taso.optimize``).
+
+    Same arguments as :func:`search_graph`; the input graph is never modified, and it is returned
+    as is when nothing cheaper is found.
+    """
+    return search_graph(graph, alpha, budget, time_limit, cost_model, substitutions).graph

@@ -38,7 +38,8 @@ def _opaque_session(node: Node):
             for n, t in zip(proto.output, node.types, strict=True)]
     opsets = [helper.make_opsetid(d, v) for d, v in node.attr("opsets")]
     model = helper.make_model(helper.make_graph([proto], "opaque", ins, outs),
-                              opset_imports=opsets, ir_version=node.attr("ir_version"))
+                              opset_imports=opsets,
+                              ir_version=min(int(node.attr("ir_version")), 10))
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     sess = ort.InferenceSession(model.SerializeToString(), opts,
@@ -156,3 +157,22 @@ def time_function(fn: Callable[[], object], repeats: int = 20, warmup: int = 2) 
         jax.block_until_ready(fn())
         times.append((time.perf_counter() - t0) * 1e6)
     return times
+
+
+def evaluate(graph: Graph, inputs: Sequence, weights=None) -> tuple:
+    """Evaluate a graph eagerly, operator by operator (no ``jax.jit``).
+
+    Used for small graphs such as substitution patterns, where compiling would cost more
+    than running. ``weights`` overrides ``graph.weights`` by name.
+    """
+    weights = graph.weights if weights is None else weights
+    env = dict(zip((n.outputs[0] for n in graph.inputs), inputs, strict=True))
+    for n in graph.nodes:
+        if n.op == "input":
+            continue
+        if n.op == "weight":
+            env[n.outputs[0]] = jnp.asarray(weights[n.name])
+            continue
+        for t, v in zip(n.outputs, run_node(n, [env[t] for t in n.inputs]), strict=True):
+            env[t] = v
+    return tuple(env[t] for t in graph.outputs)

@@ -347,13 +347,12 @@ class GraphBuilder:
 
         def method(*args, **kwargs):
             inputs: list[Tensor] = []
-            for a in args:
-                inputs.extend(a if isinstance(a, list | tuple) and a and
-                              isinstance(a[0], Tensor) else [a])
-            for k in ("input", "weight", "inputs"):
-                if k in kwargs:
-                    v = kwargs.pop(k)
-                    inputs.extend(v if isinstance(v, list | tuple) else [v])
+            for a in (*args, *(kwargs.pop(k) for k in ("input", "weight", "inputs")
+                               if k in kwargs)):
+                if isinstance(a, list | tuple) and not isinstance(a, Tensor):
+                    inputs.extend(a)
+                else:
+                    inputs.append(a)
             bad = [a for a in inputs if not isinstance(a, Tensor)]
             if bad:
                 raise GraphError(f"{op}: inputs must be tensors, got {bad[0]!r}; pass "

@@ -1,0 +1,192 @@
+"""Cost models: the cost of a graph is the sum of its runtime operators' costs.
+
+Weight-only nodes cost nothing: they are computed once, ahead of time (TASO, Jia et al.,
+SOSP 2019, Section 5.1). Input, weight and opaque nodes are priced like the rest: an opaque
+node is identical in every candidate graph, so it shifts all costs equally.
+
+* :class:`MeasuredCostModel`: each operator, with its attributes, input shapes and dtypes,
+  is compiled with ``jax.jit`` on the current JAX backend (GPU when present, else CPU) and
+  timed; the median in microseconds is cached in SQLite in the user cache directory, keyed by
+  device kind, operator, attributes, shapes and dtypes.
+* :class:`AnalyticCostModel`: FLOPs over peak plus bytes moved over bandwidth, in
+  microseconds; deterministic, used by tests and ``--cost-model analytic``.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+
+from taso_jax.graph import LEAF_OPS, Graph, Node
+from taso_jax.ops import OPS
+
+__all__ = ["CostModel", "AnalyticCostModel", "MeasuredCostModel", "graph_cost", "get_cost_model"]
+
+
+class CostModel:
+    """Base class: ``node_cost(node)`` in microseconds; per-node results are memoized."""
+
+    name = "base"
+
+    def __init__(self):
+        self._memo: dict[Node, float] = {}
+
+    def node_cost(self, node: Node) -> float:
+        """Estimated run time of one node in microseconds."""
+        c = self._memo.get(node)
+        if c is None:
+            c = self._memo[node] = float(self._cost(node))
+        return c
+
+    def _cost(self, node: Node) -> float:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def graph_cost(self, graph: Graph) -> float:
+        """Sum of runtime node costs (weight-only nodes are free), microseconds."""
+        wo = graph.weight_only
+        return sum(self.node_cost(n) for n in graph.nodes
+                   if n.op not in LEAF_OPS and n not in wo)
+
+
+def _bytes(types: Iterable) -> float:
+    return float(sum(t.nbytes for t in types))
+
+
+class AnalyticCostModel(CostModel):
+    """Roofline estimate: ``max(flops / peak, bytes / bandwidth) + launch`` in microseconds.
+
+    Args:
+        gflops: peak arithmetic rate in GFLOP/s (default 100, a CPU core pair).
+        gbytes: memory bandwidth in GB/s (default 20).
+        launch_us: fixed cost per operator in microseconds (kernel launch / dispatch).
+    """
+
+    name = "analytic"
+
+    def __init__(self, gflops: float = 100.0, gbytes: float = 20.0, launch_us: float = 2.0):
+        super().__init__()
+        self.gflops, self.gbytes, self.launch_us = gflops, gbytes, launch_us
+
+    @classmethod
+    def gpu(cls) -> AnalyticCostModel:
+        """Preset for a datacenter GPU: 50 TFLOP/s, 2 TB/s, 5 us per kernel launch."""
+        return cls(gflops=50_000.0, gbytes=2_000.0, launch_us=5.0)
+
+    @classmethod
+    def for_backend(cls) -> AnalyticCostModel:
+        """The GPU preset when JAX's default backend is a GPU, else the CPU defaults."""
+        import jax
+
+        return cls.gpu() if jax.default_backend() == "gpu" else cls()
+
+    def _cost(self, node: Node) -> float:
+        ins = [t.type for t in node.inputs]
+        opdef = OPS.get(node.op)
+        if opdef is not None and opdef.fusible:
+            # Fused into a neighbouring kernel: no launch, the output is written once.
+            return _bytes(node.types) / (self.gbytes * 1e3)
+        if opdef is None:
+            flops = float(sum(t.size for t in node.types))
+        else:
+            flops = opdef.cost_flops(ins, list(node.types), dict(node.attrs))
+        moved = _bytes(ins) + _bytes(node.types)
+        return max(flops / (self.gflops * 1e3), moved / (self.gbytes * 1e3)) + self.launch_us
+
+
+def default_cache_path() -> str:
+    """``<user cache dir>/taso_jax/costs.sqlite`` (platformdirs)."""
+    import platformdirs
+
+    return os.path.join(platformdirs.user_cache_dir("taso_jax"), "costs.sqlite")
+
+
+class MeasuredCostModel(CostModel):
+    """Operator costs measured as ``jax.jit``-compiled kernels on the current device.
+
+    Args:
+        cache_path: SQLite file; ``None`` for the default user cache, ``False`` for no cache.
+        repeats: timed runs per operator (median is kept).
+
+    Each distinct (device kind, operator, attributes, input types) is measured once, ever:
+    compiling a kernel takes on the order of a second on a GPU.
+    """
+
+    name = "measured"
+
+    def __init__(self, cache_path: str | bool | None = None, repeats: int = 15):
+        super().__init__()
+        import jax
+
+        dev = jax.devices()[0]
+        self.device = f"{dev.platform}:{getattr(dev, 'device_kind', dev.platform)}"
+        self.repeats = repeats
+        self.measured = 0
+        self._db = None
+        self._lock = threading.Lock()
+        if cache_path is not False:
+            path = cache_path or default_cache_path()
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._db = sqlite3.connect(path, check_same_thread=False)
+            self._db.execute("CREATE TABLE IF NOT EXISTS cost (device TEXT, key TEXT, "
+                             "micros REAL, PRIMARY KEY (device, key))")
+            self._db.commit()
+        self._analytic = AnalyticCostModel()
+
+    @staticmethod
+    def key(node: Node) -> str:
+        """Cache key: operator, attributes, input types."""
+        return repr((node.op, node.attrs, tuple(t.type for t in node.inputs)))
+
+    def _cost(self, node: Node) -> float:
+        if node.op == "opaque":
+            return self._analytic.node_cost(node)
+        key = self.key(node)
+        if self._db is not None:
+            row = self._db.execute("SELECT micros FROM cost WHERE device=? AND key=?",
+                                   (self.device, key)).fetchone()
+            if row:
+                return row[0]
+        micros = self._measure(node)
+        self.measured += 1
+        if self._db is not None:
+            with self._lock:
+                self._db.execute("INSERT OR REPLACE INTO cost VALUES (?, ?, ?)",
+                                 (self.device, key, micros))
+                self._db.commit()
+        return micros
+
+    def _measure(self, node: Node) -> float:
+        import jax
+
+        from taso_jax.executor import run_node, time_function
+
+        rng = np.random.default_rng(0)
+        args = []
+        for t in node.inputs:
+            if np.issubdtype(np.dtype(t.dtype), np.floating):
+                args.append(jax.device_put(rng.standard_normal(t.shape).astype(t.dtype)))
+            elif t.dtype == "bool":
+                args.append(jax.device_put(rng.integers(0, 2, t.shape).astype(bool)))
+            else:
+                args.append(jax.device_put(np.zeros(t.shape, t.dtype)))
+        fn = jax.jit(lambda *a: run_node(node, a))
+        times = time_function(lambda: fn(*args), repeats=self.repeats, warmup=2)
+        return float(np.median(times))
+
+
+def get_cost_model(name: str = "measured", **kw) -> CostModel:
+    """``"measured"`` or ``"analytic"``. Raises ``ValueError`` for another name."""
+    if name == "measured":
+        return MeasuredCostModel(**kw)
+    if name == "analytic":
+        return AnalyticCostModel(**kw) if kw else AnalyticCostModel.for_backend()
+    raise ValueError(f"unknown cost model {name!r} (use 'measured' or 'analytic')")
+
+
+def graph_cost(graph: Graph, model: CostModel) -> float:
+    """Convenience: ``model.graph_cost(graph)`` in microseconds."""
+    return model.graph_cost(graph)

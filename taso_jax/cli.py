@@ -1,0 +1,203 @@
+"""Command line: ``taso-jax optimize``, ``taso-jax generate``.
+
+Exit codes: 0 success, 1 optimized model failed the output check (nothing written),
+2 bad input (missing/invalid/unsupported model, bad option, output path equals input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+
+__all__ = ["main"]
+
+
+class UsageError(Exception):
+    """A problem with the user's input; printed as one line, exit code 2."""
+
+
+def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for item in items or []:
+        name, sep, dims = item.rpartition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            out[name] = tuple(int(d) for d in dims.split(","))
+        except ValueError:
+            raise UsageError(f"--input-shape {item!r}: expected NAME=D1,D2,... "
+                             "(for example x=1,3,224,224)") from None
+    return out
+
+
+def _write_atomic(model, path: str) -> None:
+    import onnx
+
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".taso_jax.", suffix=".onnx.tmp")
+    os.close(fd)
+    try:
+        onnx.save(model, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _optimize(args) -> int:
+    import onnx
+
+    import taso_jax
+    from taso_jax.report import compare_onnx, format_report, measure_speed
+
+    notes = []
+    if args.model is None:
+        from taso_jax.examples import resnet_module
+
+        graph = resnet_module()
+        name = "built-in example: ResNet module from TASO's README"
+        original_bytes = None
+    else:
+        name = args.model
+        if args.output is None:
+            stem = args.model[:-5] if args.model.endswith(".onnx") else args.model
+            args.output = stem + ".opt.onnx"
+        if os.path.exists(args.output) and os.path.samefile(args.output, args.model):
+            raise UsageError(f"output path {args.output!r} is the input model; choose another "
+                             "with -o (the input is never overwritten)")
+        graph = taso_jax.load_onnx(args.model, _parse_shapes(args.input_shape))
+        with open(args.model, "rb") as f:  # the reference for the output check
+            original_bytes = f.read()
+        if graph.meta.get("source_opset") != graph.meta.get("opset"):
+            notes.append(f"converted from opset {graph.meta['source_opset']} to "
+                         f"{graph.meta['opset']}")
+        if graph.meta.get("opaque"):
+            notes.append("kept as opaque nodes: " + ", ".join(
+                f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
+    subs = (taso_jax.load_substitutions(args.substitutions) if args.substitutions
+            else taso_jax.default_substitutions())
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.budget, desc="search", unit="graph", disable=args.quiet,
+               file=sys.stderr, leave=False)
+
+    def progress(it, best):
+        bar.update(1)
+        bar.set_postfix_str(f"best {best:.1f} us")
+
+    result = taso_jax.search_graph(graph, alpha=args.alpha, budget=args.budget,
+                             time_limit=args.time_limit, cost_model=args.cost_model,
+                             substitutions=subs, progress=progress)
+    bar.close()
+    report = {
+        "model": name, "notes": notes,
+        "operators_before": dict(graph.op_counts()),
+        "operators_after": dict(result.graph.op_counts()),
+        "cost": {"model": args.cost_model, "before_us": result.cost_before,
+                 "after_us": result.cost_after},
+        "search": {"seconds": result.seconds, "iterations": result.iterations,
+                   "explored": result.explored, "stopped": result.stopped,
+                   "alpha": args.alpha, "budget": args.budget, "substitutions": len(subs)},
+        "applied": dict(result.applied),
+    }
+    if not args.no_time:
+        report["time"] = measure_speed(graph, result.graph, repeats=args.repeats)
+    optimized = taso_jax.export_onnx(result.graph)
+    onnx.checker.check_model(optimized, full_check=True)
+    reference = original_bytes or taso_jax.export_onnx(graph).SerializeToString()
+    feeds = {n.name: x for n, x in zip(graph.inputs, taso_jax.random_inputs(graph, seed=1),
+                                       strict=True)}
+    report["check"] = compare_onnx(reference, optimized.SerializeToString(), feeds)
+    if not report["check"]["ok"]:
+        print(format_report(report))
+        print("taso-jax: error: optimized model's outputs differ from the original's; "
+              "nothing written. Substitutions applied: "
+              + ", ".join(sorted(result.applied)), file=sys.stderr)
+        return 1
+    if args.output:
+        _write_atomic(optimized, args.output)
+        report["written"] = args.output
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def _generate(args) -> int:
+    from tqdm import tqdm
+
+    from taso_jax.generator import generate
+    from taso_jax.substitution import save_substitutions
+
+    bar = tqdm(desc="generate", unit="stage", file=sys.stderr, disable=args.quiet)
+
+    def progress(msg):
+        bar.update(1)
+        bar.set_postfix_str(msg)
+
+    t0 = time.perf_counter()
+    subs, stats = generate(max_ops=args.max_ops, seed=args.seed, progress=progress)
+    bar.close()
+    save_substitutions(subs, args.output, {"max_ops": args.max_ops, "seed": args.seed,
+                                           "seconds": round(time.perf_counter() - t0, 1)})
+    print(stats.summary())
+    for stage, sec in stats.seconds.items():
+        print(f"  {stage}: {sec:.1f} s")
+    print(f"written: {args.output} ({len(subs)} substitutions)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``taso-jax`` argument parser."""
+    p = argparse.ArgumentParser(prog="taso-jax", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    o = sub.add_parser("optimize", help="optimize an ONNX model (or the built-in example)")
+    o.add_argument("model", nargs="?", help="ONNX file; omit for the built-in example")
+    o.add_argument("-o", "--output", help="output ONNX file (default MODEL.opt.onnx)")
+    o.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
+                   help="static shape for an input with symbolic dimensions (repeatable)")
+    o.add_argument("--alpha", type=float, default=1.05, help="relaxation factor (1.05)")
+    o.add_argument("--budget", type=int, default=100, help="graphs expanded at most (100)")
+    o.add_argument("--time-limit", type=float, default=60.0, help="search seconds at most")
+    o.add_argument("--cost-model", choices=["measured", "analytic"], default="measured")
+    o.add_argument("--substitutions", help="substitution JSON file (default: shipped set)")
+    o.add_argument("--repeats", type=int, default=30, help="timed runs per graph (30)")
+    o.add_argument("--no-time", action="store_true", help="skip the end-to-end timing")
+    o.add_argument("--json", help="also write the report as JSON to this file")
+    o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g = sub.add_parser("generate", help="generate the substitution set")
+    g.add_argument("--max-ops", type=int, default=3, help="operators per side at most (3)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("-o", "--output", default="substitutions.json")
+    g.add_argument("-q", "--quiet", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``taso-jax`` command; returns the exit code."""
+    from taso_jax.graph import GraphError
+    from taso_jax.onnx_io import ModelError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "optimize":
+            return _optimize(args)
+        return _generate(args)
+    except (UsageError, ModelError, GraphError) as e:
+        print(f"taso-jax: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"taso-jax: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,461 @@
+"""Automatic substitution generator (TASO, Jia et al., SOSP 2019, Section 3).
+
+1. **Enumerate** every expression of up to ``max_ops`` operators over a *domain*: a pool of
+   variables with symbolic shapes and a list of operator choices (operator + attributes).
+   Expressions are hash-consed graph nodes, so a DAG that reuses a subexpression counts each
+   operator once. Only the first expression of each fingerprint class is extended further
+   (an expression built on a non-canonical input is redundant with one built on the canonical
+   input), which keeps the enumeration small.
+2. **Fingerprint** each expression by evaluating the JAX reference functions in float64 on
+   random inputs and projecting the result on two fixed random vectors. Equal functions give
+   equal projections up to rounding; unequal multilinear/piecewise-linear functions agree on
+   random Gaussian inputs with probability zero, and the two 9-digit projections make an
+   accidental collision about 1e-18 likely per pair. Every candidate is then **re-checked**
+   on a second, differently sized instance of the domain with fresh random values
+   (``numpy.allclose`` at 1e-9), which rejects both collisions and laws that hold only for
+   particular shapes.
+3. **Pair** expressions of a class into candidate substitutions (both directions), and derive
+   multi-output substitutions: when ``concat(a, b)`` equals ``t``, then ``(a, b)`` can be
+   replaced by the two parts of ``split(t)`` (how two convolutions that share an input
+   become one).
+4. **Prune**: the target may use only the source's variables; a substitution whose two sides
+   share an operator node (a common subgraph) is redundant with a smaller one; weight-only
+   sources are dropped (weights are precomputed, rewriting them gains nothing); duplicates
+   under renaming of interchangeable variables are removed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from taso_jax.graph import Graph, Node, Tensor, leaf_node, make_node, topo_order
+from taso_jax.ops import ShapeError, TensorType
+from taso_jax.substitution import PNode, Substitution
+
+__all__ = ["Domain", "DEFAULT_DOMAINS", "generate", "GeneratorStats", "check_substitution"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A typed variable pool and operator choices for enumeration.
+
+    Attributes:
+        name: short name used in substitution ids.
+        variables: name -> (kind ``"input"``/``"weight"``, symbolic shape).
+        instances: symbol -> size maps; the first is enumerated, the others re-check
+            candidates. In the first, symbol values must be distinct (split sizes are mapped
+            back to symbols by value). ``"..."`` maps to a tuple of leading dimensions.
+        ops: ``(operator, attributes)`` choices.
+        split_axes: axes on which ``split`` into two parts is enumerated.
+    """
+
+    name: str
+    variables: dict[str, tuple[str, tuple]]
+    instances: tuple[dict, ...]
+    ops: tuple[tuple[str, dict], ...]
+    split_axes: tuple[int, ...] = ()
+
+
+CONV_DOMAIN = Domain(
+    "conv",
+    variables={"x": ("input", ("N", "C", "H", "W")),
+               "w1": ("weight", ("D", "C", "K", "K")), "w2": ("weight", ("D", "C", "K", "K")),
+               "w3": ("weight", ("D", "C", 1, 1)), "s": ("weight", (1, "D", 1, 1))},
+    instances=({"N": 2, "C": 3, "D": 4, "H": 6, "W": 7, "K": 3},
+               {"N": 1, "C": 5, "D": 3, "H": 9, "W": 8, "K": 5}),
+    ops=(("conv2d", {}), ("relu", {}), ("ewadd", {}), ("ewmul", {}), ("concat", {"axis": -3}),
+         ("concat", {"axis": -4}), ("enlarge", {}), ("transpose", {"perm": (1, 0, 2, 3)})),
+    split_axes=(-3, -4))
+
+MATMUL_DOMAIN = Domain(
+    "matmul",
+    variables={"x": ("input", ("...", "M", "K")), "y": ("input", ("...", "M", "K")),
+               "a": ("weight", ("K", "N")), "b": ("weight", ("K", "N")),
+               "c": ("weight", ("N", "P"))},
+    instances=({"...": (), "M": 3, "K": 4, "N": 5, "P": 6},
+               {"...": (2,), "M": 5, "K": 3, "N": 4, "P": 2}),
+    ops=(("matmul", {}), ("matmul", {"activation": "relu"}), ("relu", {}), ("ewadd", {}),
+         ("concat", {"axis": -1}), ("concat", {"axis": -2})),
+    split_axes=(-1, -2))
+
+DEFAULT_DOMAINS = (CONV_DOMAIN, MATMUL_DOMAIN)
+
+
+@dataclass
+class GeneratorStats:
+    """Counts per stage of one generator run (and seconds per stage)."""
+
+    expressions: int = 0
+    classes: int = 0
+    candidates: int = 0
+    pruned: Counter = field(default_factory=Counter)
+    kept: int = 0
+    seconds: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One-paragraph human-readable summary."""
+        pr = ", ".join(f"{k} {v}" for k, v in sorted(self.pruned.items()))
+        return (f"enumerated expressions: {self.expressions}; fingerprint classes: "
+                f"{self.classes}; candidate substitutions: {self.candidates}; pruned: {pr}; "
+                f"kept: {self.kept}")
+
+
+def _enable_x64():
+    return jax.enable_x64(True)
+
+
+def _instance_shape(pattern: tuple, inst: dict) -> tuple[int, ...]:
+    out: list[int] = []
+    for p in pattern:
+        if p == "...":
+            out.extend(inst["..."])
+        else:
+            out.append(p if isinstance(p, int) else inst[p])
+    return tuple(out)
+
+
+class _Fingerprinter:
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.values: dict[Tensor, np.ndarray] = {}
+        self._proj: dict[tuple, np.ndarray] = {}
+
+    def key(self, t: Tensor) -> tuple:
+        v = self.values[t].reshape(-1)
+        if t.shape not in self._proj:
+            rng = np.random.default_rng([self.seed, *t.shape, 7919])
+            self._proj[t.shape] = rng.standard_normal((2, v.size))
+        p = self._proj[t.shape] @ v
+        scale = max(float(np.sqrt(np.sum(v * v))), 1e-300) * 1e-9
+        return (t.shape, t.dtype) + tuple("0" if abs(x) < scale else f"{x:.9e}" for x in p)
+
+
+@dataclass
+class _Expr:
+    tensor: Tensor
+    nodes: frozenset
+    vars: frozenset
+
+
+def _enumerate(domain: Domain, max_ops: int, seed: int, progress: Callable | None):
+    inst = domain.instances[0]
+    rng = np.random.default_rng(seed)
+    fp = _Fingerprinter(seed)
+    leaves: dict[str, Tensor] = {}
+    for name, (kind, pat) in domain.variables.items():
+        t = leaf_node(kind, name, TensorType(_instance_shape(pat, inst), "float64")).outputs[0]
+        leaves[name] = t
+        fp.values[t] = rng.standard_normal(t.shape)
+    exprs: dict[Tensor, _Expr] = {
+        t: _Expr(t, frozenset(), frozenset([n])) for n, t in leaves.items()}
+    classes: dict[tuple, list[_Expr]] = {}
+    reps: list[_Expr] = []
+    for e in exprs.values():
+        classes.setdefault(fp.key(e.tensor), []).append(e)
+        reps.append(e)
+    from taso_jax.executor import run_node
+
+    sym_values = {v: k for k, v in inst.items() if isinstance(v, int)}
+
+    def add(node: Node, ins: list[_Expr]) -> None:
+        nodes = frozenset().union(*(e.nodes for e in ins)) | {node}
+        if len(nodes) > size or any(t in exprs for t in node.outputs):
+            return
+        vals = run_node(node, [fp.values[e.tensor] for e in ins])
+        for t, v in zip(node.outputs, vals, strict=True):
+            fp.values[t] = np.asarray(v)
+            e = _Expr(t, nodes, frozenset().union(*(e.vars for e in ins)))
+            exprs[t] = e
+            cls = classes.setdefault(fp.key(t), [])
+            cls.append(e)
+            if len(cls) == 1:
+                new_reps.append(e)
+
+    for size in range(1, max_ops + 1):
+        new_reps: list[_Expr] = []
+        pool = [e for e in reps if len(e.nodes) < size]
+        for op, attrs in domain.ops:
+            from taso_jax.ops import OPS
+
+            arity = OPS[op].arity or 2
+            for combo in itertools.product(pool, repeat=arity):
+                if sum(len(e.nodes) for e in combo) < size - 1:
+                    continue
+                try:
+                    node = make_node(op, [e.tensor for e in combo], attrs)
+                except ShapeError:
+                    continue
+                add(node, list(combo))
+        for e in pool:
+            for axis in domain.split_axes:
+                d = e.tensor.shape[axis] if len(e.tensor.shape) >= -axis else 0
+                for a, name in sym_values.items():
+                    if 0 < a < d and (d - a) in sym_values:
+                        try:
+                            node = make_node("split", [e.tensor], {"axis": axis,
+                                                                  "sizes": (a, d - a)})
+                        except ShapeError:
+                            continue
+                        add(node, [e])
+        reps.extend(new_reps)
+        if progress:
+            progress(f"{domain.name}: size {size}: {len(exprs)} expressions")
+    return leaves, exprs, classes, sym_values
+
+
+def _symbolize(v, sym_values: dict[int, str]):
+    if isinstance(v, tuple):
+        return tuple(_symbolize(x, sym_values) for x in v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        if v in sym_values:
+            return "$" + sym_values[v]
+        for a, b in itertools.combinations_with_replacement(sorted(sym_values), 2):
+            if a + b == v:
+                return f"${sym_values[a]}+{sym_values[b]}"
+        raise ValueError(f"size {v} is not expressible in symbols")
+    return v
+
+
+def _pattern(roots: list[Tensor], nodes: frozenset, sym_values) -> tuple[tuple, list[str]]:
+    order = [n for n in topo_order(roots) if n in nodes]
+    index = {n: i for i, n in enumerate(order)}
+
+    def ref(t: Tensor) -> str:
+        if t.node not in index:
+            return t.node.name
+        return f"#{index[t.node]}" + (f".{t.index}" if t.index else "")
+
+    pnodes = []
+    for n in order:
+        attrs = tuple((k, _symbolize(v, sym_values) if k == "sizes" else v) for k, v in n.attrs)
+        pnodes.append(PNode(n.op, attrs, tuple(ref(t) for t in n.inputs)))
+    return tuple(pnodes), [ref(t) for t in roots]
+
+
+def _make_sub(domain, src_roots, src_nodes, tgt_roots, tgt_nodes, used_vars, sym_values,
+              provenance) -> Substitution:
+    src, src_refs = _pattern(src_roots, src_nodes, sym_values)
+    tgt, tgt_refs = _pattern(tgt_roots, tgt_nodes, sym_values)
+    variables = tuple((v, domain.variables[v][1]) for v in sorted(used_vars))
+    name = f"{domain.name}:{'+'.join(n.op for n in src)}=>{'+'.join(n.op for n in tgt) or 'id'}"
+    return Substitution(name, variables, src, tgt, tuple(zip(src_refs, tgt_refs, strict=True)),
+                        provenance)
+
+
+def _canonical_key(sub: Substitution, domain: Domain) -> str:
+    import json
+
+    groups: dict[tuple, list[str]] = {}
+    for v, _ in sub.variables:
+        groups.setdefault(domain.variables[v], []).append(v)
+    text = json.dumps([sub.to_json()[k] for k in ("source", "target", "outputs")])
+    best = None
+    for perms in itertools.product(*(itertools.permutations(g) for g in groups.values())):
+        ren = {}
+        for g, p in zip(groups.values(), perms, strict=True):
+            ren.update(zip(g, p, strict=True))
+        s = text
+        for a in ren:
+            s = s.replace(f'"{a}"', f'"@{a}@"')
+        for a, b in ren.items():
+            s = s.replace(f'"@{a}@"', f'"{b}"')
+        best = s if best is None or s < best else best
+    return best
+
+
+def check_substitution(sub: Substitution, domain: Domain, instance: dict, seed: int) -> bool:
+    """Numerically check ``sub`` on one shape instance of its domain (float64, rtol 1e-9).
+
+    Builds the source pattern as a graph, rewrites it with the matcher (so the check covers
+    matching and symbolic sizes too), and compares both graphs' outputs on random inputs.
+    """
+    from taso_jax.executor import evaluate
+
+    rng = np.random.default_rng(seed)
+    leaves = {}
+    values = {}
+    sym = {k: v for k, v in instance.items()}
+    for v, pat in sub.variables:
+        kind = domain.variables[v][0]
+        t = leaf_node(kind, v, TensorType(_instance_shape(pat, sym), "float64")).outputs[0]
+        leaves[v] = t
+        values[v] = rng.standard_normal(t.shape)
+    built: list[Node] = []
+    try:
+        for p in sub.source:
+            ins = [leaves[r] if not r.startswith("#") else
+                   Tensor(built[int(r[1:].split(".")[0])], int((r.split(".") + ["0"])[1]))
+                   for r in p.inputs]
+            attrs = {k: (sum(sym[s] for s in v[1:].split("+"))
+                         if isinstance(v, str) and v.startswith("$") else v)
+                     for k, v in p.attrs}
+            if p.op == "split":
+                attrs["sizes"] = tuple(sum(sym[s] for s in x[1:].split("+"))
+                                       if isinstance(x, str) else x for x in attrs["sizes"])
+            built.append(make_node(p.op, ins, attrs))
+    except ShapeError:
+        return False
+    outs = []
+    for s, _ in sub.outputs:
+        i, _, k = s[1:].partition(".")
+        outs.append(Tensor(built[int(i)], int(k or 0)))
+    inputs = tuple(t.node for t in leaves.values() if t.node.op == "input")
+    weights = {v: values[v] for v in leaves if leaves[v].node.op == "weight"}
+    g = Graph(inputs, tuple(outs), tuple(f"o{i}" for i in range(len(outs))), weights)
+    rewritten = None
+    for b in sub.matches(g):
+        if set(b["nodes"]) == set(built):
+            rewritten = sub.apply(g, b)
+            break
+    if rewritten is None:
+        return False
+    with _enable_x64():
+        ins = [values[n.name] for n in inputs]
+        a = evaluate(g, ins)
+        b = evaluate(rewritten, ins)
+    return all(np.allclose(np.asarray(x), np.asarray(y), rtol=1e-9, atol=1e-9)
+               for x, y in zip(a, b, strict=True))
+
+
+def _runtime_ops(nodes, domain) -> int:
+    """Operators in ``nodes`` that depend on an input variable."""
+    memo: dict = {}
+
+    def runtime(n: Node) -> bool:
+        if n not in memo:
+            if n.op in ("input", "weight"):
+                memo[n] = domain.variables[n.name][0] == "input"
+            else:
+                memo[n] = any(runtime(t.node) for t in n.inputs)
+        return memo[n]
+
+    return sum(runtime(n) for n in nodes)
+
+
+def _candidates(domain, classes, sym_values, max_ops, seed, stats, monotone):
+    prov = {"method": "fingerprint", "domain": domain.name, "max_ops": max_ops, "seed": seed,
+            "proof": None}
+
+    def valid(src: _Expr, tgt: _Expr) -> str | None:
+        if not src.nodes:
+            return "bare_variable_source"
+        if not tgt.vars <= src.vars:
+            return "target_uses_new_variable"
+        if src.nodes & tgt.nodes:
+            return "common_subgraph"
+        if all(domain.variables[v][0] == "weight" for v in src.vars):
+            return "weight_only"
+        if monotone and _runtime_ops(tgt.nodes, domain) > _runtime_ops(src.nodes, domain):
+            return "adds_runtime_operators"
+        return None
+
+    for cls in classes.values():
+        # Pair every member with the class representative (its smallest expression), both
+        # ways; a rule between two other members is the composition of two of these.
+        rep = cls[0]
+        pairs = [(m, rep) for m in cls[1:]] + [(rep, m) for m in cls[1:]]
+        for src, tgt in pairs:
+            stats.candidates += 1
+            why = valid(src, tgt)
+            if why:
+                stats.pruned[why] += 1
+                continue
+            try:
+                yield _make_sub(domain, [src.tensor], src.nodes, [tgt.tensor], tgt.nodes,
+                                src.vars, sym_values, dict(prov))
+            except ValueError:
+                stats.pruned["symbolic_size"] += 1
+        # Multi-output: concat(a, b) == t  gives  (a, b) => split(t).
+        for c in cls:
+            n = c.tensor.node
+            if (n.op != "concat" or len(n.inputs) != 2 or n.inputs[0] == n.inputs[1]
+                    or any(t.node.op in ("input", "weight") for t in n.inputs)):
+                continue
+            for t in cls[:1]:
+                if t is c or t.tensor.node.op == "concat":
+                    continue
+                # Keep the split form only where it merges work: the target must run fewer
+                # operators than the two sources (weight-only operators are free; the split
+                # becomes slices that XLA fuses into their consumers).
+                if _runtime_ops(t.nodes, domain) >= _runtime_ops(c.nodes - {n}, domain):
+                    stats.pruned["split_gains_nothing"] += 1
+                    continue
+                stats.candidates += 1
+                why = valid(c, t)
+                if why:
+                    stats.pruned[why] += 1
+                    continue
+                axis = n.attr("axis")
+                sizes = tuple(x.shape[axis] for x in n.inputs)
+                try:
+                    split = make_node("split", [t.tensor], {"axis": axis, "sizes": sizes})
+                    yield _make_sub(domain, list(n.inputs), c.nodes - {n}, list(split.outputs),
+                                    t.nodes | {split}, c.vars, sym_values, dict(prov))
+                except (ShapeError, ValueError):
+                    stats.pruned["symbolic_size"] += 1
+
+
+def generate(domains=DEFAULT_DOMAINS, max_ops: int = 3, seed: int = 0,
+             progress: Callable[[str], None] | None = None, monotone: bool = True,
+             ) -> tuple[list[Substitution], GeneratorStats]:
+    """Generate substitutions over ``domains`` with expressions of up to ``max_ops`` operators.
+
+    Args:
+        domains: variable pools and operator choices (:class:`Domain`).
+        max_ops: size bound on each side, in operators (TASO used 4).
+        seed: seed for fingerprints and re-checks; the output is deterministic for a seed.
+        progress: called with a status line per stage.
+        monotone: keep only substitutions whose target runs no more operators than the
+            source (weight-only operators are free); the search's alpha relaxation then
+            explores sideways moves, and the rule set stays small enough to match quickly.
+
+    Returns:
+        The kept substitutions and the per-stage counts.
+    """
+    stats = GeneratorStats()
+    kept: list[Substitution] = []
+    seen: set[str] = set()
+    for domain in domains:
+        t0 = time.perf_counter()
+        with _enable_x64():
+            leaves, exprs, classes, sym_values = _enumerate(domain, max_ops, seed, progress)
+        stats.expressions += len(exprs) - len(leaves)
+        stats.classes += len(classes)
+        t1 = time.perf_counter()
+        stats.seconds[f"{domain.name}: enumerate"] = round(t1 - t0, 2)
+        cands = list(_candidates(domain, classes, sym_values, max_ops, seed, stats,
+                                 monotone))
+        for sub in cands:
+            key = _canonical_key(sub, domain)
+            if key in seen:
+                stats.pruned["renaming_duplicate"] += 1
+                continue
+            seen.add(key)
+            if not all(check_substitution(sub, domain, inst, seed + i + 1)
+                       for i, inst in enumerate(domain.instances)):
+                stats.pruned["failed_recheck"] += 1
+                continue
+            sub.provenance["checked_instances"] = [
+                {k: list(v) if isinstance(v, tuple) else v for k, v in inst.items()}
+                for inst in domain.instances]
+            kept.append(sub)
+        stats.seconds[f"{domain.name}: pair+prune+check"] = round(time.perf_counter() - t1, 2)
+        if progress:
+            progress(f"{domain.name}: {len(kept)} kept so far")
+    names = Counter()
+    for i, s in enumerate(kept):
+        names[s.name] += 1
+        object.__setattr__(s, "name", f"{s.name}#{names[s.name]}")
+        del i
+    stats.kept = len(kept)
+    return kept, stats

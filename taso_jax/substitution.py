@@ -1,0 +1,365 @@
+"""Graph substitutions as readable data, and matching them against a graph.
+
+A substitution has a *source* pattern and a *target* pattern over named variables with
+symbolic shapes (``["N", "C", "H", "W"]``, ``["D", "C", 1, 1]``; a leading ``"..."`` stands
+for any leading dimensions), and pairs each source output with the target tensor that
+replaces it. Attribute values of the form ``"$D"`` or ``"$D+C"`` are sizes taken from the
+symbols bound at match time (split sizes), so a substitution found on small shapes applies to
+every shape that unifies with its variables.
+
+Matching (TASO, Jia et al., SOSP 2019, Section 5) binds source nodes to graph nodes with the
+same operator and attributes, variables to tensors consistently, checks the symbolic shapes,
+refuses opaque nodes, internal source tensors that are read outside the match or are graph
+outputs, and bindings that would create a cycle; the target is then built with shape checks
+and must produce the source outputs' types.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from taso_jax.graph import Graph, Node, Tensor, make_node
+from taso_jax.ops import OPS, ShapeError
+
+__all__ = ["PNode", "Substitution", "load_substitutions", "save_substitutions",
+           "default_substitutions", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PNode:
+    """A pattern node: operator, attributes (sorted pairs), inputs as references.
+
+    A reference is a variable name, or ``"#i"`` / ``"#i.k"`` for output ``k`` of pattern
+    node ``i`` of the same side.
+    """
+
+    op: str
+    attrs: tuple[tuple[str, Any], ...]
+    inputs: tuple[str, ...]
+
+
+def _ref(ref: str) -> tuple[int, int] | None:
+    if not ref.startswith("#"):
+        return None
+    i, _, k = ref[1:].partition(".")
+    return int(i), int(k or 0)
+
+
+def _resolve_attr(v: Any, sym: dict) -> Any:
+    if isinstance(v, str) and v.startswith("$"):
+        return sum(sym[s] for s in v[1:].split("+"))
+    if isinstance(v, tuple):
+        return tuple(_resolve_attr(x, sym) for x in v)
+    return v
+
+
+def _attrs_match(pattern: tuple, host: tuple, sym: dict) -> bool:
+    if len(pattern) != len(host):
+        return False
+    for (k1, v1), (k2, v2) in zip(pattern, host, strict=True):
+        if k1 != k2:
+            return False
+        try:
+            if _resolve_attr(v1, sym) != v2:
+                return False
+        except KeyError:
+            return False
+    return True
+
+
+def unify_shape(pattern: tuple, shape: tuple[int, ...], sym: dict) -> dict | None:
+    """Extend symbol binding ``sym`` so that ``pattern`` matches ``shape``, or ``None``."""
+    sym = dict(sym)
+    if pattern and pattern[0] == "...":
+        rest = pattern[1:]
+        if len(shape) < len(rest):
+            return None
+        lead = tuple(shape[: len(shape) - len(rest)])
+        if sym.setdefault("...", lead) != lead:
+            return None
+        pattern, shape = rest, shape[len(shape) - len(rest):]
+    if len(pattern) != len(shape):
+        return None
+    for p, d in zip(pattern, shape, strict=True):
+        if isinstance(p, int):
+            if p != d:
+                return None
+        elif sym.setdefault(p, d) != d:
+            return None
+    return sym
+
+
+@dataclass(frozen=True)
+class Substitution:
+    """A verified-or-not rewrite rule ``source => target``.
+
+    Attributes:
+        name: identifier (law name when known, else a generated id).
+        variables: ``(name, shape pattern)`` pairs.
+        source, target: pattern nodes in topological order.
+        outputs: ``(source ref, target ref)`` pairs; each source output is replaced.
+        provenance: how it was found (generator settings, fingerprint), and ``proof``
+            (``None`` until the verifier stamps it).
+    """
+
+    name: str
+    variables: tuple[tuple[str, tuple], ...]
+    source: tuple[PNode, ...]
+    target: tuple[PNode, ...]
+    outputs: tuple[tuple[str, str], ...]
+    provenance: dict = field(default_factory=dict, compare=False, hash=False)
+
+    # ---- readable form -------------------------------------------------------------------
+    def expr(self, side: str, ref: str) -> str:
+        """Expression string of one reference of one side (``"source"`` or ``"target"``)."""
+        nodes = self.source if side == "source" else self.target
+        r = _ref(ref)
+        if r is None:
+            return ref
+        n = nodes[r[0]]
+        args = [self.expr(side, x) for x in n.inputs]
+        defaults = OPS[n.op].attrs
+        args += [f"{k}={_fmt(v)}" for k, v in n.attrs if defaults.get(k) != v]
+        s = f"{n.op}({', '.join(args)})"
+        return s + (f"[{r[1]}]" if len(OPS[n.op].attrs) and n.op == "split" else "")
+
+    @property
+    def law(self) -> str:
+        """``source outputs => target outputs`` as expressions."""
+        src = ", ".join(self.expr("source", s) for s, _ in self.outputs)
+        tgt = ", ".join(self.expr("target", t) for _, t in self.outputs)
+        return f"{src}  =>  {tgt}"
+
+    def to_json(self) -> dict:
+        """JSON-ready dict (lists instead of tuples)."""
+        def nodes(ns):
+            return [{"op": n.op, "attrs": {k: _jsonable(v) for k, v in n.attrs},
+                     "inputs": list(n.inputs)} for n in ns]
+        return {"name": self.name, "law": self.law,
+                "variables": {k: list(v) for k, v in self.variables},
+                "source": nodes(self.source), "target": nodes(self.target),
+                "outputs": [list(p) for p in self.outputs], "provenance": self.provenance}
+
+    @staticmethod
+    def from_json(d: dict) -> Substitution:
+        """Inverse of :meth:`to_json`. Raises ``KeyError``/``ValueError`` on malformed data."""
+        def nodes(ns):
+            out = []
+            for n in ns:
+                if n["op"] not in OPS:
+                    raise ValueError(f"substitution {d.get('name')}: unknown operator {n['op']!r}")
+                out.append(PNode(n["op"], OPS[n["op"]].normalize_attrs(
+                    {k: _from_jsonable(v) for k, v in n["attrs"].items()}), tuple(n["inputs"])))
+            return tuple(out)
+        return Substitution(d["name"], tuple((k, tuple(v)) for k, v in d["variables"].items()),
+                            nodes(d["source"]), nodes(d["target"]),
+                            tuple(tuple(p) for p in d["outputs"]), dict(d.get("provenance", {})))
+
+    # ---- matching ------------------------------------------------------------------------
+    @property
+    def _var_shapes(self) -> dict[str, tuple]:
+        return dict(self.variables)
+
+    def matches(self, graph: Graph, stats: Counter | None = None) -> Iterator[dict]:
+        """Yield bindings ``{"nodes": [host node per source node], "vars": {...}, "sym": {...}}``.
+
+        ``stats`` (optional) counts why candidate bindings were rejected.
+        """
+        stats = stats if stats is not None else Counter()
+        shapes = self._var_shapes
+        n_src = len(self.source)
+        bound_nodes: list[Node | None] = [None] * n_src
+
+        def host_of(ref: str, var: dict) -> Tensor | None:
+            r = _ref(ref)
+            if r is None:
+                return var.get(ref)
+            node = bound_nodes[r[0]]
+            return None if node is None else Tensor(node, r[1])
+
+        def extend(i: int, var: dict, sym: dict) -> Iterator[dict]:
+            if i == n_src:
+                yield {"nodes": list(bound_nodes), "vars": var, "sym": sym}
+                return
+            p = self.source[i]
+            anchors = [host_of(r, var) for r in p.inputs]
+            anchor = next((t for t in anchors if t is not None), None)
+            if anchor is not None:
+                cands = [n for n in graph.consumers.get(anchor, ()) if n.op == p.op]
+            else:
+                cands = graph.by_op.get(p.op, [])
+            for h in dict.fromkeys(cands):
+                if h in bound_nodes or len(h.inputs) != len(p.inputs):
+                    continue
+                if not _attrs_match(p.attrs, h.attrs, sym):
+                    stats["attrs"] += 1
+                    continue
+                orders = [h.inputs]
+                if OPS[p.op].commutative and h.inputs[0] != h.inputs[1]:
+                    orders.append(h.inputs[::-1])
+                for host_inputs in orders:
+                    bound = self._bind_inputs(p, host_inputs, var, sym, host_of, shapes, stats)
+                    if bound is None or not _attrs_match(p.attrs, h.attrs, bound[1]):
+                        continue
+                    bound_nodes[i] = h
+                    yield from extend(i + 1, *bound)
+                    bound_nodes[i] = None
+
+        yield from extend(0, {}, {})
+
+    @staticmethod
+    def _bind_inputs(p, host_inputs, var, sym, host_of, shapes, stats):
+        """Bind a pattern node's inputs to host tensors: ``(vars, symbols)`` or ``None``."""
+        var = dict(var)
+        for r, t in zip(p.inputs, host_inputs, strict=True):
+            want = host_of(r, var)
+            if want is not None:
+                if want != t:
+                    return None
+                continue
+            if not np.issubdtype(np.dtype(t.dtype), np.floating):
+                return None
+            sym = unify_shape(shapes[r], t.shape, sym)
+            if sym is None:
+                stats["shape"] += 1
+                return None
+            var[r] = t
+        return var, sym
+
+    def apply(self, graph: Graph, binding: dict, stats: Counter | None = None) -> Graph | None:
+        """The rewritten graph for one binding from :meth:`matches`, or ``None`` if invalid."""
+        stats = stats if stats is not None else Counter()
+        hosts: list[Node] = binding["nodes"]
+        var, sym = binding["vars"], binding["sym"]
+        matched = set(hosts)
+        if all(h in graph.weight_only for h in hosts):
+            stats["weight_only"] += 1
+            return None  # rewriting weight-only work changes nothing at run time
+        out_refs = {s for s, _ in self.outputs}
+        for i, h in enumerate(hosts):
+            for k, t in enumerate(h.outputs):
+                if f"#{i}.{k}" in out_refs or (k == 0 and f"#{i}" in out_refs):
+                    continue
+                if t in graph.output_set or any(
+                        c not in matched for c in graph.consumers.get(t, ())):
+                    stats["internal_used"] += 1
+                    return None
+        if self._creates_cycle(graph, matched, var.values()):
+            stats["cycle"] += 1
+            return None
+        built: list[Node] = []
+        try:
+            for p in self.target:
+                ins = []
+                for r in p.inputs:
+                    rr = _ref(r)
+                    ins.append(var[r] if rr is None else Tensor(built[rr[0]], rr[1]))
+                attrs = {k: _resolve_attr(v, sym) for k, v in p.attrs}
+                built.append(make_node(p.op, ins, attrs))
+        except (ShapeError, KeyError):
+            stats["target_shape"] += 1
+            return None
+        mapping: dict[Tensor, Tensor] = {}
+        for s, t in self.outputs:
+            rs, rt = _ref(s), _ref(t)
+            src = Tensor(hosts[rs[0]], rs[1])
+            tgt = var[t] if rt is None else Tensor(built[rt[0]], rt[1])
+            if src.type != tgt.type:
+                stats["output_type"] += 1
+                return None
+            mapping[src] = tgt
+        return graph.replace(mapping)
+
+    @staticmethod
+    def _creates_cycle(graph: Graph, matched: set[Node], var_tensors) -> bool:
+        pos = _positions(graph)
+        first = min(pos[n] for n in matched)
+        stack = [t.node for t in var_tensors if pos[t.node] > first]
+        seen: set[Node] = set()
+        while stack:
+            n = stack.pop()
+            if n in matched:
+                return True
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(t.node for t in n.inputs if pos[t.node] > first)
+        return False
+
+    def rewrites(self, graph: Graph, stats: Counter | None = None) -> Iterator[Graph]:
+        """Every graph obtained by applying this substitution once."""
+        for b in self.matches(graph, stats):
+            g = self.apply(graph, b, stats)
+            if g is not None:
+                yield g
+
+
+def _positions(graph: Graph) -> dict[Node, int]:
+    pos = graph.__dict__.get("_positions")
+    if pos is None:
+        pos = {n: i for i, n in enumerate(graph.nodes)}
+        graph.__dict__["_positions"] = pos
+    return pos
+
+
+def _fmt(v: Any) -> str:
+    return str(list(v)) if isinstance(v, tuple) else str(v)
+
+
+def _jsonable(v: Any) -> Any:
+    return [_jsonable(x) for x in v] if isinstance(v, tuple) else v
+
+
+def _from_jsonable(v: Any) -> Any:
+    return tuple(_from_jsonable(x) for x in v) if isinstance(v, list) else v
+
+
+def save_substitutions(subs: list[Substitution], path, settings: dict | None = None) -> None:
+    """Write substitutions as versioned JSON, atomically (temporary file then rename)."""
+    import os
+    import tempfile
+
+    doc = {"format": "taso_jax.substitutions", "version": FORMAT_VERSION,
+           "generator": settings or {}, "substitutions": [s.to_json() for s in subs]}
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_substitutions(path) -> list[Substitution]:
+    """Read a substitution file written by :func:`save_substitutions`.
+
+    Raises:
+        ValueError: not a substitution file, or a newer format version.
+    """
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("format") != "taso_jax.substitutions":
+        raise ValueError(f"{path}: not a taso_jax substitution file")
+    if doc.get("version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{path}: format version {doc['version']} is newer than "
+                         f"{FORMAT_VERSION}")
+    return [Substitution.from_json(d) for d in doc["substitutions"]]
+
+
+def default_substitutions() -> list[Substitution]:
+    """The generated substitution set shipped inside the package."""
+    from importlib.resources import files
+
+    return load_substitutions(files("taso_jax").joinpath("data/substitutions.json"))

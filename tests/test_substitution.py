@@ -1,0 +1,125 @@
+"""Substitutions: JSON form, matching rules, and the shipped default set."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import taso_jax
+from taso_jax import new_graph
+from taso_jax.substitution import PNode, Substitution, load_substitutions, save_substitutions
+
+# matmul(x, a), matmul(x, b)  =>  split(matmul(x, concat(a, b)))
+MERGE = Substitution(
+    "matmul_concat_merge",
+    (("x", ("...", "M", "K")), ("a", ("K", "N")), ("b", ("K", "P"))),
+    (PNode("matmul", (("activation", "none"),), ("x", "a")),
+     PNode("matmul", (("activation", "none"),), ("x", "b"))),
+    (PNode("concat", (("axis", -1),), ("a", "b")),
+     PNode("matmul", (("activation", "none"),), ("x", "#0")),
+     PNode("split", (("axis", -1), ("sizes", ("$N", "$P"))), ("#1",))),
+    (("#0", "#2"), ("#1", "#2.1")),
+    {"method": "hand-written for tests", "proof": None})
+
+
+def _graph(m=4, k=5, n=6, p=7, batch=()):
+    g = new_graph()
+    x = g.new_input((*batch, m, k), name="x")
+    a = g.new_weight((k, n), name="a")
+    b = g.new_weight((k, p), name="b")
+    ya, yb = g.matmul(x, a), g.matmul(x, b)
+    g.mark_output(g.relu(ya), "ya")
+    g.mark_output(yb, "yb")
+    return g.graph()
+
+
+def test_json_roundtrip(tmp_path):
+    path = tmp_path / "subs.json"
+    save_substitutions([MERGE], path, {"note": "test"})
+    (back,) = load_substitutions(path)
+    assert back == MERGE
+    assert back.law == ("matmul(x, a), matmul(x, b)  =>  split(matmul(x, concat(a, b, "
+                        "axis=-1)), axis=-1, sizes=['$N', '$P'])[0], split(matmul(x, concat(a, "
+                        "b, axis=-1)), axis=-1, sizes=['$N', '$P'])[1]")
+
+
+@pytest.mark.parametrize("batch", [(), (2, 3)])
+def test_match_and_apply_is_correct(batch):
+    g = _graph(batch=batch)
+    (g2,) = list(MERGE.rewrites(g))
+    assert g2.op_counts() == Counter({"matmul": 1, "split": 1, "relu": 1})
+    xs = taso_jax.random_inputs(g)
+    for a, b in zip(taso_jax.compile_graph(g)(*xs), taso_jax.compile_graph(g2)(*xs),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_match_checks_symbolic_shapes():
+    # Variable shapes must unify: here "K" of a and b differs from x's last dimension.
+    sub = Substitution(MERGE.name, (("x", ("M", "K")), ("a", ("K", "N")), ("b", ("K", "N"))),
+                       MERGE.source, MERGE.target, MERGE.outputs)
+    stats = Counter()
+    assert list(sub.rewrites(_graph(n=6, p=7), stats)) == []
+    assert stats["shape"] > 0
+    assert len(list(sub.rewrites(_graph(n=6, p=6)))) == 1
+
+
+def test_match_refuses_internal_tensor_used_outside():
+    # relu(matmul(x, a)) => matmul(x, a, activation=relu) must not fire when the matmul
+    # result is also read elsewhere.
+    fuse = Substitution("fuse", (("x", ("M", "K")), ("a", ("K", "N"))),
+                        (PNode("matmul", (("activation", "none"),), ("x", "a")),
+                         PNode("relu", (), ("#0",))),
+                        (PNode("matmul", (("activation", "relu"),), ("x", "a")),),
+                        (("#1", "#0"),))
+    g = new_graph()
+    x, a = g.new_input((3, 4), name="x"), g.new_weight((4, 5), name="a")
+    y = g.matmul(x, a)
+    g.mark_output(g.relu(y), "r")
+    only = g.graph()
+    assert len(list(fuse.rewrites(only))) == 1
+    g.mark_output(y, "y")
+    stats = Counter()
+    assert list(fuse.rewrites(g.graph(), stats)) == []
+    assert stats["internal_used"] == 1
+
+
+def test_match_refuses_cycles():
+    # matmul(x, a) and matmul(relu(matmul(x, a)) ...) cannot merge: the second input depends
+    # on the first output.
+    sub = Substitution("merge_rows", (("x", ("M", "K")), ("y", ("M", "K")), ("a", ("K", "N"))),
+                       (PNode("matmul", (("activation", "none"),), ("x", "a")),
+                        PNode("matmul", (("activation", "none"),), ("y", "a"))),
+                       (PNode("concat", (("axis", -2),), ("x", "y")),
+                        PNode("matmul", (("activation", "none"),), ("#0", "a")),
+                        PNode("split", (("axis", -2), ("sizes", ("$M", "$M"))), ("#1",))),
+                       (("#0", "#2"), ("#1", "#2.1")))
+    g = new_graph()
+    x, a = g.new_input((4, 4), name="x"), g.new_weight((4, 4), name="a")
+    y1 = g.matmul(x, a)
+    y2 = g.matmul(g.relu(y1), a)
+    g.mark_output(y2, "out")
+    g.mark_output(y1, "y1")
+    stats = Counter()
+    assert list(sub.rewrites(g.graph(), stats)) == []
+    assert stats["cycle"] >= 1
+
+
+def test_attributes_must_match():
+    g = new_graph()
+    x = g.new_input((3, 4), name="x")
+    a, b = g.new_weight((4, 5), name="a"), g.new_weight((4, 5), name="b")
+    g.matmul(x, a, activation="relu")
+    g.matmul(x, b)
+    assert list(MERGE.rewrites(g.graph())) == []
+
+
+def test_default_set_loads_and_is_generated():
+    subs = taso_jax.default_substitutions()
+    assert len(subs) > 100
+    assert all(s.provenance["method"] == "fingerprint" for s in subs)
+    laws = {s.law for s in subs}
+    assert "matmul(matmul(x, a), c)  =>  matmul(x, matmul(a, c))" in laws
+    assert "ewadd(matmul(x, a), matmul(x, b))  =>  matmul(x, ewadd(a, b))" in laws
