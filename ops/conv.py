@@ -40,10 +40,10 @@ def explicit_pads(padding, kernel_hw, dilations=(1, 1)) -> tuple[int, int, int, 
 def canonical_padding(pads, kernel_hw, dilations=(1, 1)):
     """Explicit pads to ``"valid"``/``"same"`` when they agree, else the tuple."""
     pads = tuple(int(p) for p in pads)
+    if pads == explicit_pads("same", kernel_hw, dilations):
+        return "same"  # checked first: for a 1x1 kernel "same" and "valid" coincide
     if pads == (0, 0, 0, 0):
         return "valid"
-    if pads == explicit_pads("same", kernel_hw, dilations):
-        return "same"
     return pads
 
 

@@ -24,7 +24,7 @@ from taso_jax.graph import Graph
 from taso_jax.search.cost import AnalyticCostModel, CostModel
 from taso_jax.substitution import Substitution
 
-__all__ = ["SearchResult", "backtracking_search"]
+__all__ = ["SearchResult", "backtracking_search", "greedy_descent"]
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,40 @@ def _relevant(subs: Sequence[Substitution], graph: Graph) -> list[Substitution]:
     return [s for s in subs if all(p.op in ops for p in s.source)]
 
 
+def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
+                   time_limit: float, rejected: Counter) -> tuple[Graph, float, list[str]]:
+    """Apply strictly cost-reducing rewrites, first found first, until none is left.
+
+    Large models contain the same pattern many times (one batchnorm per convolution); the
+    backtracking search would spend one expansion on each. This descent takes them all in
+    one pass, and the search then explores from its result. Returns the graph, its cost and
+    the names of the substitutions applied, in order.
+    """
+    t0 = time.perf_counter()
+    cost = cost_model.graph_cost(graph)
+    applied: list[str] = []
+    improved = True
+    while improved and time.perf_counter() - t0 < time_limit:
+        improved = False
+        for sub in _relevant(substitutions, graph):
+            again = True
+            while again and time.perf_counter() - t0 < time_limit:
+                again = False
+                for g2 in sub.rewrites(graph, rejected):
+                    c2 = cost_model.graph_cost(g2)
+                    if c2 < cost * (1 - 1e-9):
+                        graph, cost = g2, c2
+                        applied.append(sub.name)
+                        again = improved = True
+                        break
+    return graph, cost, applied
+
+
 def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
                         cost_model: CostModel | None = None, alpha: float = 1.05,
                         budget: int = 1000, time_limit: float = 60.0,
-                        progress: Callable[[int, float], None] | None = None) -> SearchResult:
+                        progress: Callable[[int, float], None] | None = None,
+                        greedy: bool = True) -> SearchResult:
     """Search for the cheapest graph equivalent to ``graph`` under ``substitutions``.
 
     Args:
@@ -73,6 +103,8 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         budget: maximum number of graphs expanded.
         time_limit: maximum wall time in seconds.
         progress: called as ``progress(iterations, best_cost)`` after each expansion.
+        greedy: first apply every strictly cost-reducing rewrite (:func:`greedy_descent`,
+            at most half the time limit), then search from there.
 
     Raises:
         ValueError: ``alpha < 1`` or a negative budget.
@@ -84,12 +116,17 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     cost_model = cost_model or AnalyticCostModel()
     t0 = time.perf_counter()
     cost0 = cost_model.graph_cost(graph)
-    tie = itertools.count()
-    queue = [(cost0, next(tie), graph, ())]
-    seen = {graph.key}
-    best, best_cost, best_path = graph, cost0, ()
-    iterations, stopped = 0, "queue empty"
     rejected: Counter = Counter()
+    start, start_cost, start_path = graph, cost0, ()
+    if greedy:
+        start, start_cost, names = greedy_descent(graph, substitutions, cost_model,
+                                                  time_limit / 2, rejected)
+        start_path = tuple(names)
+    tie = itertools.count()
+    queue = [(start_cost, next(tie), start, start_path)]
+    seen = {graph.key, start.key}
+    best, best_cost, best_path = start, start_cost, start_path
+    iterations, stopped = 0, "queue empty"
     while queue:
         if iterations >= budget:
             stopped = "budget"

@@ -10,6 +10,9 @@ node is identical in every candidate graph, so it shifts all costs equally.
   device kind, operator, attributes, shapes and dtypes.
 * :class:`AnalyticCostModel`: FLOPs over peak plus bytes moved over bandwidth, in
   microseconds; deterministic, used by tests and ``--cost-model analytic``.
+
+Both price operators that XLA fuses into a neighbouring kernel (declared ``fusible``:
+elementwise and layout operators) by their arithmetic alone.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from taso_jax.graph import LEAF_OPS, Graph, Node
 from taso_jax.ops import OPS
 
-__all__ = ["CostModel", "AnalyticCostModel", "MeasuredCostModel", "graph_cost", "get_cost_model"]
+__all__ = ["CostModel", "AnalyticCostModel", "fused_cost", "MeasuredCostModel", "graph_cost", "get_cost_model"]
 
 
 class CostModel:
@@ -54,6 +57,17 @@ class CostModel:
 
 def _bytes(types: Iterable) -> float:
     return float(sum(t.nbytes for t in types))
+
+
+def fused_cost(node: Node, gflops: float) -> float:
+    """Cost of an operator that XLA fuses into a neighbouring kernel, in microseconds.
+
+    Such an operator launches no kernel and moves no memory of its own (the kernel it joins
+    does both); only its arithmetic remains, at ``gflops`` GFLOP/s.
+    """
+    flops = OPS[node.op].cost_flops([t.type for t in node.inputs], list(node.types),
+                                    dict(node.attrs))
+    return flops / (gflops * 1e3)
 
 
 class AnalyticCostModel(CostModel):
@@ -87,8 +101,7 @@ class AnalyticCostModel(CostModel):
         ins = [t.type for t in node.inputs]
         opdef = OPS.get(node.op)
         if opdef is not None and opdef.fusible:
-            # Fused into a neighbouring kernel: no launch, the output is written once.
-            return _bytes(node.types) / (self.gbytes * 1e3)
+            return fused_cost(node, self.gflops)
         if opdef is None:
             flops = float(sum(t.size for t in node.types))
         else:
@@ -144,6 +157,10 @@ class MeasuredCostModel(CostModel):
     def _cost(self, node: Node) -> float:
         if node.op == "opaque":
             return self._analytic.node_cost(node)
+        if OPS[node.op].fusible:
+            # Timed alone, an elementwise or layout operator would be charged a whole kernel;
+            # under jax.jit it is fused into its neighbour, so only its arithmetic counts.
+            return fused_cost(node, self._analytic.gflops)
         key = self.key(node)
         if self._db is not None:
             row = self._db.execute("SELECT micros FROM cost WHERE device=? AND key=?",

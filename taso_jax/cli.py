@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 
 __all__ = ["main"]
@@ -35,25 +34,11 @@ def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _write_atomic(model, path: str) -> None:
-    import onnx
-
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".taso_jax.", suffix=".onnx.tmp")
-    os.close(fd)
-    try:
-        onnx.save(model, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _optimize(args) -> int:
     import onnx
 
     import taso_jax
+    from taso_jax._io import atomic_write
     from taso_jax.report import compare_onnx, format_report, measure_speed
 
     notes = []
@@ -121,7 +106,7 @@ def _optimize(args) -> int:
               + ", ".join(sorted(result.applied)), file=sys.stderr)
         return 1
     if args.output:
-        _write_atomic(optimized, args.output)
+        atomic_write(args.output, lambda tmp: onnx.save(optimized, tmp))
         report["written"] = args.output
     print(format_report(report))
     if args.json:

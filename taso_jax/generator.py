@@ -38,7 +38,8 @@ import numpy as np
 
 from taso_jax.graph import Graph, Node, Tensor, leaf_node, make_node, topo_order
 from taso_jax.ops import ShapeError, TensorType
-from taso_jax.substitution import PNode, Substitution
+from taso_jax.ops import OPS
+from taso_jax.substitution import PNode, Substitution, _resolve_attr
 
 __all__ = ["Domain", "DEFAULT_DOMAINS", "generate", "GeneratorStats", "check_substitution"]
 
@@ -273,8 +274,11 @@ def _canonical_key(sub: Substitution, domain: Domain) -> str:
     return best
 
 
-def check_substitution(sub: Substitution, domain: Domain, instance: dict, seed: int) -> bool:
+def check_substitution(sub: Substitution, domain: Domain, instance: dict, seed: int,
+                       attr_values: dict | None = None) -> bool:
     """Numerically check ``sub`` on one shape instance of its domain (float64, rtol 1e-9).
+
+    ``attr_values`` gives values for attribute variables (``"?strides"``).
 
     Builds the source pattern as a graph, rewrites it with the matcher (so the check covers
     matching and symbolic sizes too), and compares both graphs' outputs on random inputs.
@@ -284,7 +288,7 @@ def check_substitution(sub: Substitution, domain: Domain, instance: dict, seed: 
     rng = np.random.default_rng(seed)
     leaves = {}
     values = {}
-    sym = {k: v for k, v in instance.items()}
+    sym = {**instance, **(attr_values or {})}
     for v, pat in sub.variables:
         kind = domain.variables[v][0]
         t = leaf_node(kind, v, TensorType(_instance_shape(pat, sym), "float64")).outputs[0]
@@ -296,12 +300,7 @@ def check_substitution(sub: Substitution, domain: Domain, instance: dict, seed: 
             ins = [leaves[r] if not r.startswith("#") else
                    Tensor(built[int(r[1:].split(".")[0])], int((r.split(".") + ["0"])[1]))
                    for r in p.inputs]
-            attrs = {k: (sum(sym[s] for s in v[1:].split("+"))
-                         if isinstance(v, str) and v.startswith("$") else v)
-                     for k, v in p.attrs}
-            if p.op == "split":
-                attrs["sizes"] = tuple(sum(sym[s] for s in x[1:].split("+"))
-                                       if isinstance(x, str) else x for x in attrs["sizes"])
+            attrs = {k: _resolve_attr(v, sym) for k, v in p.attrs}
             built.append(make_node(p.op, ins, attrs))
     except ShapeError:
         return False
@@ -340,6 +339,99 @@ def _runtime_ops(nodes, domain) -> int:
         return memo[n]
 
     return sum(runtime(n) for n in nodes)
+
+
+def _alternatives(op: str, name: str, value) -> list:
+    """Other values of one attribute, taken from the operator's declared examples."""
+    vals = [OPS[op].attrs.get(name)] + [a[name] for _, a in OPS[op].examples if name in a]
+    out = []
+    for v in vals:
+        if v != value and v not in out:
+            out.append(v)
+    return out
+
+
+def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Substitution:
+    """Turn attributes that both sides share into attribute variables where the law allows.
+
+    For each ``(operator, attribute, value)`` used on the source side, every occurrence on
+    both sides becomes ``"?attribute"``; the generalised substitution is kept if it re-checks
+    on every domain instance for every alternative value from the operator's examples that
+    type-checks (and at least one does). E.g. folding a per-channel scale into a kernel holds
+    for any stride, padding and dilation, but not with a fused relu.
+    """
+    fixed: dict = {}  # attribute variables introduced so far, at their original values
+    for p in sub.source:
+        for k, v in p.attrs:
+            if isinstance(v, str) and v[:1] in "$?" or k == "sizes":
+                continue
+            var = f"?{k}"
+            if any(var == x for n in sub.source + sub.target for _, x in n.attrs):
+                continue
+
+            def rename(nodes, op=p.op, k=k, v=v, var=var):
+                return tuple(PNode(n.op, tuple((a, var if (n.op == op and a == k and x == v)
+                                                else x) for a, x in n.attrs), n.inputs)
+                             for n in nodes)
+
+            cand = Substitution(sub.name, sub.variables, rename(sub.source),
+                                rename(sub.target), sub.outputs, sub.provenance)
+            tried = 0
+            ok = True
+            for alt in _alternatives(p.op, k, v):
+                for j, inst in enumerate(domain.instances):  # cheapest refutation first
+                    res = _check_or_none(cand, domain, inst, seed + 17 * j,
+                                         {**fixed, var: alt})
+                    if res is None:
+                        continue
+                    tried += 1
+                    if not res:
+                        ok = False
+                        break
+                if not ok:
+                    break
+            if ok and tried:
+                sub = cand
+                fixed[var] = v
+    return sub
+
+
+def _generalize_one(args):
+    sub, domain, seed = args
+    return generalize_attributes(sub, domain, seed)
+
+
+def _generalize_all(subs: list[Substitution], domain: Domain, seed: int,
+                    workers: int | None) -> list[Substitution]:
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = workers or os.cpu_count() or 1
+    jobs = [(s, domain, seed) for s in subs]
+    if workers == 1 or len(subs) < 50:
+        return [_generalize_one(j) for j in jobs]
+    ctx = multiprocessing.get_context("spawn")  # JAX is threaded: never fork it
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        return list(pool.map(_generalize_one, jobs, chunksize=16))
+
+
+def _check_or_none(sub, domain, inst, seed, attr_values) -> bool | None:
+    """Like :func:`check_substitution`, but ``None`` when the source does not type-check."""
+    try:  # type-check the source with these attribute values first
+        built: list[Node] = []
+        sym = {**inst, **attr_values}
+        leaves = {v: leaf_node(domain.variables[v][0], v,
+                           TensorType(_instance_shape(pat, sym), "float64")).outputs[0]
+                  for v, pat in sub.variables}
+        for p in sub.source:
+            ins = [leaves[r] if not r.startswith("#") else
+                   Tensor(built[int(r[1:].split(".")[0])], int((r.split(".") + ["0"])[1]))
+                   for r in p.inputs]
+            built.append(make_node(p.op, ins, {k: _resolve_attr(v, sym) for k, v in p.attrs}))
+    except ShapeError:
+        return None
+    return check_substitution(sub, domain, inst, seed, attr_values)
 
 
 def _candidates(domain, classes, sym_values, max_ops, seed, stats, monotone):
@@ -405,23 +497,27 @@ def _candidates(domain, classes, sym_values, max_ops, seed, stats, monotone):
                     stats.pruned["symbolic_size"] += 1
 
 
-def generate(domains=DEFAULT_DOMAINS, max_ops: int = 3, seed: int = 0,
+def generate(domains=None, max_ops: int = 3, seed: int = 0,
              progress: Callable[[str], None] | None = None, monotone: bool = True,
-             ) -> tuple[list[Substitution], GeneratorStats]:
+             workers: int | None = None) -> tuple[list[Substitution], GeneratorStats]:
     """Generate substitutions over ``domains`` with expressions of up to ``max_ops`` operators.
 
     Args:
-        domains: variable pools and operator choices (:class:`Domain`).
+        domains: variable pools and operator choices (:class:`Domain`); default
+            :data:`DEFAULT_DOMAINS`.
         max_ops: size bound on each side, in operators (TASO used 4).
         seed: seed for fingerprints and re-checks; the output is deterministic for a seed.
         progress: called with a status line per stage.
         monotone: keep only substitutions whose target runs no more operators than the
             source (weight-only operators are free); the search's alpha relaxation then
             explores sideways moves, and the rule set stays small enough to match quickly.
+        workers: processes for attribute generalisation (default: one per core; 1 runs
+            in this process).
 
     Returns:
         The kept substitutions and the per-stage counts.
     """
+    domains = DEFAULT_DOMAINS if domains is None else domains
     stats = GeneratorStats()
     kept: list[Substitution] = []
     seen: set[str] = set()
@@ -450,6 +546,11 @@ def generate(domains=DEFAULT_DOMAINS, max_ops: int = 3, seed: int = 0,
                 for inst in domain.instances]
             kept.append(sub)
         stats.seconds[f"{domain.name}: pair+prune+check"] = round(time.perf_counter() - t1, 2)
+        t2 = time.perf_counter()
+        start = len(kept) - sum(1 for s in kept if s.provenance["domain"] == domain.name)
+        kept[start:] = _generalize_all(kept[start:], domain, seed, workers)
+        stats.seconds[f"{domain.name}: generalize attributes"] = round(
+            time.perf_counter() - t2, 2)
         if progress:
             progress(f"{domain.name}: {len(kept)} kept so far")
     names = Counter()

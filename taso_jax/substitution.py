@@ -5,7 +5,8 @@ symbolic shapes (``["N", "C", "H", "W"]``, ``["D", "C", 1, 1]``; a leading ``"..
 for any leading dimensions), and pairs each source output with the target tensor that
 replaces it. Attribute values of the form ``"$D"`` or ``"$D+C"`` are sizes taken from the
 symbols bound at match time (split sizes), so a substitution found on small shapes applies to
-every shape that unifies with its variables.
+every shape that unifies with its variables. An attribute value ``"?name"`` is an attribute
+variable: it matches any value, the same value wherever it appears, and the target reuses it.
 
 Matching (TASO, Jia et al., SOSP 2019, Section 5) binds source nodes to graph nodes with the
 same operator and attributes, variables to tensors consistently, checks the symbolic shapes,
@@ -56,23 +57,36 @@ def _ref(ref: str) -> tuple[int, int] | None:
 def _resolve_attr(v: Any, sym: dict) -> Any:
     if isinstance(v, str) and v.startswith("$"):
         return sum(sym[s] for s in v[1:].split("+"))
+    if isinstance(v, str) and v.startswith("?"):
+        return sym[v]
     if isinstance(v, tuple):
         return tuple(_resolve_attr(x, sym) for x in v)
     return v
 
 
-def _attrs_match(pattern: tuple, host: tuple, sym: dict) -> bool:
+def _attrs_match(pattern: tuple, host: tuple, sym: dict) -> dict | None:
+    """Extended binding if the pattern's attributes match the host's, else ``None``.
+
+    ``"?name"`` values are attribute variables: bound to the host's value on first use, and
+    required to be equal wherever else they appear.
+    """
     if len(pattern) != len(host):
-        return False
+        return None
     for (k1, v1), (k2, v2) in zip(pattern, host, strict=True):
         if k1 != k2:
-            return False
+            return None
+        if isinstance(v1, str) and v1.startswith("?"):
+            if v1 not in sym:
+                sym = {**sym, v1: v2}
+            elif sym[v1] != v2:
+                return None
+            continue
         try:
             if _resolve_attr(v1, sym) != v2:
-                return False
+                return None
         except KeyError:
-            return False
-    return True
+            return None
+    return sym
 
 
 def unify_shape(pattern: tuple, shape: tuple[int, ...], sym: dict) -> dict | None:
@@ -199,15 +213,18 @@ class Substitution:
             for h in dict.fromkeys(cands):
                 if h in bound_nodes or len(h.inputs) != len(p.inputs):
                     continue
-                if not _attrs_match(p.attrs, h.attrs, sym):
+                sym_a = _attrs_match(p.attrs, h.attrs, sym)
+                if sym_a is None:
                     stats["attrs"] += 1
                     continue
                 orders = [h.inputs]
                 if OPS[p.op].commutative and h.inputs[0] != h.inputs[1]:
                     orders.append(h.inputs[::-1])
                 for host_inputs in orders:
-                    bound = self._bind_inputs(p, host_inputs, var, sym, host_of, shapes, stats)
-                    if bound is None or not _attrs_match(p.attrs, h.attrs, bound[1]):
+                    bound = self._bind_inputs(p, host_inputs, var, sym_a, host_of, shapes,
+                                              stats)
+                    # Sizes in attributes ("$D") can only be checked once shapes are bound.
+                    if bound is None or _attrs_match(p.attrs, h.attrs, bound[1]) is None:
                         continue
                     bound_nodes[i] = h
                     yield from extend(i + 1, *bound)
@@ -282,7 +299,7 @@ class Substitution:
     def _creates_cycle(graph: Graph, matched: set[Node], var_tensors) -> bool:
         pos = _positions(graph)
         first = min(pos[n] for n in matched)
-        stack = [t.node for t in var_tensors if pos[t.node] > first]
+        stack = [t.node for t in var_tensors if pos[t.node] >= first]
         seen: set[Node] = set()
         while stack:
             n = stack.pop()
@@ -291,7 +308,7 @@ class Substitution:
             if n in seen:
                 continue
             seen.add(n)
-            stack.extend(t.node for t in n.inputs if pos[t.node] > first)
+            stack.extend(t.node for t in n.inputs if pos[t.node] >= first)
         return False
 
     def rewrites(self, graph: Graph, stats: Counter | None = None) -> Iterator[Graph]:
@@ -324,22 +341,17 @@ def _from_jsonable(v: Any) -> Any:
 
 def save_substitutions(subs: list[Substitution], path, settings: dict | None = None) -> None:
     """Write substitutions as versioned JSON, atomically (temporary file then rename)."""
-    import os
-    import tempfile
+    from taso_jax._io import atomic_write
 
     doc = {"format": "taso_jax.substitutions", "version": FORMAT_VERSION,
            "generator": settings or {}, "substitutions": [s.to_json() for s in subs]}
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    atomic_write(path, write)
 
 
 def load_substitutions(path) -> list[Substitution]:

@@ -1,0 +1,124 @@
+"""The ``taso-jax`` command: reports, exit codes, and never losing the user's files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import model_path
+
+from taso_jax.cli import main
+from taso_jax.substitution import PNode, Substitution, save_substitutions
+
+FAST = ["--cost-model", "analytic", "--budget", "5", "-q"]
+
+
+def _digest(p):
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_builtin_example_report(capsys, tmp_path):
+    report = tmp_path / "r.json"
+    assert main(["optimize", *FAST, "--repeats", "3", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    for line in ("operators:", "estimated cost (analytic)", "measured time", "search:",
+                 "output check", "substitutions applied"):
+        assert line in out
+    data = json.loads(report.read_text())
+    assert data["check"]["ok"] and data["time"]["before_us"] > 0
+
+
+def test_optimize_model_writes_output_and_keeps_input(tmp_path, capsys):
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+    before = _digest(src)
+    out = tmp_path / "m.opt.onnx"
+    assert main(["optimize", str(src), "-o", str(out), *FAST, "--no-time"]) == 0
+    assert _digest(src) == before
+    import onnx
+
+    onnx.checker.check_model(onnx.load(out), full_check=True)
+    assert "written:" in capsys.readouterr().out
+    assert not list(tmp_path.glob(".taso_jax.*"))  # no temporary file left behind
+
+
+def _run(args):
+    return subprocess.run([sys.executable, "-m", "taso_jax.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["missing", "not_onnx", "truncated", "same_output",
+                                  "symbolic", "bad_shape_flag", "opset"])
+def test_bad_input_exit_code_2(tmp_path, case):
+    p = tmp_path / "m.onnx"
+    args = ["optimize", str(p), *FAST, "--no-time"]
+    if case == "not_onnx":
+        p.write_text("hello")
+    elif case == "truncated":
+        data = model_path("tv_squeezenet1_1").read_bytes()
+        p.write_bytes(data[: len(data) // 2])
+    elif case == "same_output":
+        p.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+        args += ["-o", str(p)]
+    elif case in ("symbolic", "opset"):
+        from onnx import TensorProto, helper, save
+
+        dims = ["n", 3] if case == "symbolic" else [2, 3]
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)
+        save(helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])],
+                                                 "g", [x], [y]),
+                               opset_imports=[helper.make_opsetid(
+                                   "", 17 if case == "symbolic" else 21)], ir_version=10), p)
+    elif case == "bad_shape_flag":
+        p.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+        args += ["--input-shape", "x:1,3"]
+    before = p.read_bytes() if p.exists() else None
+    r = _run(args)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("taso-jax: error:"), r.stderr
+    expected = {"missing": "file not found", "not_onnx": "not a valid ONNX model",
+                "truncated": "not a valid ONNX model", "same_output": "is the input model",
+                "symbolic": "dimension 0 is symbolic", "bad_shape_flag": "expected NAME=",
+                "opset": "unsupported opset 21"}[case]
+    assert expected in lines[0]
+    assert (p.read_bytes() if p.exists() else None) == before
+    assert not (tmp_path / "m.opt.onnx").exists()
+
+
+def test_wrong_substitution_is_caught_and_nothing_written(tmp_path, capsys):
+    """A deliberately wrong rule, relu(a) => a, looks profitable to any cost model; the
+    output check (onnxruntime on both models) must refuse the result and write nothing."""
+    bad = Substitution("wrong_drop_relu", (("a", ("N", "C", "H", "W")),),
+                       (PNode("relu", (), ("a",)),), (), (("#0", "a"),),
+                       {"method": "hand-written, deliberately wrong"})
+    subs = tmp_path / "bad.json"
+    save_substitutions([bad], subs)
+    out = tmp_path / "out.onnx"
+    code = main(["optimize", "--substitutions", str(subs), "-o", str(out), *FAST, "--no-time"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "wrong_drop_relu" in err and "nothing written" in err
+    assert not out.exists()
+
+
+def test_generate_small(tmp_path, capsys, monkeypatch):
+    from taso_jax import generator
+
+    small = generator.Domain("mm", {"x": ("input", ("M", "K")), "a": ("weight", ("K", "N")),
+                                    "b": ("weight", ("K", "N"))},
+                             ({"M": 2, "K": 3, "N": 4}, {"M": 5, "K": 2, "N": 3}),
+                             (("matmul", {}), ("ewadd", {})))
+    monkeypatch.setattr(generator, "DEFAULT_DOMAINS", (small,))
+    out = tmp_path / "s.json"
+    assert main(["generate", "--max-ops", "3", "-o", str(out), "-q"]) == 0
+    text = capsys.readouterr().out
+    assert "candidate substitutions" in text and "kept" in text
+    from taso_jax import load_substitutions
+
+    laws = {s.law for s in load_substitutions(out)}
+    assert "ewadd(matmul(x, a), matmul(x, b))  =>  matmul(x, ewadd(a, b))" in laws

@@ -1,0 +1,41 @@
+"""The README's commands are the ones CI runs, and the examples run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import model_path
+
+ROOT = Path(__file__).parent.parent
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```(?:bash|sh)?\n(.*?)```", text, re.S).group(1)
+    return [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def test_ci_runs_the_readme_test_command():
+    run_cmd, test_cmd = _readme_commands()[:2]
+    assert "taso-jax optimize" in run_cmd and "pytest" in test_cmd
+    assert test_cmd in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_builder_example_runs(tmp_path):
+    out = tmp_path / "m.onnx"
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "builder_api.py"), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "enlarge" in r.stdout and out.exists()
+
+
+def test_onnx_example_runs(tmp_path):
+    out = tmp_path / "m.onnx"
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "optimize_onnx.py"),
+                        str(model_path("hf_gpt2_tiny")), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "'ok': True" in r.stdout and out.exists()
