@@ -100,7 +100,8 @@ class CompiledGraph:
         self.fold_seconds = time.perf_counter() - t0
         needed = {t for n in runtime_nodes for t in n.inputs if t.node in graph.weight_only}
         needed |= {t for t in graph.outputs if t.node in graph.weight_only}
-        self._const_keys = sorted(needed, key=lambda t: (graph.nodes.index(t.node), t.index))
+        pos = {n: i for i, n in enumerate(graph.nodes)}
+        self._const_keys = sorted(needed, key=lambda t: (pos[t.node], t.index))
         self.folded = [env[t] for t in self._const_keys]
         inputs = [n.outputs[0] for n in graph.inputs]
         const_keys = self._const_keys

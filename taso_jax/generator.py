@@ -186,8 +186,6 @@ def _enumerate(domain: Domain, max_ops: int, seed: int, progress: Callable | Non
         new_reps: list[_Expr] = []
         pool = [e for e in reps if len(e.nodes) < size]
         for op, attrs in domain.ops:
-            from taso_jax.ops import OPS
-
             arity = OPS[op].arity or 2
             for combo in itertools.product(pool, repeat=arity):
                 if sum(len(e.nodes) for e in combo) < size - 1:

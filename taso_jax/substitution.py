@@ -143,7 +143,14 @@ class Substitution:
         defaults = OPS[n.op].attrs
         args += [f"{k}={_fmt(v)}" for k, v in n.attrs if defaults.get(k) != v]
         s = f"{n.op}({', '.join(args)})"
-        return s + (f"[{r[1]}]" if len(OPS[n.op].attrs) and n.op == "split" else "")
+        return s + (f"[{r[1]}]" if self._multi_output(side, r[0]) else "")
+
+    def _multi_output(self, side: str, i: int) -> bool:
+        """Whether some reference reads an output other than 0 of node ``i``."""
+        nodes = self.source if side == "source" else self.target
+        refs = [x for n in nodes for x in n.inputs]
+        refs += [s if side == "source" else t for s, t in self.outputs]
+        return any(x.startswith(f"#{i}.") and not x.endswith(".0") for x in refs)
 
     @property
     def law(self) -> str:

@@ -72,7 +72,9 @@ def test_measured_cost_model_caches_in_sqlite(tmp_path):
     g = resnet_module(channels=8, size=8)
     m1 = MeasuredCostModel(cache_path=path, repeats=3)
     c1 = m1.graph_cost(g)
-    assert m1.measured == 3  # three distinct convolutions; relu and add are fused
+    # Two distinct kernels: the two 3x3 convolutions have equal shapes and attributes,
+    # so one measurement serves both; relu and add are fused and never timed.
+    assert m1.measured == 2
     m2 = MeasuredCostModel(cache_path=path, repeats=3)
     assert m2.graph_cost(g) == c1 and m2.measured == 0
 
