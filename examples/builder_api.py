@@ -6,9 +6,9 @@ Run: python examples/builder_api.py [out.onnx]
 import sys
 
 import onnx
+from taso_jax.search import AnalyticCostModel
 
 import taso_jax
-from taso_jax.search import AnalyticCostModel
 
 graph = taso_jax.new_graph()
 x = graph.new_input(dims=(1, 64, 28, 28), name="input")

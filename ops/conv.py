@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
 from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
 
 ACTIVATIONS = {"none": lambda x: x, "relu": jax.nn.relu, "sigmoid": jax.nn.sigmoid,
@@ -32,9 +31,11 @@ def explicit_pads(padding, kernel_hw, dilations=(1, 1)) -> tuple[int, int, int, 
     if padding == "same":
         tot = [d * (k - 1) for k, d in zip(kernel_hw, dilations, strict=True)]
         return (tot[0] // 2, tot[1] // 2, tot[0] - tot[0] // 2, tot[1] - tot[1] // 2)
-    if isinstance(padding, tuple) and len(padding) == 4 and all(isinstance(p, int) for p in padding):
+    if isinstance(padding, tuple) and len(padding) == 4 and all(
+            isinstance(p, int) for p in padding):
         return padding
-    raise ShapeError(f"padding must be 'same', 'valid' or (top, left, bottom, right), got {padding!r}")
+    raise ShapeError("padding must be 'same', 'valid' or (top, left, bottom, right), "
+                     f"got {padding!r}")
 
 
 def canonical_padding(pads, kernel_hw, dilations=(1, 1)):
@@ -71,8 +72,8 @@ def _emit_act(ctx, y, outs, activation):
 # ---- conv2d -------------------------------------------------------------------------------
 
 def _conv2d(x, w, *, strides, padding, dilations, groups, activation):
-    t, l, b, r = explicit_pads(padding, w.shape[2:], dilations)
-    y = lax.conv_general_dilated(x, w, strides, [(t, b), (l, r)], rhs_dilation=dilations,
+    t, lf, b, r = explicit_pads(padding, w.shape[2:], dilations)
+    y = lax.conv_general_dilated(x, w, strides, [(t, b), (lf, r)], rhs_dilation=dilations,
                                  dimension_numbers=("NCHW", "OIHW", "NCHW"),
                                  feature_group_count=groups)
     return _act(y, activation)
@@ -89,9 +90,9 @@ def _conv2d_shape(ts, *, strides, padding, dilations, groups, activation):
     if groups < 1 or c % groups or o % groups or c // groups != cg:
         raise ShapeError(f"conv2d: input channels {c}, kernel {w.shape}, groups {groups} disagree")
     _act(jnp.zeros(()), activation)
-    t, l, b, r = explicit_pads(padding, (kh, kw), dilations)
+    t, lf, b, r = explicit_pads(padding, (kh, kw), dilations)
     return [TensorType((n, o, _window_out(h, kh, strides[0], dilations[0], t, b),
-                        _window_out(wd, kw, strides[1], dilations[1], l, r)), x.dtype)]
+                        _window_out(wd, kw, strides[1], dilations[1], lf, r)), x.dtype)]
 
 
 def _conv2d_flops(ins, outs, **_):
@@ -101,9 +102,9 @@ def _conv2d_flops(ins, outs, **_):
 
 def _conv2d_onnx(ctx, ins, outs, *, strides, padding, dilations, groups, activation):
     kh, kw = ctx.shape(ins[1])[2:]
-    t, l, b, r = explicit_pads(padding, (kh, kw), dilations)
+    t, lf, b, r = explicit_pads(padding, (kh, kw), dilations)
     y = outs[0] if activation == "none" else ctx.fresh()
-    ctx.node("Conv", ins, [y], strides=list(strides), pads=[t, l, b, r],
+    ctx.node("Conv", ins, [y], strides=list(strides), pads=[t, lf, b, r],
              dilations=list(dilations), group=groups, kernel_shape=[kh, kw])
     if activation != "none":
         _emit_act(ctx, y, outs, activation)
@@ -326,8 +327,8 @@ def _import_batchnorm(ctx, ins, *, epsilon=1e-5, training_mode=0, **_):
 # ---- pooling ------------------------------------------------------------------------------
 
 def _pool_pads(x_shape, kernel, strides, padding):
-    t, l, b, r = explicit_pads(padding, kernel)
-    return [(0, 0), (0, 0), (t, b), (l, r)]
+    t, lf, b, r = explicit_pads(padding, kernel)
+    return [(0, 0), (0, 0), (t, b), (lf, r)]
 
 
 def _maxpool2d(x, *, kernel, strides, padding):
@@ -352,10 +353,10 @@ def _pool_shape(ts, *, kernel, strides, padding, **_):
     (x,) = ts
     if len(x.shape) != 4:
         raise ShapeError(f"pool2d: expects NCHW input, got {x.shape}")
-    t, l, b, r = explicit_pads(padding, kernel)
+    t, lf, b, r = explicit_pads(padding, kernel)
     n, c, h, w = x.shape
     return [TensorType((n, c, _window_out(h, kernel[0], strides[0], 1, t, b),
-                        _window_out(w, kernel[1], strides[1], 1, l, r)), x.dtype)]
+                        _window_out(w, kernel[1], strides[1], 1, lf, r)), x.dtype)]
 
 
 def _pool_onnx(onnx_type):

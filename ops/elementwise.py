@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
 
 

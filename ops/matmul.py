@@ -7,7 +7,6 @@ fused activation.
 from __future__ import annotations
 
 import jax.numpy as jnp
-
 from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
 from taso_jax.ops.conv import _ACT_ONNX, _act
 from taso_jax.ops.elementwise import broadcast_shape

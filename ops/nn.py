@@ -8,7 +8,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
 from taso_jax.ops.tensor import _canon_axis, _i64, _neg_axis
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-
 from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
 
 _F32 = "float32"
@@ -41,7 +40,8 @@ def _concat_shape(ts, *, axis):
     ax = _neg_axis(axis, r, "concat") + r
     for t in ts[1:]:
         if len(t.shape) != r or t.dtype != ts[0].dtype or any(
-                a != b for i, (a, b) in enumerate(zip(t.shape, ts[0].shape)) if i != ax):
+                a != b for i, (a, b) in enumerate(zip(t.shape, ts[0].shape, strict=True))
+                if i != ax):
             raise ShapeError(f"concat: inputs {[t.shape for t in ts]} differ off axis {axis}")
     shape = list(ts[0].shape)
     shape[ax] = sum(t.shape[ax] for t in ts)

@@ -20,8 +20,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from taso_jax.graph import Graph
 from taso_jax.search.cost import AnalyticCostModel, CostModel
+
+from taso_jax.graph import Graph
 from taso_jax.substitution import Substitution
 
 __all__ = ["SearchResult", "backtracking_search", "greedy_descent"]

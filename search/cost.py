@@ -23,11 +23,12 @@ import threading
 from collections.abc import Iterable
 
 import numpy as np
-
-from taso_jax.graph import LEAF_OPS, Graph, Node
 from taso_jax.ops import OPS
 
-__all__ = ["CostModel", "AnalyticCostModel", "fused_cost", "MeasuredCostModel", "graph_cost", "get_cost_model"]
+from taso_jax.graph import LEAF_OPS, Graph, Node
+
+__all__ = ["CostModel", "AnalyticCostModel", "fused_cost", "MeasuredCostModel", "graph_cost",
+           "get_cost_model"]
 
 
 class CostModel:

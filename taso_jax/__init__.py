@@ -38,7 +38,8 @@ def search_graph(graph, alpha: float = 1.05, budget: int = 300, time_limit: floa
         graph: a :class:`Graph` or a :class:`GraphBuilder` (its unused tensors become
             outputs, as in TASO).
         alpha: relaxation factor (TASO's default 1.05).
-        budget: maximum graphs expanded; time_limit: maximum seconds.
+        budget: maximum graphs expanded.
+        time_limit: maximum seconds for the whole search.
         cost_model: ``"measured"`` (kernels timed on the current JAX device, cached),
             ``"analytic"`` (FLOPs and bytes), or a :class:`taso_jax.search.CostModel`.
         substitutions: list of :class:`Substitution`; defaults to the shipped set.

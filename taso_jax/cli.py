@@ -65,8 +65,11 @@ def _optimize(args) -> int:
         if graph.meta.get("opaque"):
             notes.append("kept as opaque nodes: " + ", ".join(
                 f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
-    subs = (taso_jax.load_substitutions(args.substitutions) if args.substitutions
-            else taso_jax.default_substitutions())
+    try:
+        subs = (taso_jax.load_substitutions(args.substitutions) if args.substitutions
+                else taso_jax.default_substitutions())
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise UsageError(f"{args.substitutions}: not a valid substitution file ({e})") from e
     from tqdm import tqdm
 
     bar = tqdm(total=args.budget, desc="search", unit="graph", disable=args.quiet,

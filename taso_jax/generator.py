@@ -37,8 +37,7 @@ import jax
 import numpy as np
 
 from taso_jax.graph import Graph, Node, Tensor, leaf_node, make_node, topo_order
-from taso_jax.ops import ShapeError, TensorType
-from taso_jax.ops import OPS
+from taso_jax.ops import OPS, ShapeError, TensorType
 from taso_jax.substitution import PNode, Substitution, _resolve_attr
 
 __all__ = ["Domain", "DEFAULT_DOMAINS", "generate", "GeneratorStats", "check_substitution"]
@@ -198,7 +197,7 @@ def _enumerate(domain: Domain, max_ops: int, seed: int, progress: Callable | Non
         for e in pool:
             for axis in domain.split_axes:
                 d = e.tensor.shape[axis] if len(e.tensor.shape) >= -axis else 0
-                for a, name in sym_values.items():
+                for a in sym_values:
                     if 0 < a < d and (d - a) in sym_values:
                         try:
                             node = make_node("split", [e.tensor], {"axis": axis,

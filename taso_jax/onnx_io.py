@@ -31,9 +31,11 @@ _CONVERT_BELOW, _CONVERT_TO = 13, 17
 
 
 class ModelError(ValueError):
-    """A model that cannot be loaded: missing, not ONNX, truncated, unsupported opset, or
-    with symbolic dimensions and no ``input_shapes`` for them. The message names the problem
-    and where it is."""
+    """A model that cannot be loaded; the message names the problem and where it is.
+
+    Raised for a missing file, a file that is not ONNX or is truncated, an opset outside
+    9-20, and symbolic dimensions without ``input_shapes`` for them.
+    """
 
 
 def _np_dtype(elem_type: int) -> str:
@@ -279,36 +281,33 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     return Graph(tuple(inputs), tuple(outputs), tuple(names), weights, meta)
 
 
-def _constant_value(node, ctx: _ImportContext):
+def _constant_value(node, ctx: _ImportContext, ins: list):
+    """Value of a ``Constant`` node, or of a ``ConstantOfShape`` with a constant shape."""
     from onnx import numpy_helper
 
-    a = _attrs(node)
     if node.op_type == "Constant":
-        for k, v in a.items():
+        for k, v in _attrs(node).items():
             if k == "value":
                 return numpy_helper.to_array(node.attribute[0].t)
-            if k in ("value_float", "value_int"):
-                return np.asarray(v, np.float32 if k == "value_float" else np.int64)
-            if k in ("value_floats", "value_ints"):
-                return np.asarray(v, np.float32 if k == "value_floats" else np.int64)
-        return None
-    if node.op_type == "ConstantOfShape":
-        return None  # needs the shape input's value: handled by the caller
+            if k in ("value_float", "value_floats"):
+                return np.asarray(v, np.float32)
+            if k in ("value_int", "value_ints"):
+                return np.asarray(v, np.int64)
+        return None  # sparse or string constants stay opaque
+    if node.op_type == "ConstantOfShape" and ins and ctx.const(ins[0]) is not None:
+        shape = tuple(int(d) for d in np.asarray(ctx.const(ins[0])).reshape(-1))
+        fill = (numpy_helper.to_array(node.attribute[0].t).reshape(-1)[0]
+                if node.attribute else np.float32(0))
+        return np.full(shape, fill, dtype=np.asarray(fill).dtype)
     return None
 
 
 def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tensor]:
-    from onnx import numpy_helper
 
     out_types = [types.get(o) for o in node.output]
     ins = [env[i] if i else None for i in node.input]
     if node.domain in ("", "ai.onnx"):
-        value = _constant_value(node, ctx)
-        if node.op_type == "ConstantOfShape" and ins and ctx.const(ins[0]) is not None:
-            shape = tuple(int(d) for d in np.asarray(ctx.const(ins[0])).reshape(-1))
-            fill = (numpy_helper.to_array(node.attribute[0].t).reshape(-1)[0]
-                    if node.attribute else np.float32(0))
-            value = np.full(shape, fill, dtype=np.asarray(fill).dtype)
+        value = _constant_value(node, ctx, ins)
         if value is not None:
             return [ctx.weight(value, node.output[0] or "const")]
         importer = ONNX_IMPORTERS.get(node.op_type)

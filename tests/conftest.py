@@ -91,3 +91,15 @@ def randomize_weights(model, seed: int = 0):
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
     return m
+
+
+#: Per-model optimization figures collected by the search tests, printed after the run.
+MODEL_REPORTS: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print each model's operators, estimated cost and search time before/after."""
+    if MODEL_REPORTS:
+        terminalreporter.section("model optimization (analytic cost model, CI budget)")
+        for line in MODEL_REPORTS:
+            terminalreporter.write_line(line)

@@ -51,7 +51,7 @@ def _run(args):
 
 
 @pytest.mark.parametrize("case", ["missing", "not_onnx", "truncated", "same_output",
-                                  "symbolic", "bad_shape_flag", "opset"])
+                                  "symbolic", "bad_shape_flag", "opset", "bad_rules"])
 def test_bad_input_exit_code_2(tmp_path, case):
     p = tmp_path / "m.onnx"
     args = ["optimize", str(p), *FAST, "--no-time"]
@@ -73,6 +73,10 @@ def test_bad_input_exit_code_2(tmp_path, case):
                                                  "g", [x], [y]),
                                opset_imports=[helper.make_opsetid(
                                    "", 17 if case == "symbolic" else 21)], ir_version=10), p)
+    elif case == "bad_rules":
+        p.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+        (tmp_path / "rules.json").write_text("{not json")
+        args += ["--substitutions", str(tmp_path / "rules.json")]
     elif case == "bad_shape_flag":
         p.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
         args += ["--input-shape", "x:1,3"]
@@ -84,7 +88,8 @@ def test_bad_input_exit_code_2(tmp_path, case):
     expected = {"missing": "file not found", "not_onnx": "not a valid ONNX model",
                 "truncated": "not a valid ONNX model", "same_output": "is the input model",
                 "symbolic": "dimension 0 is symbolic", "bad_shape_flag": "expected NAME=",
-                "opset": "unsupported opset 21"}[case]
+                "opset": "unsupported opset 21",
+                "bad_rules": "not a valid substitution file"}[case]
     assert expected in lines[0]
     assert (p.read_bytes() if p.exists() else None) == before
     assert not (tmp_path / "m.opt.onnx").exists()

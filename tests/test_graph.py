@@ -65,7 +65,7 @@ def test_builder_errors():
     with pytest.raises(GraphError, match="tensors"):
         g.relu(3)
     with pytest.raises(AttributeError):
-        g.no_such_operator
+        _ = g.no_such_operator
 
 
 def test_executor_folds_weights_and_matches_reference():

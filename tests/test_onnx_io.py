@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import SMALL_MODELS, LARGE_MODELS, light_models, model_path, randomize_weights
+from conftest import LARGE_MODELS, SMALL_MODELS, light_models, model_path, randomize_weights
 
 import taso_jax
 from taso_jax.report import compare_onnx

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from taso_jax.ops import OPS, ShapeError, TensorType
 
 from taso_jax.graph import Graph, leaf_node, make_node
-from taso_jax.ops import OPS, ShapeError, TensorType
 
 CASES = [(name, i) for name, op in sorted(OPS.items()) for i in range(len(op.examples))]
 

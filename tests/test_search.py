@@ -7,12 +7,19 @@ import os
 import numpy as np
 import onnx
 import pytest
-from conftest import LARGE_MODELS, SMALL_MODELS, light_models, model_path, randomize_weights
+from conftest import (
+    LARGE_MODELS,
+    MODEL_REPORTS,
+    SMALL_MODELS,
+    light_models,
+    model_path,
+    randomize_weights,
+)
+from taso_jax.search import AnalyticCostModel, MeasuredCostModel, backtracking_search
 
 import taso_jax
 from taso_jax.examples import resnet_module
 from taso_jax.report import compare_onnx
-from taso_jax.search import AnalyticCostModel, MeasuredCostModel, backtracking_search
 
 SUBS = taso_jax.default_substitutions()
 
@@ -79,7 +86,7 @@ def test_measured_cost_model_caches_in_sqlite(tmp_path):
     assert m2.graph_cost(g) == c1 and m2.measured == 0
 
 
-def _optimize_and_check(model_bytes, graph, budget=10):
+def _optimize_and_check(name, model_bytes, graph, budget=10):
     result = taso_jax.search_graph(graph, cost_model=AnalyticCostModel(), budget=budget,
                                    time_limit=20, substitutions=SUBS)
     assert result.cost_after <= result.cost_before
@@ -89,24 +96,26 @@ def _optimize_and_check(model_bytes, graph, budget=10):
                                        strict=True)}
     check = compare_onnx(model_bytes, exported.SerializeToString(), feeds)
     assert check["ok"], check
-    print(f"\n  operators {sum(graph.op_counts().values())} -> "
-          f"{sum(result.graph.op_counts().values())}, estimated cost "
-          f"{result.cost_before:.0f} -> {result.cost_after:.0f} us "
-          f"({result.cost_before / result.cost_after:.3f}x), search {result.seconds:.1f} s, "
-          f"applied {dict(result.applied)}")
+    MODEL_REPORTS.append(
+        f"{name:<22} operators {sum(graph.op_counts().values()):>4} -> "
+        f"{sum(result.graph.op_counts().values()):<4} estimated cost "
+        f"{result.cost_before:>9.0f} -> {result.cost_after:>9.0f} us "
+        f"({result.cost_before / result.cost_after:.3f}x)  search {result.seconds:5.1f} s  "
+        f"applied {sum(result.applied.values())} (max abs error {check['max_abs_err']:.2g})")
     return result
 
 
 @pytest.mark.parametrize("name", SMALL_MODELS + LARGE_MODELS)
 def test_shared_model_optimizes(name):
     path = model_path(name)
-    _optimize_and_check(path.read_bytes(), taso_jax.load_onnx(path))
+    _optimize_and_check(name, path.read_bytes(), taso_jax.load_onnx(path))
 
 
 @pytest.mark.parametrize("path", light_models(), ids=os.path.basename)
 def test_light_model_optimizes(path):
     model = randomize_weights(onnx.load(path))
-    result = _optimize_and_check(model.SerializeToString(), taso_jax.load_onnx(model))
+    result = _optimize_and_check(os.path.basename(path)[:-5], model.SerializeToString(),
+                                 taso_jax.load_onnx(model))
     if "resnet50" in path:  # every batchnorm follows a convolution: all fold
         assert result.graph.op_counts().get("ewmul", 0) == 0
 
