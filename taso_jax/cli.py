@@ -79,8 +79,12 @@ def _optimize(args) -> int:
         bar.update(1)
         bar.set_postfix_str(f"best {best:.1f} us")
 
+    from taso_jax.search import get_cost_model
+
+    cost_model = (get_cost_model("measured", cache_path=False)
+                  if args.cost_model == "measured" and args.no_cost_cache else args.cost_model)
     result = taso_jax.search_graph(graph, alpha=args.alpha, budget=args.budget,
-                             time_limit=args.time_limit, cost_model=args.cost_model,
+                             time_limit=args.time_limit, cost_model=cost_model,
                              substitutions=subs, progress=progress)
     bar.close()
     report = {
@@ -93,6 +97,7 @@ def _optimize(args) -> int:
                    "explored": result.explored, "stopped": result.stopped,
                    "alpha": args.alpha, "budget": args.budget, "substitutions": len(subs)},
         "applied": dict(result.applied),
+        "laws": {s.name: s.law for s in subs if s.name in result.applied},
     }
     if not args.no_time:
         report["time"] = measure_speed(graph, result.graph, repeats=args.repeats)
@@ -155,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--budget", type=int, default=100, help="graphs expanded at most (100)")
     o.add_argument("--time-limit", type=float, default=60.0, help="search seconds at most")
     o.add_argument("--cost-model", choices=["measured", "analytic"], default="measured")
+    o.add_argument("--no-cost-cache", action="store_true",
+                   help="measure kernels afresh, without the SQLite cache in the user cache dir")
     o.add_argument("--substitutions", help="substitution JSON file (default: shipped set)")
     o.add_argument("--repeats", type=int, default=30, help="timed runs per graph (30)")
     o.add_argument("--no-time", action="store_true", help="skip the end-to-end timing")

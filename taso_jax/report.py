@@ -94,8 +94,10 @@ def format_report(r: dict) -> str:
                  f"{s['substitutions']} substitutions")
     if r["applied"]:
         lines.append("substitutions applied:")
-        lines += [f"  {n:>3} x {name}" for name, n in sorted(r["applied"].items(),
-                                                              key=lambda kv: -kv[1])]
+        for name, n in sorted(r["applied"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {n:>3} x {name}")
+            if name in r.get("laws", {}):
+                lines.append(f"        {r['laws'][name]}")
     else:
         lines.append("substitutions applied: none (the input graph is returned unchanged)")
     if r.get("check"):

@@ -127,3 +127,17 @@ def test_generate_small(tmp_path, capsys, monkeypatch):
 
     laws = {s.law for s in load_substitutions(out)}
     assert "ewadd(matmul(x, a), matmul(x, b))  =>  matmul(x, ewadd(a, b))" in laws
+
+
+def test_cost_cache_location_and_opt_out(tmp_path):
+    import os
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    args = [sys.executable, "-m", "taso_jax.cli", "optimize", "--no-time", "-q", "--budget", "2"]
+    r = subprocess.run(args + ["--no-cost-cache"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "cache" / "taso_jax").exists()  # (onnxruntime keeps its own)
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "cache" / "taso_jax" / "costs.sqlite").exists()
