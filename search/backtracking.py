@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -26,8 +25,6 @@ from taso_jax.graph import Graph
 from taso_jax.substitution import Substitution
 
 __all__ = ["SearchResult", "backtracking_search", "greedy_descent"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -135,10 +132,8 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         if time.perf_counter() - t0 > time_limit:
             stopped = "time limit"
             break
-        cost, _, g, path = heapq.heappop(queue)
+        _, _, g, path = heapq.heappop(queue)  # best is updated when a graph is pushed
         iterations += 1
-        if cost < best_cost:
-            best, best_cost, best_path = g, cost, path
         for sub in _relevant(substitutions, g):
             for g2 in sub.rewrites(g, rejected):
                 if g2.key in seen:

@@ -148,7 +148,7 @@ class MeasuredCostModel(CostModel):
             self._db.execute("CREATE TABLE IF NOT EXISTS cost (device TEXT, key TEXT, "
                              "micros REAL, PRIMARY KEY (device, key))")
             self._db.commit()
-        self._analytic = AnalyticCostModel()
+        self._analytic = AnalyticCostModel.for_backend()  # opaque and fused operators
 
     @staticmethod
     def key(node: Node) -> str:

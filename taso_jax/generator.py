@@ -27,22 +27,20 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import numpy as np
 
+from taso_jax.executor import evaluate, run_node
 from taso_jax.graph import Graph, Node, Tensor, leaf_node, make_node, topo_order
 from taso_jax.ops import OPS, ShapeError, TensorType
-from taso_jax.substitution import PNode, Substitution, _resolve_attr
+from taso_jax.substitution import PNode, Substitution, _ref, instantiate
 
 __all__ = ["Domain", "DEFAULT_DOMAINS", "generate", "GeneratorStats", "check_substitution"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -163,8 +161,6 @@ def _enumerate(domain: Domain, max_ops: int, seed: int, progress: Callable | Non
     for e in exprs.values():
         classes.setdefault(fp.key(e.tensor), []).append(e)
         reps.append(e)
-    from taso_jax.executor import run_node
-
     sym_values = {v: k for k, v in inst.items() if isinstance(v, int)}
 
     def add(node: Node, ins: list[_Expr]) -> None:
@@ -256,7 +252,11 @@ def _canonical_key(sub: Substitution, domain: Domain) -> str:
     groups: dict[tuple, list[str]] = {}
     for v, _ in sub.variables:
         groups.setdefault(domain.variables[v], []).append(v)
-    text = json.dumps([sub.to_json()[k] for k in ("source", "target", "outputs")])
+    # Variable shapes are part of the key: the same structure over other shapes (a conv
+    # domain's x[N,C,H,W], a matmul domain's x[...,M,K]) is a different rule. Renaming within
+    # a group of interchangeable variables leaves this name -> shape list unchanged.
+    text = json.dumps([sorted((v, list(p)) for v, p in sub.variables)]
+                      + [sub.to_json()[k] for k in ("source", "target", "outputs")])
     best = None
     for perms in itertools.product(*(itertools.permutations(g) for g in groups.values())):
         ren = {}
@@ -271,48 +271,43 @@ def _canonical_key(sub: Substitution, domain: Domain) -> str:
     return best
 
 
+def _build_source(sub: Substitution, domain: Domain, sym: dict):
+    """The source pattern on fresh leaves shaped by ``sym``; raises ``ShapeError``."""
+    leaves = {v: leaf_node(domain.variables[v][0], v,
+                           TensorType(_instance_shape(pat, sym), "float64")).outputs[0]
+              for v, pat in sub.variables}
+    return leaves, instantiate(sub.source, leaves, sym)
+
+
 def check_substitution(sub: Substitution, domain: Domain, instance: dict, seed: int,
-                       attr_values: dict | None = None) -> bool:
+                       attr_values: dict | None = None) -> bool | None:
     """Numerically check ``sub`` on one shape instance of its domain (float64, rtol 1e-9).
 
-    ``attr_values`` gives values for attribute variables (``"?strides"``).
+    ``attr_values`` gives values for attribute variables (``"?strides"``). Builds the source
+    pattern as a graph, rewrites it with the matcher (so the check covers matching and
+    symbolic sizes too), and compares both graphs' outputs on random inputs.
 
-    Builds the source pattern as a graph, rewrites it with the matcher (so the check covers
-    matching and symbolic sizes too), and compares both graphs' outputs on random inputs.
+    Returns:
+        ``True`` or ``False``; ``None`` when the source does not type-check on this
+        instance (nothing to check).
     """
-    from taso_jax.executor import evaluate
-
-    rng = np.random.default_rng(seed)
-    leaves = {}
-    values = {}
     sym = {**instance, **(attr_values or {})}
-    for v, pat in sub.variables:
-        kind = domain.variables[v][0]
-        t = leaf_node(kind, v, TensorType(_instance_shape(pat, sym), "float64")).outputs[0]
-        leaves[v] = t
-        values[v] = rng.standard_normal(t.shape)
-    built: list[Node] = []
     try:
-        for p in sub.source:
-            ins = [leaves[r] if not r.startswith("#") else
-                   Tensor(built[int(r[1:].split(".")[0])], int((r.split(".") + ["0"])[1]))
-                   for r in p.inputs]
-            attrs = {k: _resolve_attr(v, sym) for k, v in p.attrs}
-            built.append(make_node(p.op, ins, attrs))
+        leaves, built = _build_source(sub, domain, sym)
     except ShapeError:
-        return False
-    outs = []
-    for s, _ in sub.outputs:
-        i, _, k = s[1:].partition(".")
-        outs.append(Tensor(built[int(i)], int(k or 0)))
+        return None
+    rng = np.random.default_rng(seed)
+    values = {v: rng.standard_normal(t.shape) for v, t in leaves.items()}
+    outs = [Tensor(built[r[0]], r[1]) for r in (_ref(s) for s, _ in sub.outputs)]
     inputs = tuple(t.node for t in leaves.values() if t.node.op == "input")
-    weights = {v: values[v] for v in leaves if leaves[v].node.op == "weight"}
+    weights = {v: values[v] for v, t in leaves.items() if t.node.op == "weight"}
     g = Graph(inputs, tuple(outs), tuple(f"o{i}" for i in range(len(outs))), weights)
     rewritten = None
-    for b in sub.matches(g):
+    for b in sub.matches(g):  # a binding over exactly the source nodes that applies
         if set(b["nodes"]) == set(built):
             rewritten = sub.apply(g, b)
-            break
+            if rewritten is not None:
+                break
     if rewritten is None:
         return False
     with _enable_x64():
@@ -377,8 +372,8 @@ def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Subst
             ok = True
             for alt in _alternatives(p.op, k, v):
                 for j, inst in enumerate(domain.instances):  # cheapest refutation first
-                    res = _check_or_none(cand, domain, inst, seed + 17 * j,
-                                         {**fixed, var: alt})
+                    res = check_substitution(cand, domain, inst, seed + 17 * j,
+                                             {**fixed, var: alt})
                     if res is None:
                         continue
                     tried += 1
@@ -411,24 +406,6 @@ def _generalize_all(subs: list[Substitution], domain: Domain, seed: int,
     ctx = multiprocessing.get_context("spawn")  # JAX is threaded: never fork it
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         return list(pool.map(_generalize_one, jobs, chunksize=16))
-
-
-def _check_or_none(sub, domain, inst, seed, attr_values) -> bool | None:
-    """Like :func:`check_substitution`, but ``None`` when the source does not type-check."""
-    try:  # type-check the source with these attribute values first
-        built: list[Node] = []
-        sym = {**inst, **attr_values}
-        leaves = {v: leaf_node(domain.variables[v][0], v,
-                           TensorType(_instance_shape(pat, sym), "float64")).outputs[0]
-                  for v, pat in sub.variables}
-        for p in sub.source:
-            ins = [leaves[r] if not r.startswith("#") else
-                   Tensor(built[int(r[1:].split(".")[0])], int((r.split(".") + ["0"])[1]))
-                   for r in p.inputs]
-            built.append(make_node(p.op, ins, {k: _resolve_attr(v, sym) for k, v in p.attrs}))
-    except ShapeError:
-        return None
-    return check_substitution(sub, domain, inst, seed, attr_values)
 
 
 def _candidates(domain, classes, sym_values, max_ops, seed, stats, monotone):
@@ -519,6 +496,7 @@ def generate(domains=None, max_ops: int = 3, seed: int = 0,
     kept: list[Substitution] = []
     seen: set[str] = set()
     for domain in domains:
+        start = len(kept)
         t0 = time.perf_counter()
         with _enable_x64():
             leaves, exprs, classes, sym_values = _enumerate(domain, max_ops, seed, progress)
@@ -535,7 +513,7 @@ def generate(domains=None, max_ops: int = 3, seed: int = 0,
                 continue
             seen.add(key)
             if not all(check_substitution(sub, domain, inst, seed + i + 1)
-                       for i, inst in enumerate(domain.instances)):
+                       for i, inst in enumerate(domain.instances)):  # None fails too
                 stats.pruned["failed_recheck"] += 1
                 continue
             sub.provenance["checked_instances"] = [
@@ -544,16 +522,14 @@ def generate(domains=None, max_ops: int = 3, seed: int = 0,
             kept.append(sub)
         stats.seconds[f"{domain.name}: pair+prune+check"] = round(time.perf_counter() - t1, 2)
         t2 = time.perf_counter()
-        start = len(kept) - sum(1 for s in kept if s.provenance["domain"] == domain.name)
         kept[start:] = _generalize_all(kept[start:], domain, seed, workers)
         stats.seconds[f"{domain.name}: generalize attributes"] = round(
             time.perf_counter() - t2, 2)
         if progress:
             progress(f"{domain.name}: {len(kept)} kept so far")
-    names = Counter()
+    names: Counter = Counter()
     for i, s in enumerate(kept):
         names[s.name] += 1
-        object.__setattr__(s, "name", f"{s.name}#{names[s.name]}")
-        del i
+        kept[i] = replace(s, name=f"{s.name}#{names[s.name]}")
     stats.kept = len(kept)
     return kept, stats

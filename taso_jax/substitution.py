@@ -29,7 +29,7 @@ from taso_jax.graph import Graph, Node, Tensor, make_node
 from taso_jax.ops import OPS, ShapeError
 
 __all__ = ["PNode", "Substitution", "load_substitutions", "save_substitutions",
-           "default_substitutions", "FORMAT_VERSION"]
+           "default_substitutions", "instantiate", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 
@@ -279,15 +279,8 @@ class Substitution:
         if self._creates_cycle(graph, matched, var.values()):
             stats["cycle"] += 1
             return None
-        built: list[Node] = []
         try:
-            for p in self.target:
-                ins = []
-                for r in p.inputs:
-                    rr = _ref(r)
-                    ins.append(var[r] if rr is None else Tensor(built[rr[0]], rr[1]))
-                attrs = {k: _resolve_attr(v, sym) for k, v in p.attrs}
-                built.append(make_node(p.op, ins, attrs))
+            built = instantiate(self.target, var, sym)
         except (ShapeError, KeyError):
             stats["target_shape"] += 1
             return None
@@ -332,6 +325,21 @@ def _positions(graph: Graph) -> dict[Node, int]:
         pos = {n: i for i, n in enumerate(graph.nodes)}
         graph.__dict__["_positions"] = pos
     return pos
+
+
+def instantiate(nodes: tuple[PNode, ...], variables: dict[str, Tensor], sym: dict) -> list[Node]:
+    """Build pattern nodes on tensors bound to their variables, resolving symbolic attributes.
+
+    Raises:
+        ShapeError: a node's shape rule rejects the bound tensors.
+        KeyError: an unbound variable, symbol or attribute variable.
+    """
+    built: list[Node] = []
+    for p in nodes:
+        ins = [variables[r] if (rr := _ref(r)) is None else Tensor(built[rr[0]], rr[1])
+               for r in p.inputs]
+        built.append(make_node(p.op, ins, {k: _resolve_attr(v, sym) for k, v in p.attrs}))
+    return built
 
 
 def _fmt(v: Any) -> str:

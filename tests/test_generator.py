@@ -1,0 +1,54 @@
+"""The substitution generator on small operator sets."""
+
+from __future__ import annotations
+
+from taso_jax.generator import Domain, check_substitution, generate
+from taso_jax.substitution import PNode, Substitution
+
+MM = Domain("mm", {"x": ("input", ("M", "K")), "a": ("weight", ("K", "N")),
+                   "b": ("weight", ("K", "N")), "c": ("weight", ("N", "P"))},
+            ({"M": 2, "K": 3, "N": 4, "P": 5}, {"M": 5, "K": 2, "N": 3, "P": 4}),
+            (("matmul", {}), ("ewadd", {})))
+
+
+def test_finds_matmul_laws():
+    subs, stats = generate((MM,), max_ops=3, workers=1)
+    laws = {s.law for s in subs}
+    assert "ewadd(matmul(x, a), matmul(x, b))  =>  matmul(x, ewadd(a, b))" in laws
+    assert "matmul(matmul(x, a), c)  =>  matmul(x, matmul(a, c))" in laws
+    assert stats.kept == len(subs) and stats.candidates > stats.kept
+    assert all(s.provenance["proof"] is None for s in subs)
+
+
+def test_same_structure_over_other_shapes_is_kept():
+    # The same laws over rank-3 inputs are different rules (they match other tensors).
+    mm3 = Domain("mm3", {**MM.variables, "x": ("input", ("B", "M", "K"))},
+                 tuple({**i, "B": 7 + j} for j, i in enumerate(MM.instances)), MM.ops)
+    subs, _ = generate((MM, mm3), max_ops=2, workers=1)
+    by_domain = {d: {s.law for s in subs if s.provenance["domain"] == d} for d in ("mm", "mm3")}
+    assert by_domain["mm"] and by_domain["mm"] == by_domain["mm3"]
+
+
+def _rule(source, target):
+    v = (("a", ("M", "K")), ("b", ("M", "K")))
+    return Substitution("r", v, source, target, (("#%d" % (len(source) - 1),
+                                                  "#%d" % (len(target) - 1)),))
+
+
+RELU_DOMAIN = Domain("ew", {"a": ("input", ("M", "K")), "b": ("input", ("M", "K"))},
+                     ({"M": 3, "K": 4}, {"M": 5, "K": 2}), (("ewadd", {}), ("relu", {})))
+
+
+def test_near_miss_is_rejected():
+    """relu(a + b) = relu(a) + relu(b) holds for many inputs (both positive), but not all."""
+    wrong = _rule((PNode("ewadd", (), ("a", "b")), PNode("relu", (), ("#0",))),
+                  (PNode("relu", (), ("a",)), PNode("relu", (), ("b",)),
+                   PNode("ewadd", (), ("#0", "#1"))))
+    right = _rule((PNode("ewadd", (), ("a", "b")), PNode("relu", (), ("#0",))),
+                  (PNode("ewadd", (), ("b", "a")), PNode("relu", (), ("#0",))))
+    for inst in RELU_DOMAIN.instances:
+        assert check_substitution(wrong, RELU_DOMAIN, inst, seed=1) is False
+        assert check_substitution(right, RELU_DOMAIN, inst, seed=1) is True
+    subs, _ = generate((RELU_DOMAIN,), max_ops=3, workers=1)
+    assert not any(s.law.startswith("relu(ewadd(a, b))  =>  ewadd(relu(a), relu(b))")
+                   for s in subs)
