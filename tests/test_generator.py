@@ -31,8 +31,8 @@ def test_same_structure_over_other_shapes_is_kept():
 
 def _rule(source, target):
     v = (("a", ("M", "K")), ("b", ("M", "K")))
-    return Substitution("r", v, source, target, (("#%d" % (len(source) - 1),
-                                                  "#%d" % (len(target) - 1)),))
+    return Substitution("r", v, source, target,
+                        ((f"#{len(source) - 1}", f"#{len(target) - 1}"),))
 
 
 RELU_DOMAIN = Domain("ew", {"a": ("input", ("M", "K")), "b": ("input", ("M", "K"))},
