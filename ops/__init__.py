@@ -20,11 +20,13 @@ from typing import Any, NamedTuple
 __all__ = [
     "OPS",
     "ONNX_IMPORTERS",
+    "JAXPR_IMPORTERS",
     "OpDef",
     "ShapeError",
     "TensorType",
     "declare",
     "onnx_importer",
+    "jaxpr_importer",
     "get_op",
 ]
 
@@ -79,6 +81,12 @@ class OpDef:
             orders, so substitutions need not be written twice.
         fusible: XLA fuses the operator into a neighbouring kernel (elementwise and layout
             operators), so it costs no kernel launch of its own.
+        layout: how a transpose of the inputs passes through the operator, used to sink the
+            layout transposes that NHWC front ends (flax, tf2onnx) put around convolutions:
+            ``"elementwise"`` (NumPy broadcasting, output rank = input rank),
+            ``"reduce"`` (attributes ``axes`` and ``keepdims``), ``"axis"`` (one ``axis``
+            attribute; every input has the output's rank), or ``None`` (inputs are
+            materialized in their own layout).
         doc: one-line description, with the source of its semantics.
     """
 
@@ -94,6 +102,7 @@ class OpDef:
     canon: Callable[..., dict[str, Any]] | None = None
     commutative: bool = False
     fusible: bool = False
+    layout: str | None = None
     doc: str = ""
 
     def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -135,6 +144,7 @@ def _freeze(v: Any) -> Any:
 
 OPS: dict[str, OpDef] = {}
 ONNX_IMPORTERS: dict[str, Callable[..., Any]] = {}
+JAXPR_IMPORTERS: dict[str, Callable[..., Any]] = {}
 
 
 def declare(op: OpDef) -> OpDef:
@@ -157,6 +167,24 @@ def onnx_importer(*op_types: str):
     def register(fn):
         for t in op_types:
             ONNX_IMPORTERS[t] = fn
+        return fn
+
+    return register
+
+
+def jaxpr_importer(*primitives: str):
+    """Register ``fn(ctx, inputs, **params) -> list of outputs`` for JAX primitives.
+
+    ``primitives`` are ``jax.extend.core.Primitive`` names as they appear in a jaxpr (``add``,
+    ``conv_general_dilated``, ...); ``params`` are the equation's parameters. ``ctx`` is the
+    same duck type as for :func:`onnx_importer` (``op``, ``const``, ``weight``, ``type``,
+    ``out_types``) plus ``ctx.scalar(value, dtype)``. Returning ``None`` keeps the equation
+    as an opaque node that binds the original primitive (``taso_jax.jaxpr_io``).
+    """
+
+    def register(fn):
+        for p in primitives:
+            JAXPR_IMPORTERS[p] = fn
         return fn
 
     return register

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
+from taso_jax.ops import OpDef, ShapeError, TensorType, declare, jaxpr_importer, onnx_importer
 
 ACTIVATIONS = {"none": lambda x: x, "relu": jax.nn.relu, "sigmoid": jax.nn.sigmoid,
                "tanh": jnp.tanh}
@@ -332,19 +332,21 @@ def _pool_pads(x_shape, kernel, strides, padding):
 
 
 def _maxpool2d(x, *, kernel, strides, padding):
-    init = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
-    return lax.reduce_window(x, jnp.asarray(init, x.dtype), lax.max, (1, 1, *kernel),
+    # A NumPy init value lets lax recognize the max monoid (reduce_window_max, which has a
+    # derivative); a traced one would give the generic, non-differentiable reduce_window.
+    init = -np.inf if jnp.issubdtype(x.dtype, jnp.floating) else np.iinfo(x.dtype).min
+    return lax.reduce_window(x, np.asarray(init, x.dtype), lax.max, (1, 1, *kernel),
                              (1, 1, *strides), _pool_pads(x.shape, kernel, strides, padding))
 
 
 def _avgpool2d(x, *, kernel, strides, padding, count_include_pad):
     pads = _pool_pads(x.shape, kernel, strides, padding)
-    s = lax.reduce_window(x, jnp.asarray(0, x.dtype), lax.add, (1, 1, *kernel), (1, 1, *strides),
+    s = lax.reduce_window(x, np.asarray(0, x.dtype), lax.add, (1, 1, *kernel), (1, 1, *strides),
                           pads)
     if count_include_pad:
         return s / (kernel[0] * kernel[1])
     ones = jnp.ones((1, 1, *x.shape[2:]), x.dtype)
-    n = lax.reduce_window(ones, jnp.asarray(0, x.dtype), lax.add, (1, 1, *kernel),
+    n = lax.reduce_window(ones, np.asarray(0, x.dtype), lax.add, (1, 1, *kernel),
                           (1, 1, *strides), pads)
     return s / n
 
@@ -417,3 +419,64 @@ def _import_pool(ctx, ins, *, kernel_shape, auto_pad="NOTSET", pads=None, stride
 def _import_gap(ctx, ins, **_):
     rank = len(ctx.type(ins[0]).shape)
     return [ctx.op("reduce_mean", ins, axes=tuple(range(2, rank)), keepdims=True)]
+
+
+# ---- jaxpr primitives ---------------------------------------------------------------------
+
+def _inverse(perm):
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+@jaxpr_importer("conv_general_dilated")
+def _import_conv_jaxpr(ctx, ins, *, window_strides, padding, lhs_dilation, rhs_dilation,
+                       dimension_numbers, feature_group_count, batch_group_count,
+                       preferred_element_type=None, **_):
+    # Any layout (flax uses NHWC/HWIO): transpose into NCHW/OIHW, convolve, transpose back.
+    # The layout pass (taso_jax.layout) later cancels the transposes between convolutions.
+    lhs, rhs = ins
+    if (len(ctx.type(lhs).shape) != 4 or any(d != 1 for d in lhs_dilation)
+            or batch_group_count != 1
+            or (preferred_element_type is not None
+                and str(np.dtype(preferred_element_type)) != ctx.out_types[0].dtype)):
+        return None  # 1-D/3-D, transposed (lhs-dilated) and batch-grouped convolutions
+    dn = dimension_numbers
+    x = ctx.transpose(lhs, tuple(dn.lhs_spec))
+    w = ctx.transpose(rhs, tuple(dn.rhs_spec))
+    (t, b), (lf, r) = padding
+    if min(t, b, lf, r) < 0:
+        return None
+    y = ctx.op("conv2d", [x, w], strides=tuple(window_strides),
+               padding=canonical_padding((t, lf, b, r), ctx.type(w).shape[2:],
+                                         tuple(rhs_dilation)),
+               dilations=tuple(rhs_dilation), groups=int(feature_group_count))
+    return [ctx.transpose(y, _inverse(dn.out_spec))]
+
+
+@jaxpr_importer("reduce_window_max", "reduce_window_sum")
+def _import_reduce_window(ctx, ins, *, window_dimensions, window_strides, padding,
+                          base_dilation, window_dilation, **_):
+    (x,) = ins
+    rank = len(window_dimensions)
+    if rank != 4 or any(d != 1 for d in (*base_dilation, *window_dilation)):
+        return None
+    pooled = [i for i in range(4) if window_dimensions[i] != 1 or window_strides[i] != 1
+              or padding[i] != (0, 0)]
+    spatial = pooled if len(pooled) == 2 else [2, 3] if set(pooled) <= {2, 3} else None
+    if spatial is None:
+        return None
+    rest = [i for i in range(4) if i not in spatial]
+    perm = (*rest, *spatial)  # pooled axes last: NCHW (NHWC input gives (0, 3, 1, 2))
+    k = tuple(int(window_dimensions[i]) for i in spatial)
+    st = tuple(int(window_strides[i]) for i in spatial)
+    (t, b), (lf, r) = (padding[i] for i in spatial)
+    pads = canonical_padding((t, lf, b, r), k)
+    y = ctx.transpose(x, perm)
+    if ctx.primitive == "reduce_window_max":
+        y = ctx.op("maxpool2d", [y], kernel=k, strides=st, padding=pads)
+    else:  # a window sum is an average that counts padding, times the window size
+        y = ctx.op("avgpool2d", [y], kernel=k, strides=st, padding=pads, count_include_pad=True)
+        y = ctx.op("scalar_mul", [y], scalar=float(k[0] * k[1]))
+    return [ctx.transpose(y, _inverse(perm))]

@@ -10,7 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
+from taso_jax.ops import (
+    OpDef,
+    ShapeError,
+    TensorType,
+    declare,
+    jaxpr_importer,
+    onnx_importer,
+)
 
 
 def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
@@ -45,7 +52,7 @@ _EX1 = ((((2, 3, 4), _F32),), {})
 
 def _binary(name, fn, onnx_type, doc, commutative=False):
     declare(OpDef(name, fn, _binary_shape, 2, to_onnx=_emit(onnx_type), commutative=commutative,
-                  fusible=True,
+                  fusible=True, layout="elementwise",
                   examples=(([TensorType(*t) for t in _EX2[0]], {}),), doc=doc))
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
@@ -67,7 +74,7 @@ def _import_sum(ctx, ins, **_):
 
 def _unary(name, fn, onnx_type, doc):
     declare(OpDef(name, fn, _same_shape, 1, to_onnx=_emit(onnx_type), fusible=True,
-                  examples=(([TensorType(*_EX1[0][0])], {}),), doc=doc))
+                  layout="elementwise", examples=(([TensorType(*_EX1[0][0])], {}),), doc=doc))
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
 
@@ -101,6 +108,7 @@ def _gelu_onnx(ctx, ins, outs, *, approximate):
 
 
 declare(OpDef("gelu", _gelu, _same_shape, 1, attrs={"approximate": "none"}, to_onnx=_gelu_onnx,
+              layout="elementwise",
               examples=(([TensorType((2, 5), _F32)], {}),
                         ([TensorType((2, 5), _F32)], {"approximate": "tanh"})),
               doc="Gaussian error linear unit (ONNX Gelu, opset 20)"))
@@ -117,6 +125,7 @@ def _scalar_mul(x, *, scalar=1.0):
 
 declare(OpDef(
     "scalar_mul", _scalar_mul, _same_shape, 1, attrs={"scalar": 1.0}, fusible=True,
+    layout="elementwise",
     to_onnx=lambda ctx, ins, outs, *, scalar: ctx.node(
         "Mul", [ins[0], ctx.scalar(scalar, ctx.dtype(ins[0]))], outs),
     examples=(([TensorType((2, 3), _F32)], {"scalar": 2.5}),),
@@ -139,7 +148,7 @@ def _clip_onnx(ctx, ins, outs, *, min, max):  # noqa: A002
 
 
 declare(OpDef("clip", _clip, _same_shape, 1, attrs={"min": None, "max": None}, fusible=True,
-              to_onnx=_clip_onnx,
+              to_onnx=_clip_onnx, layout="elementwise",
               examples=(([TensorType((2, 3), _F32)], {"min": 0.0, "max": 6.0}),),
               doc="min(max(x, min), max) (ONNX Clip; ReLU6 is clip(0, 6))"))
 
@@ -171,7 +180,7 @@ def _where_shape(ts, **_):
     return [TensorType(broadcast_shape(c.shape, a.shape, b.shape), a.dtype)]
 
 
-declare(OpDef("where", _where, _where_shape, 3, to_onnx=_emit("Where"),
+declare(OpDef("where", _where, _where_shape, 3, to_onnx=_emit("Where"), layout="elementwise",
               examples=(([TensorType((2, 3), "bool"), TensorType((2, 3), _F32),
                           TensorType((1, 3), _F32)], {}),),
               doc="elementwise select c ? a : b (ONNX Where)"))
@@ -184,7 +193,7 @@ def _pred_shape(ts, **_):
 
 def _predicate(name, fn, onnx_type, arity, in_dtype, doc):
     ex = [TensorType((2, 3), in_dtype)] * arity
-    declare(OpDef(name, fn, _pred_shape, arity, to_onnx=_emit(onnx_type),
+    declare(OpDef(name, fn, _pred_shape, arity, to_onnx=_emit(onnx_type), layout="elementwise",
                   examples=((ex, {}),), doc=doc))
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
@@ -207,7 +216,7 @@ def _cast_onnx(ctx, ins, outs, *, to):
 
 
 declare(OpDef("cast", _cast, lambda ts, *, to: [TensorType(ts[0].shape, to)], 1,
-              attrs={"to": "float32"}, to_onnx=_cast_onnx,
+              attrs={"to": "float32"}, to_onnx=_cast_onnx, layout="elementwise",
               examples=(([TensorType((2, 3), "int64")], {"to": "float32"}),),
               doc="convert element type (ONNX Cast)"))
 
@@ -230,3 +239,95 @@ def _import_identity(ctx, ins, training_mode=None, **_):
     if len(ctx.out_types) > 1:
         outs.append(ctx.weight(np.ones(ctx.out_types[1].shape, bool), "dropout_mask"))
     return outs
+
+
+# ---- jaxpr primitives ---------------------------------------------------------------------
+# lax binary operators broadcast size-1 dimensions and rank-0 literals like NumPy, so they map
+# one to one; rank-0 literals arrive as scalar weights.
+
+for _prim, _op in (("add", "ewadd"), ("mul", "ewmul"), ("pow", "pow"), ("tanh", "tanh"),
+                   ("logistic", "sigmoid"), ("erf", "erf"), ("sqrt", "sqrt"), ("exp", "exp"),
+                   ("neg", "neg"), ("eq", "equal"), ("lt", "less")):
+    jaxpr_importer(_prim)(lambda ctx, ins, _op=_op, **_: [ctx.op(_op, ins)])
+
+
+@jaxpr_importer("sub", "div")
+def _import_sub_div(ctx, ins, **_):
+    # x - c and x / c with a weight-only c become x + (-c) and x * (1 / c): the
+    # substitutions state scale and shift folding with ewadd and ewmul (the negation and
+    # reciprocal are computed once with the weights).
+    a, b = ins
+    if ctx.weight_only(b) and not ctx.weight_only(a):
+        inv = ctx.op("neg" if ctx.primitive == "sub" else "ewdiv",
+                     [b] if ctx.primitive == "sub" else [ctx.scalar(1, ctx.type(b).dtype), b])
+        return [ctx.op("ewadd" if ctx.primitive == "sub" else "ewmul", [a, inv])]
+    return [ctx.op("ewsub" if ctx.primitive == "sub" else "ewdiv", ins)]
+
+
+def _scalar_const(ctx, t):
+    """The value of a constant tensor whose entries are all equal, else ``None``."""
+    v = ctx.const(t)
+    if v is None:
+        return None
+    v = np.asarray(v).reshape(-1)
+    return float(v[0]) if v.size and np.all(v == v[0]) else None
+
+
+@jaxpr_importer("max", "min")
+def _import_max_min(ctx, ins, **_):
+    # max(x, 0) is relu; max(x, c) and min(x, c) with a constant c are clips.
+    for x, c in ((ins[0], ins[1]), (ins[1], ins[0])):
+        v = _scalar_const(ctx, c)
+        if v is None or ctx.type(x).shape != ctx.out_types[0].shape:
+            continue
+        if ctx.primitive == "max":
+            return [ctx.op("relu", [x]) if v == 0.0 else ctx.op("clip", [x], min=v)]
+        return [ctx.op("clip", [x], max=v)]
+    return None
+
+
+@jaxpr_importer("gt")
+def _import_gt(ctx, ins, **_):
+    return [ctx.op("less", [ins[1], ins[0]])]
+
+
+@jaxpr_importer("and", "not")
+def _import_logical(ctx, ins, **_):
+    if any(ctx.type(t).dtype != "bool" for t in ins):
+        return None  # bitwise on integers
+    return [ctx.op("logical_and" if len(ins) == 2 else "logical_not", ins)]
+
+
+@jaxpr_importer("rsqrt")
+def _import_rsqrt(ctx, ins, **_):
+    one = ctx.scalar(1.0, ctx.type(ins[0]).dtype)
+    return [ctx.op("ewdiv", [one, ctx.op("sqrt", ins)])]
+
+
+@jaxpr_importer("integer_pow", "square")
+def _import_integer_pow(ctx, ins, *, y=2, **_):
+    (x,) = ins
+    if y == 1:
+        return [x]
+    if y in (2, 3):
+        acc = ctx.op("ewmul", [x, x])
+        return [acc if y == 2 else ctx.op("ewmul", [acc, x])]
+    return [ctx.op("pow", [x, ctx.scalar(float(y), ctx.type(x).dtype)])]
+
+
+@jaxpr_importer("select_n")
+def _import_select_n(ctx, ins, **_):
+    if len(ins) != 3 or ctx.type(ins[0]).dtype != "bool":
+        return None  # integer case selectors
+    return [ctx.op("where", [ins[0], ins[2], ins[1]])]  # select_n(p, f, t) = p ? t : f
+
+
+@jaxpr_importer("convert_element_type")
+def _import_convert(ctx, ins, *, new_dtype, **_):
+    to = str(np.dtype(new_dtype))
+    return [ins[0] if ctx.type(ins[0]).dtype == to else ctx.op("cast", ins, to=to)]
+
+
+@jaxpr_importer("copy", "copy_p", "optimization_barrier")
+def _import_identity_prim(ctx, ins, **_):
+    return list(ins)

@@ -7,7 +7,8 @@ fused activation.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
+import numpy as np
+from taso_jax.ops import OpDef, ShapeError, TensorType, declare, jaxpr_importer, onnx_importer
 from taso_jax.ops.conv import _ACT_ONNX, _act
 from taso_jax.ops.elementwise import broadcast_shape
 
@@ -67,3 +68,32 @@ def _import_gemm(ctx, ins, *, alpha=1.0, beta=1.0, transA=0, transB=0):  # noqa:
         c = ins[2] if beta == 1.0 else ctx.op("scalar_mul", [ins[2]], scalar=float(beta))
         y = ctx.op("ewadd", [y, c])
     return [y]
+
+
+# ---- jaxpr primitives ---------------------------------------------------------------------
+
+@jaxpr_importer("dot_general")
+def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=None, **_):
+    """dot_general as transposes and reshapes around one batched ``matmul``.
+
+    Output layout of dot_general: batch dimensions, then the free dimensions of the left
+    operand, then those of the right (jax.lax.dot_general).
+    """
+    lhs, rhs = ins
+    (lc, rc), (lb, rb) = dimension_numbers
+    out = ctx.out_types[0]
+    if ctx.type(lhs).dtype != ctx.type(rhs).dtype or ctx.type(lhs).dtype != out.dtype:
+        return None  # mixed precision
+    ls, rs = ctx.type(lhs).shape, ctx.type(rhs).shape
+    lf = [i for i in range(len(ls)) if i not in (*lc, *lb)]
+    rf = [i for i in range(len(rs)) if i not in (*rc, *rb)]
+    k = int(np.prod([ls[i] for i in lc], dtype=np.int64))
+    n = int(np.prod([rs[i] for i in rf], dtype=np.int64))
+    b = ctx.reshape(ctx.transpose(rhs, (*rb, *rc, *rf)), (*(rs[i] for i in rb), k, n))
+    if not lb:  # [..., M, K] @ [K, N]: the free dimensions of the left operand stay as they are
+        lead = tuple(ls[i] for i in lf) or (1,)
+        a = ctx.reshape(ctx.transpose(lhs, (*lf, *lc)), (*lead, k))
+    else:
+        m = int(np.prod([ls[i] for i in lf], dtype=np.int64))
+        a = ctx.reshape(ctx.transpose(lhs, (*lb, *lf, *lc)), (*(ls[i] for i in lb), m, k))
+    return [ctx.reshape(ctx.op("matmul", [a, b]), out.shape)]

@@ -1,6 +1,7 @@
-"""Normalization and reduction operators: softmax, layer normalization, mean reduction.
+"""Normalization and reduction operators: softmax, layer normalization, reductions.
 
-Sources: ONNX operator spec (Softmax opset 13, LayerNormalization opset 17, ReduceMean).
+Sources: ONNX operator spec (Softmax opset 13, LayerNormalization opset 17, ReduceMean,
+ReduceSum, ReduceMax); the jaxpr primitives ``reduce_sum`` and ``reduce_max``.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
+from taso_jax.ops import OpDef, ShapeError, TensorType, declare, jaxpr_importer, onnx_importer
 from taso_jax.ops.tensor import _canon_axis, _i64, _neg_axis
 
 _F32 = "float32"
@@ -27,7 +28,7 @@ declare(OpDef(
     "softmax", lambda x, *, axis: jax.nn.softmax(x, axis=axis), _softmax_shape, 1,
     attrs={"axis": -1},
     to_onnx=lambda ctx, ins, outs, *, axis: ctx.node("Softmax", ins, outs, axis=axis),
-    flops=_flops_per_elem(5), canon=_canon_axis,
+    flops=_flops_per_elem(5), canon=_canon_axis, layout="axis",
     examples=(([TensorType((2, 3, 5), _F32)], {"axis": -1}),
               ([TensorType((2, 3, 5), _F32)], {"axis": 1})),
     doc="exp(x) / sum(exp(x)) along axis (ONNX Softmax, opset 13 semantics)"))
@@ -76,42 +77,58 @@ def _import_layernorm(ctx, ins, *, axis=-1, epsilon=1e-5, stash_type=1):
     return [ctx.op("layernorm", [x, scale, bias], axis=axis, epsilon=float(epsilon))]
 
 
-def _reduce_mean_shape(ts, *, axes, keepdims):
+def _reduce_shape(ts, *, axes, keepdims):
     (x,) = ts
     r = len(x.shape)
-    ax = {a % r for a in axes}
     if any(not -r <= a < r for a in axes):
-        raise ShapeError(f"reduce_mean: axes {axes} out of range for rank {r}")
+        raise ShapeError(f"reduce: axes {axes} out of range for rank {r}")
+    ax = {a % r for a in axes}
     shape = tuple(1 if i in ax else d for i, d in enumerate(x.shape) if keepdims or i not in ax)
     return [TensorType(shape, x.dtype)]
 
 
-def _reduce_mean_onnx(ctx, ins, outs, *, axes, keepdims):
-    if ctx.opset >= 18:
-        ctx.node("ReduceMean", [ins[0], ctx.const(_i64(axes))], outs, keepdims=int(keepdims))
-    else:
-        ctx.node("ReduceMean", ins, outs, axes=list(axes), keepdims=int(keepdims))
+def _reduction(name, fn, onnx_type, axes_input_opset, primitive, doc):
+    """Declare a reduction over static ``axes`` and register its importers.
+
+    ONNX Reduce* takes axes as an input from ``axes_input_opset`` on.
+    """
+
+    def to_onnx(ctx, ins, outs, *, axes, keepdims):
+        if ctx.opset >= axes_input_opset:
+            ctx.node(onnx_type, [ins[0], ctx.const(_i64(axes))], outs, keepdims=int(keepdims))
+        else:
+            ctx.node(onnx_type, ins, outs, axes=list(axes), keepdims=int(keepdims))
+
+    declare(OpDef(
+        name, lambda x, *, axes, keepdims: fn(x, axis=axes, keepdims=keepdims),
+        _reduce_shape, 1, attrs={"axes": (), "keepdims": True}, to_onnx=to_onnx,
+        flops=_flops_per_elem(1), layout="reduce",
+        examples=(([TensorType((2, 3, 4, 4), _F32)], {"axes": (2, 3)}),
+                  ([TensorType((2, 3, 4), _F32)], {"axes": (-1,), "keepdims": False})),
+        doc=doc))
+
+    @onnx_importer(onnx_type)
+    def _import(ctx, ins, *, axes=None, keepdims=1, noop_with_empty_axes=0):
+        if len(ins) > 1 and ins[1] is not None:
+            v = ctx.const(ins[1])
+            if v is None:
+                return None
+            axes = np.asarray(v).tolist()
+        if not axes:
+            if noop_with_empty_axes:
+                return [ins[0]]
+            axes = list(range(len(ctx.type(ins[0]).shape)))
+        return [ctx.op(name, [ins[0]], axes=tuple(int(a) for a in axes),
+                       keepdims=bool(keepdims))]
+
+    if primitive:
+        jaxpr_importer(primitive)(lambda ctx, ins, *, axes, **_: [ctx.op(
+            name, [ins[0]], axes=tuple(int(a) for a in axes), keepdims=False)])
 
 
-declare(OpDef(
-    "reduce_mean", lambda x, *, axes, keepdims: jnp.mean(x, axis=axes, keepdims=keepdims),
-    _reduce_mean_shape, 1, attrs={"axes": (), "keepdims": True}, to_onnx=_reduce_mean_onnx,
-    flops=_flops_per_elem(1),
-    examples=(([TensorType((2, 3, 4, 4), _F32)], {"axes": (2, 3)}),
-              ([TensorType((2, 3, 4), _F32)], {"axes": (-1,), "keepdims": False})),
-    doc="mean over the given axes (ONNX ReduceMean, GlobalAveragePool)"))
-
-
-@onnx_importer("ReduceMean")
-def _import_reduce_mean(ctx, ins, *, axes=None, keepdims=1, noop_with_empty_axes=0):
-    if len(ins) > 1 and ins[1] is not None:
-        v = ctx.const(ins[1])
-        if v is None:
-            return None
-        axes = np.asarray(v).tolist()
-    if not axes:
-        if noop_with_empty_axes:
-            return [ins[0]]
-        axes = list(range(len(ctx.type(ins[0]).shape)))
-    return [ctx.op("reduce_mean", [ins[0]], axes=tuple(int(a) for a in axes),
-                   keepdims=bool(keepdims))]
+_reduction("reduce_mean", jnp.mean, "ReduceMean", 18, None,
+           "mean over the given axes (ONNX ReduceMean, GlobalAveragePool)")
+_reduction("reduce_sum", jnp.sum, "ReduceSum", 13, "reduce_sum",
+           "sum over the given axes (ONNX ReduceSum; jaxpr reduce_sum)")
+_reduction("reduce_max", jnp.max, "ReduceMax", 18, "reduce_max",
+           "maximum over the given axes (ONNX ReduceMax; jaxpr reduce_max)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, declare, onnx_importer
+from taso_jax.ops import OpDef, ShapeError, TensorType, declare, jaxpr_importer, onnx_importer
 
 _F32 = "float32"
 
@@ -52,7 +52,7 @@ declare(OpDef(
     "concat", lambda *xs, axis: jnp.concatenate(xs, axis=axis), _concat_shape, None,
     attrs={"axis": 0},
     to_onnx=lambda ctx, ins, outs, *, axis: ctx.node("Concat", ins, outs, axis=axis),
-    flops=lambda i, o, **_: 0.0, canon=_canon_axis,
+    flops=lambda i, o, **_: 0.0, canon=_canon_axis, layout="axis",
     examples=(([TensorType((2, 3), _F32), TensorType((2, 5), _F32)], {"axis": 1}),
               ([TensorType((2, 3, 4, 4), _F32)] * 3, {"axis": -3})),
     doc="concatenate along axis (ONNX Concat; TASO concat)"))
@@ -85,7 +85,7 @@ declare(OpDef(
     "split", _split, _split_shape, 1, attrs={"axis": 0, "sizes": ()}, fusible=True,
     to_onnx=lambda ctx, ins, outs, *, axis, sizes: ctx.node(
         "Split", [ins[0], ctx.const(_i64(sizes))], outs, axis=axis),
-    flops=lambda i, o, **_: 0.0, canon=_canon_axis,
+    flops=lambda i, o, **_: 0.0, canon=_canon_axis, layout="axis",
     examples=(([TensorType((2, 7), _F32)], {"axis": 1, "sizes": (3, 4)}),),
     doc="split along axis into parts of the given sizes; one output per part (ONNX Split)"))
 
@@ -283,3 +283,59 @@ declare(OpDef(
     doc="broadcast to a static shape (ONNX Expand)"))
 onnx_importer("Expand")(lambda ctx, ins, **_: [ctx.op("expand", [ins[0]],
                                                       shape=ctx.out_types[0].shape)])
+
+
+# ---- jaxpr primitives ---------------------------------------------------------------------
+
+@jaxpr_importer("concatenate")
+def _import_concatenate(ctx, ins, *, dimension, **_):
+    return [ctx.op("concat", ins, axis=int(dimension))]
+
+
+@jaxpr_importer("split")
+def _import_split_jaxpr(ctx, ins, *, sizes, axis, **_):
+    return list(ctx.op("split", ins, axis=int(axis), sizes=tuple(int(s) for s in sizes)))
+
+
+@jaxpr_importer("transpose")
+def _import_transpose_jaxpr(ctx, ins, *, permutation, **_):
+    return [ctx.transpose(ins[0], tuple(permutation))]
+
+
+@jaxpr_importer("reshape", "squeeze")
+def _import_reshape_jaxpr(ctx, ins, *, dimensions=None, **_):
+    if ctx.primitive == "reshape" and dimensions is not None:
+        return None  # reshape with a transposition folded in (old lax API)
+    return [ctx.reshape(ins[0], ctx.out_types[0].shape)]
+
+
+@jaxpr_importer("broadcast_in_dim")
+def _import_broadcast_in_dim(ctx, ins, *, shape, broadcast_dimensions, **_):
+    # Insert the new axes as size 1 (a reshape), then expand to the full shape if needed.
+    (x,) = ins
+    xs = ctx.type(x).shape
+    if list(broadcast_dimensions) != sorted(broadcast_dimensions):
+        return None
+    unit = [1] * len(shape)
+    for d, size in zip(broadcast_dimensions, xs, strict=True):
+        unit[d] = size
+    y = ctx.reshape(x, tuple(unit))
+    return [y if tuple(unit) == tuple(shape) else ctx.op("expand", [y], shape=tuple(shape))]
+
+
+@jaxpr_importer("slice")
+def _import_slice_jaxpr(ctx, ins, *, start_indices, limit_indices, strides=None, **_):
+    steps = tuple(strides) if strides else (1,) * len(start_indices)
+    return [ctx.op("slice", ins, starts=tuple(int(s) for s in start_indices),
+                   ends=tuple(int(e) for e in limit_indices), steps=steps)]
+
+
+@jaxpr_importer("pad")
+def _import_pad_jaxpr(ctx, ins, *, padding_config, **_):
+    x, value = ins
+    v = ctx.const(value)
+    if v is None or any(i != 0 or lo < 0 or hi < 0 for lo, hi, i in padding_config):
+        return None  # runtime value, interior or negative padding
+    pads = tuple(lo for lo, _, _ in padding_config) + tuple(hi for _, hi, _ in padding_config)
+    return [ctx.op("pad", [x], pads=tuple(int(p) for p in pads),
+                   value=float(np.asarray(v).reshape(())))]
