@@ -20,7 +20,8 @@ import numpy as np
 from taso_jax.graph import Graph, Node
 from taso_jax.ops import OPS
 
-__all__ = ["CompiledGraph", "compile_graph", "run_node", "time_function", "random_inputs"]
+__all__ = ["CompiledGraph", "StagedGraph", "compile_graph", "run_node", "time_function",
+           "random_inputs"]
 
 
 @lru_cache(maxsize=4096)
@@ -58,8 +59,11 @@ def _run_opaque_numpy(node: Node, *args):
 def run_node(node: Node, args: Sequence) -> tuple:
     """Evaluate one operator or opaque node on JAX arrays; returns a tuple of outputs.
 
-    Inside ``jax.jit`` an opaque node becomes a ``jax.pure_callback`` into onnxruntime.
+    Inside ``jax.jit`` an opaque ONNX node becomes a ``jax.pure_callback`` into onnxruntime;
+    an opaque jaxpr equation evaluates the original primitive.
     """
+    if node.op == "opaque" and node.attr("jax_equation") is not None:
+        return node.attr("jax_equation")(*args)
     if node.op == "opaque":
         specs = [jax.ShapeDtypeStruct(t.shape, jax.dtypes.canonicalize_dtype(t.dtype))
                  for t in node.types]
@@ -73,6 +77,59 @@ def run_node(node: Node, args: Sequence) -> tuple:
     return tuple(out) if isinstance(out, tuple | list) else (out,)
 
 
+class StagedGraph:
+    """A graph split into a weight stage and a runtime stage, as two pure JAX functions.
+
+    ``fold(weights)`` maps the weight values (a list in ``weight_names`` order) to the values
+    of the weight-only tensors that the runtime stage reads; ``run(consts, *inputs)`` computes
+    the outputs from those and the runtime inputs (``graph.inputs`` order). Both can be
+    ``jax.jit``-ed, differentiated and vmapped; ``run(fold(w), *x)`` is the whole graph.
+    Precomputing ``fold`` once per weight value is what makes a merged or folded kernel free.
+    """
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        wo = graph.weight_only
+        fold_nodes, runtime_nodes = [], []
+        for n in graph.nodes:
+            if n.op in ("input", "weight"):
+                continue
+            (fold_nodes if n in wo else runtime_nodes).append(n)
+        self.weight_names = sorted({n.name for n in graph.nodes if n.op == "weight"})
+        needed = {t for n in runtime_nodes for t in n.inputs if t.node in wo}
+        needed |= {t for t in graph.outputs if t.node in wo}
+        pos = {n: i for i, n in enumerate(graph.nodes)}
+        self.const_keys = sorted(needed, key=lambda t: (pos[t.node], t.index))
+        self._fold_nodes, self._runtime_nodes = fold_nodes, runtime_nodes
+        self._inputs = [n.outputs[0] for n in graph.inputs]
+
+    def fold(self, weights: Sequence) -> list:
+        """Weight-only tensor values (``const_keys`` order) from weight values."""
+        env = {}
+        by_name = dict(zip(self.weight_names, weights, strict=True))
+        for n in self.graph.nodes:
+            if n.op == "weight":
+                env[n.outputs[0]] = jnp.asarray(by_name[n.name])
+        for n in self._fold_nodes:
+            for t, v in zip(n.outputs, run_node(n, [env[t] for t in n.inputs]), strict=True):
+                env[t] = v
+        return [env[t] for t in self.const_keys]
+
+    def run(self, consts: Sequence, *args) -> tuple:
+        """Graph outputs from folded constants and runtime inputs."""
+        env = dict(zip(self.const_keys, consts, strict=True))
+        env.update(zip(self._inputs, args, strict=True))
+        for n in self._runtime_nodes:
+            for t, v in zip(n.outputs, run_node(n, [env[t] for t in n.inputs]), strict=True):
+                env[t] = v
+        return tuple(env[t] for t in self.graph.outputs)
+
+    def weights_of(self, graph: Graph | None = None) -> list:
+        """The weight values of ``graph`` (default: this graph) in ``weight_names`` order."""
+        g = graph or self.graph
+        return [g.weights[n] for n in self.weight_names]
+
+
 class CompiledGraph:
     """A graph compiled with ``jax.jit``; call with the runtime inputs in ``graph.inputs`` order.
 
@@ -84,37 +141,12 @@ class CompiledGraph:
 
     def __init__(self, graph: Graph):
         self.graph = graph
-        env: dict = {}
+        self.staged = StagedGraph(graph)
         t0 = time.perf_counter()
-        runtime_nodes: list[Node] = []
-        for n in graph.nodes:
-            if n.op == "input":
-                continue
-            if n.op == "weight":
-                env[n.outputs[0]] = jnp.asarray(graph.weights[n.name])
-            elif n in graph.weight_only:
-                for t, v in zip(n.outputs, run_node(n, [env[t] for t in n.inputs]), strict=True):
-                    env[t] = v
-            else:
-                runtime_nodes.append(n)
+        self.folded = self.staged.fold(self.staged.weights_of())
         self.fold_seconds = time.perf_counter() - t0
-        needed = {t for n in runtime_nodes for t in n.inputs if t.node in graph.weight_only}
-        needed |= {t for t in graph.outputs if t.node in graph.weight_only}
-        pos = {n: i for i, n in enumerate(graph.nodes)}
-        self._const_keys = sorted(needed, key=lambda t: (pos[t.node], t.index))
-        self.folded = [env[t] for t in self._const_keys]
-        inputs = [n.outputs[0] for n in graph.inputs]
-        const_keys = self._const_keys
-
-        def fn(consts, *args):
-            env = dict(zip(const_keys, consts, strict=True))
-            env.update(zip(inputs, args, strict=True))
-            for n in runtime_nodes:
-                for t, v in zip(n.outputs, run_node(n, [env[t] for t in n.inputs]), strict=True):
-                    env[t] = v
-            return tuple(env[t] for t in graph.outputs)
-
-        self._jitted = jax.jit(fn)
+        self._const_keys = self.staged.const_keys
+        self._jitted = jax.jit(self.staged.run)
 
     def __call__(self, *args) -> tuple:
         """Run on runtime inputs (arrays in ``graph.inputs`` order); returns output arrays."""

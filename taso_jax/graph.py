@@ -43,9 +43,10 @@ class Node:
         attrs: sorted tuple of ``(name, value)`` pairs (all values hashable).
         inputs: tuple of :class:`Tensor`.
         types: one :class:`TensorType` per output.
+        weight_only: the value depends on weights only (computed once, ahead of time).
     """
 
-    __slots__ = ("op", "attrs", "inputs", "types", "_hash", "__weakref__")
+    __slots__ = ("op", "attrs", "inputs", "types", "_hash", "weight_only", "__weakref__")
 
     def __init__(self, op, attrs, inputs, types):
         self.op = op
@@ -53,6 +54,10 @@ class Node:
         self.inputs = inputs
         self.types = types
         self._hash = hash((op, attrs, inputs))
+        # Whether the value depends on weights only: a property of the node itself (its
+        # inputs are part of its identity), so it is computed once, here.
+        self.weight_only = op == "weight" or (
+            op != "input" and all(t.node.weight_only for t in inputs))
 
     def __hash__(self) -> int:
         return self._hash
@@ -83,7 +88,7 @@ class Node:
         if self.op in LEAF_OPS:
             return f"{self.op}({self.name}: {list(self.types[0].shape)})"
         if self.op == "opaque":
-            return f"opaque({self.attr('onnx_op')})"
+            return f"opaque({self.attr('onnx_op') or self.attr('jax_primitive')})"
         return f"{self.op}({', '.join(f'{k}={v}' for k, v in self.attrs)})"
 
 
@@ -219,11 +224,7 @@ class Graph:
     @cached_property
     def weight_only(self) -> frozenset[Node]:
         """Nodes whose value depends on weights only (precomputed once, cost nothing)."""
-        wo: set[Node] = set()
-        for n in self.nodes:
-            if n.op == "weight" or (n.op != "input" and all(t.node in wo for t in n.inputs)):
-                wo.add(n)
-        return frozenset(wo)
+        return frozenset(n for n in self.nodes if n.weight_only)
 
     @cached_property
     def by_op(self) -> dict[str, list[Node]]:

@@ -332,6 +332,10 @@ def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tens
     return list(n.outputs)
 
 
+#: JAX primitives kept opaque for their derivative rules, whose value is their input.
+_FORWARD_IDENTITY = ("stop_gradient",)
+
+
 class _ExportContext:
     """What an operator's ``to_onnx`` sees."""
 
@@ -384,7 +388,8 @@ def export_onnx(graph: Graph, opset: int | None = None):
     the imported model's (at least 13); gelu is decomposed below opset 20.
 
     Raises:
-        ValueError: an operator without an ONNX mapping.
+        ValueError: an operator without an ONNX mapping, or an opaque JAX primitive (from
+            :func:`taso_jax.from_jax`) that has none.
     """
     from onnx import helper
 
@@ -412,6 +417,12 @@ def export_onnx(graph: Graph, opset: int | None = None):
             ctx.types[names[t]] = t.type
             outs.append(names[t])
         ins = [names[t] for t in n.inputs]
+        if n.attr("jax_primitive") in _FORWARD_IDENTITY:
+            ctx.node("Identity", ins, outs)
+            continue
+        if n.op == "opaque" and n.attr("onnx") is None:
+            raise ValueError(f"JAX primitive {n.attr('jax_primitive')!r} has no ONNX mapping "
+                             "(it was kept as an opaque node on import)")
         if n.op == "opaque":
             import onnx
 

@@ -1,0 +1,381 @@
+"""JAX front door: trace a function with ``jax.make_jaxpr`` and import the jaxpr as a graph.
+
+Each equation goes through the importer that its operator declaration registered for the
+primitive (``taso_jax.ops.JAXPR_IMPORTERS``: ``conv_general_dilated``, ``dot_general``,
+``add``, ``max(x, 0)`` as relu, ...). Call-like equations (``jit``, ``closed_call``,
+``custom_jvp_call``, ``custom_vjp_call``, ``remat2``) are inlined: their inner jaxpr is
+imported in place. An equation without an importer, or whose importer declines, becomes an
+opaque node that evaluates the original equation (the primitive bound with its parameters),
+so every traced function still runs; opaque nodes are never rewritten.
+
+Arguments are pytrees. The array leaves of the arguments named by ``weight_argnums`` /
+``weight_argnames`` become weights (their values are known ahead of time, so weight-only
+subgraphs are precomputed); all other array leaves become runtime inputs, named by their
+pytree path (``x``, ``params['dense']['kernel']``). Literals and closed-over constants
+become weights too.
+
+After import, :func:`taso_jax.layout.sink_transposes` removes the layout transposes that an
+NHWC program (flax, ``jax.lax.conv`` with ``("NHWC", "HWIO", "NHWC")``) puts around each
+convolution, so the search sees NCHW convolutions followed by their elementwise consumers,
+and :func:`taso_jax.canonical.normalize_affine` writes per-channel affine chains as
+``x * s + t`` (flax's batchnorm is ``(x - mean) * s + b``), the form the substitutions fold.
+
+Source: JAX's jaxpr language (jax.readthedocs.io, "Understanding Jaxprs") and the public
+``jax.extend.core`` API.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from taso_jax.graph import Graph, Node, Tensor, intern_node, leaf_node, make_node
+from taso_jax.onnx_io import ModelError
+from taso_jax.ops import JAXPR_IMPORTERS, OPS, ShapeError, TensorType
+
+__all__ = ["from_jax", "import_jaxpr", "normalize_argnums", "JaxEquation", "INLINED"]
+
+#: Call-like primitives whose inner jaxpr is imported in place.
+INLINED = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+           "custom_vjp_call_jaxpr", "remat2", "checkpoint", "remat")
+
+
+class JaxEquation:
+    """One jaxpr equation kept as it is (an opaque node); calling it evaluates the equation.
+
+    Hashes and compares by identity: two opaque nodes are the same only if they come from the
+    same equation. ``inputs`` are the equation's distinct variables, in the order the node
+    receives them; outputs are its non-dropped variables.
+    """
+
+    def __init__(self, eqn, invars: Sequence, outvars: Sequence):
+        self.eqn = eqn
+        self.primitive = eqn.primitive.name
+        import warnings
+
+        with warnings.catch_warnings():  # a one-equation jaxpr has no source to point at
+            warnings.simplefilter("ignore", DeprecationWarning)
+            jaxpr = jcore.Jaxpr([], list(invars), list(outvars), [eqn], eqn.effects)
+        self._fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))
+
+    def __call__(self, *args) -> tuple:
+        """Evaluate the equation on JAX values (works under ``jit``, ``grad`` and ``vmap``)."""
+        return tuple(self._fn(*args))
+
+    def __repr__(self) -> str:
+        return f"JaxEquation({self.primitive})"
+
+
+def _ttype(aval) -> TensorType:
+    try:
+        dtype = str(np.dtype(aval.dtype))
+    except TypeError as e:
+        raise ModelError(f"unsupported element type {aval.dtype} (only NumPy dtypes)") from e
+    return TensorType(tuple(int(d) for d in aval.shape), dtype)
+
+
+class _JaxprContext:
+    """What a jaxpr importer sees (see ``taso_jax.ops.jaxpr_importer``)."""
+
+    def __init__(self, weights: dict[str, np.ndarray]):
+        self.weights = weights
+        self.constants: set[str] = set()  # weights whose value may be read at import time
+        self.out_types: list[TensorType] = []
+        self.primitive = ""
+        self._literals: dict[tuple, Tensor] = {}
+        self._cache: dict[Tensor, np.ndarray | None] = {}
+
+    def op(self, name, inputs, **attrs):
+        node = make_node(name, inputs, attrs)
+        return node.outputs[0] if len(node.types) == 1 else list(node.outputs)
+
+    def type(self, t: Tensor) -> TensorType:
+        return t.type
+
+    def weight(self, array, prefix: str = "const") -> Tensor:
+        """A constant (a literal, a closed-over array): its value may be read by importers."""
+        array = np.asarray(array)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key in self._literals:
+            return self._literals[key]
+        i = len(self.weights)
+        while f"{prefix}_{i}" in self.weights:
+            i += 1
+        name = f"{prefix}_{i}"
+        self.weights[name] = array
+        self.constants.add(name)
+        t = leaf_node("weight", name, TensorType(array.shape, str(array.dtype))).outputs[0]
+        self._literals[key] = t
+        return t
+
+    def scalar(self, value, dtype: str) -> Tensor:
+        return self.weight(np.asarray(value, dtype))
+
+    def transpose(self, t: Tensor, perm) -> Tensor:
+        perm = tuple(int(p) for p in perm)
+        return t if perm == tuple(range(len(perm))) else self.op("transpose", [t], perm=perm)
+
+    def reshape(self, t: Tensor, shape) -> Tensor:
+        shape = tuple(int(d) for d in shape)
+        return t if t.shape == shape else self.op("reshape", [t], shape=shape)
+
+    def weight_only(self, t: Tensor) -> bool:
+        """Whether ``t`` depends on weights and constants only (computed ahead of time)."""
+        return t.node.weight_only
+
+    def const(self, t: Tensor):
+        """Value of a tensor computed from constants only, else ``None``.
+
+        Weight *arguments* are not constants here: the graph must stay valid when the same
+        function is called again with other weight values.
+        """
+        if t in self._cache:
+            return self._cache[t]
+        if not self.weight_only(t):
+            return None
+        n = t.node
+        if n.op == "weight":
+            return self.weights[n.name] if n.name in self.constants else None
+        value = None
+        if n.op not in ("input", "opaque") and n.op in OPS:
+            args = [self.const(x) for x in n.inputs]
+            if all(a is not None for a in args):
+                from taso_jax.executor import run_node
+
+                value = np.asarray(run_node(n, args)[t.index])
+        self._cache[t] = value
+        return value
+
+
+def _inner_jaxpr(eqn):
+    """``(jaxpr, consts)`` of a call-like equation, else ``None``."""
+    if eqn.primitive.name not in INLINED:
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(key)
+        if isinstance(sub, jcore.ClosedJaxpr):
+            return sub.jaxpr, list(sub.consts)
+        if isinstance(sub, jcore.Jaxpr):
+            return sub, []
+    return None
+
+
+def _import_eqns(jaxpr, env: dict, ctx: _JaxprContext, opaque: dict, inlined: dict):
+    def read(v):
+        if isinstance(v, jcore.Literal):
+            return ctx.weight(np.asarray(v.val, dtype=_ttype(v.aval).dtype), "literal")
+        return env[v]
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        sub = _inner_jaxpr(eqn)
+        if sub is not None:
+            inner, consts = sub
+            inlined[name] = inlined.get(name, 0) + 1
+            for v, c in zip(inner.constvars, consts, strict=True):
+                env[v] = ctx.weight(np.asarray(c))
+            for v, x in zip(inner.invars, eqn.invars, strict=True):
+                env[v] = read(x)
+            _import_eqns(inner, env, ctx, opaque, inlined)
+            for v, x in zip(eqn.outvars, inner.outvars, strict=True):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = read(x)
+            continue
+        ins = [read(v) for v in eqn.invars]
+        out_types = [_ttype(v.aval) for v in eqn.outvars]
+        res = None
+        importer = JAXPR_IMPORTERS.get(name)
+        if importer is not None and not eqn.effects:
+            ctx.out_types, ctx.primitive = out_types, name
+            try:
+                res = importer(ctx, ins, **eqn.params)
+            except (ShapeError, TypeError, ValueError, KeyError, IndexError):
+                res = None
+            if res is not None and (len(res) != len(out_types) or any(
+                    t.type != want for t, want in zip(res, out_types, strict=True))):
+                res = None
+        if res is None:
+            res = _opaque(eqn, env, read)
+            opaque[name] = opaque.get(name, 0) + 1
+        for v, t in zip(eqn.outvars, res, strict=True):
+            if t is not None and not isinstance(v, jcore.DropVar):
+                env[v] = t
+
+
+def _opaque(eqn, env, read) -> list:
+    invars = []
+    for v in eqn.invars:
+        if isinstance(v, jcore.Var) and not isinstance(v, jcore.Literal) and v not in invars:
+            invars.append(v)
+    outvars = [v for v in eqn.outvars if not isinstance(v, jcore.DropVar)]
+    handle = JaxEquation(eqn, invars, outvars)
+    attrs = (("jax_primitive", handle.primitive), ("jax_equation", handle))
+    node = intern_node("opaque", attrs, tuple(read(v) for v in invars),
+                       tuple(_ttype(v.aval) for v in outvars))
+    it = iter(node.outputs)
+    return [None if isinstance(v, jcore.DropVar) else next(it) for v in eqn.outvars]
+
+
+def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_names: Sequence[str],
+                 name: str = "jax_function", sink_layout: bool = True) -> Graph:
+    """Import a ``ClosedJaxpr`` into a :class:`~taso_jax.graph.Graph`.
+
+    Args:
+        closed: the ``jax.extend.core.ClosedJaxpr`` (from ``jax.make_jaxpr``).
+        in_leaves: one ``(name, is_weight, value)`` per jaxpr input variable; ``value`` is the
+            weight's array (ignored for runtime inputs).
+        out_names: one name per jaxpr output.
+        name: graph name (``graph.meta["name"]``).
+        sink_layout: run :func:`taso_jax.layout.sink_transposes` after import.
+
+    Raises:
+        ModelError: a jaxpr with side effects (``jax.debug.print``, ``io_callback``) or an
+            element type that is not a NumPy dtype (PRNG keys).
+    """
+    from taso_jax.canonical import normalize_affine
+    from taso_jax.layout import sink_transposes
+
+    if closed.effects:
+        effects = sorted(map(str, closed.effects))
+        raise ModelError(f"{name}: the function has side effects ({effects}); they would be "
+                         "lost")
+    jaxpr = closed.jaxpr
+    weights: dict[str, np.ndarray] = {}
+    ctx = _JaxprContext(weights)
+    env: dict = {}
+    inputs: list[Node] = []
+    for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[v] = ctx.weight(np.asarray(c))
+    for v, (leaf_name, is_weight, value) in zip(jaxpr.invars, in_leaves, strict=True):
+        tt = _ttype(v.aval)
+        if is_weight:
+            weights[leaf_name] = np.asarray(value)
+            env[v] = leaf_node("weight", leaf_name, tt).outputs[0]
+        else:
+            node = leaf_node("input", leaf_name, tt)
+            inputs.append(node)
+            env[v] = node.outputs[0]
+    opaque: dict[str, int] = {}
+    inlined: dict[str, int] = {}
+    _import_eqns(jaxpr, env, ctx, opaque, inlined)
+    outputs = []
+    for v in jaxpr.outvars:
+        if isinstance(v, jcore.Literal):
+            outputs.append(ctx.weight(np.asarray(v.val, dtype=_ttype(v.aval).dtype), "literal"))
+        else:
+            outputs.append(env[v])
+    meta = {"name": name, "opaque": opaque, "inlined": inlined, "source": "jaxpr",
+            "constants": frozenset(ctx.constants)}
+    g = Graph(tuple(inputs), tuple(outputs), tuple(out_names), weights, meta)
+    if sink_layout:
+        g = sink_transposes(g)
+    return normalize_affine(g)
+
+
+def normalize_argnums(fn: Callable, nargs: int | None, argnums, argnames, what: str) -> set[int]:
+    """Positions named by ``argnums`` (int or ints) and ``argnames`` (str or strs).
+
+    Raises:
+        ValueError: a position out of range for ``nargs`` or a name that is not a parameter
+            of ``fn``; the message names the option (``what``) and the bad value.
+    """
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums or ())
+    names = (argnames,) if isinstance(argnames, str) else tuple(argnames or ())
+    out = set()
+    params = None
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        pass
+    for i in nums:
+        if not isinstance(i, int):
+            raise ValueError(f"{what}_argnums: {i!r} is not an integer")
+        if nargs is not None and not -nargs <= i < nargs:
+            raise ValueError(f"{what}_argnums: position {i} is out of range; "
+                             f"{_fn_name(fn)} was called with {nargs} positional argument(s)")
+        out.add(i % nargs if nargs else i)
+    for n in names:
+        if params is None or n not in params:
+            raise ValueError(f"{what}_argnames: {n!r} is not a parameter of {_fn_name(fn)}"
+                             + (f" (parameters: {params})" if params else ""))
+        out.add(params.index(n))
+    return out
+
+
+def _fn_name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _path_name(prefix: str, path) -> str:
+    return prefix + jax.tree_util.keystr(path) if path else prefix
+
+
+_ARRAY_LEAF_TYPES: dict[type, bool] = {}
+
+
+def _is_array_leaf(x) -> bool:
+    """Whether a pytree leaf is an array (JAX, NumPy, tracer) or a Python number.
+
+    Cached per type: it runs per leaf on every call of an optimized function.
+    """
+    t = type(x)
+    known = _ARRAY_LEAF_TYPES.get(t)
+    if known is None:
+        known = _ARRAY_LEAF_TYPES[t] = isinstance(
+            x, jax.Array | np.ndarray | np.generic | int | float | complex | bool)
+    return known
+
+
+def argument_names(fn: Callable, nargs: int) -> list[str]:
+    """Names of ``fn``'s first ``nargs`` positional parameters (``arg{i}`` when unknown)."""
+    try:
+        params = [p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"arg{i}" for i in range(nargs)]
+
+
+def from_jax(fn: Callable, *args, weight_argnums=(), weight_argnames=(),
+             sink_layout: bool = True) -> Graph:
+    """Trace ``fn(*args)`` and import it as a graph (JAX to graph IR; export with ONNX).
+
+    Args:
+        fn: a JAX-traceable function of positional arguments (pytrees of arrays).
+        args: example arguments; only their shapes and dtypes matter, except for weight
+            arguments, whose values become the graph's weights.
+        weight_argnums: positions of the arguments that hold weights (parameters).
+        weight_argnames: names of the arguments that hold weights.
+        sink_layout: cancel NHWC/NCHW transposes around convolutions (see module doc).
+
+    Returns:
+        A graph whose inputs are the array leaves of the non-weight arguments (named by
+        their pytree path, e.g. ``x`` or ``batch['tokens']``) and whose outputs are the
+        leaves of the result (``out``, ``out[0]``, ...).
+
+    Raises:
+        ValueError: bad ``weight_argnums``/``weight_argnames``, or a non-array leaf (the
+            message names the argument and path).
+        ModelError: side effects or unsupported element types (see :func:`import_jaxpr`).
+        Errors from tracing ``fn`` itself (e.g. ``jax.errors.TracerBoolConversionError`` for
+        Python control flow on traced values) propagate unchanged, as with ``jax.jit``.
+    """
+    weight_pos = normalize_argnums(fn, len(args), weight_argnums, weight_argnames, "weight")
+    names = argument_names(fn, len(args))
+    leaves = []
+    for i, a in enumerate(args):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+            where = _path_name(names[i], path)
+            if not _is_array_leaf(leaf):
+                raise ValueError(f"argument {where!r} of {_fn_name(fn)} is a "
+                                 f"{type(leaf).__name__}, not an array; pass only arrays "
+                                 "(partition equinox modules with eqx.partition)")
+            leaves.append((where, i in weight_pos, leaf))
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out_paths = jax.tree_util.tree_flatten_with_path(out_shape)[0]
+    out_names = [_path_name("out", p) for p, _ in out_paths]
+    return import_jaxpr(closed, leaves, out_names, _fn_name(fn), sink_layout)

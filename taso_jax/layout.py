@@ -1,0 +1,166 @@
+"""Layout normalization: sink transposes through layout-agnostic operators and cancel them.
+
+A program written in NHWC (flax, TensorFlow through tf2onnx) reaches the IR as NCHW
+convolutions wrapped in transposes: ``transpose(conv2d(transpose(x)))``, with the batchnorm
+scale, bias add and activation in between in NHWC. The substitutions are stated on NCHW
+(``conv2d`` then ``ewmul`` by a ``[1, C, 1, 1]`` scale), so they would not match. This pass
+rewrites the graph so that every tensor is carried in the layout of its producer and a
+transpose is emitted only where an operator needs its input in a given layout:
+
+* ``transpose(transpose(u, p), q)`` is ``transpose(u, p∘q)``, and disappears when that is the
+  identity;
+* an operator declared with ``layout="elementwise"`` (NumPy broadcasting) applies to the
+  untransposed tensor; its other operands are transposed to match (free for weights, which
+  are folded ahead of time);
+* ``layout="reduce"`` and ``layout="axis"`` operators apply with their axes renumbered.
+
+The result computes exactly the same values (a transpose only moves elements). Runtime
+operands other than the leading one are transposed only when all operands already agree;
+otherwise the operator's inputs are materialized in their original layout.
+"""
+
+from __future__ import annotations
+
+from taso_jax.graph import Graph, Node, Tensor, make_node
+from taso_jax.ops import OPS
+
+__all__ = ["sink_transposes"]
+
+Perm = tuple[int, ...] | None  # None: identity
+
+
+def _compose(p: Perm, q: tuple[int, ...]) -> Perm:
+    """``transpose(transpose(u, p), q) == transpose(u, r)``; returns r (None if identity)."""
+    r = tuple(q) if p is None else tuple(p[i] for i in q)
+    return None if r == tuple(range(len(r))) else r
+
+
+def _inverse(p: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(p)
+    for i, x in enumerate(p):
+        inv[x] = i
+    return tuple(inv)
+
+
+class _Sinker:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.wo = graph.weight_only
+        self.lazy: dict[Tensor, tuple[Tensor, Perm]] = {}
+
+    def transpose(self, t: Tensor, perm: Perm) -> Tensor:
+        if perm is None:
+            return t
+        if t.node.op == "transpose":  # the inner transposes of weights fold together too
+            return self.transpose(t.node.inputs[0], _compose(t.node.attr("perm"), perm))
+        return make_node("transpose", [t], {"perm": perm}).outputs[0]
+
+    def materialize(self, t: Tensor) -> Tensor:
+        u, p = self.lazy[t]
+        return self.transpose(u, p)
+
+    def run(self) -> Graph:
+        for n in self.graph.nodes:
+            if n.op in ("input", "weight"):
+                self.lazy[n.outputs[0]] = (n.outputs[0], None)
+                continue
+            if n.op == "transpose":
+                u, p = self.lazy[n.inputs[0]]
+                self.lazy[n.outputs[0]] = (u, _compose(p, n.attr("perm")))
+                continue
+            kind = OPS[n.op].layout if n.op in OPS else None
+            done = False
+            if kind is not None and n not in self.wo:
+                done = {"elementwise": self._elementwise, "reduce": self._reduce,
+                        "axis": self._axis}[kind](n)
+            if not done:
+                ins = [self.materialize(t) for t in n.inputs]
+                new = n if tuple(ins) == n.inputs else _rebuild(n, ins)
+                for t, nt in zip(n.outputs, new.outputs, strict=True):
+                    self.lazy[t] = (nt, None)
+        outs = tuple(self.materialize(t) for t in self.graph.outputs)
+        return Graph(self.graph.inputs, outs, self.graph.output_names, self.graph.weights,
+                     self.graph.meta)
+
+    def _lead(self, n: Node) -> Perm:
+        """The layout to compute ``n`` in: that of its first full-rank transposed operand."""
+        rank = len(n.types[0].shape)
+        for t in n.inputs:
+            u, p = self.lazy[t]
+            if p is not None and len(t.shape) == rank and u.node not in self.wo:
+                return p
+        return None
+
+    def _operand(self, t: Tensor, p: tuple[int, ...], rank: int) -> Tensor | None:
+        """``t`` in layout ``p`` (so that transposing it by ``p`` gives ``t``), or None."""
+        u, q = self.lazy[t]
+        if q == p:
+            return u
+        if t.node not in self.wo and t.type.size > 1:
+            return None  # a runtime tensor in another layout: no gain in moving transposes
+        x = self.transpose(u, q)
+        if len(x.shape) < rank:  # NumPy broadcasting aligns on the right
+            x = make_node("reshape", [x], {"shape": (1,) * (rank - len(x.shape)) + x.shape}
+                          ).outputs[0]
+        return self.transpose(x, _inverse(p))
+
+    def _elementwise(self, n: Node) -> bool:
+        p = self._lead(n)
+        if p is None:
+            return False
+        rank = len(n.types[0].shape)
+        ins = [self._operand(t, p, rank) for t in n.inputs]
+        if any(x is None for x in ins):
+            return False
+        new = _rebuild(n, ins)
+        for t, nt in zip(n.outputs, new.outputs, strict=True):
+            self.lazy[t] = (nt, p)
+        return True
+
+    def _reduce(self, n: Node) -> bool:
+        u, p = self.lazy[n.inputs[0]]
+        if p is None:
+            return False
+        rank = len(p)
+        axes = sorted({a % rank for a in n.attr("axes")})
+        new_axes = tuple(sorted(p[a] for a in axes))
+        keep = n.attr("keepdims")
+        new = make_node(n.op, [u], {**n.attr_dict, "axes": new_axes})
+        if keep:
+            out_perm = p
+        else:  # renumber the surviving axes of u in the order the original output has them
+            left = [d for d in range(rank) if d not in new_axes]
+            out_perm = _compose(None, tuple(left.index(p[i]) for i in range(rank)
+                                            if i not in axes))
+        self.lazy[n.outputs[0]] = (new.outputs[0], out_perm)
+        return True
+
+    def _axis(self, n: Node) -> bool:
+        p = self._lead(n)
+        if p is None:
+            return False
+        rank = len(p)
+        ins = [self._operand(t, p, rank) for t in n.inputs]
+        if any(x is None for x in ins) or any(len(x.shape) != rank for x in ins):
+            return False
+        axis = n.attr("axis") % rank
+        new = make_node(n.op, ins, {**n.attr_dict, "axis": p[axis]})
+        for t, nt in zip(n.outputs, new.outputs, strict=True):
+            self.lazy[t] = (nt, p)
+        return True
+
+
+def _rebuild(n: Node, ins) -> Node:
+    if n.op == "opaque":
+        from taso_jax.graph import intern_node
+
+        return intern_node("opaque", n.attrs, tuple(ins), n.types)
+    return make_node(n.op, ins, n.attr_dict)
+
+
+def sink_transposes(graph: Graph) -> Graph:
+    """Return an equivalent graph with transposes sunk and cancelled (see module doc).
+
+    Shapes and layouts of inputs and outputs are unchanged; weights are shared, not copied.
+    """
+    return _Sinker(graph).run()
