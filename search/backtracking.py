@@ -57,32 +57,141 @@ def _relevant(subs: Sequence[Substitution], graph: Graph) -> list[Substitution]:
     return [s for s in subs if all(p.op in ops for p in s.source)]
 
 
+def _node_set(graph: Graph) -> frozenset:
+    ns = graph.__dict__.get("_node_set")
+    if ns is None:
+        ns = graph.__dict__["_node_set"] = frozenset(graph.nodes)
+    return ns
+
+
+def _estimate(graph: Graph, cost: float, binding: dict, cost_model: CostModel) -> float:
+    """Estimated cost (microseconds) of a prepared rewrite, without building the graph.
+
+    It follows from the nodes the rewrite adds and removes: the matched nodes disappear;
+    target nodes already in the graph are shared, not added. Upstream nodes that become
+    dead are not subtracted, so the estimate errs high; the search builds and prices
+    exactly every graph it keeps.
+    """
+    nodes = _node_set(graph)
+    created = set(binding["created"])
+    added = sum(cost_model.node_cost(n) for n in created
+                if n not in nodes and not n.weight_only)
+    removed = sum(cost_model.node_cost(n) for n in set(binding["nodes"])
+                  if n not in created and not n.weight_only)
+    return cost + added - removed
+
+
+def _cheaper(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
+             limit: float, rejected: Counter, near: set | None = None):
+    """Yield ``(binding, new_graph, new_cost)`` for rewrites estimated below ``limit``.
+
+    Each yielded graph is built and priced exactly.
+    """
+    for b in sub.matches(graph, rejected, near=near):
+        mapping = sub.prepare(graph, b, rejected)
+        if mapping is None or _estimate(graph, cost, b, cost_model) >= limit:
+            continue
+        g2 = graph.replace(mapping)
+        yield b, g2, cost_model.graph_cost(g2)
+
+
+def _near(graph: Graph, nodes: set, radius: int) -> set:
+    """Nodes within ``radius`` edges (either direction) of ``nodes`` in ``graph``."""
+    seen, frontier = set(nodes), set(nodes)
+    cons = graph.consumers
+    for _ in range(radius):
+        nxt = set()
+        for n in frontier:
+            nxt.update(t.node for t in n.inputs)
+            for t in n.outputs:
+                nxt.update(cons.get(t, ()))
+        frontier = nxt - seen
+        seen |= frontier
+    return seen
+
+
+def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, rejected,
+               max_tries: int = 64):
+    """One sideways rewrite (cost within ``alpha``) that enables a strictly cheaper one.
+
+    The second rewrite is looked for only near the nodes the first one created, so a try
+    costs little. This is what folds a shift-then-scale (``(y + a) * b``, as flax writes
+    batchnorm) into a convolution: distributing is cost-neutral, the fold that follows is
+    not. At most ``max_tries`` sideways rewrites are tried (pairs found before come first).
+    Returns ``(graph, cost, [name1, name2])`` or ``None``.
+    """
+    tries = 0
+    old = _node_set(graph)
+    target = cost * (1 - 1e-9)
+    first = _relevant(substitutions, graph)
+    # Pairs that worked once come first: a model repeats its patterns (53 batchnorms).
+    first.sort(key=lambda s: -_PAIR_HITS.get(s.name, 0))
+    for sub in first:
+        for b, g1, c1 in _cheaper(graph, cost, sub, cost_model, alpha * cost * (1 + 1e-9),
+                                  rejected):
+            tries += 1
+            if time.perf_counter() > deadline or tries > max_tries:
+                return None
+            if c1 > alpha * cost:
+                continue
+            new = {n for n in b["created"] if n not in old}
+            if not new:
+                continue
+            near = _near(g1, new, radius=4)
+            new_ops = {n.op for n in new}
+            second = [s for s in _relevant(substitutions, g1)
+                      if any(p.op in new_ops for p in s.source)]
+            second.sort(key=lambda s: -_PAIR_HITS.get(s.name, 0))
+            for sub2 in second:
+                for b2, g2, c2 in _cheaper(g1, c1, sub2, cost_model, target, rejected, near):
+                    if new & set(b2["nodes"]) and c2 < target:
+                        _PAIR_HITS[sub.name] = _PAIR_HITS.get(sub.name, 0) + 1
+                        _PAIR_HITS[sub2.name] = _PAIR_HITS.get(sub2.name, 0) + 1
+                        return g2, c2, [sub.name, sub2.name]
+    return None
+
+
+#: Substitution name -> times it was part of a successful pair (orders later pair steps).
+_PAIR_HITS: dict[str, int] = {}
+
+
 def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
-                   time_limit: float, rejected: Counter) -> tuple[Graph, float, list[str]]:
+                   time_limit: float, rejected: Counter,
+                   alpha: float = 1.05) -> tuple[Graph, float, list[str]]:
     """Apply strictly cost-reducing rewrites, first found first, until none is left.
 
     Large models contain the same pattern many times (one batchnorm per convolution); the
     backtracking search would spend one expansion on each. This descent takes them all in
-    one pass, and the search then explores from its result. Returns the graph, its cost and
+    one pass, and the search then explores from its result. When no single rewrite is
+    cheaper, it looks for a pair: a sideways rewrite (within ``alpha``) followed, near the
+    nodes it created, by a cheaper one (see ``_pair_step``). Returns the graph, its cost and
     the names of the substitutions applied, in order.
     """
     t0 = time.perf_counter()
+    deadline = t0 + time_limit
     cost = cost_model.graph_cost(graph)
     applied: list[str] = []
     improved = True
-    while improved and time.perf_counter() - t0 < time_limit:
+    while improved and time.perf_counter() < deadline:
         improved = False
         for sub in _relevant(substitutions, graph):
             again = True
-            while again and time.perf_counter() - t0 < time_limit:
+            while again and time.perf_counter() < deadline:
                 again = False
-                for g2 in sub.rewrites(graph, rejected):
-                    c2 = cost_model.graph_cost(g2)
+                for _, g2, c2 in _cheaper(graph, cost, sub, cost_model, cost * (1 - 1e-9),
+                                          rejected):
                     if c2 < cost * (1 - 1e-9):
                         graph, cost = g2, c2
                         applied.append(sub.name)
                         again = improved = True
                         break
+        if not improved:
+            step = _pair_step(graph, cost, substitutions, cost_model, alpha, deadline,
+                              rejected)
+            if step is not None:
+                graph, cost = step[0], step[1]
+                applied += step[2]
+                improved = True
     return graph, cost, applied
 
 
@@ -118,7 +227,7 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     start, start_cost, start_path = graph, cost0, ()
     if greedy:
         start, start_cost, names = greedy_descent(graph, substitutions, cost_model,
-                                                  time_limit / 2, rejected)
+                                                  time_limit / 2, rejected, alpha)
         start_path = tuple(names)
     tie = itertools.count()
     queue = [(start_cost, next(tie), start, start_path)]
@@ -134,12 +243,13 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
             break
         _, _, g, path = heapq.heappop(queue)  # best is updated when a graph is pushed
         iterations += 1
+        gc = cost_model.graph_cost(g)
         for sub in _relevant(substitutions, g):
-            for g2 in sub.rewrites(g, rejected):
+            for _, g2, c2 in _cheaper(g, gc, sub, cost_model, alpha * best_cost * (1 + 1e-9),
+                                      rejected):
                 if g2.key in seen:
                     continue
                 seen.add(g2.key)
-                c2 = cost_model.graph_cost(g2)
                 if c2 < alpha * best_cost:
                     heapq.heappush(queue, (c2, next(tie), g2, (*path, sub.name)))
                     if c2 < best_cost:

@@ -51,9 +51,8 @@ class CostModel:
 
     def graph_cost(self, graph: Graph) -> float:
         """Sum of runtime node costs (weight-only nodes are free), microseconds."""
-        wo = graph.weight_only
         return sum(self.node_cost(n) for n in graph.nodes
-                   if n.op not in LEAF_OPS and n not in wo)
+                   if not n.weight_only and n.op not in LEAF_OPS)
 
 
 def _bytes(types: Iterable) -> float:

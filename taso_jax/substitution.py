@@ -23,8 +23,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from taso_jax.graph import Graph, Node, Tensor, make_node
 from taso_jax.ops import OPS, ShapeError
 
@@ -189,10 +187,13 @@ class Substitution:
     def _var_shapes(self) -> dict[str, tuple]:
         return dict(self.variables)
 
-    def matches(self, graph: Graph, stats: Counter | None = None) -> Iterator[dict]:
+    def matches(self, graph: Graph, stats: Counter | None = None,
+                near: set | None = None) -> Iterator[dict]:
         """Yield bindings ``{"nodes": [host node per source node], "vars": {...}, "sym": {...}}``.
 
-        ``stats`` (optional) counts why candidate bindings were rejected.
+        ``stats`` (optional) counts why candidate bindings were rejected. ``near`` (optional)
+        restricts the host of the first source node to a set of nodes (a local search around
+        a recent rewrite).
         """
         stats = stats if stats is not None else Counter()
         shapes = self._var_shapes
@@ -217,6 +218,8 @@ class Substitution:
                 cands = [n for n in graph.consumers.get(anchor, ()) if n.op == p.op]
             else:
                 cands = graph.by_op.get(p.op, [])
+                if near is not None:
+                    cands = [n for n in cands if n in near]
             for h in dict.fromkeys(cands):
                 if h in bound_nodes or len(h.inputs) != len(p.inputs):
                     continue
@@ -249,7 +252,7 @@ class Substitution:
                 if want != t:
                     return None
                 continue
-            if not np.issubdtype(np.dtype(t.dtype), np.floating):
+            if t.dtype not in _FLOAT_DTYPES:
                 return None
             sym = unify_shape(shapes[r], t.shape, sym)
             if sym is None:
@@ -260,6 +263,16 @@ class Substitution:
 
     def apply(self, graph: Graph, binding: dict, stats: Counter | None = None) -> Graph | None:
         """The rewritten graph for one binding from :meth:`matches`, or ``None`` if invalid."""
+        mapping = self.prepare(graph, binding, stats)
+        return None if mapping is None else graph.replace(mapping)
+
+    def prepare(self, graph: Graph, binding: dict, stats: Counter | None = None):
+        """Validate a binding and build the target's nodes.
+
+        Returns the tensor mapping that :meth:`Graph.replace` takes, or ``None`` if the
+        rewrite is invalid. The built nodes are left in ``binding["created"]`` (searches
+        price them before building a graph).
+        """
         stats = stats if stats is not None else Counter()
         hosts: list[Node] = binding["nodes"]
         var, sym = binding["vars"], binding["sym"]
@@ -284,6 +297,7 @@ class Substitution:
         except (ShapeError, KeyError):
             stats["target_shape"] += 1
             return None
+        binding["created"] = built  # the target's nodes, for searches that look near them
         mapping: dict[Tensor, Tensor] = {}
         for s, t in self.outputs:
             rs, rt = _ref(s), _ref(t)
@@ -293,7 +307,7 @@ class Substitution:
                 stats["output_type"] += 1
                 return None
             mapping[src] = tgt
-        return graph.replace(mapping)
+        return mapping
 
     @staticmethod
     def _creates_cycle(graph: Graph, matched: set[Node], var_tensors) -> bool:
@@ -317,6 +331,9 @@ class Substitution:
             g = self.apply(graph, b, stats)
             if g is not None:
                 yield g
+
+
+_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 def _positions(graph: Graph) -> dict[Node, int]:
