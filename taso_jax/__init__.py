@@ -7,12 +7,16 @@ Generated graph substitutions, a cost-based backtracking search, and ONNX/JAX fr
     g = taso_jax.load_onnx("model.onnx")
     g2 = taso_jax.optimize(g)                       # g is unchanged
     onnx.save(taso_jax.export_onnx(g2), "model.opt.onnx")
+
+    @taso_jax.optimize(weight_argnums=0)            # a JAX function, used like jax.jit
+    def model(params, x): ...
 """
 
 from __future__ import annotations
 
 from taso_jax.executor import compile_graph, random_inputs
 from taso_jax.graph import Graph, GraphBuilder, GraphError, Node, Tensor, new_graph
+from taso_jax.jaxpr_io import from_jax
 from taso_jax.onnx_io import ModelError, export_onnx, load_onnx
 from taso_jax.ops import OPS, ShapeError
 from taso_jax.substitution import (
@@ -25,7 +29,7 @@ from taso_jax.substitution import (
 __all__ = ["Graph", "GraphBuilder", "GraphError", "Node", "Tensor", "new_graph", "OPS",
            "ShapeError", "ModelError", "load_onnx", "export_onnx", "compile_graph",
            "random_inputs", "Substitution", "default_substitutions", "load_substitutions",
-           "save_substitutions", "optimize", "search_graph"]
+           "save_substitutions", "optimize", "search_graph", "from_jax"]
 
 __version__ = "0.1.0"
 
@@ -59,11 +63,35 @@ def search_graph(graph, alpha: float = 1.05, budget: int = 300, time_limit: floa
                                time_limit=time_limit, progress=progress)
 
 
-def optimize(graph, alpha: float = 1.05, budget: int = 300, time_limit: float = 60.0,
-             cost_model="measured", substitutions=None) -> Graph:
-    """Return the cheapest equivalent graph found (TASO's ``taso.optimize``).
+def optimize(graph=None, **options):
+    """Optimize a graph, or make a JAX function faster (decorator).
 
-    Same arguments as :func:`search_graph`; the input graph is never modified, and it is returned
-    as is when nothing cheaper is found.
+    On a :class:`Graph` (or :class:`GraphBuilder`): return the cheapest equivalent graph
+    found (TASO's ``taso.optimize``); options are those of :func:`search_graph`
+    (``alpha=1.05, budget=300, time_limit=60.0, cost_model="measured", substitutions=None``).
+    The input graph is never modified, and it is returned as is when nothing is cheaper.
+
+    On a function, or with keyword options only, it is a decorator used like ``jax.jit``::
+
+        @taso_jax.optimize(weight_argnums=0)
+        def model(params, x): ...
+
+    Decorator options: ``weight_argnums`` / ``weight_argnames`` (arguments whose array
+    leaves are weights: weight-only subgraphs are computed once per distinct weight arrays),
+    ``static_argnums`` / ``static_argnames`` (hashable arguments that are not traced),
+    ``alpha``, ``budget`` (default 100), ``time_limit`` (default 60 s), ``cost_model``,
+    ``substitutions`` (a list or a rule file path) and ``check`` (compare with ``jax.jit``
+    of the original on the first call of each signature). Non-array pytree leaves are
+    static. See :class:`taso_jax.decorator.OptimizedFunction` (``report()``,
+    ``optimized_graph``, ``runtime_jaxpr()``).
+
+    Raises:
+        ValueError: bad ``alpha``/``budget``/``cost_model`` (graphs), or a
+            ``weight_argnames``/``static_argnames`` entry that is not a parameter (functions;
+            positions are checked at the first call).
     """
-    return search_graph(graph, alpha, budget, time_limit, cost_model, substitutions).graph
+    if isinstance(graph, Graph | GraphBuilder):
+        return search_graph(graph, **options).graph
+    from taso_jax.decorator import optimize_function
+
+    return optimize_function(graph, **options)

@@ -39,7 +39,7 @@ def _optimize(args) -> int:
 
     import taso_jax
     from taso_jax._io import atomic_write
-    from taso_jax.report import compare_onnx, format_report, measure_speed
+    from taso_jax.report import compare_onnx, format_report, measure_speed, search_report
 
     notes = []
     if args.model is None:
@@ -87,18 +87,8 @@ def _optimize(args) -> int:
                              time_limit=args.time_limit, cost_model=cost_model,
                              substitutions=subs, progress=progress)
     bar.close()
-    report = {
-        "model": name, "notes": notes,
-        "operators_before": dict(graph.op_counts()),
-        "operators_after": dict(result.graph.op_counts()),
-        "cost": {"model": args.cost_model, "before_us": result.cost_before,
-                 "after_us": result.cost_after},
-        "search": {"seconds": result.seconds, "iterations": result.iterations,
-                   "explored": result.explored, "stopped": result.stopped,
-                   "alpha": args.alpha, "budget": args.budget, "substitutions": len(subs)},
-        "applied": dict(result.applied),
-        "laws": {s.name: s.law for s in subs if s.name in result.applied},
-    }
+    report = search_report(name, graph, result, args.cost_model, subs, args.alpha,
+                           args.budget, notes)
     if not args.no_time:
         report["time"] = measure_speed(graph, result.graph, repeats=args.repeats)
     optimized = taso_jax.export_onnx(result.graph)

@@ -7,7 +7,8 @@ import numpy as np
 from taso_jax.executor import compile_graph, random_inputs, time_function
 from taso_jax.graph import Graph
 
-__all__ = ["measure_speed", "compare_onnx", "format_report", "RTOL", "ATOL"]
+__all__ = ["measure_speed", "compare_onnx", "compare_outputs", "search_report", "format_report",
+           "RTOL", "ATOL"]
 
 #: Outputs agree when ``|a - b| <= ATOL * max|b| + RTOL * |b|`` elementwise (float32 sums
 #: reassociate when convolutions are merged or batchnorm is folded).
@@ -49,10 +50,17 @@ def compare_onnx(original, optimized, inputs: dict) -> dict:
     so.log_severity_level = 3
     s0 = ort.InferenceSession(original, so, providers=["CPUExecutionProvider"])
     s1 = ort.InferenceSession(optimized, so, providers=["CPUExecutionProvider"])
-    r0 = s0.run(None, inputs)
-    r1 = s1.run(None, inputs)
-    ok, worst = True, 0.0
-    for a, b in zip(r1, r0, strict=True):
+    return compare_outputs(s1.run(None, inputs), s0.run(None, inputs))
+
+
+def compare_outputs(actual, reference) -> dict:
+    """Compare output arrays with their references (same order) within ``RTOL``/``ATOL``.
+
+    Returns ``{"ok", "max_abs_err", "rtol", "atol", "outputs"}``; NaN matches NaN, and
+    ``atol`` is relative to the largest finite reference magnitude of each output.
+    """
+    ok, worst = len(actual) == len(reference), 0.0
+    for a, b in zip(actual, reference, strict=False):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         if a.shape != b.shape:
             ok = False
@@ -67,7 +75,27 @@ def compare_onnx(original, optimized, inputs: dict) -> dict:
             ok = False
         worst = max(worst, float(np.max(np.where(both_nan, 0, err))))
     return {"ok": ok, "max_abs_err": worst, "rtol": RTOL, "atol": f"{ATOL} x max|output|",
-            "outputs": len(r0)}
+            "outputs": len(reference)}
+
+
+def search_report(name: str, graph: Graph, result, cost_model: str, substitutions,
+                  alpha: float, budget: int, notes=()) -> dict:
+    """The report dictionary (printed by :func:`format_report`) for one search.
+
+    ``result`` is a :class:`taso_jax.search.SearchResult`; costs are in microseconds.
+    """
+    return {
+        "model": name, "notes": list(notes),
+        "operators_before": dict(graph.op_counts()),
+        "operators_after": dict(result.graph.op_counts()),
+        "cost": {"model": cost_model, "before_us": result.cost_before,
+                 "after_us": result.cost_after},
+        "search": {"seconds": result.seconds, "iterations": result.iterations,
+                   "explored": result.explored, "stopped": result.stopped,
+                   "alpha": alpha, "budget": budget, "substitutions": len(substitutions)},
+        "applied": dict(result.applied),
+        "laws": {s.name: s.law for s in substitutions if s.name in result.applied},
+    }
 
 
 def format_report(r: dict) -> str:
@@ -102,7 +130,8 @@ def format_report(r: dict) -> str:
         lines.append("substitutions applied: none (the input graph is returned unchanged)")
     if r.get("check"):
         k = r["check"]
-        lines.append(f"output check (onnxruntime, original vs optimized, rtol {k['rtol']}, "
+        lines.append(f"output check ({k.get('reference', 'onnxruntime')}, original vs optimized, "
+                     f"rtol {k['rtol']}, "
                      f"atol {k['atol']}): {'ok' if k['ok'] else 'MISMATCH'}, max abs error "
                      f"{k['max_abs_err']:.3g}")
     if r.get("written"):

@@ -1,0 +1,441 @@
+"""``@taso_jax.optimize``: make a JAX function faster, used the way ``jax.jit`` is.
+
+On the first call for a given signature (pytree structure, shapes and dtypes of the array
+leaves, values of the static leaves) the function is traced to a jaxpr, imported into the
+graph IR (:mod:`taso_jax.jaxpr_io`), optimized by the backtracking search, and split into two
+jitted stages (:class:`taso_jax.executor.StagedGraph`):
+
+* ``fold(weights)``: the weight-only subgraphs (a concatenation of kernels for merged matmuls,
+  an enlarged or batchnorm-scaled kernel). It runs once per distinct set of weight arrays
+  (recognized by identity, as JAX arrays are immutable) and its results are reused;
+* ``run(folded, *inputs)``: everything that depends on the runtime inputs.
+
+Before the optimized function is used, its outputs are compared with ``jax.jit`` of the
+original function on the call's own arguments (random values where they are tracers). If
+anything in that pipeline fails, or the outputs differ, the signature falls back to
+``jax.jit`` of the original function and a warning says why: never a wrong answer.
+
+Errors in the user's function itself (Python control flow on traced values, a shape error)
+are raised as they would be by ``jax.jit``, with a note added.
+
+Under ``jax.grad``, ``jax.vmap`` or an outer ``jax.jit`` the two stages are traced as
+ordinary JAX functions, so transformations work; custom derivative rules
+(``jax.custom_jvp``/``custom_vjp``) inside the function are inlined, so gradients are those
+of the primal computation.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taso_jax.graph import Graph
+from taso_jax.jaxpr_io import (
+    _fn_name,
+    _is_array_leaf,
+    _path_name,
+    argument_names,
+    import_jaxpr,
+    normalize_argnums,
+)
+
+__all__ = ["OptimizedFunction", "optimize_function"]
+
+log = logging.getLogger("taso_jax")
+
+
+class _Fallback(Exception):
+    """Internal: the optimized pipeline failed for this signature."""
+
+
+@dataclass
+class _Entry:
+    """Everything compiled for one call signature."""
+
+    out_tree: object
+    flat_fn: Callable
+    jit_original: Callable
+    graph: Graph | None = None
+    result: object = None
+    staged: object = None
+    fold: Callable | None = None
+    run: Callable | None = None
+    weight_slots: list = field(default_factory=list)  # per weight name: leaf index or None
+    constants: dict = field(default_factory=dict)
+    fallback: str | None = None
+    report: dict = field(default_factory=dict)
+    folded_for: tuple = ()  # (weight leaves kept alive, folded values)
+    last_call: tuple | None = None  # (arguments, array leaves) of the last concrete call
+    kinds: list = field(default_factory=list)  # per array leaf: "weight" or "input"
+    array_index: list = field(default_factory=list)  # array leaves' positions among all leaves
+    tree: object = None  # pytree structure of the (non-static) arguments
+    same_object: list = field(default_factory=list)  # leaf positions of weights and statics
+    input_signature: list = field(default_factory=list)  # (position, signature) of inputs
+    optimize_seconds: float = 0.0
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _leaf_signature(x) -> tuple:
+    """Shape, dtype and weak type of an array leaf, cheaply (this runs on every call)."""
+    if type(x) in (bool, int, float, complex):
+        return (type(x),)
+    return (x.shape, x.dtype, getattr(x, "weak_type", False))
+
+
+def _abstract(x):
+    if isinstance(x, bool | int | float | complex):
+        return jax.ShapeDtypeStruct((), jnp.result_type(x), weak_type=True)
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+
+
+def _static_key(x):
+    try:
+        hash(x)
+        return ("v", type(x), x)
+    except TypeError:
+        return ("id", id(x))
+
+
+class OptimizedFunction:
+    """A JAX function wrapped by ``@taso_jax.optimize``; call it like the original.
+
+    Attributes:
+        fn: the original function.
+        options: search options (``alpha``, ``budget``, ``time_limit``, ``cost_model``,
+            ``substitutions``).
+
+    See :func:`taso_jax.optimize` for the arguments.
+    """
+
+    def __init__(self, fn: Callable, *, weight_argnums=(), weight_argnames=(),
+                 static_argnums=(), static_argnames=(), alpha: float = 1.05, budget: int = 100,
+                 time_limit: float = 60.0, cost_model="measured", substitutions=None,
+                 check: bool = True):
+        if not callable(fn):
+            raise TypeError(f"taso_jax.optimize: expected a function, got {type(fn).__name__}")
+        self.fn = fn
+        self._weight_spec = (weight_argnums, weight_argnames)
+        self._static_spec = (static_argnums, static_argnames)
+        # Names are checked now; positions once the number of arguments is known.
+        normalize_argnums(fn, None, (), weight_argnames, "weight")
+        normalize_argnums(fn, None, (), static_argnames, "static")
+        self.options = {"alpha": alpha, "budget": budget, "time_limit": time_limit,
+                        "cost_model": cost_model, "substitutions": substitutions}
+        self.check = check
+        self._cache: dict = {}
+        self._positions: dict[int, tuple[set, set]] = {}
+        self._last: _Entry | None = None
+        self._fast: tuple | None = None
+        try:
+            self._signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            self._signature = None
+        functools.update_wrapper(self, fn)
+
+    # ---- calling ------------------------------------------------------------------------
+
+    def _bind(self, args, kwargs) -> list:
+        if not kwargs:
+            return list(args)
+        if self._signature is None:
+            raise TypeError(f"{_fn_name(self.fn)}: keyword arguments need an inspectable "
+                            "signature")
+        bound = self._signature.bind(*args, **kwargs)
+        if bound.kwargs:
+            raise TypeError(f"{_fn_name(self.fn)}: keyword-only arguments "
+                            f"{sorted(bound.kwargs)} are not supported; pass them "
+                            "positionally or close over them")
+        return list(bound.args)
+
+    def __call__(self, *args, **kwargs):
+        """Run the optimized function (optimizing it first for a new signature)."""
+        args = self._bind(args, kwargs)
+        n = len(args)
+        if n not in self._positions:
+            weight_pos = normalize_argnums(self.fn, n, *self._weight_spec, "weight")
+            static_pos = normalize_argnums(self.fn, n, *self._static_spec, "static")
+            if weight_pos & static_pos:
+                raise ValueError(f"{_fn_name(self.fn)}: argument(s) "
+                                 f"{sorted(weight_pos & static_pos)} are marked both weight "
+                                 "and static")
+            self._positions[n] = (weight_pos, static_pos)
+        weight_pos, static_pos = self._positions[n]
+        dyn = tuple(None if i in static_pos else a for i, a in enumerate(args))
+        flat, tree = jax.tree_util.tree_flatten(dyn)
+        entry = self._fast_lookup(flat, tree, args, static_pos)
+        if entry is None:
+            sig = [_leaf_signature(x) if _is_array_leaf(x) else _static_key(x) for x in flat]
+            key = (tree, tuple(_static_key(args[i]) for i in sorted(static_pos)), tuple(sig))
+            entry = self._cache.get(key)
+            if entry is None:
+                entry = self._build(args, weight_pos, static_pos)
+                entry.tree = tree
+                self._cache[key] = entry
+        self._last = entry
+        leaves = [flat[i] for i in entry.array_index]
+        concrete = not any(_is_tracer(x) for x in leaves)
+        if concrete:
+            entry.last_call = (args, leaves)
+        out = self._execute(entry, leaves, entry.kinds, concrete)
+        self._fast = (entry, flat, [args[i] for i in sorted(static_pos)]) if concrete else None
+        return out
+
+    def _fast_lookup(self, flat, tree, args, static_pos) -> _Entry | None:
+        """The last call's entry when only the runtime inputs' values changed.
+
+        That is: the same pytree, the same weight and static objects, inputs of the same
+        shapes and dtypes.
+        """
+        if self._fast is None:
+            return None
+        entry, last, statics = self._fast
+        if tree != entry.tree or len(flat) != len(last) or any(
+                a is not b for a, b in zip(statics, (args[i] for i in sorted(static_pos)),
+                                           strict=False)):
+            return None
+        for i in entry.same_object:
+            if flat[i] is not last[i]:
+                return None
+        for i, sig in entry.input_signature:
+            x = flat[i]
+            if not _is_array_leaf(x) or _leaf_signature(x) != sig:
+                return None
+        return entry
+
+    def _execute(self, entry: _Entry, leaves, kinds, concrete: bool = False):
+        if entry.fallback is not None:
+            return entry.jit_original(*leaves)
+        weights = [x for x, k in zip(leaves, kinds, strict=True) if k == "weight"]
+        inputs = [x for x, k in zip(leaves, kinds, strict=True) if k == "input"]  # noqa
+        out = entry.run(self._folded(entry, weights, concrete), *inputs)
+        return jax.tree_util.tree_unflatten(entry.out_tree, list(out))
+
+    def _folded(self, entry: _Entry, weights, concrete: bool):
+        if concrete and entry.folded_for and len(entry.folded_for[0]) == len(weights) and all(
+                a is b for a, b in zip(entry.folded_for[0], weights, strict=True)):
+            return entry.folded_for[1]
+        values = [entry.constants[slot] if isinstance(slot, str) else weights[slot]
+                  for slot in entry.weight_slots]
+        folded = entry.fold(values)
+        if concrete:
+            entry.folded_for = (list(weights), folded)  # keeps the arrays (and ids) alive
+        return folded
+
+    # ---- optimizing ---------------------------------------------------------------------
+
+    def _build(self, args, weight_pos, static_pos) -> _Entry:
+        fn = self.fn
+        names = argument_names(fn, len(args))
+        leaves, kinds, paths, array_index = [], [], [], []
+        flat_positions = []  # per argument: its static value, or how to rebuild its pytree
+        offset = 0
+        for a_i, a in enumerate(args):
+            if a_i in static_pos:
+                flat_positions.append(("static", a))
+                continue
+            with_path, tree = jax.tree_util.tree_flatten_with_path(a)
+            flat = [x for _, x in with_path]
+            mask = [_is_array_leaf(x) or _is_tracer(x) for x in flat]
+            for j, ((p, x), m) in enumerate(zip(with_path, mask, strict=True)):
+                if m:
+                    leaves.append(x)
+                    kinds.append("weight" if a_i in weight_pos else "input")
+                    paths.append(_path_name(names[a_i], p))
+                    array_index.append(offset + j)
+            offset += len(flat)
+            flat_positions.append(("tree", tree, flat, mask, len(leaves) - sum(mask)))
+
+        def flat_fn(*dyn):
+            rebuilt = []
+            for spec in flat_positions:
+                if spec[0] == "static":
+                    rebuilt.append(spec[1])
+                    continue
+                _, tree, flat, mask, start = spec
+                it = iter(dyn[start:start + sum(mask)])
+                vals = [next(it) if m else x for x, m in zip(flat, mask, strict=True)]
+                rebuilt.append(jax.tree_util.tree_unflatten(tree, vals))
+            return fn(*rebuilt)
+
+        abstract = [_abstract(x) for x in leaves]
+        try:
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
+        except Exception as e:  # the user's function does not trace: jax.jit would fail too
+            e.add_note(f"taso_jax.optimize traces {_fn_name(fn)} like jax.jit: Python control "
+                       "flow on array values is not allowed (use jax.lax.cond / jnp.where, or "
+                       "mark the argument with static_argnums)")
+            raise
+        out_flat, out_tree = jax.tree_util.tree_flatten(out_shape)
+        entry = _Entry(out_tree=out_tree, flat_fn=flat_fn, jit_original=jax.jit(flat_fn),
+                       kinds=kinds, array_index=array_index)
+        inputs_at = {i for i, k in zip(array_index, kinds, strict=True) if k == "input"}
+        entry.same_object = [i for i in range(offset) if i not in inputs_at]
+        entry.input_signature = [(i, _leaf_signature(x)) for i, x, k in
+                                 zip(array_index, leaves, kinds, strict=True) if k == "input"]
+        t0 = time.perf_counter()
+        try:
+            self._optimize(entry, closed, leaves, kinds, paths, out_flat)
+        except Exception as e:  # anything in our pipeline: fall back, never a wrong answer
+            entry.fallback = f"{type(e).__name__}: {e}"
+            warnings.warn(f"taso_jax.optimize({_fn_name(fn)}): falling back to jax.jit "
+                          f"of the original function ({entry.fallback})",
+                          RuntimeWarning, stacklevel=3)
+        entry.optimize_seconds = time.perf_counter() - t0
+        return entry
+
+    def _optimize(self, entry, closed, leaves, kinds, paths, out_flat):
+        import taso_jax
+        from taso_jax.executor import StagedGraph
+        from taso_jax.report import compare_outputs, search_report
+        from taso_jax.search import get_cost_model
+
+        specs = []
+        for leaf, kind, path in zip(leaves, kinds, paths, strict=True):
+            value = None
+            if kind == "weight":  # values only matter for the check; shapes for the search
+                value = (np.zeros(np.shape(leaf), jnp.result_type(leaf)) if _is_tracer(leaf)
+                         else np.asarray(leaf))
+            specs.append((path, kind == "weight", value))
+        out_names = [f"out{i}" for i in range(len(out_flat))]
+        graph = import_jaxpr(closed, specs, out_names, _fn_name(self.fn))
+        opts = dict(self.options)
+        cost_model = opts.pop("cost_model")
+        cm_name = cost_model if isinstance(cost_model, str) else type(cost_model).__name__
+        if isinstance(cost_model, str):
+            cost_model = get_cost_model(cost_model)
+        subs = opts.pop("substitutions")
+        if isinstance(subs, str):
+            subs = taso_jax.load_substitutions(subs)
+        subs = taso_jax.default_substitutions() if subs is None else subs
+        result = taso_jax.search_graph(graph, cost_model=cost_model, substitutions=subs, **opts)
+        staged = StagedGraph(result.graph)
+        weight_index = {p: j for j, p in enumerate(
+            p for p, k in zip(paths, kinds, strict=True) if k == "weight")}
+        entry.weight_slots = [weight_index.get(name, name) for name in staged.weight_names]
+        entry.constants = {name: result.graph.weights[name] for name in staged.weight_names
+                           if name not in weight_index}
+        entry.graph, entry.result, entry.staged = graph, result, staged
+        entry.fold, entry.run = jax.jit(staged.fold), jax.jit(staged.run)
+        notes = []
+        if graph.meta.get("opaque"):
+            notes.append("kept as opaque equations: " + ", ".join(
+                f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
+        entry.report = search_report(_fn_name(self.fn), graph, result, cm_name, subs,
+                                     opts["alpha"], opts["budget"], notes)
+        if self.check:
+            rng = np.random.default_rng(0)
+            values = [rng.standard_normal(np.shape(x)).astype(jnp.result_type(x))
+                      if _is_tracer(x) else x for x in leaves]
+            weights = [v for v, k in zip(values, kinds, strict=True) if k == "weight"]
+            inputs = [v for v, k in zip(values, kinds, strict=True) if k == "input"]
+            got = entry.run(self._folded(entry, weights, True), *inputs)
+            ref = jax.tree_util.tree_leaves(entry.jit_original(*values))
+            check = compare_outputs([np.asarray(x) for x in got], [np.asarray(x) for x in ref])
+            check["reference"] = "jax.jit of the original function"
+            entry.report["check"] = check
+            if not check["ok"]:
+                raise _Fallback(f"optimized outputs differ from the original's (max abs error "
+                                f"{check['max_abs_err']:.3g}); substitutions applied: "
+                                f"{sorted(result.applied)}")
+            entry.folded_for = ()
+
+    # ---- inspection ---------------------------------------------------------------------
+
+    def _entry(self) -> _Entry:
+        if self._last is None:
+            raise RuntimeError(f"{_fn_name(self.fn)} has not been called yet: call it once so "
+                               "that it is traced and optimized for those argument shapes")
+        return self._last
+
+    @property
+    def graph(self) -> Graph:
+        """The imported graph for the last call's signature (before optimization)."""
+        return self._entry().graph
+
+    @property
+    def optimized_graph(self) -> Graph:
+        """The optimized graph for the last call's signature."""
+        e = self._entry()
+        return e.result.graph if e.result is not None else None
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why the last call's signature runs ``jax.jit`` of the original (else ``None``)."""
+        return self._entry().fallback
+
+    def runtime_jaxpr(self):
+        """The jaxpr of the runtime stage for the last signature (what runs on every call).
+
+        Weight-only work (e.g. concatenating weights) does not appear in it.
+        """
+        e = self._entry()
+        if e.fallback is not None:
+            raise RuntimeError(f"no optimized function: {e.fallback}")
+        consts = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in e.staged.const_keys]
+        ins = [jax.ShapeDtypeStruct(n.types[0].shape, n.types[0].dtype)
+               for n in e.staged.graph.inputs]
+        return jax.make_jaxpr(e.staged.run)(consts, *ins)
+
+    def measure(self, repeats: int = 30) -> dict:
+        """Median wall times (microseconds) of the original and the optimized function.
+
+        The original runs under ``jax.jit``; both run on the last call's arguments,
+        interleaved in one process. Returns ``{"before_us", "after_us", "speedup",
+        "device", "repeats"}``.
+        """
+        from taso_jax.executor import time_function
+
+        e = self._entry()
+        if e.last_call is None:
+            raise RuntimeError("measure() needs a call with concrete arguments")
+        args, leaves = e.last_call
+        # Both are called the way a user calls them: pytrees in, pytrees out.
+        orig = lambda: e.jit_original(*leaves)  # noqa: E731
+        opt = lambda: self(*args)  # noqa: E731
+        for f in (orig, opt, orig, opt):
+            jax.block_until_ready(f())
+        ta, tb = [], []
+        for _ in range(repeats):
+            ta += time_function(orig, repeats=1, warmup=0)
+            tb += time_function(opt, repeats=1, warmup=0)
+        a, b = float(np.median(ta)), float(np.median(tb))
+        dev = jax.devices()[0]
+        return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
+                "device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
+                "repeats": repeats}
+
+    def report(self, time: bool = True, repeats: int = 30) -> str:
+        """The report for the last call's signature, as text (see ``taso-jax optimize``).
+
+        It gives the substitutions applied, the estimated cost and, with ``time=True``, the
+        measured time before and after.
+        """
+        from taso_jax.report import format_report
+
+        e = self._entry()
+        if e.fallback is not None:
+            return (f"{_fn_name(self.fn)}: not optimized, running jax.jit of the original "
+                    f"function ({e.fallback})")
+        r = dict(e.report)
+        if time and e.last_call is not None:
+            r["time"] = self.measure(repeats)
+        return format_report(r)
+
+
+def optimize_function(fn=None, **options):
+    """Decorator form of :func:`taso_jax.optimize` (with or without arguments)."""
+    if fn is None:
+        return lambda f: OptimizedFunction(f, **options)
+    return OptimizedFunction(fn, **options)
