@@ -45,12 +45,26 @@ def normalize_affine(graph: Graph) -> Graph:
     consumers = graph.consumers
     outputs = graph.output_set
     new: dict[Node, Node] = {}
+    exclusive: dict[Tensor, bool] = {}  # new tensor -> read by one node only
 
     def remap(t: Tensor) -> Tensor:
         return Tensor(new.get(t.node, t.node), t.index)
 
-    def only_use(t: Tensor) -> bool:
-        return len(consumers.get(t, ())) == 1 and t not in outputs
+    def affine(op: str, y: Tensor, c: Tensor) -> Tensor:
+        """``op(y, c)`` for runtime ``y`` and weight-only ``c``, normalized."""
+        inner = _split(y) if y.node.op in ("ewadd", "ewmul") and exclusive.get(y) else None
+        if inner is not None:
+            z, d = inner
+            if op == "ewmul" and y.node.op == "ewadd":  # (z + d) * c = z * c + d * c
+                dc = make_node("ewmul", [d, c]).outputs[0]
+                return _mark(make_node("ewadd", [affine("ewmul", z, c), dc]).outputs[0])
+            if op == y.node.op:  # (z * d) * c = z * (d * c), (z + d) + c = z + (d + c)
+                return affine(op, z, make_node(op, [d, c]).outputs[0])
+        return _mark(make_node(op, [y, c]).outputs[0])
+
+    def _mark(t: Tensor) -> Tensor:
+        exclusive.setdefault(t, True)  # a node created here has one consumer: its user
+        return t
 
     for n in graph.nodes:
         if not n.inputs:
@@ -60,19 +74,12 @@ def normalize_affine(graph: Graph) -> Graph:
             intern_node(n.op, n.attrs, ins, n.types) if n.op == "opaque"
             else make_node(n.op, ins, n.attr_dict))
         if n.op in ("ewmul", "ewadd") and not node.weight_only:
-            outer = _split(node.outputs[0])
-            old_inner = next((t for t in n.inputs if not t.node.weight_only), None)
-            if outer is not None and old_inner is not None and only_use(old_inner):
-                y, c = outer
-                inner = _split(y) if y.node.op in ("ewadd", "ewmul") else None
-                if inner is not None:
-                    z, d = inner
-                    if n.op == "ewmul" and y.node.op == "ewadd":  # (z + d) * c
-                        node = make_node("ewadd", [make_node("ewmul", [z, c]).outputs[0],
-                                                   make_node("ewmul", [d, c]).outputs[0]])
-                    elif n.op == y.node.op:  # (z * d) * c, (z + d) + c
-                        node = make_node(n.op, [z, make_node(n.op, [d, c]).outputs[0]])
+            split = _split(node.outputs[0])
+            if split is not None:
+                node = affine(n.op, *split).node
         if node is not n:
             new[n] = node
+        for t, nt in zip(n.outputs, node.outputs, strict=True):
+            exclusive[nt] = len(consumers.get(t, ())) == 1 and t not in outputs
     return Graph(graph.inputs, tuple(remap(t) for t in graph.outputs), graph.output_names,
                  graph.weights, graph.meta)
