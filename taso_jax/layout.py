@@ -99,6 +99,9 @@ class _Sinker:
         if t.node not in self.wo and t.type.size > 1:
             return None  # a runtime tensor in another layout: no gain in moving transposes
         x = self.transpose(u, q)
+        if x.type.size == 1:  # a scalar needs no transpose, only the rank
+            return x if len(x.shape) == rank else make_node(
+                "reshape", [x], {"shape": (1,) * rank}).outputs[0]
         if len(x.shape) < rank:  # NumPy broadcasting aligns on the right
             x = make_node("reshape", [x], {"shape": (1,) * (rank - len(x.shape)) + x.shape}
                           ).outputs[0]
