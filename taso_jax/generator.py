@@ -19,9 +19,10 @@
    replaced by the two parts of ``split(t)`` (how two convolutions that share an input
    become one).
 4. **Prune**: the target may use only the source's variables; a substitution whose two sides
-   share an operator node (a common subgraph) is redundant with a smaller one; weight-only
-   sources are dropped (weights are precomputed, rewriting them gains nothing); duplicates
-   under renaming of interchangeable variables are removed.
+   share an operator node (a common subgraph) is redundant with a smaller one; a rule that
+   only swaps the operands of commutative operators is dropped (matching tries both
+   orders); weight-only sources are dropped (weights are precomputed, rewriting them gains
+   nothing); duplicates under renaming of interchangeable variables are removed.
 """
 
 from __future__ import annotations
@@ -86,7 +87,19 @@ MATMUL_DOMAIN = Domain(
          ("concat", {"axis": -1}), ("concat", {"axis": -2})),
     split_axes=(-1, -2))
 
-DEFAULT_DOMAINS = (CONV_DOMAIN, MATMUL_DOMAIN)
+#: Per-channel affine maps after a convolution, with two distinct per-channel weights (the
+#: shape in which flax and other NHWC front ends express batchnorm: (y - mean) * s + b),
+#: so that shift-then-scale chains fold into the kernel too.
+AFFINE_DOMAIN = Domain(
+    "affine",
+    variables={"x": ("input", ("N", "C", "H", "W")), "y": ("input", ("N", "D", "H", "W")),
+               "w": ("weight", ("D", "C", "K", "K")),
+               "a": ("weight", (1, "D", 1, 1)), "b": ("weight", (1, "D", 1, 1))},
+    instances=({"N": 2, "C": 3, "D": 4, "H": 6, "W": 7, "K": 3},
+               {"N": 1, "C": 5, "D": 3, "H": 9, "W": 8, "K": 5}),
+    ops=(("conv2d", {}), ("ewadd", {}), ("ewmul", {}), ("transpose", {"perm": (1, 0, 2, 3)})))
+
+DEFAULT_DOMAINS = (CONV_DOMAIN, MATMUL_DOMAIN, AFFINE_DOMAIN)
 
 
 @dataclass
@@ -408,6 +421,23 @@ def _generalize_all(subs: list[Substitution], domain: Domain, seed: int,
         return list(pool.map(_generalize_one, jobs, chunksize=16))
 
 
+def _commutative_form(t: Tensor, memo: dict | None = None) -> str:
+    """An expression's text with the operands of commutative operators sorted."""
+    memo = {} if memo is None else memo
+    if t in memo:
+        return memo[t]
+    n = t.node
+    if n.op in ("input", "weight"):
+        out = n.name
+    else:
+        ins = [_commutative_form(x, memo) for x in n.inputs]
+        if OPS[n.op].commutative:
+            ins.sort()
+        out = f"{n.op}{n.attrs}({','.join(ins)})[{t.index}]"
+    memo[t] = out
+    return out
+
+
 def _candidates(domain, classes, sym_values, max_ops, seed, stats, monotone):
     prov = {"method": "fingerprint", "domain": domain.name, "max_ops": max_ops, "seed": seed,
             "proof": None}
@@ -419,6 +449,8 @@ def _candidates(domain, classes, sym_values, max_ops, seed, stats, monotone):
             return "target_uses_new_variable"
         if src.nodes & tgt.nodes:
             return "common_subgraph"
+        if _commutative_form(src.tensor) == _commutative_form(tgt.tensor):
+            return "commutation"  # the matcher already tries both operand orders
         if all(domain.variables[v][0] == "weight" for v in src.vars):
             return "weight_only"
         if monotone and _runtime_ops(tgt.nodes, domain) > _runtime_ops(src.nodes, domain):
