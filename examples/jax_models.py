@@ -1,0 +1,166 @@
+"""Real JAX model definitions used by the tests and benchmarks of ``@taso_jax.optimize``.
+
+* flax.linen: a ResNet-50 (bottleneck stages 3-4-6-3, NHWC, batchnorm in inference mode) and
+  a BERT-style transformer encoder block (multi-head self-attention with a mask, layer norm,
+  GELU feed-forward);
+* equinox: an MLP and a small conv net (NCHW, per-example, vmapped over the batch);
+* plain JAX: a NasRNN-style recurrent cell (Pham et al., ENAS, 2018; the cell TASO evaluates):
+  eight pairs of matmuls on the input and on the hidden state, combined elementwise.
+
+Each ``make_*`` returns ``(fn, weights, inputs)``: call ``fn(weights, *inputs)``; weights are
+random (``jax.random`` with a fixed key).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def make_flax_resnet50(batch: int = 1, size: int = 64, width: int = 16, classes: int = 100):
+    """flax.linen ResNet-50 on ``[batch, size, size, 3]`` (NHWC); ``width`` is the stem
+    width (64 in the paper; smaller keeps CPU tests fast)."""
+    import flax.linen as nn
+
+    class Bottleneck(nn.Module):
+        filters: int
+        strides: int = 1
+
+        @nn.compact
+        def __call__(self, x):
+            norm = lambda: nn.BatchNorm(use_running_average=True)  # noqa: E731
+            y = nn.relu(norm()(nn.Conv(self.filters, (1, 1), use_bias=False)(x)))
+            y = nn.Conv(self.filters, (3, 3), (self.strides, self.strides), use_bias=False)(y)
+            y = nn.relu(norm()(y))
+            y = norm()(nn.Conv(self.filters * 4, (1, 1), use_bias=False)(y))
+            if x.shape[-1] != self.filters * 4 or self.strides != 1:
+                x = nn.Conv(self.filters * 4, (1, 1), (self.strides, self.strides),
+                            use_bias=False)(x)
+                x = norm()(x)
+            return nn.relu(x + y)
+
+    class ResNet50(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False)(x)
+            x = nn.relu(nn.BatchNorm(use_running_average=True)(x))
+            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+            for i, blocks in enumerate((3, 4, 6, 3)):
+                for j in range(blocks):
+                    x = Bottleneck(width * 2 ** i, strides=2 if i > 0 and j == 0 else 1)(x)
+            x = jnp.mean(x, axis=(1, 2))
+            return nn.Dense(classes)(x)
+
+    model = ResNet50()
+    x = jax.random.normal(jax.random.key(1), (batch, size, size, 3))
+    variables = model.init(jax.random.key(0), x)
+    variables = _perturb_batch_stats(variables)
+    return (lambda v, x: model.apply(v, x)), variables, (x,)
+
+
+def _perturb_batch_stats(variables):
+    """Random running statistics, so that batchnorm is not the identity."""
+    if "batch_stats" not in variables:
+        return variables
+    leaves, tree = jax.tree_util.tree_flatten(variables["batch_stats"])
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    new = [jax.random.uniform(k, x.shape, minval=0.5, maxval=1.5) if i % 2 else
+           0.1 * jax.random.normal(k, x.shape)
+           for i, (k, x) in enumerate(zip(keys, leaves, strict=True))]
+    return {**variables, "batch_stats": jax.tree_util.tree_unflatten(tree, new)}
+
+
+def make_flax_bert_block(batch: int = 2, seq: int = 16, hidden: int = 64, heads: int = 4):
+    """flax.linen BERT-style encoder block on ``[batch, seq, hidden]`` with a padding mask."""
+    import flax.linen as nn
+
+    class EncoderBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            a = nn.MultiHeadDotProductAttention(num_heads=heads)(x, x, mask=mask)
+            x = nn.LayerNorm()(x + a)
+            h = nn.Dense(4 * hidden)(x)
+            h = nn.Dense(hidden)(nn.gelu(h))
+            return nn.LayerNorm()(x + h)
+
+    model = EncoderBlock()
+    x = jax.random.normal(jax.random.key(1), (batch, seq, hidden))
+    lengths = jnp.arange(batch) % seq + seq // 2
+    valid = jnp.arange(seq)[None, :] < lengths[:, None]
+    mask = (valid[:, None, None, :] & valid[:, None, :, None])
+    variables = model.init(jax.random.key(0), x, mask)
+    return (lambda v, x, m: model.apply(v, x, m)), variables, (x, mask)
+
+
+def make_eqx_mlp(batch: int = 8, width: int = 64, depth: int = 3):
+    """equinox MLP (``in 32 -> width x depth -> 10``), vmapped over the batch."""
+    import equinox as eqx
+
+    mlp = eqx.nn.MLP(32, 10, width, depth, key=jax.random.key(0))
+    params, static = eqx.partition(mlp, eqx.is_array)
+    x = jax.random.normal(jax.random.key(1), (batch, 32))
+
+    def fn(params, x):
+        return jax.vmap(eqx.combine(params, static))(x)
+
+    return fn, params, (x,)
+
+
+def make_eqx_convnet(batch: int = 4, size: int = 16):
+    """equinox conv net (NCHW per example): two 3x3 convs with ReLU, pooling, a linear head."""
+    import equinox as eqx
+
+    class ConvNet(eqx.Module):
+        c1: eqx.nn.Conv2d
+        c2: eqx.nn.Conv2d
+        c3: eqx.nn.Conv2d
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2, k3, k4 = jax.random.split(key, 4)
+            self.c1 = eqx.nn.Conv2d(3, 16, 3, padding=1, key=k1)
+            self.c2 = eqx.nn.Conv2d(16, 16, 3, padding=1, key=k2)
+            self.c3 = eqx.nn.Conv2d(16, 16, 1, key=k3)
+            self.head = eqx.nn.Linear(16, 10, key=k4)
+
+        def __call__(self, x):
+            x = jax.nn.relu(self.c1(x))
+            x = jax.nn.relu(self.c2(x)) + jax.nn.relu(self.c3(x))
+            return self.head(jnp.mean(x, axis=(1, 2)))
+
+    net = ConvNet(jax.random.key(0))
+    params, static = eqx.partition(net, eqx.is_array)
+    x = jax.random.normal(jax.random.key(1), (batch, 3, size, size))
+
+    def fn(params, x):
+        return jax.vmap(eqx.combine(params, static))(x)
+
+    return fn, params, (x,)
+
+
+def make_nasrnn(batch: int = 1, hidden: int = 512, steps: int = 4):
+    """NasRNN-style cell unrolled ``steps`` times: per step, eight matmuls on the input ``x``
+    and eight on the state ``h`` (weights ``[hidden, hidden]``), combined pairwise."""
+    keys = jax.random.split(jax.random.key(0), 16)
+    scale = hidden ** -0.5
+    weights = {"wx": [scale * jax.random.normal(k, (hidden, hidden)) for k in keys[:8]],
+               "wh": [scale * jax.random.normal(k, (hidden, hidden)) for k in keys[8:]]}
+    xs = jax.random.normal(jax.random.key(1), (steps, batch, hidden))
+    h0 = jnp.zeros((batch, hidden))
+
+    def cell(w, x, h):
+        m = [x @ a + h @ b for a, b in zip(w["wx"], w["wh"], strict=True)]
+        s = [jax.nn.sigmoid(m[0]) * jnp.tanh(m[1]), jax.nn.relu(m[2]) * jax.nn.sigmoid(m[3]),
+             jax.nn.sigmoid(m[4]) * jnp.tanh(m[5]), jnp.tanh(m[6]) * jax.nn.relu(m[7])]
+        return jnp.tanh((s[0] + s[1]) * (s[2] + s[3]))
+
+    def fn(w, xs, h):
+        for t in range(xs.shape[0]):
+            h = cell(w, xs[t], h)
+        return h
+
+    return fn, weights, (xs, h0)
+
+
+MODELS = {"flax_resnet50": make_flax_resnet50, "flax_bert_block": make_flax_bert_block,
+          "eqx_mlp": make_eqx_mlp, "eqx_convnet": make_eqx_convnet, "nasrnn": make_nasrnn}

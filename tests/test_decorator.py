@@ -1,0 +1,214 @@
+"""``@taso_jax.optimize`` on real flax and equinox models, NasRNN, transformations, bad input.
+
+Every output is compared with ``jax.jit`` of the original function (the independent
+executor). Measured CPU times are printed (``-s``) and collected for the end-of-run summary;
+they are never asserted.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import taso_jax
+from taso_jax.report import ATOL, RTOL
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+import jax_models  # noqa: E402
+from conftest import MODEL_REPORTS  # noqa: E402
+
+#: Deterministic and fast for tests; the README figures use the measured cost model.
+OPTS = {"cost_model": "analytic", "budget": 20, "time_limit": 60.0}
+
+
+def _assert_close(got, ref):
+    got, ref = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref, strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert a.shape == b.shape
+        scale = np.max(np.abs(b))
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL * scale)
+
+
+def _run_model(name, **extra):
+    fn, weights, inputs = jax_models.MODELS[name]()
+    opt = taso_jax.optimize(fn, weight_argnums=0, **{**OPTS, **extra})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback would be a failure here
+        got = opt(weights, *inputs)
+    _assert_close(got, jax.jit(fn)(weights, *inputs))
+    assert opt.fallback_reason is None
+    report = opt.report(repeats=10)
+    print(f"\n{name}:\n{report}")
+    t = opt.measure(repeats=10)
+    r = opt._last.result
+    MODEL_REPORTS.append(
+        f"@optimize {name:<13} operators {sum(opt.graph.op_counts().values()):>4} -> "
+        f"{sum(r.graph.op_counts().values()):<4} estimated cost {r.cost_before:>9.0f} -> "
+        f"{r.cost_after:>9.0f} us  search {r.seconds:5.1f} s  applied "
+        f"{sum(r.applied.values())}  CPU time {t['before_us']:.0f} -> {t['after_us']:.0f} us "
+        f"({t['speedup']:.2f}x, median of {t['repeats']}, jax.jit vs optimized)")
+    return opt, report
+
+
+@pytest.mark.parametrize("name", ["flax_bert_block", "eqx_mlp", "eqx_convnet"])
+def test_real_models_match_jax_jit(name):
+    opt, report = _run_model(name)
+    assert "output check (jax.jit of the original function" in report
+    assert "measured time" in report
+    assert opt.graph.meta["source"] == "jaxpr"
+
+
+def test_flax_resnet50_folds_batchnorm_into_convolutions():
+    opt, report = _run_model("flax_resnet50", budget=2)
+    before, after = opt.graph.op_counts(), opt.optimized_graph.op_counts()
+    # 53 batchnorms, each a scale and a shift on the NHWC tensor; folding removes the scales.
+    assert before["conv2d"] == after["conv2d"] == 53
+    assert after["ewmul"] < before["ewmul"], (before, after)
+    assert "conv2d+ewmul" in report
+    assert opt.graph.meta["source"] == "jaxpr"
+
+
+def test_nasrnn_weight_concatenation_is_precomputed():
+    fn, weights, inputs = jax_models.make_nasrnn(hidden=64, steps=2)
+    opt = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
+    _assert_close(opt(weights, *inputs), jax.jit(fn)(weights, *inputs))
+    assert opt.optimized_graph.op_counts()["matmul"] < opt.graph.op_counts()["matmul"]
+    prims = {e.primitive.name for e in opt.runtime_jaxpr().eqns}
+    assert "concatenate" not in prims, "weights are concatenated at run time"
+    assert "dot_general" in prims
+    # The folded weights are computed once per distinct weight arrays, then reused.
+    folded = opt._last.folded_for[1]
+    opt(weights, *inputs)
+    assert opt._last.folded_for[1] is folded
+    new_w = jax.tree_util.tree_map(lambda a: a * 0.5, weights)
+    _assert_close(opt(new_w, *inputs), jax.jit(fn)(new_w, *inputs))
+    assert opt._last.folded_for[1] is not folded
+
+
+def test_grad_and_vmap_of_the_optimized_function():
+    fn, weights, (x,) = jax_models.make_eqx_mlp(batch=4)
+    opt = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
+    loss = lambda f: lambda w, x: jnp.sum(f(w, x) ** 2)  # noqa: E731
+    _assert_close(jax.grad(loss(opt))(weights, x), jax.grad(loss(fn))(weights, x))
+    _assert_close(jax.grad(loss(opt), argnums=1)(weights, x),
+                  jax.grad(loss(fn), argnums=1)(weights, x))
+    xs = jnp.stack([x, 2 * x])
+    _assert_close(jax.vmap(opt, in_axes=(None, 0))(weights, xs),
+                  jax.vmap(fn, in_axes=(None, 0))(weights, xs))
+    _assert_close(jax.jit(opt)(weights, x), fn(weights, x))
+
+
+def test_plain_decorator_retraces_per_shape_and_keeps_static_leaves():
+    calls = []
+
+    @taso_jax.optimize
+    def f(x, cfg):
+        calls.append(1)
+        return jnp.tanh(x) * cfg["scale"] if cfg["mode"] == "tanh" else x
+
+    a = f(jnp.ones((2, 3)), {"mode": "tanh", "scale": 2.0})
+    np.testing.assert_allclose(a, np.tanh(1.0) * 2.0 * np.ones((2, 3)), rtol=1e-6)
+    f(jnp.zeros((2, 3)), {"mode": "tanh", "scale": 3.0})  # same signature: no retrace
+    n = len(calls)
+    f(jnp.ones((4, 3)), {"mode": "tanh", "scale": 2.0})  # new shape: retrace
+    assert len(calls) > n
+    b = f(jnp.ones((4, 3)), {"mode": "id", "scale": 2.0})  # static leaf changed: retrace
+    np.testing.assert_allclose(b, np.ones((4, 3)))
+
+
+def test_weight_argnames_and_keyword_call():
+    @taso_jax.optimize(weight_argnames="w", **OPTS)
+    def f(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.eye(4), "b": 2 * jnp.eye(4)}
+    x = jnp.arange(8.0).reshape(2, 4)
+    np.testing.assert_allclose(f(w, x=x), 3 * x, rtol=1e-6)
+    assert {n.name for n in f.graph.inputs} == {"x"}
+
+
+def test_python_control_flow_on_values_is_a_clear_error():
+    @taso_jax.optimize
+    def f(x):
+        return x if x.sum() > 0 else -x
+
+    with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+        f(jnp.ones(3))
+    assert any("taso_jax.optimize" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_bad_argnums_name_the_argument():
+    with pytest.raises(ValueError, match="weight_argnames: 'params' is not a parameter"):
+        taso_jax.optimize(lambda w, x: x, weight_argnames="params")
+    f = taso_jax.optimize(lambda w, x: x * w, weight_argnums=2)
+    with pytest.raises(ValueError, match="weight_argnums: position 2 is out of range"):
+        f(jnp.ones(2), jnp.ones(2))
+    g = taso_jax.optimize(lambda w, x: x * w, weight_argnums=0, static_argnums=0)
+    with pytest.raises(ValueError, match="both weight and static"):
+        g(jnp.ones(2), jnp.ones(2))
+
+
+def test_failure_in_the_pipeline_falls_back_with_a_warning(monkeypatch):
+    import taso_jax.search as search
+
+    def broken(*a, **k):
+        raise RuntimeError("search exploded")
+
+    monkeypatch.setattr(taso_jax, "search_graph", broken)
+    assert search  # the search module itself is untouched
+
+    @taso_jax.optimize(**OPTS)
+    def f(x):
+        return jnp.tanh(x) + 1
+
+    with pytest.warns(RuntimeWarning, match="falling back to jax.jit.*search exploded"):
+        y = f(jnp.ones(3))
+    np.testing.assert_allclose(y, np.tanh(1.0) + 1, rtol=1e-6)
+    assert "search exploded" in f.fallback_reason
+    assert "not optimized" in f.report()
+
+
+def test_wrong_rewrite_is_caught_by_the_check_and_falls_back():
+    from taso_jax.substitution import PNode, Substitution
+
+    # relu(a) => a: wrong; the first-call check against jax.jit must catch it.
+    bad = Substitution("bad:relu=>id", (("a", ("...",)),),
+                       (PNode("relu", (), ("a",)),), (), (("#0", "a"),), {})
+
+    @taso_jax.optimize(cost_model="analytic", substitutions=[bad])
+    def f(x):
+        return jax.nn.relu(x) * 3.0
+
+    x = jnp.linspace(-1, 1, 8)
+    with pytest.warns(RuntimeWarning, match="outputs differ"):
+        y = f(x)
+    np.testing.assert_allclose(y, np.maximum(np.asarray(x), 0) * 3.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["flax_bert_block", "eqx_convnet", "eqx_mlp"])
+def test_jax_to_onnx_matches_onnxruntime(name, tmp_path):
+    import onnx
+    import onnxruntime as ort
+
+    fn, weights, inputs = jax_models.MODELS[name]()
+    g = taso_jax.from_jax(fn, weights, *inputs, weight_argnums=0)
+    model = taso_jax.export_onnx(g)
+    onnx.checker.check_model(model, full_check=True)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {n.name: np.asarray(x) for n, x in zip(g.inputs, jax.tree_util.tree_leaves(inputs),
+                                                  strict=True)}
+    _assert_close(sess.run(None, feeds), jax.jit(fn)(weights, *inputs))
+
+
+def test_export_refuses_opaque_jax_primitives():
+    g = taso_jax.from_jax(lambda x: jnp.sort(x), jnp.ones(4))
+    with pytest.raises(ValueError, match="'sort' has no ONNX mapping"):
+        taso_jax.export_onnx(g)
