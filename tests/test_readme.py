@@ -39,3 +39,11 @@ def test_onnx_example_runs(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "'ok': True" in r.stdout and out.exists()
+
+
+def test_jax_decorator_example_runs():
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "jax_decorator.py"),
+                        "--analytic"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "weights concatenated at run time: False" in r.stdout
+    assert "matmul:matmul+matmul=>concat+matmul+split" in r.stdout
