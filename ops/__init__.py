@@ -22,9 +22,12 @@ __all__ = [
     "ONNX_IMPORTERS",
     "JAXPR_IMPORTERS",
     "OpDef",
+    "Axiom",
     "ShapeError",
     "TensorType",
     "declare",
+    "axiom",
+    "add_axioms",
     "onnx_importer",
     "jaxpr_importer",
     "get_op",
@@ -74,7 +77,9 @@ class OpDef:
         flops: analytic cost ``flops(in_types, out_types, **attrs) -> float``; defaults to
             one operation per output element.
         examples: ``(in_types, attrs)`` pairs used by registry-driven tests.
-        axioms: Z3 axioms (added by the verification issue; empty for now).
+        axioms: :class:`Axiom` laws about this operator, each a one-line equation that
+            ``taso_jax.verify`` turns into a quantified Z3 formula and checks numerically
+            against the reference functions.
         canon: optional ``canon(in_types, attrs) -> attrs`` that puts attributes in canonical
             form (for example negative axes), so structurally equal nodes compare equal.
         commutative: a binary operator whose inputs can be swapped; the matcher tries both
@@ -136,6 +141,41 @@ class OpDef:
         return float(sum(t.size for t in out_types))
 
 
+@dataclass(frozen=True)
+class Axiom:
+    """One law about operators, written as an equation between two expressions.
+
+    ``law`` is ``"lhs = rhs"`` in Python call syntax over declared operators, e.g.
+    ``"relu(concat(a, b, axis=k)) = concat(relu(a), relu(b), axis=k)"``. Names are tensor
+    variables (with a symbolic shape in ``shapes``) or attribute variables (with candidate
+    values in ``params``); ``expr[i]`` takes output ``i`` of a multi-output operator, and
+    ``dim(x, k)`` is the size of axis ``k`` of ``x``. The law holds for every shape that
+    instantiates ``shapes`` and every attribute value in ``params`` for which both sides are
+    well typed (source: TASO, Jia et al., SOSP 2019, Section 4 and Table 2).
+
+    Attributes:
+        law: the equation.
+        shapes: tensor variable -> symbolic shape (strings are size symbols, ints are fixed).
+        params: attribute variable -> values to validate with.
+    """
+
+    law: str
+    shapes: tuple = ()
+    params: tuple = ()
+
+    @property
+    def sides(self) -> tuple[str, str]:
+        """``(lhs, rhs)`` source text."""
+        lhs, rhs = self.law.split(" = ")
+        return lhs.strip(), rhs.strip()
+
+
+def axiom(law: str, shapes: dict | None = None, **params) -> Axiom:
+    """Build an :class:`Axiom`; ``params`` map attribute variables to candidate values."""
+    return Axiom(law, tuple(sorted((shapes or {}).items())),
+                 tuple(sorted((k, tuple(v)) for k, v in params.items())))
+
+
 def _freeze(v: Any) -> Any:
     if isinstance(v, list | tuple):
         return tuple(_freeze(x) for x in v)
@@ -188,6 +228,17 @@ def jaxpr_importer(*primitives: str):
         return fn
 
     return register
+
+
+def add_axioms(name: str, *axioms: Axiom) -> None:
+    """Attach axioms to a declared operator (next to its declaration, in its family file).
+
+    Raises:
+        KeyError: an operator that is not declared.
+    """
+    from dataclasses import replace
+
+    OPS[name] = replace(get_op(name), axioms=get_op(name).axioms + tuple(axioms))
 
 
 def get_op(name: str) -> OpDef:

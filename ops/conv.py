@@ -16,7 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from taso_jax.ops import OpDef, ShapeError, TensorType, declare, jaxpr_importer, onnx_importer
+from taso_jax.ops import (
+    OpDef,
+    ShapeError,
+    TensorType,
+    add_axioms,
+    axiom,
+    declare,
+    jaxpr_importer,
+    onnx_importer,
+)
 
 ACTIVATIONS = {"none": lambda x: x, "relu": jax.nn.relu, "sigmoid": jax.nn.sigmoid,
                "tanh": jnp.tanh}
@@ -480,3 +489,36 @@ def _import_reduce_window(ctx, ins, *, window_dimensions, window_strides, paddin
         y = ctx.op("avgpool2d", [y], kernel=k, strides=st, padding=pads, count_include_pad=True)
         y = ctx.op("scalar_mul", [y], scalar=float(k[0] * k[1]))
     return [ctx.transpose(y, _inverse(perm))]
+
+
+# ---- axioms (TASO, SOSP 2019, Table 2: convolution laws) ------------------------------------
+
+_C = {"x": ("N", "C", "H", "W"), "y": ("N", "C", "H", "W"), "w": ("D", "C", 3, 3),
+      "v": ("D", "C", 3, 3), "s": (1, "D", 1, 1)}
+_P = {"st": ((1, 1), (2, 2)), "p": ("same", "valid")}
+add_axioms("conv2d",
+           axiom("conv2d(ewadd(x, y), w, strides=st, padding=p) = ewadd(conv2d(x, w, "
+                 "strides=st, padding=p), conv2d(y, w, strides=st, padding=p))", _C, **_P),
+           axiom("conv2d(x, ewadd(w, v), strides=st, padding=p) = ewadd(conv2d(x, w, "
+                 "strides=st, padding=p), conv2d(x, v, strides=st, padding=p))", _C, **_P),
+           axiom("conv2d(x, concat(w, v, axis=-4), strides=st, padding=p) = concat(conv2d(x, w, "
+                 "strides=st, padding=p), conv2d(x, v, strides=st, padding=p), axis=-3)",
+                 _C, **_P),
+           axiom("conv2d(concat(x, y, axis=-3), concat(w, v, axis=-3), strides=st, padding=p) = "
+                 "ewadd(conv2d(x, w, strides=st, padding=p), conv2d(y, v, strides=st, "
+                 "padding=p))", {**_C, "y": ("N", "E", "H", "W"), "v": ("D", "E", 3, 3)},
+                 **_P),
+           axiom("conv2d(x, w, strides=st, padding=p, activation=f) = relu(conv2d(x, w, "
+                 "strides=st, padding=p))", _C, f=("relu",), **_P),
+           axiom("ewmul(conv2d(x, w, strides=st, padding=p), s) = conv2d(x, ewmul(w, "
+                 "transpose(s, perm=(1, 0, 2, 3))), strides=st, padding=p)", _C, **_P),
+           axiom("conv2d(scalar_mul(x, scalar=c), w, strides=st, padding=p) = "
+                 "scalar_mul(conv2d(x, w, strides=st, padding=p), scalar=c)", _C, c=(2.0,),
+                 **_P),
+           axiom("conv2d(x, enlarge(u, w), strides=st, padding='same') = conv2d(x, u, "
+                 "strides=st, padding='same')", {**_C, "u": ("D", "C", 1, 1)},
+                 st=((1, 1), (2, 2))))
+add_axioms("enlarge",
+           axiom("enlarge(concat(u, v, axis=-4), w) = concat(enlarge(u, w), enlarge(v, w), "
+                 "axis=-4)", {"u": ("D", "C", 1, 1), "v": ("E", "C", 1, 1),
+                             "w": ("F", "C", 3, 3)}))

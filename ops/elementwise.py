@@ -14,6 +14,8 @@ from taso_jax.ops import (
     OpDef,
     ShapeError,
     TensorType,
+    add_axioms,
+    axiom,
     declare,
     jaxpr_importer,
     onnx_importer,
@@ -331,3 +333,25 @@ def _import_convert(ctx, ins, *, new_dtype, **_):
 @jaxpr_importer("copy", "copy_p", "optimization_barrier")
 def _import_identity_prim(ctx, ins, **_):
     return list(ins)
+
+
+# ---- axioms (TASO, SOSP 2019, Table 2: the elementwise laws) --------------------------------
+
+_V = {"x": ("N", "C"), "y": ("N", "C"), "z": ("N", "C")}
+_S = {**_V, "s": (1, "C")}
+add_axioms("ewadd",
+           axiom("ewadd(x, y) = ewadd(y, x)", _V),
+           axiom("ewadd(x, ewadd(y, z)) = ewadd(ewadd(x, y), z)", _V))
+add_axioms("ewmul",
+           axiom("ewmul(x, y) = ewmul(y, x)", _V),
+           axiom("ewmul(x, ewmul(y, z)) = ewmul(ewmul(x, y), z)", _V),
+           axiom("ewmul(ewadd(x, y), z) = ewadd(ewmul(x, z), ewmul(y, z))", _V),
+           axiom("ewmul(ewadd(x, y), s) = ewadd(ewmul(x, s), ewmul(y, s))", _S))
+add_axioms("ewsub", axiom("ewsub(x, y) = ewadd(x, neg(y))", _V))
+add_axioms("neg", axiom("neg(neg(x)) = x", _V))
+add_axioms("scalar_mul",
+           axiom("scalar_mul(ewadd(x, y), scalar=c) = ewadd(scalar_mul(x, scalar=c), "
+                 "scalar_mul(y, scalar=c))", _V, c=(2.0, -0.5)),
+           axiom("scalar_mul(ewmul(x, y), scalar=c) = ewmul(scalar_mul(x, scalar=c), y)", _V,
+                 c=(2.0, -0.5)))
+add_axioms("relu", axiom("relu(relu(x)) = relu(x)", _V))

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, declare, jaxpr_importer, onnx_importer
+from taso_jax.ops import (
+    OpDef,
+    ShapeError,
+    TensorType,
+    add_axioms,
+    axiom,
+    declare,
+    jaxpr_importer,
+    onnx_importer,
+)
 from taso_jax.ops.conv import _ACT_ONNX, _act
 from taso_jax.ops.elementwise import broadcast_shape
 
@@ -97,3 +106,23 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
         m = int(np.prod([ls[i] for i in lf], dtype=np.int64))
         a = ctx.reshape(ctx.transpose(lhs, (*lb, *lf, *lc)), (*(ls[i] for i in lb), m, k))
     return [ctx.reshape(ctx.op("matmul", [a, b]), out.shape)]
+
+
+# ---- axioms (TASO, SOSP 2019, Table 2: matmul laws) -----------------------------------------
+
+_X = {"x": ("M", "K"), "y": ("M", "K"), "a": ("K", "N"), "b": ("K", "N"), "c": ("N", "P")}
+add_axioms("matmul",
+           axiom("matmul(matmul(x, a), c) = matmul(x, matmul(a, c))", _X),
+           axiom("matmul(x, ewadd(a, b)) = ewadd(matmul(x, a), matmul(x, b))", _X),
+           axiom("matmul(ewadd(x, y), a) = ewadd(matmul(x, a), matmul(y, a))", _X),
+           axiom("matmul(x, concat(a, b, axis=-1)) = concat(matmul(x, a), matmul(x, b), "
+                 "axis=-1)", _X),
+           axiom("matmul(concat(x, y, axis=-2), a) = concat(matmul(x, a), matmul(y, a), "
+                 "axis=-2)", _X),
+           axiom("matmul(concat(x, y, axis=-1), concat(a, b, axis=-2)) = ewadd(matmul(x, a), "
+                 "matmul(y, b))", _X),
+           axiom("matmul(x, a, activation=f) = relu(matmul(x, a))", _X, f=("relu",)),
+           axiom("matmul(scalar_mul(x, scalar=s), a) = scalar_mul(matmul(x, a), scalar=s)", _X,
+                 s=(2.0,)),
+           axiom("transpose(matmul(x, a), perm=(1, 0)) = matmul(transpose(a, perm=(1, 0)), "
+                 "transpose(x, perm=(1, 0)))", _X))

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, declare, jaxpr_importer, onnx_importer
+from taso_jax.ops import (
+    OpDef,
+    ShapeError,
+    TensorType,
+    add_axioms,
+    axiom,
+    declare,
+    jaxpr_importer,
+    onnx_importer,
+)
 
 _F32 = "float32"
 
@@ -339,3 +348,37 @@ def _import_pad_jaxpr(ctx, ins, *, padding_config, **_):
     pads = tuple(lo for lo, _, _ in padding_config) + tuple(hi for _, hi, _ in padding_config)
     return [ctx.op("pad", [x], pads=tuple(int(p) for p in pads),
                    value=float(np.asarray(v).reshape(())))]
+
+
+# ---- axioms (TASO, SOSP 2019, Table 2: concat, split and transpose laws) --------------------
+
+_M = {"a": ("N", "C"), "b": ("N", "C"), "c": ("N", "C"), "d": ("N", "C")}
+add_axioms("concat",
+           axiom("concat(concat(a, b, axis=k), c, axis=k) = concat(a, concat(b, c, axis=k), "
+                 "axis=k)", _M, k=(-2, -1)),
+           axiom("relu(concat(a, b, axis=k)) = concat(relu(a), relu(b), axis=k)", _M, k=(-2, -1)),
+           axiom("ewadd(concat(a, b, axis=k), concat(c, d, axis=k)) = concat(ewadd(a, c), "
+                 "ewadd(b, d), axis=k)", _M, k=(-2, -1)),
+           axiom("ewmul(concat(a, b, axis=k), concat(c, d, axis=k)) = concat(ewmul(a, c), "
+                 "ewmul(b, d), axis=k)", _M, k=(-2, -1)),
+           axiom("scalar_mul(concat(a, b, axis=k), scalar=s) = concat(scalar_mul(a, scalar=s), "
+                 "scalar_mul(b, scalar=s), axis=k)", _M, k=(-2, -1), s=(3.0,)))
+add_axioms("split",
+           axiom("split(concat(a, b, axis=k), axis=k, sizes=(dim(a, k), dim(b, k)))[0] = a",
+                 {"a": ("N", "C"), "b": ("N", "D")}, k=(-1,)),
+           axiom("split(concat(a, b, axis=k), axis=k, sizes=(dim(a, k), dim(b, k)))[1] = b",
+                 {"a": ("N", "C"), "b": ("N", "D")}, k=(-1,)),
+           axiom("concat(split(a, axis=k, sizes=(1, dim(a, k) - 1))[0], "
+                 "split(a, axis=k, sizes=(1, dim(a, k) - 1))[1], axis=k) = a", _M, k=(-2, -1)))
+add_axioms("transpose",
+           axiom("transpose(transpose(a, perm=(1, 0)), perm=(1, 0)) = a", _M),
+           axiom("transpose(transpose(w, perm=(1, 0, 2, 3)), perm=(1, 0, 2, 3)) = w",
+                 {"w": ("D", "C", "K", "K")}),
+           axiom("relu(transpose(a, perm=(1, 0))) = transpose(relu(a), perm=(1, 0))", _M),
+           axiom("transpose(ewadd(a, b), perm=(1, 0)) = ewadd(transpose(a, perm=(1, 0)), "
+                 "transpose(b, perm=(1, 0)))", _M),
+           axiom("transpose(ewmul(w, s), perm=(1, 0, 2, 3)) = ewmul(transpose(w, "
+                 "perm=(1, 0, 2, 3)), transpose(s, perm=(1, 0, 2, 3)))",
+                 {"w": ("D", "C", "K", "K"), "s": ("D", 1, 1, 1)}),
+           axiom("transpose(concat(a, b, axis=-2), perm=(1, 0)) = concat(transpose(a, "
+                 "perm=(1, 0)), transpose(b, perm=(1, 0)), axis=-1)", _M))

@@ -1,0 +1,248 @@
+"""Operator axioms: one law language, two readings (numeric and Z3).
+
+An :class:`~taso_jax.ops.Axiom` is an equation in Python call syntax over declared operators.
+This module reads it twice:
+
+* **numerically** (:func:`check_axiom`): both sides are evaluated by the operators' JAX
+  reference functions, in float64, on random inputs for several shape instances and every
+  attribute value listed, so a wrong axiom is caught before it proves anything;
+* **symbolically** (:class:`Z3Encoding`): tensors are constants of an uninterpreted sort,
+  each operator an uninterpreted function whose integer arguments encode its attributes, and
+  the axiom a universally quantified equation (TASO, Jia et al., SOSP 2019, Section 4).
+
+Attribute values are encoded as integers: ints as themselves, other values (strings, floats,
+``None``) as distinct negative codes, tuples through an uninterpreted constructor ``tupN``.
+``dim(x, k)`` is an uninterpreted size function. Shapes are not otherwise modelled, as in
+TASO: a law that needs a shape relation states it through ``dim``.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections.abc import Iterable
+
+import numpy as np
+from taso_jax.ops import OPS, Axiom, ShapeError, TensorType
+
+__all__ = ["all_axioms", "check_axiom", "evaluate", "Z3Encoding", "AxiomError"]
+
+
+class AxiomError(ValueError):
+    """An axiom that does not parse, names an unknown operator, or never type-checks."""
+
+
+def _parse(text: str, where: str) -> ast.expr:
+    try:
+        return ast.parse(text, mode="eval").body
+    except SyntaxError as e:
+        raise AxiomError(f"{where}: cannot parse {text!r} ({e.msg})") from None
+
+
+def all_axioms() -> list[tuple[str, Axiom]]:
+    """Every declared axiom as ``(operator name, axiom)``, in registry order."""
+    return [(name, ax) for name, op in OPS.items() for ax in op.axioms]
+
+
+# ---- numeric reading ----------------------------------------------------------------------
+
+def evaluate(node: ast.expr, env: dict, where: str = "axiom"):
+    """Evaluate a parsed law expression with the reference functions.
+
+    ``env`` maps tensor variables to arrays and attribute variables to values.
+
+    Raises:
+        ShapeError: a side that is not well typed for these shapes and attributes.
+        AxiomError: unknown names or operators.
+    """
+    if isinstance(node, ast.Name):
+        if node.id not in env:
+            raise AxiomError(f"{where}: unknown name {node.id!r}")
+        return env[node.id]
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -evaluate(node.operand, env, where)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub):
+        a, b = evaluate(node.left, env, where), evaluate(node.right, env, where)
+        return a + b if isinstance(node.op, ast.Add) else a - b
+    if isinstance(node, ast.Tuple):
+        return tuple(evaluate(e, env, where) for e in node.elts)
+    if isinstance(node, ast.Subscript):
+        return evaluate(node.value, env, where)[evaluate(node.slice, env, where)]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        name = node.func.id
+        if name == "dim":
+            x, k = (evaluate(a, env, where) for a in node.args)
+            return int(np.shape(x)[k])
+        if name not in OPS:
+            raise AxiomError(f"{where}: unknown operator {name!r}")
+        op = OPS[name]
+        ins = [evaluate(a, env, where) for a in node.args]
+        attrs = {kw.arg: evaluate(kw.value, env, where) for kw in node.keywords}
+        attrs = dict(op.normalize_attrs(attrs))
+        types = [TensorType(np.shape(x), str(np.asarray(x).dtype)) for x in ins]
+        op.infer(types, attrs)  # ShapeError when not well typed
+        out = op.ref(*ins, **attrs)
+        return tuple(np.asarray(o) for o in out) if isinstance(out, tuple | list) \
+            else np.asarray(out)
+    raise AxiomError(f"{where}: unsupported syntax {ast.dump(node)[:60]}")
+
+
+def _instances(ax: Axiom, rng, n_shapes: int) -> Iterable[tuple[dict, dict]]:
+    shapes = dict(ax.shapes)
+    symbols = sorted({d for s in shapes.values() for d in s if isinstance(d, str)})
+    params = dict(ax.params)
+    combos = list(itertools.product(*params.values())) or [()]
+    for _ in range(n_shapes):
+        sizes = {s: int(rng.integers(2, 6)) for s in symbols}
+        for combo in combos:
+            yield sizes, dict(zip(params, combo, strict=True))
+
+
+def check_axiom(ax: Axiom, where: str = "axiom", seed: int = 0, n_shapes: int = 3) -> dict:
+    """Validate an axiom numerically on random float64 inputs.
+
+    Returns ``{"checked": int, "skipped": int, "failures": [message, ...]}``; an instance
+    whose sides are not both well typed is skipped.
+
+    Raises:
+        AxiomError: the law does not parse, or no instance is well typed.
+    """
+    import jax
+
+    lhs, rhs = (_parse(t, where) for t in ax.sides)
+    rng = np.random.default_rng(seed)
+    out = {"checked": 0, "skipped": 0, "failures": []}
+    with jax.enable_x64(True):
+        for sizes, attrs in _instances(ax, rng, n_shapes):
+            env = dict(attrs)
+            for v, shape in ax.shapes:
+                env[v] = rng.standard_normal(tuple(sizes.get(d, d) if isinstance(d, str) else d
+                                                   for d in shape))
+            try:
+                a, b = evaluate(lhs, env, where), evaluate(rhs, env, where)
+            except (ShapeError, TypeError, ValueError, IndexError) as e:
+                if isinstance(e, AxiomError):
+                    raise
+                out["skipped"] += 1
+                continue
+            out["checked"] += 1
+            a, b = (x if isinstance(x, tuple) else (x,) for x in (a, b))
+            ok = len(a) == len(b) and all(
+                np.shape(x) == np.shape(y) and np.allclose(x, y, rtol=1e-9, atol=1e-9 * max(
+                    1.0, float(np.max(np.abs(y), initial=0.0)))) for x, y in zip(a, b,
+                                                                                 strict=False))
+            if not ok:
+                out["failures"].append(f"{where}: {ax.law} fails for sizes {sizes}, "
+                                       f"attributes {attrs}")
+    if out["checked"] == 0:
+        raise AxiomError(f"{where}: {ax.law} is never well typed for the shapes and "
+                         "attributes given")
+    return out
+
+
+# ---- Z3 reading ---------------------------------------------------------------------------
+
+class Z3Encoding:
+    """Operators as uninterpreted functions over a ``Tensor`` sort (see module doc).
+
+    One encoding is shared by the axioms and the substitutions being proved, so that their
+    terms meet. ``attr(value)`` encodes a concrete attribute value; ``term(text, env)``
+    encodes a law expression with ``env`` binding names to Z3 terms.
+    """
+
+    def __init__(self):
+        import z3
+
+        self.z3 = z3
+        self.T = z3.DeclareSort("Tensor")
+        self._funcs: dict = {}
+        self._codes: dict = {}
+        self.dim = z3.Function("dim", self.T, z3.IntSort(), z3.IntSort())
+
+    def func(self, name: str, n_inputs: int):
+        """The uninterpreted function of an operator: output index, attributes, inputs."""
+        key = (name, n_inputs)
+        if key not in self._funcs:
+            z3 = self.z3
+            n_attrs = len(OPS[name].attrs) + 1
+            self._funcs[key] = z3.Function(name if OPS[name].arity is not None
+                                           else f"{name}{n_inputs}",
+                                           *([z3.IntSort()] * n_attrs),
+                                           *([self.T] * n_inputs), self.T)
+        return self._funcs[key]
+
+    def attr(self, value):
+        """Integer term for a concrete attribute value (distinct values, distinct terms)."""
+        z3 = self.z3
+        if isinstance(value, bool):
+            return z3.IntVal(int(value))
+        if isinstance(value, int | np.integer):
+            return z3.IntVal(int(value))
+        if isinstance(value, tuple | list):
+            if not value:
+                return z3.IntVal(-999_999)
+            return self.attr_tuple([self.attr(v) for v in value])
+        key = (type(value).__name__, value)
+        if key not in self._codes:
+            self._codes[key] = -1_000_000 - len(self._codes)
+        return z3.IntVal(self._codes[key])
+
+    def apply(self, name: str, inputs: list, attrs: dict, index: int = 0):
+        """``name(inputs, **attrs)[index]`` as a Z3 term; attribute values may be Z3 terms."""
+        op = OPS[name]
+        full = {**op.attrs, **attrs}
+        args = [self.z3.IntVal(index)]
+        for k in sorted(op.attrs):
+            v = full[k]
+            args.append(v if isinstance(v, self.z3.ExprRef) else self.attr(v))
+        return self.func(name, len(inputs))(*args, *inputs)
+
+    def term(self, node: ast.expr, env: dict, where: str = "axiom", index: int = 0):
+        """Encode a parsed law expression (see :func:`evaluate` for the syntax)."""
+        if isinstance(node, ast.Name):
+            if node.id not in env:
+                raise AxiomError(f"{where}: unknown name {node.id!r}")
+            return env[node.id]
+        if isinstance(node, ast.Constant):
+            return self.attr(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -self.term(node.operand, env, where)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub):
+            a, b = self.term(node.left, env, where), self.term(node.right, env, where)
+            return a + b if isinstance(node.op, ast.Add) else a - b
+        if isinstance(node, ast.Tuple):
+            return self.attr_tuple([self.term(e, env, where) for e in node.elts])
+        if isinstance(node, ast.Subscript):
+            i = node.slice.value if isinstance(node.slice, ast.Constant) else None
+            if not isinstance(i, int):
+                raise AxiomError(f"{where}: output index must be an integer constant")
+            return self.term(node.value, env, where, index=i)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            name = node.func.id
+            if name == "dim":
+                x, k = (self.term(a, env, where) for a in node.args)
+                return self.dim(x, k)
+            if name not in OPS:
+                raise AxiomError(f"{where}: unknown operator {name!r}")
+            ins = [self.term(a, env, where) for a in node.args]
+            attrs = {kw.arg: self.term(kw.value, env, where) for kw in node.keywords}
+            return self.apply(name, ins, attrs, index)
+        raise AxiomError(f"{where}: unsupported syntax {ast.dump(node)[:60]}")
+
+    def attr_tuple(self, items: list):
+        """A tuple attribute whose items are Z3 integer terms."""
+        n = len(items)
+        key = ("tup", n)
+        if key not in self._funcs:
+            self._funcs[key] = self.z3.Function(f"tup{n}", *([self.z3.IntSort()] * (n + 1)))
+        return self._funcs[key](*items)
+
+    def formula(self, ax: Axiom, where: str = "axiom"):
+        """The axiom as ``ForAll(variables, lhs == rhs)``."""
+        z3 = self.z3
+        env = {v: z3.Const(v, self.T) for v, _ in ax.shapes}
+        env.update({p: z3.Int(p) for p, _ in ax.params})
+        lhs, rhs = (self.term(_parse(t, where), env, where) for t in ax.sides)
+        return z3.ForAll(list(env.values()), lhs == rhs)
