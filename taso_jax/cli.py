@@ -137,6 +137,52 @@ def _generate(args) -> int:
     return 0
 
 
+def _verify(args) -> int:
+    from tqdm import tqdm
+
+    from taso_jax._io import atomic_write
+    from taso_jax.substitution import (
+        default_substitutions,
+        load_substitutions,
+        save_substitutions,
+    )
+    from taso_jax.verify.runner import verify_substitutions
+
+    try:
+        subs = (load_substitutions(args.file) if args.file else default_substitutions())
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{args.file}: not a valid substitution file ({e})") from e
+    bar = tqdm(total=len(subs), desc="verify", unit="rule", file=sys.stderr,
+               disable=args.quiet)
+
+    def progress(done, counts):
+        bar.update(1)
+        bar.set_postfix_str(", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+
+    stamped, stats = verify_substitutions(subs, timeout_ms=args.timeout_ms,
+                                          workers=args.workers, progress=progress)
+    bar.close()
+    c = stats["counts"]
+    print(f"substitutions: {len(subs)} ({args.file or 'shipped set'}); axioms: "
+          f"{stats['axioms']}; Z3 limit {args.timeout_ms} ms each")
+    print(f"proved: {c['proved']}; not proved: {c['unproved']} (the axioms allow the sides "
+          f"to differ); unknown: {c['unknown']} (no answer in time); {stats['seconds']} s")
+    failed = [s for s in stamped if s.provenance["proof"]["status"] != "proved"]
+    if failed:
+        lines = [f"{s.provenance['proof']['status']}\t{s.name}\t{s.law}\n" for s in failed]
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w") as f:
+                f.writelines(lines)
+
+        atomic_write(args.report, write)
+        print(f"not proved, listed in: {args.report}")
+    if args.output:
+        save_substitutions(stamped, args.output)
+        print(f"written with proof stamps: {args.output}")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``taso-jax`` argument parser."""
     p = argparse.ArgumentParser(prog="taso-jax", description=__doc__.splitlines()[0])
@@ -157,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-time", action="store_true", help="skip the end-to-end timing")
     o.add_argument("--json", help="also write the report as JSON to this file")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    v = sub.add_parser("verify", help="prove substitutions from the operator axioms (Z3)")
+    v.add_argument("file", nargs="?", help="substitution JSON file (default: shipped set)")
+    v.add_argument("-o", "--output", help="write the set with proof stamps to this file")
+    v.add_argument("--report", default="unproved.txt",
+                   help="file listing the substitutions not proved (unproved.txt)")
+    v.add_argument("--timeout-ms", type=int, default=2000, help="Z3 limit per rule (2000)")
+    v.add_argument("--workers", type=int, default=None, help="processes (one per core)")
+    v.add_argument("-q", "--quiet", action="store_true")
     g = sub.add_parser("generate", help="generate the substitution set")
     g.add_argument("--max-ops", type=int, default=3, help="operators per side at most (3)")
     g.add_argument("--seed", type=int, default=0)
@@ -175,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "optimize":
             return _optimize(args)
+        if args.command == "verify":
+            return _verify(args)
         return _generate(args)
     except (UsageError, ModelError, GraphError) as e:
         print(f"taso-jax: error: {e}", file=sys.stderr)

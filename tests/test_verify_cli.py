@@ -1,0 +1,68 @@
+"""``taso-jax verify``: proves a rule file, stamps proofs, lists and fails on the rest."""
+
+from __future__ import annotations
+
+import json
+
+from taso_jax.cli import main
+from taso_jax.substitution import (
+    PNode,
+    Substitution,
+    default_substitutions,
+    load_substitutions,
+    save_substitutions,
+)
+
+PROVABLE = ["affine:ewadd+ewmul=>ewmul+ewmul+ewadd#5", "affine:ewadd+ewadd=>ewadd+ewadd#11",
+            "matmul:matmul+ewadd+matmul=>ewadd+matmul+matmul#6"]
+WRONG = Substitution(
+    "wrong:relu-distributes", (("a", ("N",)), ("b", ("N",))),
+    (PNode("ewadd", (), ("a", "b")), PNode("relu", (), ("#0",))),
+    (PNode("relu", (), ("a",)), PNode("relu", (), ("b",)), PNode("ewadd", (), ("#0", "#1"))),
+    (("#1", "#2"),), {})
+
+
+def _rules(names):
+    by_name = {s.name: s for s in default_substitutions()}
+    return [by_name[n] for n in names]
+
+
+def test_verify_stamps_proofs_and_exits_zero(tmp_path, capsys):
+    src, out = tmp_path / "rules.json", tmp_path / "proved.json"
+    save_substitutions(_rules(PROVABLE), src)
+    assert main(["verify", str(src), "-o", str(out), "--workers", "1", "-q",
+                 "--report", str(tmp_path / "unproved.txt")]) == 0
+    text = capsys.readouterr().out
+    assert "proved: 3; not proved: 0" in text
+    for s in load_substitutions(out):
+        proof = s.provenance["proof"]
+        assert proof["status"] == "proved" and proof["axioms"], proof
+    assert not (tmp_path / "unproved.txt").exists()
+
+
+def test_verify_lists_what_it_cannot_prove_and_exits_nonzero(tmp_path, capsys):
+    src, report = tmp_path / "rules.json", tmp_path / "unproved.txt"
+    save_substitutions(_rules(PROVABLE[:1]) + [WRONG], src)
+    before = src.read_bytes()
+    assert main(["verify", str(src), "--workers", "1", "-q", "--report", str(report)]) == 1
+    assert src.read_bytes() == before  # the input file is never rewritten
+    listed = report.read_text()
+    assert "wrong:relu-distributes" in listed and PROVABLE[0] not in listed
+    assert "proved: 1" in capsys.readouterr().out
+
+
+def test_verify_bad_file_is_a_usage_error(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"substitutions": [{"name": "x"}]}))
+    assert main(["verify", str(bad), "-q"]) == 2
+    assert "not a valid substitution file" in capsys.readouterr().err
+
+
+def test_verification_runs_in_a_process_pool():
+    from taso_jax.verify.runner import verify_substitutions
+
+    subs = _rules(PROVABLE) * 3 + [WRONG]
+    stamped, stats = verify_substitutions(subs, timeout_ms=5000, workers=2)
+    assert stats["counts"]["proved"] == 9
+    assert stamped[-1].provenance["proof"]["status"] != "proved"
+    assert [s.name for s in stamped] == [s.name for s in subs]
