@@ -354,4 +354,6 @@ add_axioms("scalar_mul",
                  "scalar_mul(y, scalar=c))", _V, c=(2.0, -0.5)),
            axiom("scalar_mul(ewmul(x, y), scalar=c) = ewmul(scalar_mul(x, scalar=c), y)", _V,
                  c=(2.0, -0.5)))
-add_axioms("relu", axiom("relu(relu(x)) = relu(x)", _V))
+add_axioms("relu",
+           axiom("relu(relu(x)) = relu(x)", _V),
+           axiom("relu(ewadd(x, x)) = ewadd(relu(x), relu(x))", _V))  # positive homogeneity
