@@ -496,22 +496,27 @@ def _import_reduce_window(ctx, ins, *, window_dimensions, window_strides, paddin
 _C = {"x": ("N", "C", "H", "W"), "y": ("N", "C", "H", "W"), "w": ("D", "C", 3, 3),
       "v": ("D", "C", 3, 3), "s": (1, "D", 1, 1)}
 _P = {"st": ((1, 1), (2, 2)), "p": ("same", "valid")}
+_PD = {**_P, "dl": ((1, 1), (2, 1))}
 add_axioms("conv2d",
            axiom("conv2d(ewadd(x, y), w, strides=st, padding=p) = ewadd(conv2d(x, w, "
                  "strides=st, padding=p), conv2d(y, w, strides=st, padding=p))", _C, **_P),
            axiom("conv2d(x, ewadd(w, v), strides=st, padding=p) = ewadd(conv2d(x, w, "
                  "strides=st, padding=p), conv2d(x, v, strides=st, padding=p))", _C, **_P),
-           axiom("conv2d(x, concat(w, v, axis=-4), strides=st, padding=p) = concat(conv2d(x, w, "
-                 "strides=st, padding=p), conv2d(x, v, strides=st, padding=p), axis=-3)",
-                 _C, **_P),
+           axiom("conv2d(x, concat(w, v, axis=-4), strides=st, padding=p, dilations=dl, "
+                 "activation=f) = concat(conv2d(x, w, strides=st, padding=p, dilations=dl, "
+                 "activation=f), conv2d(x, v, strides=st, padding=p, dilations=dl, "
+                 "activation=f), axis=-3)", _C, f=("none", "relu", "sigmoid", "tanh"), **_PD),
            axiom("conv2d(concat(x, y, axis=-3), concat(w, v, axis=-3), strides=st, padding=p) = "
                  "ewadd(conv2d(x, w, strides=st, padding=p), conv2d(y, v, strides=st, "
                  "padding=p))", {**_C, "y": ("N", "E", "H", "W"), "v": ("D", "E", 3, 3)},
                  **_P),
            axiom("conv2d(x, w, strides=st, padding=p, activation=f) = relu(conv2d(x, w, "
                  "strides=st, padding=p))", _C, f=("relu",), **_P),
-           axiom("ewmul(conv2d(x, w, strides=st, padding=p), s) = conv2d(x, ewmul(w, "
-                 "transpose(s, perm=(1, 0, 2, 3))), strides=st, padding=p)", _C, **_P),
+           axiom("ewmul(conv2d(x, w, strides=st, padding=p, dilations=dl), s) = conv2d(x, "
+                 "ewmul(w, transpose(s, perm=(1, 0, 2, 3))), strides=st, padding=p, "
+                 "dilations=dl)", _C, **_PD),
+           axiom("dim(conv2d(x, w, strides=st, padding=p, dilations=dl, activation=f), -3) = "
+                 "dim(w, -4)", _C, f=("none", "relu"), **_PD),
            axiom("conv2d(scalar_mul(x, scalar=c), w, strides=st, padding=p) = "
                  "scalar_mul(conv2d(x, w, strides=st, padding=p), scalar=c)", _C, c=(2.0,),
                  **_P),

@@ -113,10 +113,12 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
 _X = {"x": ("M", "K"), "y": ("M", "K"), "a": ("K", "N"), "b": ("K", "N"), "c": ("N", "P")}
 add_axioms("matmul",
            axiom("matmul(matmul(x, a), c) = matmul(x, matmul(a, c))", _X),
+           axiom("dim(matmul(x, a, activation=f), -1) = dim(a, -1)", _X, f=("none", "relu")),
            axiom("matmul(x, ewadd(a, b)) = ewadd(matmul(x, a), matmul(x, b))", _X),
            axiom("matmul(ewadd(x, y), a) = ewadd(matmul(x, a), matmul(y, a))", _X),
-           axiom("matmul(x, concat(a, b, axis=-1)) = concat(matmul(x, a), matmul(x, b), "
-                 "axis=-1)", _X),
+           axiom("matmul(x, concat(a, b, axis=-1), activation=f) = concat(matmul(x, a, "
+                 "activation=f), matmul(x, b, activation=f), axis=-1)", _X,
+                 f=("none", "relu", "sigmoid", "tanh")),
            axiom("matmul(concat(x, y, axis=-2), a) = concat(matmul(x, a), matmul(y, a), "
                  "axis=-2)", _X),
            axiom("matmul(concat(x, y, axis=-1), concat(a, b, axis=-2)) = ewadd(matmul(x, a), "
