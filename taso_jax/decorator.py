@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import time
 import warnings
 from collections.abc import Callable
@@ -49,9 +48,6 @@ from taso_jax.jaxpr_io import (
 )
 
 __all__ = ["OptimizedFunction", "optimize_function"]
-
-log = logging.getLogger("taso_jax")
-
 
 class _Fallback(Exception):
     """Internal: the optimized pipeline failed for this signature."""
