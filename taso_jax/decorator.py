@@ -58,7 +58,6 @@ class _Entry:
     """Everything compiled for one call signature."""
 
     out_tree: object
-    flat_fn: Callable
     jit_original: Callable
     graph: Graph | None = None
     result: object = None
@@ -274,7 +273,7 @@ class OptimizedFunction:
                        "mark the argument with static_argnums)")
             raise
         out_flat, out_tree = jax.tree_util.tree_flatten(out_shape)
-        entry = _Entry(out_tree=out_tree, flat_fn=flat_fn, jit_original=jax.jit(flat_fn),
+        entry = _Entry(out_tree=out_tree, jit_original=jax.jit(flat_fn),
                        kinds=kinds, array_index=array_index)
         inputs_at = {i for i, k in zip(array_index, kinds, strict=True) if k == "input"}
         entry.same_object = [i for i in range(offset) if i not in inputs_at]
