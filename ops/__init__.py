@@ -153,15 +153,20 @@ class Axiom:
     instantiates ``shapes`` and every attribute value in ``params`` for which both sides are
     well typed (source: TASO, Jia et al., SOSP 2019, Section 4 and Table 2).
 
+    ``where`` defines further integer variables (``"s = dim(a, k)"``); the law is stated for
+    them, so Z3 reads it as an implication and the numeric check computes them.
+
     Attributes:
         law: the equation.
         shapes: tensor variable -> symbolic shape (strings are size symbols, ints are fixed).
         params: attribute variable -> values to validate with.
+        where: ``"name = expression"`` definitions of size variables.
     """
 
     law: str
     shapes: tuple = ()
     params: tuple = ()
+    where: tuple = ()
 
     @property
     def sides(self) -> tuple[str, str]:
@@ -170,10 +175,14 @@ class Axiom:
         return lhs.strip(), rhs.strip()
 
 
-def axiom(law: str, shapes: dict | None = None, **params) -> Axiom:
-    """Build an :class:`Axiom`; ``params`` map attribute variables to candidate values."""
+def axiom(law: str, shapes: dict | None = None, where: tuple = (), **params) -> Axiom:
+    """Build an :class:`Axiom`.
+
+    ``params`` map attribute variables to candidate values; ``where`` lists size definitions
+    (see :class:`Axiom`).
+    """
     return Axiom(law, tuple(sorted((shapes or {}).items())),
-                 tuple(sorted((k, tuple(v)) for k, v in params.items())))
+                 tuple(sorted((k, tuple(v)) for k, v in params.items())), tuple(where))
 
 
 def _freeze(v: Any) -> Any:

@@ -364,12 +364,16 @@ add_axioms("concat",
            axiom("scalar_mul(concat(a, b, axis=k), scalar=s) = concat(scalar_mul(a, scalar=s), "
                  "scalar_mul(b, scalar=s), axis=k)", _M, k=(-2, -1), s=(3.0,)))
 add_axioms("split",
-           axiom("split(concat(a, b, axis=k), axis=k, sizes=(dim(a, k), dim(b, k)))[0] = a",
-                 {"a": ("N", "C"), "b": ("N", "D")}, k=(-1,)),
-           axiom("split(concat(a, b, axis=k), axis=k, sizes=(dim(a, k), dim(b, k)))[1] = b",
-                 {"a": ("N", "C"), "b": ("N", "D")}, k=(-1,)),
-           axiom("concat(split(a, axis=k, sizes=(1, dim(a, k) - 1))[0], "
-                 "split(a, axis=k, sizes=(1, dim(a, k) - 1))[1], axis=k) = a", _M, k=(-2, -1)))
+           axiom("split(concat(a, b, axis=k), axis=k, sizes=(s, t))[0] = a",
+                 {"a": ("N", "C"), "b": ("N", "D")}, where=("s = dim(a, k)", "t = dim(b, k)"),
+                 k=(-1, -2)),
+           axiom("split(concat(a, b, axis=k), axis=k, sizes=(s, t))[1] = b",
+                 {"a": ("N", "C"), "b": ("N", "D")}, where=("s = dim(a, k)", "t = dim(b, k)"),
+                 k=(-1, -2)),
+           # Stated with size variables, not "dim(a, k) - s" inside the pattern: a size term
+           # as Z3's trigger would fire on every dim() and loop.
+           axiom("concat(split(a, axis=k, sizes=(s, t))[0], split(a, axis=k, sizes=(s, t))[1], "
+                 "axis=k) = a", _M, where=("t = dim(a, k) - s",), k=(-2, -1), s=(1,)))
 add_axioms("transpose",
            axiom("transpose(transpose(a, perm=(1, 0)), perm=(1, 0)) = a", _M),
            axiom("transpose(transpose(w, perm=(1, 0, 2, 3)), perm=(1, 0, 2, 3)) = w",

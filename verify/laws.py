@@ -121,6 +121,9 @@ def check_axiom(ax: Axiom, where: str = "axiom", seed: int = 0, n_shapes: int = 
                 env[v] = rng.standard_normal(tuple(sizes.get(d, d) if isinstance(d, str) else d
                                                    for d in shape))
             try:
+                for d in ax.where:
+                    name, expr = (x.strip() for x in d.split("=", 1))
+                    env[name] = evaluate(_parse(expr, where), env, where)
                 a, b = evaluate(lhs, env, where), evaluate(rhs, env, where)
             except (ShapeError, TypeError, ValueError, IndexError) as e:
                 if isinstance(e, AxiomError):
@@ -143,6 +146,17 @@ def check_axiom(ax: Axiom, where: str = "axiom", seed: int = 0, n_shapes: int = 
 
 
 # ---- Z3 reading ---------------------------------------------------------------------------
+
+def _mentions_all(term, variables) -> bool:
+    """Whether a Z3 term contains every one of ``variables`` (constants before binding)."""
+    seen, stack = set(), [term]
+    while stack:
+        t = stack.pop()
+        if t.num_args() == 0:
+            seen.add(t.get_id())
+        stack.extend(t.children())
+    return all(v.get_id() in seen for v in variables)
+
 
 class Z3Encoding:
     """Operators as uninterpreted functions over a ``Tensor`` sort (see module doc).
@@ -244,5 +258,17 @@ class Z3Encoding:
         z3 = self.z3
         env = {v: z3.Const(v, self.T) for v, _ in ax.shapes}
         env.update({p: z3.Int(p) for p, _ in ax.params})
+        conditions = []
+        for d in ax.where:
+            name, expr = (x.strip() for x in d.split("=", 1))
+            env[name] = z3.Int(name)
+            conditions.append(env[name] == self.term(_parse(expr, where), env, where))
         lhs, rhs = (self.term(_parse(t, where), env, where) for t in ax.sides)
-        return z3.ForAll(list(env.values()), lhs == rhs)
+        body = lhs == rhs if not conditions else z3.Implies(z3.And(*conditions), lhs == rhs)
+        bound = list(env.values())
+        # Trigger on a side that mentions every variable (Z3's own choice may be a size term).
+        patterns = [side for side in (lhs, rhs) if _mentions_all(side, bound)]
+        try:
+            return z3.ForAll(bound, body, patterns=patterns)
+        except z3.Z3Exception:  # arithmetic or a bare variable cannot trigger: Z3 chooses
+            return z3.ForAll(bound, body)
