@@ -57,6 +57,9 @@ def _rule(name):
     "affine:ewadd+ewmul=>ewmul+ewmul+ewadd#5",   # a shift moved behind a scale
     "affine:ewadd+ewadd=>ewadd+ewadd#11",         # reassociation with commutation
     "matmul:matmul+ewadd+matmul=>ewadd+matmul+matmul#6",
+    "matmul:matmul+matmul=>concat+matmul+split#1",   # TASO's matmul merge
+    "conv:conv2d+conv2d=>concat+conv2d+split#1",     # merging convolutions that share x
+    "conv:conv2d+ewmul=>transpose+ewmul+conv2d#1",   # folding a scale into the kernel
 ])
 def test_generated_rules_are_proved_with_their_axioms(prover, name):
     r = prover.prove(_rule(name))
