@@ -241,9 +241,8 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         if time.perf_counter() - t0 > time_limit:
             stopped = "time limit"
             break
-        _, _, g, path = heapq.heappop(queue)  # best is updated when a graph is pushed
+        gc, _, g, path = heapq.heappop(queue)  # best is updated when a graph is pushed
         iterations += 1
-        gc = cost_model.graph_cost(g)
         for sub in _relevant(substitutions, g):
             for _, g2, c2 in _cheaper(g, gc, sub, cost_model, alpha * best_cost * (1 + 1e-9),
                                       rejected):

@@ -21,7 +21,7 @@ Source: the distributive and associative laws of TASO's axioms for ``ewadd`` and
 
 from __future__ import annotations
 
-from taso_jax.graph import Graph, Node, Tensor, intern_node, make_node
+from taso_jax.graph import Graph, Node, Tensor, make_node, rebuild_node
 
 __all__ = ["normalize_affine"]
 
@@ -69,10 +69,7 @@ def normalize_affine(graph: Graph) -> Graph:
     for n in graph.nodes:
         if not n.inputs:
             continue
-        ins = tuple(remap(t) for t in n.inputs)
-        node = n if ins == n.inputs else (
-            intern_node(n.op, n.attrs, ins, n.types) if n.op == "opaque"
-            else make_node(n.op, ins, n.attr_dict))
+        node = rebuild_node(n, (remap(t) for t in n.inputs))
         if n.op in ("ewmul", "ewadd") and not node.weight_only:
             split = _split(node.outputs[0])
             if split is not None:

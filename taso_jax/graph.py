@@ -150,6 +150,20 @@ def make_node(op: str, inputs: Iterable[Tensor], attrs: Mapping[str, Any] | None
     return intern_node(op, norm, inputs, tuple(types))
 
 
+def rebuild_node(node: Node, inputs) -> Node:
+    """``node``'s operation applied to new input tensors.
+
+    Shapes are re-inferred; an opaque node, which has no shape rule, keeps its output types.
+    Returns ``node`` itself if the inputs are unchanged.
+    """
+    inputs = tuple(inputs)
+    if inputs == node.inputs:
+        return node
+    if node.op == "opaque":
+        return intern_node("opaque", node.attrs, inputs, node.types)
+    return make_node(node.op, inputs, node.attr_dict)
+
+
 def leaf_node(kind: str, name: str, ttype: TensorType) -> Node:
     """An input or weight node named ``name`` of type ``ttype``."""
     return intern_node(kind, (("name", name), ("type", ttype)), (), (ttype,))

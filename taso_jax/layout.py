@@ -21,7 +21,7 @@ otherwise the operator's inputs are materialized in their original layout.
 
 from __future__ import annotations
 
-from taso_jax.graph import Graph, Node, Tensor, make_node
+from taso_jax.graph import Graph, Node, Tensor, make_node, rebuild_node
 from taso_jax.ops import OPS
 
 __all__ = ["sink_transposes"]
@@ -75,7 +75,7 @@ class _Sinker:
                         "axis": self._axis}[kind](n)
             if not done:
                 ins = [self.materialize(t) for t in n.inputs]
-                new = n if tuple(ins) == n.inputs else _rebuild(n, ins)
+                new = rebuild_node(n, ins)
                 for t, nt in zip(n.outputs, new.outputs, strict=True):
                     self.lazy[t] = (nt, None)
         outs = tuple(self.materialize(t) for t in self.graph.outputs)
@@ -115,7 +115,7 @@ class _Sinker:
         ins = [self._operand(t, p, rank) for t in n.inputs]
         if any(x is None for x in ins):
             return False
-        new = _rebuild(n, ins)
+        new = rebuild_node(n, ins)
         for t, nt in zip(n.outputs, new.outputs, strict=True):
             self.lazy[t] = (nt, p)
         return True
@@ -151,14 +151,6 @@ class _Sinker:
         for t, nt in zip(n.outputs, new.outputs, strict=True):
             self.lazy[t] = (nt, p)
         return True
-
-
-def _rebuild(n: Node, ins) -> Node:
-    if n.op == "opaque":
-        from taso_jax.graph import intern_node
-
-        return intern_node("opaque", n.attrs, tuple(ins), n.types)
-    return make_node(n.op, ins, n.attr_dict)
 
 
 def sink_transposes(graph: Graph) -> Graph:
