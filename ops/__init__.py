@@ -154,7 +154,11 @@ class Axiom:
     well typed (source: TASO, Jia et al., SOSP 2019, Section 4 and Table 2).
 
     ``where`` defines further integer variables (``"s = dim(a, k)"``); the law is stated for
-    them, so Z3 reads it as an implication and the numeric check computes them.
+    them, so Z3 reads it as an implication and the numeric check computes them. Defining a
+    name twice requires both definitions to agree (``"k = dim(u, -1)", "k = dim(w, -1)"``),
+    and ``"i != j"``, ``"i < 0"`` are side conditions (``==``, ``!=``, ``<``, ``<=``); the
+    numeric check skips instances that fail them. Axes in the IR are negative, so a law over axis
+    variables should require ``i < 0``.
 
     Attributes:
         law: the equation.

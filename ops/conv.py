@@ -497,33 +497,53 @@ _C = {"x": ("N", "C", "H", "W"), "y": ("N", "C", "H", "W"), "w": ("D", "C", 3, 3
       "v": ("D", "C", 3, 3), "s": (1, "D", 1, 1)}
 _P = {"st": ((1, 1), (2, 2)), "p": ("same", "valid")}
 _PD = {**_P, "dl": ((1, 1), (2, 1))}
+_F = ("none", "relu", "sigmoid", "tanh")
+_PER_CHANNEL = ("dim(s, -4) == 1", "dim(s, -2) == 1", "dim(s, -1) == 1")
+_CONV = "strides=st, padding=p, dilations=dl"  # any stride, padding and dilation
 add_axioms("conv2d",
-           axiom("conv2d(ewadd(x, y), w, strides=st, padding=p) = ewadd(conv2d(x, w, "
-                 "strides=st, padding=p), conv2d(y, w, strides=st, padding=p))", _C, **_P),
-           axiom("conv2d(x, ewadd(w, v), strides=st, padding=p) = ewadd(conv2d(x, w, "
-                 "strides=st, padding=p), conv2d(x, v, strides=st, padding=p))", _C, **_P),
-           axiom("conv2d(x, concat(w, v, axis=-4), strides=st, padding=p, dilations=dl, "
-                 "activation=f) = concat(conv2d(x, w, strides=st, padding=p, dilations=dl, "
-                 "activation=f), conv2d(x, v, strides=st, padding=p, dilations=dl, "
-                 "activation=f), axis=-3)", _C, f=("none", "relu", "sigmoid", "tanh"), **_PD),
-           axiom("conv2d(concat(x, y, axis=-3), concat(w, v, axis=-3), strides=st, padding=p) = "
-                 "ewadd(conv2d(x, w, strides=st, padding=p), conv2d(y, v, strides=st, "
-                 "padding=p))", {**_C, "y": ("N", "E", "H", "W"), "v": ("D", "E", 3, 3)},
-                 **_P),
-           axiom("conv2d(x, w, strides=st, padding=p, activation=f) = relu(conv2d(x, w, "
-                 "strides=st, padding=p))", _C, f=("relu",), **_P),
-           axiom("ewmul(conv2d(x, w, strides=st, padding=p, dilations=dl), s) = conv2d(x, "
-                 "ewmul(w, transpose(s, perm=(1, 0, 2, 3))), strides=st, padding=p, "
-                 "dilations=dl)", _C, **_PD),
-           axiom("dim(conv2d(x, w, strides=st, padding=p, dilations=dl, activation=f), -3) = "
-                 "dim(w, -4)", _C, f=("none", "relu"), **_PD),
-           axiom("conv2d(scalar_mul(x, scalar=c), w, strides=st, padding=p) = "
-                 "scalar_mul(conv2d(x, w, strides=st, padding=p), scalar=c)", _C, c=(2.0,),
-                 **_P),
-           axiom("conv2d(x, enlarge(u, w), strides=st, padding='same') = conv2d(x, u, "
-                 "strides=st, padding='same')", {**_C, "u": ("D", "C", 1, 1)},
-                 st=((1, 1), (2, 2))))
+           axiom(f"conv2d(ewadd(x, y), w, {_CONV}) = ewadd(conv2d(x, w, {_CONV}), "
+                 f"conv2d(y, w, {_CONV}))", _C, **_PD),
+           axiom(f"conv2d(x, ewadd(w, v), {_CONV}) = ewadd(conv2d(x, w, {_CONV}), "
+                 f"conv2d(x, v, {_CONV}))", _C, **_PD),
+           axiom(f"conv2d(x, concat(w, v, axis=-4), {_CONV}, activation=f) = "
+                 f"concat(conv2d(x, w, {_CONV}, activation=f), conv2d(x, v, {_CONV}, "
+                 "activation=f), axis=-3)", _C, f=_F, **_PD),
+           axiom(f"conv2d(concat(x, y, axis=-3), concat(w, v, axis=-3), {_CONV}) = "
+                 f"ewadd(conv2d(x, w, {_CONV}), conv2d(y, v, {_CONV}))",
+                 {**_C, "y": ("N", "E", "H", "W"), "v": ("D", "E", 3, 3)}, **_PD),
+           axiom(f"conv2d(concat(x, y, axis=-4), w, {_CONV}, activation=f) = "
+                 f"concat(conv2d(x, w, {_CONV}, activation=f), conv2d(y, w, {_CONV}, "
+                 "activation=f), axis=-4)", _C, f=_F, **_PD),
+           *(axiom(f"conv2d(x, w, {_CONV}, activation='{f}') = {f}(conv2d(x, w, {_CONV}))",
+                   _C, **_PD) for f in _F[1:]),
+           # a per-output-channel scale folds into the kernel; the conditions say that s is
+           # [1, D, 1, 1] (Z3 does not know shapes otherwise)
+           axiom(f"ewmul(conv2d(x, w, {_CONV}), s) = conv2d(x, "
+                 f"ewmul(w, transpose(s, perm=(1, 0, 2, 3))), {_CONV})", _C,
+                 where=_PER_CHANNEL, **_PD),
+           # ... and so does a per-input-channel scale
+           axiom(f"conv2d(ewmul(x, r), w, {_CONV}, activation=f) = "
+                 f"conv2d(x, ewmul(w, r), {_CONV}, activation=f)", {**_C, "r": (1, "C", 1, 1)},
+                 where=tuple(c.replace("(s,", "(r,") for c in _PER_CHANNEL), f=_F, **_PD),
+           axiom(f"dim(conv2d(x, w, {_CONV}, activation=f), -3) = dim(w, -4)", _C,
+                 f=("none", "relu"), **_PD),
+           # 'same' padding at stride 1 keeps the spatial size
+           *(axiom(f"dim(conv2d(x, w, strides=(1, 1), padding='same', dilations=dl, "
+                   f"activation=f), {k}) = dim(x, {k})", _C, f=("none", "relu"),
+                   dl=((1, 1), (2, 1))) for k in (-1, -2)),
+           axiom(f"conv2d(scalar_mul(x, scalar=c), w, {_CONV}) = "
+                 f"scalar_mul(conv2d(x, w, {_CONV}), scalar=c)", _C, c=(2.0,), **_PD),
+           axiom("conv2d(x, enlarge(u, w), strides=st, padding='same', dilations=dl, "
+                 "activation=f) = conv2d(x, u, strides=st, padding='same', dilations=dl, "
+                 "activation=f)", {**_C, "u": ("D", "C", 1, 1)}, st=((1, 1), (2, 2)),
+                 dl=((1, 1), (2, 1)), f=("none", "relu")))
 add_axioms("enlarge",
            axiom("enlarge(concat(u, v, axis=-4), w) = concat(enlarge(u, w), enlarge(v, w), "
                  "axis=-4)", {"u": ("D", "C", 1, 1), "v": ("E", "C", 1, 1),
-                             "w": ("F", "C", 3, 3)}))
+                             "w": ("F", "C", 3, 3)}),
+           *(axiom(f"dim(enlarge(u, w), {k}) = dim({'u' if k < -2 else 'w'}, {k})",
+                   {"u": ("D", "C", 1, 1), "w": ("F", "C", 3, 3)}) for k in (-4, -3, -2, -1)),
+           # enlarging a kernel to its own size changes nothing
+           axiom("enlarge(u, w) = u", {"u": ("D", "C", "K", "K"), "w": ("E", "C", "K", "K")},
+                 where=("h = dim(u, -2)", "h = dim(w, -2)", "k = dim(u, -1)",
+                        "k = dim(w, -1)")))

@@ -347,6 +347,9 @@ add_axioms("ewmul",
            axiom("ewmul(x, ewmul(y, z)) = ewmul(ewmul(x, y), z)", _V),
            axiom("ewmul(ewadd(x, y), z) = ewadd(ewmul(x, z), ewmul(y, z))", _V),
            axiom("ewmul(ewadd(x, y), s) = ewadd(ewmul(x, s), ewmul(y, s))", _S))
+for _op in ("ewadd", "ewmul"):  # without broadcasting, the sizes carry through
+    add_axioms(_op, axiom(f"dim({_op}(x, y), k) = dim(x, k)", _V,
+                          where=("dim(x, k) == dim(y, k)",), k=(-1, -2)))
 add_axioms("ewsub", axiom("ewsub(x, y) = ewadd(x, neg(y))", _V))
 add_axioms("neg", axiom("neg(neg(x)) = x", _V))
 add_axioms("scalar_mul",

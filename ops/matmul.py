@@ -119,11 +119,13 @@ add_axioms("matmul",
            axiom("matmul(x, concat(a, b, axis=-1), activation=f) = concat(matmul(x, a, "
                  "activation=f), matmul(x, b, activation=f), axis=-1)", _X,
                  f=("none", "relu", "sigmoid", "tanh")),
-           axiom("matmul(concat(x, y, axis=-2), a) = concat(matmul(x, a), matmul(y, a), "
-                 "axis=-2)", _X),
+           axiom("matmul(concat(x, y, axis=-2), a, activation=f) = concat(matmul(x, a, "
+                 "activation=f), matmul(y, a, activation=f), axis=-2)", _X,
+                 f=("none", "relu", "sigmoid", "tanh")),
            axiom("matmul(concat(x, y, axis=-1), concat(a, b, axis=-2)) = ewadd(matmul(x, a), "
                  "matmul(y, b))", _X),
-           axiom("matmul(x, a, activation=f) = relu(matmul(x, a))", _X, f=("relu",)),
+           *(axiom(f"matmul(x, a, activation='{f}') = {f}(matmul(x, a))", _X)
+             for f in ("relu", "sigmoid", "tanh")),
            axiom("matmul(scalar_mul(x, scalar=s), a) = scalar_mul(matmul(x, a), scalar=s)", _X,
                  s=(2.0,)),
            axiom("transpose(matmul(x, a), perm=(1, 0)) = matmul(transpose(a, perm=(1, 0)), "

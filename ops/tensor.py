@@ -374,15 +374,31 @@ add_axioms("split",
            # as Z3's trigger would fire on every dim() and loop.
            axiom("concat(split(a, axis=k, sizes=(s, t))[0], split(a, axis=k, sizes=(s, t))[1], "
                  "axis=k) = a", _M, where=("t = dim(a, k) - s",), k=(-2, -1), s=(1,)))
+_T = {"w": ("N", "C", "H", "W"), "u": ("N", "C", "H", "W"), "v": ("N", "C", "H", "W"),
+      "z": ("N", "C", "H", "W")}
+add_axioms("concat",
+           # interchange of concatenations on two different axes (the blocks line up)
+           axiom("concat(concat(a, b, axis=i), concat(c, d, axis=i), axis=j) = "
+                 "concat(concat(a, c, axis=j), concat(b, d, axis=j), axis=i)",
+                 {"a": _T["w"], "b": _T["w"], "c": _T["w"], "d": _T["w"]},
+                 where=("i != j", "i < 0", "j < 0", "s = dim(a, i)", "s = dim(c, i)"),
+                 i=(-1, -2, -3, -4), j=(-1, -2, -3, -4)))
 add_axioms("transpose",
            axiom("transpose(transpose(a, perm=(1, 0)), perm=(1, 0)) = a", _M),
            axiom("transpose(transpose(w, perm=(1, 0, 2, 3)), perm=(1, 0, 2, 3)) = w",
                  {"w": ("D", "C", "K", "K")}),
-           axiom("relu(transpose(a, perm=(1, 0))) = transpose(relu(a), perm=(1, 0))", _M),
-           axiom("transpose(ewadd(a, b), perm=(1, 0)) = ewadd(transpose(a, perm=(1, 0)), "
-                 "transpose(b, perm=(1, 0)))", _M),
+           axiom("relu(transpose(a, perm=q)) = transpose(relu(a), perm=q)", _M,
+                 q=((1, 0), (0, 1))),
+           axiom("transpose(ewadd(a, b), perm=q) = ewadd(transpose(a, perm=q), "
+                 "transpose(b, perm=q))", _M, q=((1, 0), (0, 1))),
            axiom("transpose(ewmul(w, s), perm=(1, 0, 2, 3)) = ewmul(transpose(w, "
                  "perm=(1, 0, 2, 3)), transpose(s, perm=(1, 0, 2, 3)))",
                  {"w": ("D", "C", "K", "K"), "s": ("D", 1, 1, 1)}),
+           axiom("transpose(ewmul(a, b), perm=q) = ewmul(transpose(a, perm=q), "
+                 "transpose(b, perm=q))", _M, q=((1, 0), (0, 1))),
            axiom("transpose(concat(a, b, axis=-2), perm=(1, 0)) = concat(transpose(a, "
-                 "perm=(1, 0)), transpose(b, perm=(1, 0)), axis=-1)", _M))
+                 "perm=(1, 0)), transpose(b, perm=(1, 0)), axis=-1)", _M),
+           *(axiom(f"transpose(concat(w, u, axis={i}), perm=(1, 0, 2, 3)) = "
+                   f"concat(transpose(w, perm=(1, 0, 2, 3)), transpose(u, perm=(1, 0, 2, 3)), "
+                   f"axis={j})", _T)
+             for i, j in ((-3, -4), (-4, -3))))

@@ -39,6 +39,26 @@ def _parse(text: str, where: str) -> ast.expr:
         raise AxiomError(f"{where}: cannot parse {text!r} ({e.msg})") from None
 
 
+_COMPARE = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
+            ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b}
+
+
+def _condition(text: str, where: str):
+    """``(lhs, operator, rhs)`` of a side condition, or ``None`` for a definition.
+
+    Conditions read ``"i != j"``, ``"i < 0"`` or ``"dim(x, k) == dim(y, k)"``; definitions
+    ``"name = expression"``.
+    """
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None  # "s = dim(a, k)" is a statement, not an expression
+    if (isinstance(node, ast.Compare) and len(node.ops) == 1
+            and type(node.ops[0]) in _COMPARE):
+        return node.left, type(node.ops[0]), node.comparators[0]
+    raise AxiomError(f"{where}: condition {text!r}: use ==, !=, < or <= between two terms")
+
+
 def all_axioms() -> list[tuple[str, Axiom]]:
     """Every declared axiom as ``(operator name, axiom)``, in registry order."""
     return [(name, ax) for name, op in OPS.items() for ax in op.axioms]
@@ -89,10 +109,45 @@ def evaluate(node: ast.expr, env: dict, where: str = "axiom"):
     raise AxiomError(f"{where}: unsupported syntax {ast.dump(node)[:60]}")
 
 
+def _attribute_uses(ax: Axiom) -> dict[str, list[tuple[str, str]]]:
+    """Attribute variable -> ``(operator, attribute)`` pairs it is passed to in the law."""
+    uses: dict = {}
+    for side in ax.sides:
+        for node in ast.walk(_parse(side, ax.law)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                for kw in node.keywords:
+                    if isinstance(kw.value, ast.Name):
+                        uses.setdefault(kw.value.id, []).append((node.func.id, kw.arg))
+    return uses
+
+
+def _param_values(ax: Axiom) -> dict[str, tuple]:
+    """The values each attribute variable is validated at.
+
+    Those the axiom lists, then the default and example values of every operator attribute
+    it is passed to. The Z3 reading
+    quantifies over *every* value, so a law that holds only for some (a fused activation
+    other than relu) must fail here, not prove wrong rules.
+    """
+    out = {}
+    uses = _attribute_uses(ax)
+    for p, listed in ax.params:
+        vals = list(listed)
+        for op, attr in uses.get(p, ()):
+            if op in OPS and attr in OPS[op].attrs:
+                decl = OPS[op]
+                for v in [decl.attrs[attr]] + [e[attr] for _, e in decl.examples if attr in e]:
+                    v = dict(decl.normalize_attrs({attr: v}))[attr]
+                    if v not in vals:
+                        vals.append(v)
+        out[p] = tuple(vals)
+    return out
+
+
 def _instances(ax: Axiom, rng, n_shapes: int) -> Iterable[tuple[dict, dict]]:
     shapes = dict(ax.shapes)
     symbols = sorted({d for s in shapes.values() for d in s if isinstance(d, str)})
-    params = dict(ax.params)
+    params = _param_values(ax)
     combos = list(itertools.product(*params.values())) or [()]
     for _ in range(n_shapes):
         sizes = {s: int(rng.integers(2, 6)) for s in symbols}
@@ -122,8 +177,16 @@ def check_axiom(ax: Axiom, where: str = "axiom", seed: int = 0, n_shapes: int = 
                                                    for d in shape))
             try:
                 for d in ax.where:
+                    cond = _condition(d, where)
+                    if cond is not None:  # a side condition: the law says nothing if false
+                        a, op, b = cond
+                        if not _COMPARE[op](evaluate(a, env, where), evaluate(b, env, where)):
+                            raise ValueError(f"condition {d} fails")
+                        continue
                     name, expr = (x.strip() for x in d.split("=", 1))
-                    env[name] = evaluate(_parse(expr, where), env, where)
+                    value = evaluate(_parse(expr, where), env, where)
+                    if env.setdefault(name, value) != value:  # a condition that fails here
+                        raise ValueError(f"{name}: {env[name]} != {value}")
                 a, b = evaluate(lhs, env, where), evaluate(rhs, env, where)
             except (ShapeError, TypeError, ValueError, IndexError) as e:
                 if isinstance(e, AxiomError):
@@ -260,6 +323,12 @@ class Z3Encoding:
         env.update({p: z3.Int(p) for p, _ in ax.params})
         conditions = []
         for d in ax.where:
+            cond = _condition(d, where)
+            if cond is not None:
+                a, op, b = cond
+                conditions.append(_COMPARE[op](self.term(a, env, where),
+                                               self.term(b, env, where)))
+                continue
             name, expr = (x.strip() for x in d.split("=", 1))
             env[name] = z3.Int(name)
             conditions.append(env[name] == self.term(_parse(expr, where), env, where))
