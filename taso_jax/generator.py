@@ -22,7 +22,11 @@
    share an operator node (a common subgraph) is redundant with a smaller one; a rule that
    only swaps the operands of commutative operators is dropped (matching tries both
    orders); weight-only sources are dropped (weights are precomputed, rewriting them gains
-   nothing); duplicates under renaming of interchangeable variables are removed.
+   nothing); duplicates under renaming into interchangeable variables of the domain, or
+   under swapping commutative operands, are removed.
+5. **Generalise attributes** (:func:`generalize_attributes`) and record the values each
+   attribute variable was checked at; ``taso-jax generate`` then proves every candidate
+   (:mod:`taso_jax.verify`) and keeps the proved ones.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import numpy as np
 from taso_jax.executor import evaluate, run_node
 from taso_jax.graph import Graph, Node, Tensor, leaf_node, make_node, topo_order
 from taso_jax.ops import OPS, ShapeError, TensorType
-from taso_jax.substitution import PNode, Substitution, _ref, instantiate
+from taso_jax.substitution import PNode, Substitution, _jsonable, _ref, instantiate
 
 __all__ = ["Domain", "DEFAULT_DOMAINS", "generate", "GeneratorStats", "check_substitution"]
 
@@ -260,27 +264,40 @@ def _make_sub(domain, src_roots, src_nodes, tgt_roots, tgt_nodes, used_vars, sym
 
 
 def _canonical_key(sub: Substitution, domain: Domain) -> str:
+    """A text shared by substitutions that differ only in naming or operand order.
+
+    Variables may be renamed into other interchangeable ones of the domain (same kind and
+    shape), and the operands of commutative operators swapped (the matcher tries both).
+    """
     import json
 
     groups: dict[tuple, list[str]] = {}
+    for v, spec in domain.variables.items():
+        groups.setdefault(spec, []).append(v)
+    used: dict[tuple, list[str]] = {}
     for v, _ in sub.variables:
-        groups.setdefault(domain.variables[v], []).append(v)
-    # Variable shapes are part of the key: the same structure over other shapes (a conv
-    # domain's x[N,C,H,W], a matmul domain's x[...,M,K]) is a different rule. Renaming within
-    # a group of interchangeable variables leaves this name -> shape list unchanged.
-    text = json.dumps([sorted((v, list(p)) for v, p in sub.variables)]
-                      + [sub.to_json()[k] for k in ("source", "target", "outputs")])
+        used.setdefault(domain.variables[v], []).append(v)
+
+    def nodes(ns, ren):
+        out = []
+        for n in ns:
+            ins = [ren.get(r, r) for r in n.inputs]
+            if OPS[n.op].commutative:
+                ins.sort()
+            out.append([n.op, [[k, _jsonable(v)] for k, v in n.attrs], ins])
+        return out
+
     best = None
-    for perms in itertools.product(*(itertools.permutations(g) for g in groups.values())):
+    # Each group's used variables may take any names of their group (in any order).
+    choices = [itertools.permutations(groups[spec], len(vs)) for spec, vs in used.items()]
+    for names in itertools.product(*choices):
         ren = {}
-        for g, p in zip(groups.values(), perms, strict=True):
-            ren.update(zip(g, p, strict=True))
-        s = text
-        for a in ren:
-            s = s.replace(f'"{a}"', f'"@{a}@"')
-        for a, b in ren.items():
-            s = s.replace(f'"@{a}@"', f'"{b}"')
-        best = s if best is None or s < best else best
+        for vs, ns in zip(used.values(), names, strict=True):
+            ren.update(zip(vs, ns, strict=True))
+        text = json.dumps([sorted((ren[v], list(p)) for v, p in sub.variables),
+                           nodes(sub.source, ren), nodes(sub.target, ren),
+                           [[ren.get(a, a), ren.get(b, b)] for a, b in sub.outputs]])
+        best = text if best is None or text < best else best
     return best
 
 
@@ -356,6 +373,21 @@ def _alternatives(op: str, name: str, value) -> list:
     return out
 
 
+def _survives_canon(sub: Substitution, domain: Domain, values: dict, op: str, name: str,
+                    value) -> bool:
+    """Whether building ``sub``'s source with ``values`` keeps ``value`` on an ``op`` node.
+
+    An operator's canonicalization may rewrite it into another value (axis 1 to -3).
+    """
+    for inst in domain.instances:
+        try:
+            _, built = _build_source(sub, domain, {**inst, **values})
+        except ShapeError:
+            continue
+        return any(n.op == op and dict(n.attrs).get(name) == value for n in built)
+    return True
+
+
 def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Substitution:
     """Turn attributes that both sides share into attribute variables where the law allows.
 
@@ -364,8 +396,13 @@ def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Subst
     on every domain instance for every alternative value from the operator's examples that
     type-checks (and at least one does). E.g. folding a per-channel scale into a kernel holds
     for any stride, padding and dilation, but not with a fused relu.
+
+    The values each variable was checked at (the original first) are recorded in
+    ``provenance["attribute_values"]``; the verifier proves a rule at those values when it
+    cannot prove it for every value, and the matcher then accepts only those.
     """
     fixed: dict = {}  # attribute variables introduced so far, at their original values
+    values: dict = {}  # attribute variable -> the values it was checked at (original first)
     for p in sub.source:
         for k, v in p.attrs:
             if isinstance(v, str) and v[:1] in "$?" or k == "sizes":
@@ -381,23 +418,32 @@ def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Subst
 
             cand = Substitution(sub.name, sub.variables, rename(sub.source),
                                 rename(sub.target), sub.outputs, sub.provenance)
-            tried = 0
+            validated = [v]
             ok = True
             for alt in _alternatives(p.op, k, v):
+                if not _survives_canon(cand, domain, {**fixed, var: alt}, p.op, k, alt):
+                    continue  # an alias of another value (axis 1 is axis -3 at rank 4)
+                tried = False
                 for j, inst in enumerate(domain.instances):  # cheapest refutation first
                     res = check_substitution(cand, domain, inst, seed + 17 * j,
                                              {**fixed, var: alt})
                     if res is None:
                         continue
-                    tried += 1
+                    tried = True
                     if not res:
                         ok = False
                         break
                 if not ok:
                     break
-            if ok and tried:
+                if tried:
+                    validated.append(alt)
+            if ok and len(validated) > 1:
                 sub = cand
                 fixed[var] = v
+                values[var] = validated
+    if values:
+        sub.provenance["attribute_values"] = {k: [_jsonable(x) for x in v]
+                                              for k, v in values.items()}
     return sub
 
 

@@ -21,6 +21,7 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from taso_jax.graph import Graph, Node, Tensor, make_node
@@ -182,6 +183,26 @@ class Substitution:
                             nodes(d["source"]), nodes(d["target"]),
                             tuple(tuple(p) for p in d["outputs"]), dict(d.get("provenance", {})))
 
+    # ---- proof status --------------------------------------------------------------------
+    @property
+    def proof_status(self) -> str:
+        """The verifier's verdict: proved, unproved, unknown, or unverified (never run)."""
+        proof = self.provenance.get("proof")
+        return proof.get("status", "unverified") if isinstance(proof, dict) else "unverified"
+
+    @cached_property
+    def proved_instances(self) -> tuple[dict, ...] | None:
+        """Attribute-variable values at which the rule is proved, if only at some.
+
+        E.g. ``({"?axis": -1}, {"?axis": -2})``; ``None`` when it holds for every value.
+        The matcher accepts only bindings that agree with one of them.
+        """
+        proof = self.provenance.get("proof")
+        inst = proof.get("instances") if isinstance(proof, dict) else None
+        if inst is None:
+            return None
+        return tuple({k: _from_jsonable(v) for k, v in a.items()} for a in inst)
+
     # ---- matching ------------------------------------------------------------------------
     @property
     def _var_shapes(self) -> dict[str, tuple]:
@@ -207,8 +228,14 @@ class Substitution:
             node = bound_nodes[r[0]]
             return None if node is None else Tensor(node, r[1])
 
+        allowed = self.proved_instances
+
         def extend(i: int, var: dict, sym: dict) -> Iterator[dict]:
             if i == n_src:
+                if allowed is not None and not any(all(sym.get(k) == v for k, v in a.items())
+                                                   for a in allowed):
+                    stats["unproved_instance"] += 1  # proved only at other attribute values
+                    return
                 yield {"nodes": list(bound_nodes), "vars": var, "sym": sym}
                 return
             p = self.source[i]

@@ -10,13 +10,15 @@ while every axiom holds; ``unsat`` is a proof, and the unsat core names the axio
 
 from __future__ import annotations
 
+import itertools
 import time
+from dataclasses import replace
 
 from taso_jax.verify.laws import Z3Encoding, all_axioms
 
-from taso_jax.substitution import Substitution, _ref
+from taso_jax.substitution import PNode, Substitution, _from_jsonable, _ref
 
-__all__ = ["Prover"]
+__all__ = ["Prover", "bind_attributes"]
 
 
 class Prover:
@@ -24,12 +26,15 @@ class Prover:
 
     Args:
         axioms: ``(name, Axiom)`` pairs; defaults to every declared axiom.
-        timeout_ms: Z3 time limit per substitution, in milliseconds.
+        timeout_ms: Z3 time limit per proof attempt, in milliseconds.
+        max_instances: most attribute-value combinations proved one by one (see
+            :meth:`prove`).
     """
 
-    def __init__(self, axioms=None, timeout_ms: int = 2000):
+    def __init__(self, axioms=None, timeout_ms: int = 2000, max_instances: int = 16):
         self.enc = Z3Encoding()
         self.timeout_ms = timeout_ms
+        self.max_instances = max_instances
         axioms = all_axioms() if axioms is None else axioms
         self.formulas = [(f"{name}: {ax.law}", self.enc.formula(ax, name))
                          for name, ax in axioms]
@@ -75,9 +80,48 @@ class Prover:
 
         ``unproved``: Z3 found that the axioms allow the sides to differ (a wrong or
         unprovable rule); ``unknown``: no answer within the time limit.
+
+        A rule with attribute variables (``"?axis"``) is first proved for every value. If
+        that fails and its provenance lists the values it was generated and checked at
+        (``attribute_values``), each combination of those values is proved on its own (at
+        most ``max_instances``, stopping at the first failure); the result then carries
+        ``"instances"``, the combinations proved, and the matcher applies the rule only at
+        those.
         """
-        z3 = self.enc.z3
         t0 = time.perf_counter()
+        first = self._prove_one(sub)
+        values = {k: v for k, v in (sub.provenance.get("attribute_values") or {}).items()
+                  if k in _attribute_variables(sub)}
+        if first["status"] == "proved" or not values:
+            return {**first, "seconds": round(time.perf_counter() - t0, 3)}
+        result = first
+        # The fused activation and the axis decide which law applies; strides, padding and
+        # dilation usually carry through symbolically. So bind those two first, then all.
+        staged = {k: v for k, v in values.items() if k in _SELECTORS}
+        for stage in ([staged] if staged and len(staged) < len(values) else []) + [values]:
+            result = self._prove_instances(sub, stage)
+            if result["status"] == "proved":
+                break
+        return {**result, "seconds": round(time.perf_counter() - t0, 3)}
+
+    def _prove_instances(self, sub: Substitution, values: dict) -> dict:
+        combos = list(itertools.product(*values.values()))
+        if len(combos) > self.max_instances:
+            return {"status": "unknown", "axioms": [],
+                    "failed_instance": f"{len(combos)} attribute combinations"}
+        used: set = set()
+        instances = []
+        for combo in combos:
+            assignment = dict(zip(values, combo, strict=True))
+            r = self._prove_one(bind_attributes(sub, assignment))
+            if r["status"] != "proved":
+                return {"status": r["status"], "axioms": [], "failed_instance": assignment}
+            used.update(r["axioms"])
+            instances.append(assignment)
+        return {"status": "proved", "axioms": sorted(used), "instances": instances}
+
+    def _prove_one(self, sub: Substitution) -> dict:
+        z3 = self.enc.z3
         env = {v: z3.Const(v, self.enc.T) for v, _ in sub.variables}
         ints: dict = {}
         facts = []
@@ -104,5 +148,25 @@ class Prover:
         r = solver.check()
         status = "proved" if r == z3.unsat else "unproved" if r == z3.sat else "unknown"
         used = sorted(str(c) for c in solver.unsat_core()) if r == z3.unsat else []
-        return {"status": status, "axioms": used,
-                "seconds": round(time.perf_counter() - t0, 3)}
+        return {"status": status, "axioms": used}
+
+
+_SELECTORS = ("?activation", "?axis")
+
+
+def _attribute_variables(sub: Substitution) -> set[str]:
+    return {v for n in sub.source + sub.target for _, v in n.attrs
+            if isinstance(v, str) and v.startswith("?")}
+
+
+def bind_attributes(sub: Substitution, assignment: dict) -> Substitution:
+    """``sub`` with attribute variables replaced by values (JSON lists become tuples).
+
+    ``assignment`` maps ``"?name"`` to a value, e.g. ``{"?axis": -1}``.
+    """
+    def bind(nodes):
+        return tuple(PNode(n.op, tuple((k, _from_jsonable(assignment[v])
+                                        if isinstance(v, str) and v in assignment else v)
+                                       for k, v in n.attrs), n.inputs) for n in nodes)
+
+    return replace(sub, source=bind(sub.source), target=bind(sub.target))

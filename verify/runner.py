@@ -48,7 +48,6 @@ def verify_substitutions(subs: Sequence[Substitution], timeout_ms: int = 2000,
         ``{"counts": {"proved", "unproved", "unknown"}, "seconds", "axioms"}``.
     """
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
     from taso_jax.verify.laws import all_axioms
 
@@ -63,9 +62,11 @@ def verify_substitutions(subs: Sequence[Substitution], timeout_ms: int = 2000,
         pool = None
     else:
         ctx = multiprocessing.get_context("spawn")  # JAX is threaded: never fork it
-        pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
-                                   initargs=(timeout_ms,))
-        it = pool.map(_prove_json, jobs, chunksize=4)
+        # Z3 keeps memory across proofs in a process (gigabytes over a few thousand rules):
+        # each worker is replaced after a bounded number of chunks.
+        pool = ctx.Pool(workers, initializer=_init, initargs=(timeout_ms,),
+                        maxtasksperchild=16)
+        it = pool.imap(_prove_json, jobs, chunksize=4)
     try:
         for r in it:
             results.append(r)
@@ -74,7 +75,8 @@ def verify_substitutions(subs: Sequence[Substitution], timeout_ms: int = 2000,
                 progress(len(results), counts)
     finally:
         if pool is not None:
-            pool.shutdown()
+            pool.close()
+            pool.join()
     stamped = [replace(s, provenance={**s.provenance, "proof": {**r, "timeout_ms": timeout_ms}})
                for s, r in zip(subs, results, strict=True)]
     stats = {"counts": {k: counts.get(k, 0) for k in ("proved", "unproved", "unknown")},
