@@ -39,6 +39,8 @@ class SearchResult:
         seconds: wall time of the search.
         stopped: why the search ended (``"queue empty"``, ``"budget"``, ``"time limit"``).
         rejected: match rejections by reason (for debugging substitutions).
+        rules: how many substitutions were used, how many of them proved, and how many
+            unproved ones were used or left out (set by :func:`taso_jax.search_graph`).
     """
 
     graph: Graph
@@ -50,6 +52,7 @@ class SearchResult:
     seconds: float
     stopped: str
     rejected: Counter = field(default_factory=Counter)
+    rules: dict = field(default_factory=dict)
 
 
 def _relevant(subs: Sequence[Substitution], graph: Graph) -> list[Substitution]:

@@ -35,7 +35,8 @@ __version__ = "0.1.0"
 
 
 def search_graph(graph, alpha: float = 1.05, budget: int = 300, time_limit: float = 60.0,
-           cost_model="measured", substitutions=None, progress=None):
+                 cost_model="measured", substitutions=None, progress=None,
+                 allow_unverified: bool = False):
     """Run the backtracking search and return a :class:`taso_jax.search.SearchResult`.
 
     Args:
@@ -48,6 +49,10 @@ def search_graph(graph, alpha: float = 1.05, budget: int = 300, time_limit: floa
             ``"analytic"`` (FLOPs and bytes), or a :class:`taso_jax.search.CostModel`.
         substitutions: list of :class:`Substitution`; defaults to the shipped set.
         progress: ``progress(iterations, best_cost)`` callback.
+        allow_unverified: also use substitutions that the verifier has not proved (TASO,
+            SOSP 2019, Section 4: only verified substitutions are sound to apply). By
+            default they are left out, with a ``UserWarning`` saying how many; the result's
+            ``rules`` records what was used either way.
 
     Raises:
         ValueError: bad ``alpha``, ``budget`` or ``cost_model``.
@@ -58,9 +63,22 @@ def search_graph(graph, alpha: float = 1.05, budget: int = 300, time_limit: floa
         graph = graph.graph()
     if isinstance(cost_model, str):
         cost_model = get_cost_model(cost_model)
-    subs = default_substitutions() if substitutions is None else substitutions
-    return backtracking_search(graph, subs, cost_model, alpha=alpha, budget=budget,
-                               time_limit=time_limit, progress=progress)
+    subs = default_substitutions() if substitutions is None else list(substitutions)
+    proved = [s for s in subs if s.proof_status == "proved"]
+    unproved = len(subs) - len(proved)
+    if unproved and not allow_unverified:
+        import warnings
+
+        warnings.warn(f"{unproved} of {len(subs)} substitutions are not proved and are not "
+                      "used (run `taso-jax verify` on them, or pass allow_unverified=True / "
+                      "--allow-unverified to use them anyway)", UserWarning, stacklevel=2)
+        subs = proved
+    result = backtracking_search(graph, subs, cost_model, alpha=alpha, budget=budget,
+                                 time_limit=time_limit, progress=progress)
+    result.rules = {"used": len(subs), "proved": len(proved),
+                    "unverified_used": unproved if allow_unverified else 0,
+                    "unverified_left_out": 0 if allow_unverified else unproved}
+    return result
 
 
 def optimize(graph=None, **options):
@@ -68,7 +86,8 @@ def optimize(graph=None, **options):
 
     On a :class:`Graph` (or :class:`GraphBuilder`): return the cheapest equivalent graph
     found (TASO's ``taso.optimize``); options are those of :func:`search_graph`
-    (``alpha=1.05, budget=300, time_limit=60.0, cost_model="measured", substitutions=None``).
+    (``alpha=1.05, budget=300, time_limit=60.0, cost_model="measured", substitutions=None,
+    allow_unverified=False``).
     The input graph is never modified, and it is returned as is when nothing is cheaper.
 
     On a function, or with keyword options only, it is a decorator used like ``jax.jit``::
@@ -80,7 +99,8 @@ def optimize(graph=None, **options):
     leaves are weights: weight-only subgraphs are computed once per distinct weight arrays),
     ``static_argnums`` / ``static_argnames`` (hashable arguments that are not traced),
     ``alpha``, ``budget`` (default 100), ``time_limit`` (default 60 s), ``cost_model``,
-    ``substitutions`` (a list or a rule file path) and ``check`` (compare with ``jax.jit``
+    ``substitutions`` (a list or a rule file path), ``allow_unverified`` (also use rules
+    that are not proved) and ``check`` (compare with ``jax.jit``
     of the original on the first call of each signature). Non-array pytree leaves are
     static. See :class:`taso_jax.decorator.OptimizedFunction` (``report()``,
     ``optimized_graph``, ``runtime_jaxpr()``).

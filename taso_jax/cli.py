@@ -84,8 +84,9 @@ def _optimize(args) -> int:
     cost_model = (get_cost_model("measured", cache_path=False)
                   if args.cost_model == "measured" and args.no_cost_cache else args.cost_model)
     result = taso_jax.search_graph(graph, alpha=args.alpha, budget=args.budget,
-                             time_limit=args.time_limit, cost_model=cost_model,
-                             substitutions=subs, progress=progress)
+                                   time_limit=args.time_limit, cost_model=cost_model,
+                                   substitutions=subs, progress=progress,
+                                   allow_unverified=args.allow_unverified)
     bar.close()
     report = search_report(name, graph, result, args.cost_model, subs, args.alpha,
                            args.budget, notes)
@@ -113,6 +114,36 @@ def _optimize(args) -> int:
     return 0
 
 
+def _write_unproved(path: str, failed) -> None:
+    from taso_jax._io import atomic_write
+
+    def line(s) -> str:
+        proof = s.provenance["proof"]
+        at = proof.get("failed_instance")
+        return (f"{proof['status']}\t{s.name}\t{s.law}"
+                + (f"\tat {json.dumps(at)}" if at else "") + "\n")
+
+    lines = [line(s) for s in failed]
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.writelines(lines)
+
+    atomic_write(path, write)
+
+
+def _verify_progress(total: int, quiet: bool):
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="verify", unit="rule", file=sys.stderr, disable=quiet)
+
+    def progress(done, counts):
+        bar.update(1)
+        bar.set_postfix_str(", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+
+    return bar, progress
+
+
 def _generate(args) -> int:
     from tqdm import tqdm
 
@@ -126,21 +157,44 @@ def _generate(args) -> int:
         bar.set_postfix_str(msg)
 
     t0 = time.perf_counter()
-    subs, stats = generate(max_ops=args.max_ops, seed=args.seed, progress=progress)
+    subs, stats = generate(max_ops=args.max_ops, seed=args.seed, progress=progress,
+                           workers=args.workers)
     bar.close()
-    save_substitutions(subs, args.output, {"max_ops": args.max_ops, "seed": args.seed,
-                                           "seconds": round(time.perf_counter() - t0, 1)})
     print(stats.summary())
     for stage, sec in stats.seconds.items():
         print(f"  {stage}: {sec:.1f} s")
+    settings = {"max_ops": args.max_ops, "seed": args.seed}
+    if not args.no_verify:
+        from taso_jax.verify.runner import verify_substitutions
+
+        vbar, vprogress = _verify_progress(len(subs), args.quiet)
+        stamped, vstats = verify_substitutions(subs, timeout_ms=args.timeout_ms,
+                                               workers=args.workers, progress=vprogress)
+        vbar.close()
+        c = vstats["counts"]
+        proved = [s for s in stamped if s.proof_status == "proved"]
+        failed = [s for s in stamped if s.proof_status != "proved"]
+        per_instance = sum(1 for s in proved if s.proved_instances is not None)
+        print(f"verified against {vstats['axioms']} axioms (Z3, {args.timeout_ms} ms per "
+              f"attempt): proved {c['proved']} ({per_instance} at their checked attribute "
+              f"values only), not proved {c['unproved']}, unknown {c['unknown']}; "
+              f"{vstats['seconds']:.1f} s")
+        if failed:
+            _write_unproved(args.report, failed)
+            print(f"not proved, listed in: {args.report}"
+                  + ("" if args.allow_unverified else " (left out of the output)"))
+        subs = stamped if args.allow_unverified else proved
+        settings.update(timeout_ms=args.timeout_ms, axioms=vstats["axioms"],
+                        verify_seconds=vstats["seconds"], proved=c["proved"],
+                        not_proved=c["unproved"] + c["unknown"])
+    settings["seconds"] = round(time.perf_counter() - t0, 1)
+    save_substitutions(subs, args.output, settings)
+    print(f"total: {settings['seconds']:.1f} s")
     print(f"written: {args.output} ({len(subs)} substitutions)")
     return 0
 
 
 def _verify(args) -> int:
-    from tqdm import tqdm
-
-    from taso_jax._io import atomic_write
     from taso_jax.substitution import (
         default_substitutions,
         load_substitutions,
@@ -152,13 +206,7 @@ def _verify(args) -> int:
         subs = (load_substitutions(args.file) if args.file else default_substitutions())
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"{args.file}: not a valid substitution file ({e})") from e
-    bar = tqdm(total=len(subs), desc="verify", unit="rule", file=sys.stderr,
-               disable=args.quiet)
-
-    def progress(done, counts):
-        bar.update(1)
-        bar.set_postfix_str(", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-
+    bar, progress = _verify_progress(len(subs), args.quiet)
     stamped, stats = verify_substitutions(subs, timeout_ms=args.timeout_ms,
                                           workers=args.workers, progress=progress)
     bar.close()
@@ -167,15 +215,9 @@ def _verify(args) -> int:
           f"{stats['axioms']}; Z3 limit {args.timeout_ms} ms each")
     print(f"proved: {c['proved']}; not proved: {c['unproved']} (the axioms allow the sides "
           f"to differ); unknown: {c['unknown']} (no answer in time); {stats['seconds']} s")
-    failed = [s for s in stamped if s.provenance["proof"]["status"] != "proved"]
+    failed = [s for s in stamped if s.proof_status != "proved"]
     if failed:
-        lines = [f"{s.provenance['proof']['status']}\t{s.name}\t{s.law}\n" for s in failed]
-
-        def write(tmp: str) -> None:
-            with open(tmp, "w") as f:
-                f.writelines(lines)
-
-        atomic_write(args.report, write)
+        _write_unproved(args.report, failed)
         print(f"not proved, listed in: {args.report}")
     if args.output:
         save_substitutions(stamped, args.output)
@@ -199,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-cost-cache", action="store_true",
                    help="measure kernels afresh, without the SQLite cache in the user cache dir")
     o.add_argument("--substitutions", help="substitution JSON file (default: shipped set)")
+    o.add_argument("--allow-unverified", action="store_true",
+                   help="also apply substitutions that are not proved (labelled in the report)")
     o.add_argument("--repeats", type=int, default=30, help="timed runs per graph (30)")
     o.add_argument("--no-time", action="store_true", help="skip the end-to-end timing")
     o.add_argument("--json", help="also write the report as JSON to this file")
@@ -211,10 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--timeout-ms", type=int, default=2000, help="Z3 limit per rule (2000)")
     v.add_argument("--workers", type=int, default=None, help="processes (one per core)")
     v.add_argument("-q", "--quiet", action="store_true")
-    g = sub.add_parser("generate", help="generate the substitution set")
+    g = sub.add_parser("generate", help="generate substitutions and prove them (Z3)")
     g.add_argument("--max-ops", type=int, default=3, help="operators per side at most (3)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("-o", "--output", default="substitutions.json")
+    g.add_argument("--timeout-ms", type=int, default=1000, help="Z3 limit per proof (1000)")
+    g.add_argument("--workers", type=int, default=None, help="processes (one per core)")
+    g.add_argument("--report", default="unproved.txt",
+                   help="file listing the candidates not proved (unproved.txt)")
+    g.add_argument("--no-verify", action="store_true",
+                   help="skip verification (the output is then unverified)")
+    g.add_argument("--allow-unverified", action="store_true",
+                   help="keep candidates that were not proved (stamped as such)")
     g.add_argument("-q", "--quiet", action="store_true")
     return p
 

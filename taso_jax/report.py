@@ -93,8 +93,10 @@ def search_report(name: str, graph: Graph, result, cost_model: str, substitution
         "search": {"seconds": result.seconds, "iterations": result.iterations,
                    "explored": result.explored, "stopped": result.stopped,
                    "alpha": alpha, "budget": budget, "substitutions": len(substitutions)},
+        "rules": dict(getattr(result, "rules", {})),
         "applied": dict(result.applied),
         "laws": {s.name: s.law for s in substitutions if s.name in result.applied},
+        "proof": {s.name: s.proof_status for s in substitutions if s.name in result.applied},
     }
 
 
@@ -120,10 +122,21 @@ def format_report(r: dict) -> str:
     lines.append(f"search: {s['seconds']:.1f} s, {s['iterations']} graphs expanded, "
                  f"{s['explored']} explored, stopped: {s['stopped']}, "
                  f"{s['substitutions']} substitutions")
+    rules = r.get("rules") or {}
+    if rules:
+        line = f"rules used: {rules['used']} ({rules['proved']} proved)"
+        if rules.get("unverified_used"):
+            line += (f"; WARNING: {rules['unverified_used']} unproved rules allowed "
+                     "(--allow-unverified)")
+        elif rules.get("unverified_left_out"):
+            line += f"; {rules['unverified_left_out']} unproved rules left out"
+        lines.append(line)
     if r["applied"]:
         lines.append("substitutions applied:")
         for name, n in sorted(r["applied"].items(), key=lambda kv: -kv[1]):
-            lines.append(f"  {n:>3} x {name}")
+            status = r.get("proof", {}).get(name, "proved")
+            lines.append(f"  {n:>3} x {name}"
+                         + ("" if status == "proved" else f"  [NOT PROVED: {status}]"))
             if name in r.get("laws", {}):
                 lines.append(f"        {r['laws'][name]}")
     else:
