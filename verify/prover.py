@@ -29,10 +29,17 @@ class Prover:
         timeout_ms: Z3 time limit per proof attempt, in milliseconds.
         max_instances: most attribute-value combinations proved one by one (see
             :meth:`prove`).
+        max_quantifier_instances: Z3 quantifier instantiations per attempt at most
+            (``smt.qi.max_instances``); past it the attempt ends as ``unknown``.
     """
 
-    def __init__(self, axioms=None, timeout_ms: int = 2000, max_instances: int = 16):
+    def __init__(self, axioms=None, timeout_ms: int = 2000, max_instances: int = 16,
+                 max_quantifier_instances: int = 50_000):
         self.enc = Z3Encoding()
+        # Z3 does not always honour its time limit while instantiating quantifiers (a rule
+        # that needs an absent law ran 80 s under a 1 s limit); a cap on instantiations
+        # bounds every attempt. This is a process-wide Z3 setting.
+        self.enc.z3.set_param("smt.qi.max_instances", max_quantifier_instances)
         self.timeout_ms = timeout_ms
         self.max_instances = max_instances
         axioms = all_axioms() if axioms is None else axioms

@@ -27,8 +27,9 @@ def _init(timeout_ms: int) -> None:
     _PROVER = Prover(timeout_ms=timeout_ms)
 
 
-def _prove_json(d: dict) -> dict:
-    return _PROVER.prove(Substitution.from_json(d))
+def _prove_json(job: tuple[int, dict]) -> tuple[int, dict]:
+    i, d = job
+    return i, _PROVER.prove(Substitution.from_json(d))
 
 
 def verify_substitutions(subs: Sequence[Substitution], timeout_ms: int = 2000,
@@ -54,8 +55,7 @@ def verify_substitutions(subs: Sequence[Substitution], timeout_ms: int = 2000,
     t0 = time.perf_counter()
     workers = workers or os.cpu_count() or 1
     counts: Counter = Counter()
-    results = []
-    jobs = [s.to_json() for s in subs]
+    jobs = list(enumerate(s.to_json() for s in subs))
     if workers == 1 or len(jobs) < 8:
         _init(timeout_ms)
         it = map(_prove_json, jobs)
@@ -66,13 +66,14 @@ def verify_substitutions(subs: Sequence[Substitution], timeout_ms: int = 2000,
         # each worker is replaced after a bounded number of chunks.
         pool = ctx.Pool(workers, initializer=_init, initargs=(timeout_ms,),
                         maxtasksperchild=16)
-        it = pool.imap(_prove_json, jobs, chunksize=4)
+        it = pool.imap_unordered(_prove_json, jobs, chunksize=4)
+    results: list = [None] * len(jobs)
     try:
-        for r in it:
-            results.append(r)
+        for done, (i, r) in enumerate(it, 1):
+            results[i] = r
             counts[r["status"]] += 1
             if progress:
-                progress(len(results), counts)
+                progress(done, counts)
     finally:
         if pool is not None:
             pool.close()
