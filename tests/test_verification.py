@@ -1,0 +1,177 @@
+"""Verification end to end: fingerprints, proofs, and the proof gate in the search.
+
+* the shipped substitution set is fully proved, and the rules the examples depend on are in it;
+* fingerprints separate near misses (functions that agree on many inputs, or nearly);
+* a candidate that is numerically right but not provable from the axioms is rejected, and
+  the search leaves it out unless ``allow_unverified`` is given;
+* ``taso-jax generate`` proves what it generates and prints the counts per stage.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from taso_jax.ops import TensorType
+from taso_jax.verify.prover import Prover, bind_attributes
+
+import taso_jax
+from taso_jax.cli import main
+from taso_jax.generator import _Fingerprinter
+from taso_jax.graph import GraphBuilder, leaf_node, make_node
+from taso_jax.substitution import PNode, Substitution, default_substitutions, load_substitutions
+
+SHIPPED = default_substitutions()
+
+
+def test_the_shipped_set_is_fully_proved():
+    assert len(SHIPPED) > 1000
+    statuses = {s.proof_status for s in SHIPPED}
+    assert statuses == {"proved"}, statuses
+    for s in SHIPPED:
+        proof = s.provenance["proof"]
+        assert proof["axioms"], s.name  # a proof names the axioms it used
+        for inst in s.proved_instances or ():
+            assert set(inst) <= set(s.provenance["attribute_values"]), s.name
+
+
+def _shipped(source_ops: list[str], target_ops: list[str]) -> list[Substitution]:
+    return [s for s in SHIPPED if [n.op for n in s.source] == source_ops
+            and [n.op for n in s.target] == target_ops]
+
+
+@pytest.mark.parametrize("src,tgt", [
+    (["matmul", "matmul"], ["concat", "matmul", "split"]),            # TASO's matmul merge
+    (["conv2d", "conv2d"], ["concat", "conv2d", "split"]),            # parallel convolutions
+    (["conv2d", "ewmul"], ["transpose", "ewmul", "conv2d"]),          # scale (batchnorm) fold
+    (["conv2d", "conv2d"], ["enlarge", "concat", "conv2d", "split"]),  # 1x1 + 3x3 merge
+    (["matmul", "matmul", "ewadd"], ["ewadd", "matmul"]),             # x@a + x@b => x@(a+b)
+    (["matmul", "matmul"], ["matmul", "matmul"]),                     # (x@a)@c => x@(a@c)
+    (["ewadd", "ewmul"], ["ewmul", "ewmul", "ewadd"]),                # shift-then-scale fold
+])
+def test_the_rules_the_examples_need_are_proved(src, tgt):
+    rules = _shipped(src, tgt)
+    assert rules, f"no shipped rule {src} => {tgt}"
+    assert all(s.proof_status == "proved" for s in rules)
+
+
+def _fingerprint(build):
+    """Fingerprint key of ``build(x, y)`` on the generator's random float64 inputs."""
+    fp = _Fingerprinter(seed=0)
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        x, y = (leaf_node("input", n, TensorType((4, 5), "float64")).outputs[0] for n in "xy")
+        for t in (x, y):
+            fp.values[t] = rng.standard_normal(t.shape)
+
+        def run(t):
+            if t not in fp.values:
+                from taso_jax.executor import run_node
+
+                outs = run_node(t.node, [run(i) for i in t.node.inputs])
+                for o, v in zip(t.node.outputs, outs, strict=True):
+                    fp.values[o] = np.asarray(v)
+            return fp.values[t]
+
+        t = build(x, y)
+        run(t)
+        return fp.key(t)
+
+
+def test_fingerprints_separate_near_misses():
+    """Equal functions give equal keys; near misses (equal on a half-space, or within 1e-7
+    relative) do not. Inputs are Gaussian, so relu and identity differ on about half of them,
+    and each key keeps two random projections to 9 significant digits."""
+    def op(name, *ins, **attrs):
+        return make_node(name, list(ins), attrs).outputs[0]
+
+    x_plus_y = _fingerprint(lambda x, y: op("ewadd", x, y))
+    assert _fingerprint(lambda x, y: op("ewadd", y, x)) == x_plus_y
+    parts = _fingerprint(lambda x, y: op("split", op("concat", x, y, axis=-1), axis=-1,
+                                         sizes=(5, 5)))
+    assert parts == _fingerprint(lambda x, y: x)
+    # relu(x) = x wherever x >= 0: a fingerprint on nonnegative inputs would collide
+    assert _fingerprint(lambda x, y: op("relu", x)) != _fingerprint(lambda x, y: x)
+    # a 1e-7 relative change
+    assert _fingerprint(lambda x, y: op("scalar_mul", x, scalar=1 + 1e-7)) != \
+        _fingerprint(lambda x, y: x)
+    # the plausible, wrong distribution law
+    assert _fingerprint(lambda x, y: op("relu", op("ewadd", x, y))) != \
+        _fingerprint(lambda x, y: op("ewadd", op("relu", x), op("relu", y)))
+
+
+# ewmul(neg(x), neg(y)) => ewmul(x, y): true (the signs cancel), but no axiom relates neg and
+# ewmul, so it cannot be proved.
+TRUE_UNPROVABLE = Substitution(
+    "test:neg-neg", (("x", ("N", "C")), ("y", ("N", "C"))),
+    (PNode("neg", (), ("x",)), PNode("neg", (), ("y",)), PNode("ewmul", (), ("#0", "#1"))),
+    (PNode("ewmul", (), ("x", "y")),), (("#2", "#0"),), {})
+
+
+def _neg_neg_graph():
+    b = GraphBuilder()
+    x, y = b.new_input((8, 16), name="x"), b.new_input((8, 16), name="y")
+    b.mark_output(b.ewmul(b.neg(x), b.neg(y)))
+    return b.graph()
+
+
+def test_a_numerically_equal_but_unprovable_rule_is_rejected():
+    g = _neg_neg_graph()
+    rewritten = next(TRUE_UNPROVABLE.rewrites(g))
+    ins = taso_jax.random_inputs(g, seed=0)
+    from taso_jax.executor import evaluate
+
+    np.testing.assert_allclose(evaluate(g, ins)[0], evaluate(rewritten, ins)[0], rtol=1e-6)
+    assert Prover(timeout_ms=2000).prove(TRUE_UNPROVABLE)["status"] != "proved"
+
+
+def test_the_search_uses_only_proved_rules_unless_allowed():
+    g = _neg_neg_graph()
+    with pytest.warns(UserWarning, match="1 of 1 substitutions are not proved"):
+        r = taso_jax.search_graph(g, cost_model="analytic", substitutions=[TRUE_UNPROVABLE],
+                                  budget=5)
+    assert not r.applied and r.rules["unverified_left_out"] == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = taso_jax.search_graph(g, cost_model="analytic", substitutions=[TRUE_UNPROVABLE],
+                                  budget=5, allow_unverified=True)
+    assert r.applied["test:neg-neg"] == 1 and r.rules["unverified_used"] == 1
+    from taso_jax.report import format_report, search_report
+
+    text = format_report(search_report("t", g, r, "analytic", [TRUE_UNPROVABLE], 1.05, 5))
+    assert "NOT PROVED" in text and "unproved rules allowed" in text
+
+
+def test_a_rule_proved_at_some_attribute_values_matches_only_those():
+    # relu(concat(x, y, axis=?axis)) => concat(relu(x), relu(y), axis=?axis), proved at -1
+    rule = Substitution(
+        "test:relu-concat", (("x", ("N", "C")), ("y", ("N", "C"))),
+        (PNode("concat", (("axis", "?axis"),), ("x", "y")), PNode("relu", (), ("#0",))),
+        (PNode("relu", (), ("x",)), PNode("relu", (), ("y",)),
+         PNode("concat", (("axis", "?axis"),), ("#0", "#1"))), (("#1", "#2"),),
+        {"attribute_values": {"?axis": [-1]},
+         "proof": {"status": "proved", "axioms": ["x"], "instances": [{"?axis": -1}]}})
+    assert Prover().prove(bind_attributes(rule, {"?axis": -2}))["status"] == "proved"
+
+    def graph(axis):
+        b = GraphBuilder()
+        x, y = b.new_input((4, 4), name="x"), b.new_input((4, 4), name="y")
+        b.mark_output(b.relu(b.concat(x, y, axis=axis)))
+        return b.graph()
+
+    assert list(rule.matches(graph(-1)))
+    assert not list(rule.matches(graph(-2)))  # proved at -1 only: not applied at -2
+
+
+def test_generate_proves_what_it_keeps_and_prints_counts(tmp_path, capsys):
+    out, report = tmp_path / "rules.json", tmp_path / "unproved.txt"
+    assert main(["generate", "--max-ops", "1", "-o", str(out), "--report", str(report),
+                 "--workers", "1", "-q"]) == 0
+    text = capsys.readouterr().out
+    for stage in ("enumerated expressions", "fingerprint classes", "candidate substitutions",
+                  "pruned", "verified against", "proved", "written"):
+        assert stage in text, stage
+    rules = load_substitutions(out)
+    assert rules and all(s.proof_status == "proved" for s in rules)
