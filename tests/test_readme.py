@@ -47,3 +47,21 @@ def test_jax_decorator_example_runs():
     assert r.returncode == 0, r.stderr
     assert "weights concatenated at run time: False" in r.stdout
     assert "matmul:matmul+matmul=>concat+matmul+split" in r.stdout
+
+
+def test_new_operator_example_runs():
+    """Declaring an operator is enough for generation, proof and search to use it."""
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "new_operator.py")],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "linear(x, w, b) = ewadd(matmul(x, w), b)  (holds on" in out
+    assert re.search(r"ewadd\((b, matmul\(x, a\)|matmul\(x, a\), b)\)  =>  linear\(x, a, b\)",
+                     out), out  # the fusion, found by generation
+    proved, total = (int(v) for v in out.split("proved ")[1].split(" candidates")[0]
+                     .split(" of "))
+    assert 0 < proved <= total
+    # the two layers merge into one linear with concatenated weights, and outputs agree
+    assert "{'linear': 2," in out and "-> {'linear': 1," in out
+    assert "linear:linear+linear=>concat+concat+linear+split" in out
+    assert "onnxruntime, original vs optimized" in out and "ok: True" in out
