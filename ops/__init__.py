@@ -162,7 +162,9 @@ class Axiom:
 
     Attributes:
         law: the equation.
-        shapes: tensor variable -> symbolic shape (strings are size symbols, ints are fixed).
+        shapes: tensor variable -> symbolic shape. Ints are fixed sizes; strings are size
+            symbols drawn at random, or expressions over them and the attribute variables
+            (``"g*E"``: channels that ``groups=g`` divides).
         params: attribute variable -> values to validate with.
         where: ``"name = expression"`` definitions of size variables.
     """

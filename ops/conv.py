@@ -547,3 +547,32 @@ add_axioms("enlarge",
            axiom("enlarge(u, w) = u", {"u": ("D", "C", "K", "K"), "w": ("E", "C", "K", "K")},
                  where=("h = dim(u, -2)", "h = dim(w, -2)", "k = dim(u, -1)",
                         "k = dim(w, -1)")))
+add_axioms("conv2d",
+           # two branch convolutions side by side are one grouped convolution (each of the
+           # 2g groups reads its own channels)
+           axiom(f"conv2d(concat(x, y, axis=-3), concat(w, v, axis=-4), groups=g + g, {_CONV}, "
+                 f"activation=f) = concat(conv2d(x, w, groups=g, {_CONV}, activation=f), "
+                 f"conv2d(y, v, groups=g, {_CONV}, activation=f), axis=-3)",
+                 {"x": ("N", "g*E", "H", "W"), "y": ("N", "g*E", "H", "W"),
+                  "w": ("g*D", "E", 3, 3), "v": ("g*D", "E", 3, 3)},
+                 g=(1, 2, 3), f=_F, **_PD))
+add_axioms("merge_gconv",
+           # a grouped kernel rewritten block-diagonally for fewer groups (TASO merge_gconv)
+           axiom(f"conv2d(x, merge_gconv(w, groups=g, count=c), groups=q, {_CONV}, "
+                 f"activation=f) = conv2d(x, w, groups=g, {_CONV}, activation=f)",
+                 {"x": ("N", "q*c*E", "H", "W"), "w": ("q*c*D", "E", 3, 3)},
+                 where=("g = q * c",), q=(1, 2), c=(2, 3), f=("none", "tanh"),
+                 st=((2, 2),), p=("same",), dl=((2, 1),)))
+add_axioms("constant_identity_kernel",
+           # a depthwise convolution with a centred one is the identity, for any kernel size
+           axiom("conv2d(x, constant_identity_kernel(channels=c, kernel=k, dtype=t), "
+                 "padding='same', groups=c) = x", {"x": ("N", "C", "H", "W")},
+                 where=("c = dim(x, -3)",), k=((3, 3), (1, 1), (5, 3), (2, 2), (1, 4)),
+                 t=("float64",)))
+add_axioms("constant_pool_kernel",
+           # average pooling that counts the padding is a depthwise convolution
+           axiom("avgpool2d(x, kernel=k, strides=st, padding=p, count_include_pad=True) = "
+                 "conv2d(x, constant_pool_kernel(channels=c, kernel=k, dtype=t), strides=st, "
+                 "padding=p, groups=c)", {"x": ("N", "C", "H", "W")},
+                 where=("c = dim(x, -3)",), k=((3, 3), (2, 2), (1, 3)),
+                 st=((1, 1), (2, 2)), p=("valid", "same", (1, 0, 1, 0)), t=("float64",)))

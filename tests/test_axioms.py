@@ -87,3 +87,39 @@ def test_a_wrong_rule_is_not_proved(prover):
         (PNode("relu", (), ("a",)), PNode("relu", (), ("b",)), PNode("ewadd", (), ("#0", "#1"))),
         (("#1", "#2"),), {})
     assert prover.prove(wrong)["status"] != "proved"
+
+
+_X = ("N", "C", "H", "W")
+
+
+def test_two_branch_convolutions_are_proved_one_grouped_convolution(prover):
+    # concat(conv(x, w), conv(y, v)) => conv(concat(x, y), concat(w, v), groups=2)
+    rule = Substitution(
+        "test:branches=>grouped", (("x", _X), ("y", _X), ("w", ("D", "C", 3, 3)),
+                                   ("v", ("D", "C", 3, 3))),
+        (PNode("conv2d", (), ("x", "w")), PNode("conv2d", (), ("y", "v")),
+         PNode("concat", (("axis", -3),), ("#0", "#1"))),
+        (PNode("concat", (("axis", -3),), ("x", "y")),
+         PNode("concat", (("axis", -4),), ("w", "v")),
+         PNode("conv2d", (("groups", 2),), ("#0", "#1"))),
+        (("#2", "#2"),), {})
+    assert prover.prove(rule)["status"] == "proved"
+    wrong = Substitution(rule.name, rule.variables, rule.source,
+                         rule.target[:2] + (PNode("conv2d", (("groups", 4),), ("#0", "#1")),),
+                         rule.outputs, {})
+    assert prover.prove(wrong)["status"] != "proved"
+
+
+def test_merge_gconv_is_proved_to_keep_the_convolution(prover):
+    # conv(x, w, groups=4) => conv(x, merge_gconv(w, groups=4, count=2), groups=2)
+    rule = Substitution(
+        "test:merge_gconv", (("x", _X), ("w", ("D", "E", 3, 3))),
+        (PNode("conv2d", (("groups", 4),), ("x", "w")),),
+        (PNode("merge_gconv", (("count", 2), ("groups", 4)), ("w",)),
+         PNode("conv2d", (("groups", 2),), ("x", "#0"))),
+        (("#0", "#1"),), {})
+    assert prover.prove(rule)["status"] == "proved"
+    wrong = Substitution(rule.name, rule.variables, rule.source,
+                         (rule.target[0], PNode("conv2d", (("groups", 1),), ("x", "#0"))),
+                         rule.outputs, {})
+    assert prover.prove(wrong)["status"] != "proved"

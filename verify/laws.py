@@ -39,6 +39,9 @@ def _parse(text: str, where: str) -> ast.expr:
         raise AxiomError(f"{where}: cannot parse {text!r} ({e.msg})") from None
 
 
+_ARITH = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+          ast.Mult: lambda a, b: a * b}
+
 _COMPARE = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
             ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b}
 
@@ -83,9 +86,9 @@ def evaluate(node: ast.expr, env: dict, where: str = "axiom"):
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -evaluate(node.operand, env, where)
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub):
-        a, b = evaluate(node.left, env, where), evaluate(node.right, env, where)
-        return a + b if isinstance(node.op, ast.Add) else a - b
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+        return _ARITH[type(node.op)](evaluate(node.left, env, where),
+                                     evaluate(node.right, env, where))
     if isinstance(node, ast.Tuple):
         return tuple(evaluate(e, env, where) for e in node.elts)
     if isinstance(node, ast.Subscript):
@@ -144,9 +147,22 @@ def _param_values(ax: Axiom) -> dict[str, tuple]:
     return out
 
 
+def _size_symbols(ax: Axiom) -> list[str]:
+    """Names in the symbolic shapes that are not attribute variables: drawn at random."""
+    params = {p for p, _ in ax.params}
+    names = {n.id for _, shape in ax.shapes for d in shape if isinstance(d, str)
+             for n in ast.walk(_parse(d, ax.law)) if isinstance(n, ast.Name)}
+    return sorted(names - params)
+
+
+def _concrete_shape(shape: tuple, env: dict, where: str) -> tuple[int, ...]:
+    """A symbolic shape at given sizes; a dimension may be an expression such as ``"g*E"``."""
+    return tuple(int(evaluate(_parse(d, where), env, where)) if isinstance(d, str) else int(d)
+                 for d in shape)
+
+
 def _instances(ax: Axiom, rng, n_shapes: int) -> Iterable[tuple[dict, dict]]:
-    shapes = dict(ax.shapes)
-    symbols = sorted({d for s in shapes.values() for d in s if isinstance(d, str)})
+    symbols = _size_symbols(ax)
     params = _param_values(ax)
     combos = list(itertools.product(*params.values())) or [()]
     for _ in range(n_shapes):
@@ -172,10 +188,10 @@ def check_axiom(ax: Axiom, where: str = "axiom", seed: int = 0, n_shapes: int = 
     with jax.enable_x64(True):
         for sizes, attrs in _instances(ax, rng, n_shapes):
             env = dict(attrs)
-            for v, shape in ax.shapes:
-                env[v] = rng.standard_normal(tuple(sizes.get(d, d) if isinstance(d, str) else d
-                                                   for d in shape))
             try:
+                for v, shape in ax.shapes:
+                    env[v] = rng.standard_normal(_concrete_shape(shape, {**sizes, **attrs},
+                                                                 where))
                 for d in ax.where:
                     cond = _condition(d, where)
                     if cond is not None:  # a side condition: the law says nothing if false
@@ -219,6 +235,19 @@ def _mentions_all(term, variables) -> bool:
             seen.add(t.get_id())
         stack.extend(t.children())
     return all(v.get_id() in seen for v in variables)
+
+
+def _has_arithmetic(term) -> bool:
+    """Whether a Z3 term applies + - or * (interpreted: not allowed in a trigger)."""
+    import z3
+
+    stack = [term]
+    while stack:
+        t = stack.pop()
+        if z3.is_add(t) or z3.is_sub(t) or z3.is_mul(t):
+            return True
+        stack.extend(t.children())
+    return False
 
 
 class Z3Encoding:
@@ -286,9 +315,9 @@ class Z3Encoding:
             return self.attr(node.value)
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -self.term(node.operand, env, where)
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub):
-            a, b = self.term(node.left, env, where), self.term(node.right, env, where)
-            return a + b if isinstance(node.op, ast.Add) else a - b
+        if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+            return _ARITH[type(node.op)](self.term(node.left, env, where),
+                                         self.term(node.right, env, where))
         if isinstance(node, ast.Tuple):
             return self.attr_tuple([self.term(e, env, where) for e in node.elts])
         if isinstance(node, ast.Subscript):
@@ -336,8 +365,10 @@ class Z3Encoding:
         body = lhs == rhs if not conditions else z3.Implies(z3.And(*conditions), lhs == rhs)
         bound = list(env.values())
         # Trigger on a side that mentions every variable (Z3's own choice may be a size term).
-        patterns = [side for side in (lhs, rhs) if _mentions_all(side, bound)]
+        # A side with arithmetic in it (groups=g + g) or a bare variable cannot trigger.
+        patterns = [side for side in (lhs, rhs)
+                    if _mentions_all(side, bound) and not _has_arithmetic(side)]
         try:
             return z3.ForAll(bound, body, patterns=patterns)
-        except z3.Z3Exception:  # arithmetic or a bare variable cannot trigger: Z3 chooses
+        except z3.Z3Exception:  # no side can trigger (a bare variable): Z3 chooses
             return z3.ForAll(bound, body)
