@@ -41,6 +41,12 @@ class SearchResult:
         rejected: match rejections by reason (for debugging substitutions).
         rules: how many substitutions were used, how many of them proved, and how many
             unproved ones were used or left out (set by :func:`taso_jax.search_graph`).
+        candidates: the cheapest distinct graphs seen, as ``(estimated cost in
+            microseconds, graph, substitution names applied on its path)`` in increasing
+            cost, the input graph included (at most ``keep``): what an end-to-end
+            measurement chooses from.
+        visited: every graph on the greedy path or queued by the search, in the same form
+            and order of discovery (for judging the cost model against measurements).
     """
 
     graph: Graph
@@ -53,6 +59,8 @@ class SearchResult:
     stopped: str
     rejected: Counter = field(default_factory=Counter)
     rules: dict = field(default_factory=dict)
+    candidates: list = field(default_factory=list)
+    visited: list = field(default_factory=list)
 
 
 def _relevant(subs: Sequence[Substitution], graph: Graph) -> list[Substitution]:
@@ -159,8 +167,9 @@ _PAIR_HITS: dict[str, int] = {}
 
 
 def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
-                   time_limit: float, rejected: Counter,
-                   alpha: float = 1.05) -> tuple[Graph, float, list[str]]:
+                   time_limit: float, rejected: Counter, alpha: float = 1.05,
+                   on_step: Callable[[float, Graph, tuple], None] | None = None,
+                   ) -> tuple[Graph, float, list[str]]:
     """Apply strictly cost-reducing rewrites, first found first, until none is left.
 
     Large models contain the same pattern many times (one batchnorm per convolution); the
@@ -168,7 +177,8 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
     one pass, and the search then explores from its result. When no single rewrite is
     cheaper, it looks for a pair: a sideways rewrite (within ``alpha``) followed, near the
     nodes it created, by a cheaper one (see ``_pair_step``). Returns the graph, its cost and
-    the names of the substitutions applied, in order.
+    the names of the substitutions applied, in order; ``on_step(cost, graph, names)`` is
+    called after each step.
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit
@@ -187,6 +197,8 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                         graph, cost = g2, c2
                         applied.append(sub.name)
                         again = improved = True
+                        if on_step:
+                            on_step(cost, graph, tuple(applied))
                         break
         if not improved:
             step = _pair_step(graph, cost, substitutions, cost_model, alpha, deadline,
@@ -195,6 +207,8 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                 graph, cost = step[0], step[1]
                 applied += step[2]
                 improved = True
+                if on_step:
+                    on_step(cost, graph, tuple(applied))
     return graph, cost, applied
 
 
@@ -202,7 +216,7 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
                         cost_model: CostModel | None = None, alpha: float = 1.05,
                         budget: int = 1000, time_limit: float = 60.0,
                         progress: Callable[[int, float], None] | None = None,
-                        greedy: bool = True) -> SearchResult:
+                        greedy: bool = True, keep: int = 4) -> SearchResult:
     """Search for the cheapest graph equivalent to ``graph`` under ``substitutions``.
 
     Args:
@@ -215,6 +229,7 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         progress: called as ``progress(iterations, best_cost)`` after each expansion.
         greedy: first apply every strictly cost-reducing rewrite (:func:`greedy_descent`,
             at most half the time limit), then search from there.
+        keep: how many of the cheapest graphs to return in ``candidates``.
 
     Raises:
         ValueError: ``alpha < 1`` or a negative budget.
@@ -228,9 +243,11 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     cost0 = cost_model.graph_cost(graph)
     rejected: Counter = Counter()
     start, start_cost, start_path = graph, cost0, ()
+    visited: list = [(cost0, graph, ())]
     if greedy:
-        start, start_cost, names = greedy_descent(graph, substitutions, cost_model,
-                                                  time_limit / 2, rejected, alpha)
+        start, start_cost, names = greedy_descent(
+            graph, substitutions, cost_model, time_limit / 2, rejected, alpha,
+            on_step=lambda c, g, names: visited.append((c, g, names)))
         start_path = tuple(names)
     tie = itertools.count()
     queue = [(start_cost, next(tie), start, start_path)]
@@ -253,6 +270,7 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
                     continue
                 seen.add(g2.key)
                 if c2 < alpha * best_cost:
+                    visited.append((c2, g2, (*path, sub.name)))
                     heapq.heappush(queue, (c2, next(tie), g2, (*path, sub.name)))
                     if c2 < best_cost:
                         best, best_cost, best_path = g2, c2, (*path, sub.name)
@@ -260,5 +278,8 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
             progress(iterations, best_cost)
     if best_cost >= cost0:
         best, best_cost, best_path = graph, cost0, ()
+    order = sorted(range(len(visited)), key=lambda i: visited[i][0])
+    candidates = [visited[i] for i in order[:keep]]
     return SearchResult(best, cost0, best_cost, Counter(best_path), iterations, len(seen),
-                        time.perf_counter() - t0, stopped, rejected)
+                        time.perf_counter() - t0, stopped, rejected, candidates=candidates,
+                        visited=visited)

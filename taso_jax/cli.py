@@ -225,6 +225,58 @@ def _verify(args) -> int:
     return 1 if failed else 0
 
 
+def _load_bench_models(models_dir: str | None) -> dict:
+    """TASO's benchmark models: the ``MODELS`` registry of ``examples/models`` (a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    d = Path(models_dir) if models_dir else Path(__file__).resolve().parent.parent / \
+        "examples" / "models"
+    init = d / "__init__.py"
+    if not init.is_file():
+        raise UsageError(f"benchmark models not found: {init} does not exist (pass "
+                         "--models-dir, the examples/models folder of a taso_jax checkout)")
+    spec = importlib.util.spec_from_file_location("taso_jax_bench_models", init,
+                                                  submodule_search_locations=[str(d)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.MODELS
+
+
+def _bench(args) -> int:
+    from taso_jax.bench import bench_graph, device_name, format_table, write_results
+
+    models = _load_bench_models(args.models_dir)
+    names = args.models or list(models)
+    unknown = [n for n in names if n not in models]
+    if unknown:
+        raise UsageError(f"unknown benchmark model(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(models)}")
+    print(f"device: {device_name()}; cost model: {args.cost_model}; "
+          f"{'small' if args.small else 'full-size'} models", flush=True)
+    rows = []
+    for name in names:
+        m = models[name]
+        graph = m.build(**m.SMALL) if args.small else m.build()
+        row = bench_graph(name, graph, cost_model=args.cost_model, budget=args.budget,
+                          time_limit=args.time_limit, repeats=args.repeats,
+                          candidates=args.candidates, sample=args.sample)
+        e = row["end_to_end"]
+        print(f"{name}: {row['original_us']['median_us'] / 1e3:.2f} ms -> "
+              f"{row['optimized_us']['median_us'] / 1e3:.2f} ms ({row['speedup']:.2f}x); "
+              f"search {row['search_seconds']:.1f} s; measured {e['measured']} graphs"
+              f"{', original kept (no candidate faster)' if e['original_kept'] else ''}",
+              flush=True)
+        rows.append(row)
+    settings = {k: getattr(args, k) for k in ("cost_model", "budget", "time_limit", "repeats",
+                                              "candidates", "sample", "small")}
+    paths = write_results(rows, args.out, settings)
+    print(format_table(rows))
+    print("written: " + ", ".join(str(p) for p in paths.values() if p))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``taso-jax`` argument parser."""
     p = argparse.ArgumentParser(prog="taso-jax", description=__doc__.splitlines()[0])
@@ -268,6 +320,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-unverified", action="store_true",
                    help="keep candidates that were not proved (stamped as such)")
     g.add_argument("-q", "--quiet", action="store_true")
+    b = sub.add_parser("bench", help="time TASO's benchmark models: jax.jit vs optimized")
+    b.add_argument("models", nargs="*", help="model names (default: all six)")
+    b.add_argument("--small", action="store_true", help="small shapes (a quick run on a CPU)")
+    b.add_argument("--cost-model", choices=["measured", "analytic"], default="measured")
+    b.add_argument("--budget", type=int, default=100, help="graphs expanded at most (100)")
+    b.add_argument("--time-limit", type=float, default=60.0, help="search seconds at most")
+    b.add_argument("--repeats", type=int, default=50, help="timed runs per graph (50)")
+    b.add_argument("--candidates", type=int, default=4,
+                   help="cheapest graphs timed end to end; the fastest is kept (4)")
+    b.add_argument("--sample", type=int, default=8,
+                   help="more visited graphs timed for the cost model's rank correlation (8)")
+    b.add_argument("--out", default="benchmarks/results",
+                   help="folder for <device>.json, .md and .png (benchmarks/results)")
+    b.add_argument("--models-dir", help="folder of the model package (examples/models)")
     return p
 
 
@@ -283,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             return _optimize(args)
         if args.command == "verify":
             return _verify(args)
+        if args.command == "bench":
+            return _bench(args)
         return _generate(args)
     except (UsageError, ModelError, GraphError) as e:
         print(f"taso-jax: error: {e}", file=sys.stderr)

@@ -1,0 +1,82 @@
+"""The benchmark command (``taso-jax bench``) on small models, and the end-to-end choice
+that keeps the optimizer from returning a graph slower than its input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from taso_jax.search import SearchResult
+
+import taso_jax
+from taso_jax.bench import choose_fastest, rank_correlation
+from taso_jax.cli import main
+
+ROW_KEYS = {"model", "device", "operators_before", "operators_after", "estimated_us_before",
+            "estimated_us_after", "search_seconds", "applied", "original_us", "optimized_us",
+            "speedup", "end_to_end"}
+
+
+def test_bench_runs_and_writes_well_formed_results(tmp_path, capsys):
+    out = tmp_path / "results"
+    assert main(["bench", "--small", "--cost-model", "analytic", "--repeats", "20",
+                 "--budget", "10", "--out", str(out), "nasrnn", "resnext50"]) == 0
+    text = capsys.readouterr().out
+    assert "| nasrnn |" in text and "| resnext50 |" in text
+    (j,) = out.glob("*.json")
+    doc = json.loads(j.read_text())
+    assert doc["device"].startswith("cpu:") and doc["date"] and doc["settings"]["small"]
+    rows = {r["model"]: r for r in doc["results"]}
+    assert set(rows) == {"nasrnn", "resnext50"}
+    for r in rows.values():
+        assert ROW_KEYS <= set(r)
+        for t in (r["original_us"], r["optimized_us"]):
+            assert 0 < t["min_us"] <= t["median_us"] <= t["max_us"] and t["repeats"] == 20
+        # never slower than the original by more than the measurement's own spread
+        o, a = r["original_us"], r["optimized_us"]
+        assert a["median_us"] <= o["median_us"] + (o["max_us"] - o["min_us"]), r["model"]
+        e = r["end_to_end"]
+        assert len(e["times_us"]) == len(e["estimates_us"]) == e["measured"] >= 1
+    # NasRNN's eight matmuls per input merge (TASO's headline rewrite for it)
+    assert any("matmul+matmul=>concat+matmul+split" in k for k in rows["nasrnn"]["applied"])
+    assert j.with_suffix(".md").read_text().count("|") > 20
+    assert j.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_rejects_an_unknown_model(tmp_path, capsys):
+    assert main(["bench", "--small", "--out", str(tmp_path), "alexnet"]) == 2
+    assert "unknown benchmark model(s) alexnet" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def _matmul_graphs():
+    b = taso_jax.new_graph(seed=1)
+    x = b.new_input((256, 512), name="x")
+    a = b.new_weight((512, 512))
+    b.new_weight(data=np.zeros((512, 512), np.float32))  # same weights as the slow graph
+    fast = b.matmul(x, a)
+    b.mark_output(fast, "y")
+    g = b.graph()
+    b2 = taso_jax.new_graph(seed=1)
+    x2 = b2.new_input((256, 512), name="x")
+    a2, z2 = b2.new_weight((512, 512)), b2.new_weight(data=np.zeros((512, 512), np.float32))
+    b2.mark_output(b2.ewadd(b2.matmul(x2, a2), b2.matmul(x2, z2)), "y")  # + x @ 0: slower
+    return g, b2.graph()
+
+
+def test_the_original_is_kept_when_no_candidate_is_faster():
+    g, slow = _matmul_graphs()
+    # a candidate that the cost model wrongly ranks first
+    r = SearchResult(slow, 10.0, 5.0, {"fake": 1}, 1, 2, 0.0, "budget",
+                     candidates=[(5.0, slow, ("fake",)), (10.0, g, ())],
+                     visited=[(10.0, g, ()), (5.0, slow, ("fake",))])
+    e = choose_fastest(r, repeats=15)
+    assert e["original_kept"] and r.graph is g and not r.applied and r.cost_after == 10.0
+    assert e["times_us"][0] < e["times_us"][1]  # the slow graph measured slower
+    assert e["rank_correlation"] != e["rank_correlation"]  # NaN: two points only
+
+
+def test_rank_correlation():
+    assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert abs(rank_correlation([1, 2, 2, 3], [1, 2, 3, 4]) - 0.9487) < 1e-3
