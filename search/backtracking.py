@@ -47,6 +47,8 @@ class SearchResult:
             measurement chooses from.
         visited: every graph on the greedy path or queued by the search, in the same form
             and order of discovery (for judging the cost model against measurements).
+        end_to_end: when candidates were timed on the device, what was measured and chosen
+            (see :func:`taso_jax.bench.choose_fastest`).
     """
 
     graph: Graph
@@ -61,6 +63,7 @@ class SearchResult:
     rules: dict = field(default_factory=dict)
     candidates: list = field(default_factory=list)
     visited: list = field(default_factory=list)
+    end_to_end: dict = field(default_factory=dict)
 
 
 def _relevant(subs: Sequence[Substitution], graph: Graph) -> list[Substitution]:

@@ -36,7 +36,7 @@ __version__ = "0.1.0"
 
 def search_graph(graph, alpha: float = 1.05, budget: int = 300, time_limit: float = 60.0,
                  cost_model="measured", substitutions=None, progress=None,
-                 allow_unverified: bool = False):
+                 allow_unverified: bool = False, end_to_end: int = 0):
     """Run the backtracking search and return a :class:`taso_jax.search.SearchResult`.
 
     Args:
@@ -53,6 +53,10 @@ def search_graph(graph, alpha: float = 1.05, budget: int = 300, time_limit: floa
             SOSP 2019, Section 4: only verified substitutions are sound to apply). By
             default they are left out, with a ``UserWarning`` saying how many; the result's
             ``rules`` records what was used either way.
+        end_to_end: when > 0, the search keeps this many of its cheapest graphs, times them
+            and the input under ``jax.jit`` on the current device, and returns the fastest,
+            or the input when none is faster (:func:`taso_jax.bench.choose_fastest`);
+            ``result.end_to_end`` records the times.
 
     Raises:
         ValueError: bad ``alpha``, ``budget`` or ``cost_model``.
@@ -74,7 +78,12 @@ def search_graph(graph, alpha: float = 1.05, budget: int = 300, time_limit: floa
                       "--allow-unverified to use them anyway)", UserWarning, stacklevel=2)
         subs = proved
     result = backtracking_search(graph, subs, cost_model, alpha=alpha, budget=budget,
-                                 time_limit=time_limit, progress=progress)
+                                 time_limit=time_limit, progress=progress,
+                                 keep=max(1, end_to_end))
+    if end_to_end > 0 and len(result.candidates) > 1:
+        from taso_jax.bench import choose_fastest
+
+        result.end_to_end = choose_fastest(result)
     result.rules = {"used": len(subs), "proved": len(proved),
                     "unverified_used": unproved if allow_unverified else 0,
                     "unverified_left_out": 0 if allow_unverified else unproved}

@@ -86,7 +86,8 @@ def _optimize(args) -> int:
     result = taso_jax.search_graph(graph, alpha=args.alpha, budget=args.budget,
                                    time_limit=args.time_limit, cost_model=cost_model,
                                    substitutions=subs, progress=progress,
-                                   allow_unverified=args.allow_unverified)
+                                   allow_unverified=args.allow_unverified,
+                                   end_to_end=args.end_to_end)
     bar.close()
     report = search_report(name, graph, result, args.cost_model, subs, args.alpha,
                            args.budget, notes)
@@ -297,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also apply substitutions that are not proved (labelled in the report)")
     o.add_argument("--repeats", type=int, default=30, help="timed runs per graph (30)")
     o.add_argument("--no-time", action="store_true", help="skip the end-to-end timing")
+    o.add_argument("--end-to-end", type=int, default=4, metavar="K",
+                   help="time the K cheapest graphs found and the input under jax.jit and "
+                        "keep the fastest, so the result is never slower (4; 0: off)")
     o.add_argument("--json", help="also write the report as JSON to this file")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     v = sub.add_parser("verify", help="prove substitutions from the operator axioms (Z3)")

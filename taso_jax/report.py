@@ -97,6 +97,7 @@ def search_report(name: str, graph: Graph, result, cost_model: str, substitution
         "applied": dict(result.applied),
         "laws": {s.name: s.law for s in substitutions if s.name in result.applied},
         "proof": {s.name: s.proof_status for s in substitutions if s.name in result.applied},
+        "end_to_end": dict(getattr(result, "end_to_end", {}) or {}),
     }
 
 
@@ -122,6 +123,13 @@ def format_report(r: dict) -> str:
     lines.append(f"search: {s['seconds']:.1f} s, {s['iterations']} graphs expanded, "
                  f"{s['explored']} explored, stopped: {s['stopped']}, "
                  f"{s['substitutions']} substitutions")
+    e = r.get("end_to_end") or {}
+    if e:
+        verdict = ("kept the original: no candidate ran faster" if e["original_kept"] else
+                   "kept the fastest")
+        lines.append(f"end-to-end choice ({e['device']}, jax.jit, median of {e['repeats']}): "
+                     f"timed {e['measured']} graphs ("
+                     + ", ".join(f"{t:.0f}" for t in e["times_us"]) + f" us); {verdict}")
     rules = r.get("rules") or {}
     if rules:
         line = f"rules used: {rules['used']} ({rules['proved']} proved)"

@@ -80,3 +80,25 @@ def test_rank_correlation():
     assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
     assert abs(rank_correlation([1, 2, 2, 3], [1, 2, 3, 4]) - 0.9487) < 1e-3
+
+
+def test_search_graph_times_its_candidates_and_the_report_says_which_it_kept():
+    import sys
+    from pathlib import Path
+
+    from taso_jax.report import format_report, search_report
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from models import MODELS
+
+    m = MODELS["nasrnn"]
+    g = m.build(**m.SMALL)
+    subs = taso_jax.default_substitutions()
+    r = taso_jax.search_graph(g, cost_model="analytic", budget=5, substitutions=subs,
+                              end_to_end=3)
+    e = r.end_to_end
+    assert e["measured"] >= 2 and len(e["times_us"]) == e["measured"]
+    kept = e["times_us"][0] if e["original_kept"] else min(e["times_us"])
+    assert kept == min(e["times_us"])  # the fastest measured graph is returned
+    text = format_report(search_report("nasrnn", g, r, "analytic", subs, 1.05, 5))
+    assert "end-to-end choice" in text and f"timed {e['measured']} graphs" in text
