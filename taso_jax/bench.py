@@ -126,7 +126,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0) -> dict:
 
     Returns ``{"measured", "original_kept", "times_us", "estimates_us",
     "rank_correlation", "device", "repeats"}``: the rank correlation (Spearman) between the
-    cost model's estimates and the measured medians over the graphs timed.
+    cost model's estimates and the measured medians over the graphs timed (``None`` when
+    fewer than three graphs were timed, or all estimates are equal).
     """
     graphs = _measured_set(result, sample)
     times = time_graphs([g for _, g, _ in graphs], repeats=repeats)
@@ -137,8 +138,9 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0) -> dict:
     cost, graph, path = graphs[chosen]
     result.graph, result.cost_after, result.applied = graph, cost, Counter(path)
     estimates = [c for c, _, _ in graphs]
+    rho = rank_correlation(estimates, med)
     return {"measured": len(graphs), "original_kept": chosen == 0, "times_us": med,
-            "estimates_us": estimates, "rank_correlation": rank_correlation(estimates, med),
+            "estimates_us": estimates, "rank_correlation": None if rho != rho else rho,
             "device": device_name(), "repeats": repeats}
 
 
@@ -210,7 +212,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['operators_before']} -> {r['operators_after']} | "
                      f"{ms(r['original_us'])} | {ms(r['optimized_us'])} | "
                      f"{r['speedup']:.2f}x | {r['search_seconds']:.1f} | "
-                     f"{'n/a' if rho != rho else f'{rho:.2f}'} | {text} |")
+                     f"{'n/a' if rho is None else f'{rho:.2f}'} | {text} |")
     return "\n".join(lines)
 
 
