@@ -16,14 +16,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from taso_jax.executor import compile_graph, random_inputs
+from taso_jax._io import atomic_write
+from taso_jax.executor import compile_graph, random_inputs, time_function
 from taso_jax.graph import Graph
 
 __all__ = ["time_graphs", "rank_correlation", "choose_fastest", "bench_graph", "device_name",
@@ -68,9 +68,7 @@ def time_graphs(graphs: list[Graph], repeats: int = 50, warmup: int = 3,
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for f, ts in zip(fns, times, strict=True):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*xs))
-            ts.append((time.perf_counter() - t0) * 1e6)
+            ts += time_function(lambda f=f: f(*xs), repeats=1, warmup=0)
     return [{"median_us": float(np.median(ts)), "min_us": float(np.min(ts)),
              "max_us": float(np.max(ts)), "repeats": repeats} for ts in times]
 
@@ -216,17 +214,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def write_results(rows: list[dict], out_dir, settings: dict | None = None) -> dict:
     """Write ``<device>.json``, ``<device>.md`` and ``<device>.png`` under ``out_dir``.
 
@@ -244,9 +231,10 @@ def write_results(rows: list[dict], out_dir, settings: dict | None = None) -> di
     date = datetime.date.today().isoformat()
     doc = {"device": device, "date": date, "settings": settings or {}, "results": rows}
     paths = {"json": out / f"{stem}.json", "markdown": out / f"{stem}.md", "chart": None}
-    _atomic_write(paths["json"], json.dumps(doc, indent=1).encode())
-    md = f"Device: {device}; date: {date}.\n\n{format_table(rows)}\n"
-    _atomic_write(paths["markdown"], md.encode())
+    text = {"json": json.dumps(doc, indent=1),
+            "markdown": f"Device: {device}; date: {date}.\n\n{format_table(rows)}\n"}
+    for kind, body in text.items():
+        atomic_write(paths[kind], lambda tmp, body=body: Path(tmp).write_text(body))
     try:
         import matplotlib
 
@@ -268,9 +256,6 @@ def write_results(rows: list[dict], out_dir, settings: dict | None = None) -> di
     ax.legend(fontsize=8, loc="upper center", ncol=2, frameon=False)
     fig.tight_layout()
     paths["chart"] = out / f"{stem}.png"
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{stem}.", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
+    atomic_write(paths["chart"], lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
-    os.replace(tmp, paths["chart"])
     return paths

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from taso_jax.executor import compile_graph, random_inputs, time_function
 from taso_jax.graph import Graph
 
 __all__ = ["measure_speed", "compare_onnx", "compare_outputs", "search_report", "format_report",
@@ -21,21 +20,12 @@ def measure_speed(before: Graph, after: Graph, repeats: int = 30, seed: int = 0)
     Runs are interleaved (before, after, before, ...) after warm-up so that machine noise
     hits both alike. Returns ``{"before_us", "after_us", "speedup", "device", "repeats"}``.
     """
-    import jax
+    from taso_jax.bench import device_name, time_graphs
 
-    xs = [jax.device_put(x) for x in random_inputs(before, seed)]
-    fa, fb = compile_graph(before), compile_graph(after)
-    ta, tb = [], []
-    for _ in range(2):
-        jax.block_until_ready(fa(*xs))
-        jax.block_until_ready(fb(*xs))
-    for _ in range(repeats):
-        ta += time_function(lambda: fa(*xs), repeats=1, warmup=0)
-        tb += time_function(lambda: fb(*xs), repeats=1, warmup=0)
-    a, b = float(np.median(ta)), float(np.median(tb))
-    dev = jax.devices()[0]
+    ta, tb = time_graphs([before, after], repeats=repeats, warmup=2, seed=seed)
+    a, b = ta["median_us"], tb["median_us"]
     return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
-            "device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}", "repeats": repeats}
+            "device": device_name(), "repeats": repeats}
 
 
 def compare_onnx(original, optimized, inputs: dict) -> dict:
