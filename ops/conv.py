@@ -132,6 +132,7 @@ declare(OpDef(
          {"padding": (1, 0, 2, 1), "dilations": (2, 1), "activation": "tanh"}),
         ([TensorType((1, 4, 9, 9), _F32), TensorType((4, 4, 3, 3), _F32)],
          {"padding": "valid", "activation": "sigmoid"}),
+        ([TensorType((1, 8, 6, 6), _F32), TensorType((8, 1, 3, 3), _F32)], {"groups": 8}),
     ),
     doc="2-D convolution, NCHW x OIHW -> NCHW, with groups and fused activation (ONNX Conv)"))
 
@@ -217,7 +218,9 @@ def _merge_gconv(w, *, groups, count):
 
 def _merge_gconv_shape(ts, *, groups, count):
     (w,) = ts
-    if len(w.shape) != 4 or groups < 1 or count < 1 or w.shape[0] % groups or groups % count:
+    if count < 2:  # merging one group into itself is the identity: not worth a node
+        raise ShapeError(f"merge_gconv: count must be at least 2, got {count}")
+    if len(w.shape) != 4 or groups < 1 or w.shape[0] % groups or groups % count:
         raise ShapeError(f"merge_gconv: kernel {w.shape}, groups {groups}, count {count} disagree")
     return [TensorType((w.shape[0], w.shape[1] * count, *w.shape[2:]), w.dtype)]
 
@@ -500,37 +503,43 @@ _PD = {**_P, "dl": ((1, 1), (2, 1))}
 _F = ("none", "relu", "sigmoid", "tanh")
 _PER_CHANNEL = ("dim(s, -4) == 1", "dim(s, -2) == 1", "dim(s, -1) == 1")
 _CONV = "strides=st, padding=p, dilations=dl"  # any stride, padding and dilation
+# Laws marked _GC hold for any number of groups q: the shapes below are grouped (input
+# channels q*E, kernel q*D x E), and q = 1 is the ungrouped case.
+_GC = "strides=st, padding=p, dilations=dl, groups=q"
+_G = {"x": ("N", "q*E", "H", "W"), "y": ("N", "q*E", "H", "W"), "w": ("q*D", "E", 3, 3),
+      "v": ("q*D", "E", 3, 3), "s": (1, "q*D", 1, 1)}
+_GPD = {**_PD, "q": (1, 2, 3)}
 add_axioms("conv2d",
-           axiom(f"conv2d(ewadd(x, y), w, {_CONV}) = ewadd(conv2d(x, w, {_CONV}), "
-                 f"conv2d(y, w, {_CONV}))", _C, **_PD),
-           axiom(f"conv2d(x, ewadd(w, v), {_CONV}) = ewadd(conv2d(x, w, {_CONV}), "
-                 f"conv2d(x, v, {_CONV}))", _C, **_PD),
+           axiom(f"conv2d(ewadd(x, y), w, {_GC}) = ewadd(conv2d(x, w, {_GC}), "
+                 f"conv2d(y, w, {_GC}))", _G, **_GPD),
+           axiom(f"conv2d(x, ewadd(w, v), {_GC}) = ewadd(conv2d(x, w, {_GC}), "
+                 f"conv2d(x, v, {_GC}))", _G, **_GPD),
            axiom(f"conv2d(x, concat(w, v, axis=-4), {_CONV}, activation=f) = "
                  f"concat(conv2d(x, w, {_CONV}, activation=f), conv2d(x, v, {_CONV}, "
                  "activation=f), axis=-3)", _C, f=_F, **_PD),
            axiom(f"conv2d(concat(x, y, axis=-3), concat(w, v, axis=-3), {_CONV}) = "
                  f"ewadd(conv2d(x, w, {_CONV}), conv2d(y, v, {_CONV}))",
                  {**_C, "y": ("N", "E", "H", "W"), "v": ("D", "E", 3, 3)}, **_PD),
-           axiom(f"conv2d(concat(x, y, axis=-4), w, {_CONV}, activation=f) = "
-                 f"concat(conv2d(x, w, {_CONV}, activation=f), conv2d(y, w, {_CONV}, "
-                 "activation=f), axis=-4)", _C, f=_F, **_PD),
-           *(axiom(f"conv2d(x, w, {_CONV}, activation='{f}') = {f}(conv2d(x, w, {_CONV}))",
-                   _C, **_PD) for f in _F[1:]),
-           # a per-output-channel scale folds into the kernel; the conditions say that s is
-           # [1, D, 1, 1] (Z3 does not know shapes otherwise)
-           axiom(f"ewmul(conv2d(x, w, {_CONV}), s) = conv2d(x, "
-                 f"ewmul(w, transpose(s, perm=(1, 0, 2, 3))), {_CONV})", _C,
-                 where=_PER_CHANNEL, **_PD),
-           # ... and so does a per-input-channel scale
+           axiom(f"conv2d(concat(x, y, axis=-4), w, {_GC}, activation=f) = "
+                 f"concat(conv2d(x, w, {_GC}, activation=f), conv2d(y, w, {_GC}, "
+                 "activation=f), axis=-4)", _G, f=_F, **_GPD),
+           *(axiom(f"conv2d(x, w, {_GC}, activation='{f}') = {f}(conv2d(x, w, {_GC}))",
+                   _G, **_GPD) for f in _F[1:]),
+           # a per-output-channel scale folds into the kernel, for any groups; the
+           # conditions say that s is [1, D, 1, 1] (Z3 does not know shapes otherwise)
+           axiom(f"ewmul(conv2d(x, w, {_GC}), s) = conv2d(x, "
+                 f"ewmul(w, transpose(s, perm=(1, 0, 2, 3))), {_GC})", _G,
+                 where=_PER_CHANNEL, **_GPD),
+           # ... and so does a per-input-channel scale (ungrouped: the kernel spans all C)
            axiom(f"conv2d(ewmul(x, r), w, {_CONV}, activation=f) = "
                  f"conv2d(x, ewmul(w, r), {_CONV}, activation=f)", {**_C, "r": (1, "C", 1, 1)},
                  where=tuple(c.replace("(s,", "(r,") for c in _PER_CHANNEL), f=_F, **_PD),
-           axiom(f"dim(conv2d(x, w, {_CONV}, activation=f), -3) = dim(w, -4)", _C,
-                 f=("none", "relu"), **_PD),
+           axiom(f"dim(conv2d(x, w, {_GC}, activation=f), -3) = dim(w, -4)", _G,
+                 f=("none", "relu"), **_GPD),
            # 'same' padding at stride 1 keeps the spatial size
            *(axiom(f"dim(conv2d(x, w, strides=(1, 1), padding='same', dilations=dl, "
-                   f"activation=f), {k}) = dim(x, {k})", _C, f=("none", "relu"),
-                   dl=((1, 1), (2, 1))) for k in (-1, -2)),
+                   f"groups=q, activation=f), {k}) = dim(x, {k})", _G, f=("none", "relu"),
+                   dl=((1, 1), (2, 1)), q=(1, 2, 3)) for k in (-1, -2)),
            axiom(f"conv2d(scalar_mul(x, scalar=c), w, {_CONV}) = "
                  f"scalar_mul(conv2d(x, w, {_CONV}), scalar=c)", _C, c=(2.0,), **_PD),
            axiom("conv2d(x, enlarge(u, w), strides=st, padding='same', dilations=dl, "

@@ -148,8 +148,16 @@ def _verify_progress(total: int, quiet: bool):
 def _generate(args) -> int:
     from tqdm import tqdm
 
-    from taso_jax.generator import generate
+    from taso_jax.generator import DEFAULT_DOMAINS, generate
     from taso_jax.substitution import save_substitutions
+
+    by_name = {d.name: d for d in DEFAULT_DOMAINS}
+    names = args.domains.split(",") if args.domains else list(by_name)
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        print(f"taso-jax generate: unknown domain(s) {unknown}; known: {sorted(by_name)}",
+              file=sys.stderr)
+        return 2
 
     bar = tqdm(desc="generate", unit="stage", file=sys.stderr, disable=args.quiet)
 
@@ -158,13 +166,13 @@ def _generate(args) -> int:
         bar.set_postfix_str(msg)
 
     t0 = time.perf_counter()
-    subs, stats = generate(max_ops=args.max_ops, seed=args.seed, progress=progress,
-                           workers=args.workers)
+    subs, stats = generate([by_name[n] for n in names], max_ops=args.max_ops,
+                           seed=args.seed, progress=progress, workers=args.workers)
     bar.close()
     print(stats.summary())
     for stage, sec in stats.seconds.items():
         print(f"  {stage}: {sec:.1f} s")
-    settings = {"max_ops": args.max_ops, "seed": args.seed}
+    settings = {"max_ops": args.max_ops, "seed": args.seed, "domains": names}
     if not args.no_verify:
         from taso_jax.verify.runner import verify_substitutions
 
@@ -314,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate substitutions and prove them (Z3)")
     g.add_argument("--max-ops", type=int, default=3, help="operators per side at most (3)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--domains", default=None,
+                   help="comma-separated domains to generate over (default: all of "
+                        "conv, matmul, affine, gconv)")
     g.add_argument("-o", "--output", default="substitutions.json")
     g.add_argument("--timeout-ms", type=int, default=1000, help="Z3 limit per proof (1000)")
     g.add_argument("--workers", type=int, default=None, help="processes (one per core)")

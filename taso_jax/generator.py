@@ -60,6 +60,9 @@ class Domain:
             back to symbols by value). ``"..."`` maps to a tuple of leading dimensions.
         ops: ``(operator, attributes)`` choices.
         split_axes: axes on which ``split`` into two parts is enumerated.
+        attribute_instances: further size maps used only when generalising attributes,
+            for attribute values that need other shapes (a kernel of ``C / groups`` input
+            channels for another number of groups).
     """
 
     name: str
@@ -67,6 +70,7 @@ class Domain:
     instances: tuple[dict, ...]
     ops: tuple[tuple[str, dict], ...]
     split_axes: tuple[int, ...] = ()
+    attribute_instances: tuple[dict, ...] = ()
 
 
 CONV_DOMAIN = Domain(
@@ -103,7 +107,22 @@ AFFINE_DOMAIN = Domain(
                {"N": 1, "C": 5, "D": 3, "H": 9, "W": 8, "K": 5}),
     ops=(("conv2d", {}), ("ewadd", {}), ("ewmul", {}), ("transpose", {"perm": (1, 0, 2, 3)})))
 
-DEFAULT_DOMAINS = (CONV_DOMAIN, MATMUL_DOMAIN, AFFINE_DOMAIN)
+#: Grouped convolutions (ResNeXt, separable convolutions): a kernel of E = C / 4 input
+#: channels, so that the rewrites that change the number of groups (TASO's merge_gconv) and
+#: the folds and fusions of grouped convolutions are found. The attribute instances give the
+#: shapes for 2 and 8 groups.
+GCONV_DOMAIN = Domain(
+    "gconv",
+    variables={"x": ("input", ("N", "C", "H", "W")), "w": ("weight", ("D", "E", "K", "K")),
+               "s": ("weight", (1, "D", 1, 1))},
+    instances=({"N": 1, "C": 8, "E": 2, "D": 12, "H": 5, "W": 6, "K": 3},
+               {"N": 2, "C": 12, "E": 3, "D": 8, "H": 6, "W": 5, "K": 1}),
+    ops=(("conv2d", {"groups": 4}), ("conv2d", {}), ("merge_gconv", {"groups": 4, "count": 4}),
+         ("relu", {}), ("ewmul", {}), ("transpose", {"perm": (1, 0, 2, 3)})),
+    attribute_instances=({"N": 1, "C": 6, "E": 3, "D": 4, "H": 5, "W": 6, "K": 3},
+                         {"N": 1, "C": 16, "E": 2, "D": 8, "H": 4, "W": 5, "K": 3}))
+
+DEFAULT_DOMAINS = (CONV_DOMAIN, MATMUL_DOMAIN, AFFINE_DOMAIN, GCONV_DOMAIN)
 
 
 @dataclass
@@ -379,7 +398,7 @@ def _survives_canon(sub: Substitution, domain: Domain, values: dict, op: str, na
 
     An operator's canonicalization may rewrite it into another value (axis 1 to -3).
     """
-    for inst in domain.instances:
+    for inst in domain.instances + domain.attribute_instances:
         try:
             _, built = _build_source(sub, domain, {**inst, **values})
         except ShapeError:
@@ -391,10 +410,13 @@ def _survives_canon(sub: Substitution, domain: Domain, values: dict, op: str, na
 def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Substitution:
     """Turn attributes that both sides share into attribute variables where the law allows.
 
-    For each ``(operator, attribute, value)`` used on the source side, every occurrence on
-    both sides becomes ``"?attribute"``; the generalised substitution is kept if it re-checks
-    on every domain instance for every alternative value from the operator's examples that
-    type-checks (and at least one does). E.g. folding a per-channel scale into a kernel holds
+    For each ``(operator, attribute, value)`` used on the source side, the value becomes
+    ``"?attribute"``, first wherever the same integer appears in any attribute on either
+    side (so ``conv2d(x, w, groups=4) => conv2d(x, merge_gconv(w, groups=4, count=4),
+    groups=1)`` becomes a law for any number of groups), else only on that operator's
+    attribute. A generalised substitution is kept if it re-checks on every domain instance
+    (and attribute instance) for every alternative value from the operator's examples that
+    type-checks, and at least one does. E.g. folding a per-channel scale into a kernel holds
     for any stride, padding and dilation, but not with a fused relu.
 
     The values each variable was checked at (the original first) are recorded in
@@ -403,48 +425,78 @@ def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Subst
     """
     fixed: dict = {}  # attribute variables introduced so far, at their original values
     values: dict = {}  # attribute variable -> the values it was checked at (original first)
+    instances = domain.instances + domain.attribute_instances
     for p in sub.source:
         for k, v in p.attrs:
             if isinstance(v, str) and v[:1] in "$?" or k == "sizes":
                 continue
             var = f"?{k}"
-            if any(var == x for n in sub.source + sub.target for _, x in n.attrs):
-                continue
-
-            def rename(nodes, op=p.op, k=k, v=v, var=var):
-                return tuple(PNode(n.op, tuple((a, var if (n.op == op and a == k and x == v)
-                                                else x) for a, x in n.attrs), n.inputs)
-                             for n in nodes)
-
-            cand = Substitution(sub.name, sub.variables, rename(sub.source),
-                                rename(sub.target), sub.outputs, sub.provenance)
-            validated = [v]
-            ok = True
-            for alt in _alternatives(p.op, k, v):
-                if not _survives_canon(cand, domain, {**fixed, var: alt}, p.op, k, alt):
-                    continue  # an alias of another value (axis 1 is axis -3 at rank 4)
-                tried = False
-                for j, inst in enumerate(domain.instances):  # cheapest refutation first
-                    res = check_substitution(cand, domain, inst, seed + 17 * j,
-                                             {**fixed, var: alt})
-                    if res is None:
-                        continue
-                    tried = True
-                    if not res:
-                        ok = False
-                        break
-                if not ok:
+            current = [(n.op, a, x) for n in sub.source + sub.target for a, x in n.attrs]
+            if any(var == x for _, _, x in current) or (p.op, k, v) not in current:
+                continue  # the name is taken, or a broad renaming already took this value
+            for broad in _renamings(v):
+                cand = _rename_attribute(sub, p.op, k, v, var, broad)
+                if cand is None:
+                    continue
+                validated = _validate_values(cand, domain, instances, fixed, p.op, k, v, var,
+                                             seed)
+                if validated is not None:
+                    sub = cand
+                    fixed[var] = v
+                    values[var] = validated
                     break
-                if tried:
-                    validated.append(alt)
-            if ok and len(validated) > 1:
-                sub = cand
-                fixed[var] = v
-                values[var] = validated
     if values:
         sub.provenance["attribute_values"] = {k: [_jsonable(x) for x in v]
                                               for k, v in values.items()}
     return sub
+
+
+def _renamings(v) -> tuple[bool, ...]:
+    """Broad renaming (every equal integer) first, for integers; then the narrow one."""
+    return (True, False) if isinstance(v, int) and not isinstance(v, bool) else (False,)
+
+
+def _rename_attribute(sub: Substitution, op: str, k: str, v, var: str,
+                      broad: bool) -> Substitution | None:
+    """``sub`` with ``op``'s attribute ``k == v`` (or, broad, any attribute ``== v``) as ``var``.
+
+    Returns ``None`` when a broad renaming changes nothing more than the narrow one.
+    """
+    def hit(n, a, x):
+        if broad:
+            return type(x) is type(v) and x == v
+        return n.op == op and a == k and x == v
+
+    def rename(nodes):
+        return tuple(PNode(n.op, tuple((a, var if hit(n, a, x) else x) for a, x in n.attrs),
+                           n.inputs) for n in nodes)
+
+    nodes = sub.source + sub.target
+    if broad and not any(hit(n, a, x) and not (n.op == op and a == k)
+                         for n in nodes for a, x in n.attrs):
+        return None
+    return Substitution(sub.name, sub.variables, rename(sub.source), rename(sub.target),
+                        sub.outputs, sub.provenance)
+
+
+def _validate_values(cand: Substitution, domain: Domain, instances: tuple, fixed: dict,
+                     op: str, k: str, v, var: str, seed: int) -> list | None:
+    """The values ``var`` holds at (``v`` first), or ``None`` if one fails or none is tried."""
+    validated = [v]
+    for alt in _alternatives(op, k, v):
+        if not _survives_canon(cand, domain, {**fixed, var: alt}, op, k, alt):
+            continue  # an alias of another value (axis 1 is axis -3 at rank 4)
+        tried = False
+        for j, inst in enumerate(instances):  # cheapest refutation first
+            res = check_substitution(cand, domain, inst, seed + 17 * j, {**fixed, var: alt})
+            if res is None:
+                continue
+            tried = True
+            if not res:
+                return None
+        if tried:
+            validated.append(alt)
+    return validated if len(validated) > 1 else None
 
 
 def _generalize_one(args):

@@ -52,3 +52,18 @@ def test_near_miss_is_rejected():
     subs, _ = generate((RELU_DOMAIN,), max_ops=3, workers=1)
     assert not any(s.law.startswith("relu(ewadd(a, b))  =>  ewadd(relu(a), relu(b))")
                    for s in subs)
+
+
+def test_grouped_convolution_rules_hold_for_any_number_of_groups():
+    # The grouped domain enumerates at 4 groups; broad renaming ties merge_gconv's groups and
+    # count to the convolution's groups, and the attribute instances check 2 and 8 groups.
+    from taso_jax.generator import GCONV_DOMAIN
+
+    subs, _ = generate((GCONV_DOMAIN,), max_ops=2, workers=1)
+    laws = {s.law: s for s in subs}
+    dense = laws.get("conv2d(x, w, activation=?activation, dilations=?dilations, "
+                     "groups=?groups, padding=?padding, strides=?strides)  =>  conv2d(x, "
+                     "merge_gconv(w, count=?groups, groups=?groups), activation=?activation, "
+                     "dilations=?dilations, padding=?padding, strides=?strides)")
+    assert dense is not None, sorted(laws)
+    assert dense.provenance["attribute_values"]["?groups"] == [4, 2, 8]

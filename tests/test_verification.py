@@ -57,6 +57,18 @@ def test_the_rules_the_examples_need_are_proved(src, tgt):
     assert all(s.proof_status == "proved" for s in rules)
 
 
+@pytest.mark.parametrize("src,tgt", [
+    (["conv2d"], ["merge_gconv", "conv2d"]),                 # fewer groups (ResNeXt, TASO)
+    (["conv2d", "ewmul"], ["transpose", "ewmul", "conv2d"]),  # scale fold, grouped
+])
+def test_grouped_convolution_rules_are_proved_for_any_number_of_groups(src, tgt):
+    rules = [s for s in _shipped(src, tgt)
+             if ("groups", "?groups") in s.source[0].attrs]
+    assert rules, f"no shipped rule {src} => {tgt} over any number of groups"
+    # proved for every value (no instance restriction), not just those checked numerically
+    assert any(s.proof_status == "proved" and s.proved_instances is None for s in rules)
+
+
 def _fingerprint(build):
     """Fingerprint key of ``build(x, y)`` on the generator's random float64 inputs."""
     fp = _Fingerprinter(seed=0)
