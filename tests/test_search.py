@@ -80,10 +80,18 @@ def test_measured_cost_model_caches_in_sqlite(tmp_path):
     m1 = MeasuredCostModel(cache_path=path, repeats=3)
     c1 = m1.graph_cost(g)
     # Two distinct kernels: the two 3x3 convolutions have equal shapes and attributes,
-    # so one measurement serves both; relu and add are fused and never timed.
-    assert m1.measured == 2
+    # so one measurement serves both; relu and add are fused and never timed. The third
+    # measurement is the call overhead that calibration subtracts.
+    assert m1.measured == 3
     m2 = MeasuredCostModel(cache_path=path, repeats=3)
     assert m2.graph_cost(g) == c1 and m2.measured == 0
+    # calibrated: each kernel at its raw median less the call overhead, plus one launch
+    raw = MeasuredCostModel(cache_path=path, repeats=3, calibrate=False)
+    assert raw.graph_cost(g) > 0 and raw.measured == 0
+    convs = [n for n in g.nodes if n.op == "conv2d"]
+    for n in convs:
+        expect = max(raw.node_cost(n) - m2.call_overhead_us, 0) + m2._analytic.launch_us
+        assert m2.node_cost(n) == pytest.approx(expect)
 
 
 def _optimize_and_check(name, model_bytes, graph, budget=10):
