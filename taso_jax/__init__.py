@@ -109,7 +109,10 @@ def optimize(graph=None, **options):
     ``static_argnums`` / ``static_argnames`` (hashable arguments that are not traced),
     ``alpha``, ``budget`` (default 100), ``time_limit`` (default 60 s), ``cost_model``,
     ``substitutions`` (a list or a rule file path), ``allow_unverified`` (also use rules
-    that are not proved) and ``check`` (compare with ``jax.jit``
+    that are not proved), ``end_to_end`` (default 4: time the search's 4 cheapest graphs
+    and the original under ``jax.jit`` on the device at the first call of each signature
+    and run the fastest, so the result is never slower than the original beyond noise;
+    0 trusts the cost model) and ``check`` (compare with ``jax.jit``
     of the original on the first call of each signature). Non-array pytree leaves are
     static. See :class:`taso_jax.decorator.OptimizedFunction` (``report()``,
     ``optimized_graph``, ``runtime_jaxpr()``).

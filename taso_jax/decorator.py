@@ -109,7 +109,7 @@ class OptimizedFunction:
     Attributes:
         fn: the original function.
         options: search options (``alpha``, ``budget``, ``time_limit``, ``cost_model``,
-            ``substitutions``).
+            ``substitutions``, ``allow_unverified``, ``end_to_end``).
 
     See :func:`taso_jax.optimize` for the arguments.
     """
@@ -117,7 +117,7 @@ class OptimizedFunction:
     def __init__(self, fn: Callable, *, weight_argnums=(), weight_argnames=(),
                  static_argnums=(), static_argnames=(), alpha: float = 1.05, budget: int = 100,
                  time_limit: float = 60.0, cost_model="measured", substitutions=None,
-                 allow_unverified: bool = False, check: bool = True):
+                 allow_unverified: bool = False, check: bool = True, end_to_end: int = 4):
         if not callable(fn):
             raise TypeError(f"taso_jax.optimize: expected a function, got {type(fn).__name__}")
         self.fn = fn
@@ -128,7 +128,7 @@ class OptimizedFunction:
         normalize_argnums(fn, None, (), static_argnames, "static")
         self.options = {"alpha": alpha, "budget": budget, "time_limit": time_limit,
                         "cost_model": cost_model, "substitutions": substitutions,
-                        "allow_unverified": allow_unverified}
+                        "allow_unverified": allow_unverified, "end_to_end": end_to_end}
         self.check = check
         self._cache: dict = {}
         self._positions: dict[int, tuple[set, set]] = {}

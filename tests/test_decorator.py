@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 import jax_models  # noqa: E402
 from conftest import MODEL_REPORTS  # noqa: E402
 
-#: Deterministic and fast for tests; the README figures use the measured cost model.
-OPTS = {"cost_model": "analytic", "budget": 20, "time_limit": 60.0}
+#: Deterministic and fast for tests (the estimate decides: no end-to-end timing); the README
+#: figures use the measured cost model and the default end-to-end choice.
+OPTS = {"cost_model": "analytic", "budget": 20, "time_limit": 60.0, "end_to_end": 0}
 
 
 def _assert_close(got, ref):
@@ -91,6 +92,28 @@ def test_nasrnn_weight_concatenation_is_precomputed():
     new_w = jax.tree_util.tree_map(lambda a: a * 0.5, weights)
     _assert_close(opt(new_w, *inputs), jax.jit(fn)(new_w, *inputs))
     assert opt._last.folded_for[1] is not folded
+
+
+def test_end_to_end_choice_runs_the_fastest_measured_graph():
+    # By default the first call times the search's cheapest graphs and the original under
+    # jax.jit and keeps the fastest; whichever wins, outputs match the original.
+    fn, weights, inputs = jax_models.make_nasrnn(hidden=64, steps=2)
+    opt = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", budget=20)
+    _assert_close(opt(weights, *inputs), jax.jit(fn)(weights, *inputs))
+    e = opt._last.result.end_to_end
+    assert e["measured"] >= 2 and len(e["times_us"]) == e["measured"]
+    kept = opt.optimized_graph
+    if e["original_kept"]:
+        assert kept.key == opt.graph.key
+    else:
+        assert min(e["times_us"]) < e["times_us"][0]  # the input is timed first
+        assert kept.op_counts()["matmul"] < opt.graph.op_counts()["matmul"]
+    assert "end-to-end choice" in opt.report(time=False)
+    # end_to_end=0 trusts the estimate and times nothing
+    opt0 = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", budget=20,
+                             end_to_end=0)
+    opt0(weights, *inputs)
+    assert not opt0._last.result.end_to_end
 
 
 def test_grad_and_vmap_of_the_optimized_function():
@@ -184,7 +207,8 @@ def test_wrong_rewrite_is_caught_by_the_check_and_falls_back():
     bad = Substitution("bad:relu=>id", (("a", ("...",)),),
                        (PNode("relu", (), ("a",)),), (), (("#0", "a"),), {})
 
-    @taso_jax.optimize(cost_model="analytic", substitutions=[bad], allow_unverified=True)
+    @taso_jax.optimize(cost_model="analytic", substitutions=[bad], allow_unverified=True,
+                       end_to_end=0)
     def f(x):
         return jax.nn.relu(x) * 3.0
 
