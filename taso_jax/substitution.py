@@ -204,6 +204,11 @@ class Substitution:
         return tuple({k: _from_jsonable(v) for k, v in a.items()} for a in inst)
 
     # ---- matching ------------------------------------------------------------------------
+    @cached_property
+    def _source_ops(self) -> tuple[tuple[str, int], ...]:
+        """How many nodes of each operator the source has."""
+        return tuple(Counter(p.op for p in self.source).items())
+
     @property
     def _var_shapes(self) -> dict[str, tuple]:
         return dict(self.variables)
@@ -217,6 +222,8 @@ class Substitution:
         a recent rewrite).
         """
         stats = stats if stats is not None else Counter()
+        if any(len(graph.by_op.get(op, ())) < k for op, k in self._source_ops):
+            return  # the graph lacks an operator of the source: no match anywhere
         shapes = self._var_shapes
         n_src = len(self.source)
         bound_nodes: list[Node | None] = [None] * n_src
@@ -236,9 +243,19 @@ class Substitution:
                                                    for a in allowed):
                     stats["unproved_instance"] += 1  # proved only at other attribute values
                     return
-                yield {"nodes": list(bound_nodes), "vars": var, "sym": sym}
+                yield {"nodes": list(bound_nodes), "vars": dict(var), "sym": dict(sym)}
                 return
             p = self.source[i]
+            if i == 0:  # nothing bound yet: the first node's bindings depend on it alone
+                cands = graph.by_op.get(p.op, [])
+                if near is not None:
+                    cands = [n for n in cands if n in near]
+                for h in dict.fromkeys(cands):
+                    for var0, sym0 in self._first_bindings(h, shapes, stats):
+                        bound_nodes[0] = h
+                        yield from extend(1, var0, sym0)
+                        bound_nodes[0] = None
+                return
             anchors = [host_of(r, var) for r in p.inputs]
             anchor = next((t for t in anchors if t is not None), None)
             if anchor is not None:
@@ -268,6 +285,41 @@ class Substitution:
                     bound_nodes[i] = None
 
         yield from extend(0, {}, {})
+
+    def __getstate__(self):
+        # The per-node match cache holds graph nodes: it is not part of the rule.
+        return {k: v for k, v in self.__dict__.items() if k != "_first_cache"}
+
+    def _first_bindings(self, h: Node, shapes: dict, stats: Counter) -> list[tuple]:
+        """``(vars, symbols)`` for each way the first source node binds to host node ``h``.
+
+        Nodes are immutable and hash-consed, and the first source node reads variables only,
+        so the result depends on ``h`` alone: it is computed once per node and kept, which
+        spares the search re-matching every unchanged node of each graph it expands.
+        """
+        cache = self.__dict__.get("_first_cache")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_first_cache", cache)
+        found = cache.get(h)
+        if found is not None:
+            return found
+        p = self.source[0]
+        found = []
+        sym_a = _attrs_match(p.attrs, h.attrs, {}) if len(h.inputs) == len(p.inputs) else None
+        if sym_a is None:
+            stats["attrs"] += 1
+        else:
+            orders = [h.inputs]
+            if OPS[p.op].commutative and h.inputs[0] != h.inputs[1]:
+                orders.append(h.inputs[::-1])
+            for host_inputs in orders:
+                bound = self._bind_inputs(p, host_inputs, {}, sym_a,
+                                          lambda ref, var: var.get(ref), shapes, stats)
+                if bound is not None and _attrs_match(p.attrs, h.attrs, bound[1]) is not None:
+                    found.append(bound)
+        cache[h] = found
+        return found
 
     @staticmethod
     def _bind_inputs(p, host_inputs, var, sym, host_of, shapes, stats):
