@@ -282,7 +282,10 @@ class OptimizedFunction:
                                  zip(array_index, leaves, kinds, strict=True) if k == "input"]
         t0 = time.perf_counter()
         try:
-            self._optimize(entry, closed, leaves, kinds, paths, out_flat)
+            # The first call may come from inside jax.jit, grad or vmap of this function: the
+            # search's timings and the output check run on concrete arrays, not staged out.
+            with jax.ensure_compile_time_eval():
+                self._optimize(entry, closed, leaves, kinds, paths, out_flat)
         except Exception as e:  # anything in our pipeline: fall back, never a wrong answer
             entry.fallback = f"{type(e).__name__}: {e}"
             warnings.warn(f"taso_jax.optimize({_fn_name(fn)}): falling back to jax.jit "

@@ -116,6 +116,22 @@ def test_end_to_end_choice_runs_the_fastest_measured_graph():
     assert not opt0._last.result.end_to_end
 
 
+def test_first_call_inside_jit_and_grad_is_optimized_not_a_fallback():
+    # Traced from the start: the end-to-end timing and the output check still run on
+    # concrete arrays (jax.ensure_compile_time_eval), so nothing falls back to jax.jit.
+    fn, weights, inputs = jax_models.make_nasrnn(hidden=32, steps=1)
+    opt = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", budget=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _assert_close(jax.jit(opt)(weights, *inputs), jax.jit(fn)(weights, *inputs))
+        assert opt.fallback_reason is None and opt._last.result.end_to_end["measured"] >= 2
+        opt2 = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", budget=10)
+        loss = lambda f: lambda w: sum(jnp.sum(y) for y in  # noqa: E731
+                                       jax.tree_util.tree_leaves(f(w, *inputs)))
+        _assert_close(jax.grad(loss(opt2))(weights), jax.grad(loss(fn))(weights))
+        assert opt2.fallback_reason is None
+
+
 def test_grad_and_vmap_of_the_optimized_function():
     fn, weights, (x,) = jax_models.make_eqx_mlp(batch=4)
     opt = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
