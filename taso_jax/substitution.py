@@ -204,11 +204,6 @@ class Substitution:
         return tuple({k: _from_jsonable(v) for k, v in a.items()} for a in inst)
 
     # ---- matching ------------------------------------------------------------------------
-    @cached_property
-    def _source_ops(self) -> tuple[tuple[str, int], ...]:
-        """How many nodes of each operator the source has."""
-        return tuple(Counter(p.op for p in self.source).items())
-
     @property
     def _var_shapes(self) -> dict[str, tuple]:
         return dict(self.variables)
@@ -222,8 +217,6 @@ class Substitution:
         a recent rewrite).
         """
         stats = stats if stats is not None else Counter()
-        if any(len(graph.by_op.get(op, ())) < k for op, k in self._source_ops):
-            return  # the graph lacks an operator of the source: no match anywhere
         shapes = self._var_shapes
         n_src = len(self.source)
         bound_nodes: list[Node | None] = [None] * n_src
@@ -246,16 +239,6 @@ class Substitution:
                 yield {"nodes": list(bound_nodes), "vars": dict(var), "sym": dict(sym)}
                 return
             p = self.source[i]
-            if i == 0:  # nothing bound yet: the first node's bindings depend on it alone
-                cands = graph.by_op.get(p.op, [])
-                if near is not None:
-                    cands = [n for n in cands if n in near]
-                for h in dict.fromkeys(cands):
-                    for var0, sym0 in self._first_bindings(h, shapes, stats):
-                        bound_nodes[0] = h
-                        yield from extend(1, var0, sym0)
-                        bound_nodes[0] = None
-                return
             anchors = [host_of(r, var) for r in p.inputs]
             anchor = next((t for t in anchors if t is not None), None)
             if anchor is not None:
@@ -265,21 +248,12 @@ class Substitution:
                 if near is not None:
                     cands = [n for n in cands if n in near]
             for h in dict.fromkeys(cands):
-                if h in bound_nodes or len(h.inputs) != len(p.inputs):
+                if h in bound_nodes:
                     continue
-                sym_a = _attrs_match(p.attrs, h.attrs, sym)
-                if sym_a is None:
-                    stats["attrs"] += 1
-                    continue
-                orders = [h.inputs]
-                if OPS[p.op].commutative and h.inputs[0] != h.inputs[1]:
-                    orders.append(h.inputs[::-1])
-                for host_inputs in orders:
-                    bound = self._bind_inputs(p, host_inputs, var, sym_a, host_of, shapes,
-                                              stats)
-                    # Sizes in attributes ("$D") can only be checked once shapes are bound.
-                    if bound is None or _attrs_match(p.attrs, h.attrs, bound[1]) is None:
-                        continue
+                # Nothing is bound before the first node: its bindings depend on it alone.
+                found = (self._first_bindings(h, shapes, stats) if i == 0 else
+                         self._host_bindings(p, h, var, sym, host_of, shapes, stats))
+                for bound in found:
                     bound_nodes[i] = h
                     yield from extend(i + 1, *bound)
                     bound_nodes[i] = None
@@ -302,23 +276,33 @@ class Substitution:
             cache = {}
             object.__setattr__(self, "_first_cache", cache)
         found = cache.get(h)
-        if found is not None:
-            return found
-        p = self.source[0]
-        found = []
-        sym_a = _attrs_match(p.attrs, h.attrs, {}) if len(h.inputs) == len(p.inputs) else None
+        if found is None:
+            found = cache[h] = self._host_bindings(self.source[0], h, {}, {},
+                                                   lambda ref, var: var.get(ref), shapes, stats)
+        return found
+
+    def _host_bindings(self, p: PNode, h: Node, var: dict, sym: dict, host_of, shapes: dict,
+                       stats: Counter) -> list[tuple]:
+        """Each ``(vars, symbols)`` that binds pattern node ``p`` to host node ``h``.
+
+        ``var`` and ``sym`` are extended; a commutative operator is tried in both operand
+        orders.
+        """
+        if len(h.inputs) != len(p.inputs):
+            return []
+        sym_a = _attrs_match(p.attrs, h.attrs, sym)
         if sym_a is None:
             stats["attrs"] += 1
-        else:
-            orders = [h.inputs]
-            if OPS[p.op].commutative and h.inputs[0] != h.inputs[1]:
-                orders.append(h.inputs[::-1])
-            for host_inputs in orders:
-                bound = self._bind_inputs(p, host_inputs, {}, sym_a,
-                                          lambda ref, var: var.get(ref), shapes, stats)
-                if bound is not None and _attrs_match(p.attrs, h.attrs, bound[1]) is not None:
-                    found.append(bound)
-        cache[h] = found
+            return []
+        orders = [h.inputs]
+        if OPS[p.op].commutative and h.inputs[0] != h.inputs[1]:
+            orders.append(h.inputs[::-1])
+        found = []
+        for host_inputs in orders:
+            bound = self._bind_inputs(p, host_inputs, var, sym_a, host_of, shapes, stats)
+            # Sizes in attributes ("$D") can only be checked once shapes are bound.
+            if bound is not None and _attrs_match(p.attrs, h.attrs, bound[1]) is not None:
+                found.append(bound)
         return found
 
     @staticmethod
