@@ -316,6 +316,7 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     # rule, so that its own matches are found incrementally (_incremental_matches).
     queue = [(start_cost, next(tie), start, start_path, None)]
     reach = [_reach(sub) for sub in substitutions]
+    index = {id(sub): k for k, sub in enumerate(substitutions)}
     seen = {graph.key, start.key}
     best, best_cost, best_path = start, start_cost, start_path
     iterations, stopped = 0, "queue empty"
@@ -332,10 +333,8 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         new = near_cache = None
         if origin is not None:
             new, near_cache = _node_set(g) - _node_set(origin[0]), {}
-        relevant = set(map(id, _relevant(substitutions, g)))
-        for k, sub in enumerate(substitutions):
-            if id(sub) not in relevant:
-                continue
+        for sub in _relevant(substitutions, g):
+            k = index[id(sub)]
             previous = None if origin is None or reach[k] is None else origin[1].get(k)
             if previous is None:
                 table[k] = list(sub.matches(g, rejected))

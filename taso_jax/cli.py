@@ -155,9 +155,8 @@ def _generate(args) -> int:
     names = args.domains.split(",") if args.domains else list(by_name)
     unknown = [n for n in names if n not in by_name]
     if unknown:
-        print(f"taso-jax generate: unknown domain(s) {unknown}; known: {sorted(by_name)}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"unknown domain(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(by_name)}")
 
     bar = tqdm(desc="generate", unit="stage", file=sys.stderr, disable=args.quiet)
 
@@ -323,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-ops", type=int, default=3, help="operators per side at most (3)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--domains", default=None,
-                   help="comma-separated domains to generate over (default: all of "
-                        "conv, matmul, affine, gconv)")
+                   help="comma-separated domain names (default: every domain in "
+                        "taso_jax.generator.DEFAULT_DOMAINS)")
     g.add_argument("-o", "--output", default="substitutions.json")
     g.add_argument("--timeout-ms", type=int, default=1000, help="Z3 limit per proof (1000)")
     g.add_argument("--workers", type=int, default=None, help="processes (one per core)")

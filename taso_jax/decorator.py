@@ -394,6 +394,7 @@ class OptimizedFunction:
         interleaved in one process. Returns ``{"before_us", "after_us", "speedup",
         "device", "repeats"}``.
         """
+        from taso_jax.bench import device_name
         from taso_jax.executor import time_function
 
         e = self._entry()
@@ -410,10 +411,8 @@ class OptimizedFunction:
             ta += time_function(orig, repeats=1, warmup=0)
             tb += time_function(opt, repeats=1, warmup=0)
         a, b = float(np.median(ta)), float(np.median(tb))
-        dev = jax.devices()[0]
         return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
-                "device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
-                "repeats": repeats}
+                "device": device_name(), "repeats": repeats}
 
     def report(self, time: bool = True, repeats: int = 30) -> str:
         """The report for the last call's signature, as text (see ``taso-jax optimize``).
