@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from taso_jax.search.cost import AnalyticCostModel, CostModel
 
-from taso_jax.graph import Graph
+from taso_jax.graph import Graph, Tensor
 from taso_jax.substitution import Substitution
 
 __all__ = ["SearchResult", "backtracking_search", "greedy_descent"]
@@ -104,17 +104,20 @@ def _estimate(graph: Graph, cost: float, binding: dict, cost_model: CostModel) -
 def _cheaper(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
              limit: float, rejected: Counter, near: set | None = None,
              bindings: list | None = None):
-    """Yield ``(binding, new_graph, new_cost)`` for rewrites estimated below ``limit``.
+    """Yield ``(binding, new_graph, new_cost, rewrite)`` for rewrites estimated below ``limit``.
 
-    Each yielded graph is built and priced exactly. ``bindings`` (optional) are the rule's
-    matches in ``graph`` when already known (:func:`_incremental_matches`).
+    Each yielded graph is built and priced exactly. ``rewrite`` is ``(mapping, rebuilt)``:
+    the tensors replaced and the nodes rebuilt (:meth:`Graph.replace`, :class:`_Change`).
+    ``bindings`` (optional) are the rule's matches in ``graph`` when already known
+    (:func:`_incremental_matches`).
     """
     for b in (sub.matches(graph, rejected, near=near) if bindings is None else bindings):
         mapping = sub.prepare(graph, b, rejected)
         if mapping is None or _estimate(graph, cost, b, cost_model) >= limit:
             continue
-        g2 = graph.replace(mapping)
-        yield b, g2, cost_model.graph_cost(g2)
+        rebuilt: dict = {}
+        g2 = graph.replace(mapping, rebuilt)
+        yield b, g2, cost_model.graph_cost(g2), (mapping, rebuilt)
 
 
 def _reach(sub: Substitution) -> int | None:
@@ -148,23 +151,74 @@ def _reach(sub: Substitution) -> int | None:
     return None if far >= inf else far
 
 
+class _Change:
+    """How a rewritten graph relates to the graph it was rewritten from.
+
+    A node of the new graph is *stable* when it corresponds one to one to a node of the old
+    graph with the same operator, attributes and input positions: an old node left as it
+    was, or an old node rebuilt only because something upstream of it changed (hash-consing
+    rebuilds every node downstream of a rewrite). Every other node is *unstable*: the nodes
+    the rewrite created, the nodes that read a replaced tensor, nodes that two old nodes
+    collapsed into, and the readers of those. A match made of stable nodes is exactly the
+    image of a match in the old graph, so only matches that touch an unstable node have to
+    be looked for again; that set stays near the rewrite however deep the model is.
+    """
+
+    def __init__(self, old: Graph, new: Graph, rewrite: tuple):
+        old_nodes = _node_set(old)
+        self.unstable: set = set()
+        mapping, rebuilt = rewrite
+        self.rebuilt = rebuilt
+        preimages = Counter(rebuilt.values())
+        pre = {v: n for n, v in rebuilt.items()}
+        ambiguous = set()
+        for v in new.nodes:
+            if v in old_nodes:
+                if preimages[v]:  # an old node that a rebuilt one collapsed into
+                    ambiguous.add(v)
+                continue
+            n = pre.get(v)
+            if n is None or preimages[v] > 1:
+                ambiguous.add(v)  # created by the rewrite, or two old nodes made one
+            elif any(t in mapping for t in n.inputs) or \
+                    any(t.node in ambiguous for t in v.inputs):
+                self.unstable.add(v)
+        self.unstable |= ambiguous
+
+    def carry(self, binding: dict, nodes: frozenset) -> dict | None:
+        """``binding`` (a match in the old graph) moved to the new graph, or ``None``."""
+        rebuilt, unstable = self.rebuilt, self.unstable
+        hosts = binding["nodes"]
+        if not any(n in rebuilt for n in hosts) and \
+                not any(t.node in rebuilt for t in binding["vars"].values()):
+            ok = all(n in nodes and n not in unstable for n in hosts)
+            return binding if ok else None
+        hosts = [rebuilt.get(n, n) for n in hosts]
+        if not all(n in nodes and n not in unstable for n in hosts):
+            return None
+        var = {k: t if t.node not in rebuilt else Tensor(rebuilt[t.node], t.index)
+               for k, t in binding["vars"].items()}
+        return {"nodes": hosts, "vars": var, "sym": binding["sym"]}
+
+
 def _incremental_matches(graph: Graph, sub: Substitution, reach: int, previous: list,
-                         new: set, near_cache: dict, rejected: Counter) -> list:
+                         change: _Change, near_cache: dict, rejected: Counter) -> list:
     """The matches of ``sub`` in ``graph``, from its matches in the graph it was rewritten from.
 
-    Nodes are immutable and hash-consed, so a match whose nodes all survive the rewrite is
-    still a match (the conditions on consumers and outputs are checked again when it is
-    applied), and a match that was not there before uses a node the rewrite created
-    (``new``); those are found by matching with the first source node within ``reach``
-    edges of a new node (:func:`_reach`).
+    Nodes are immutable and hash-consed. A match made of stable nodes (:class:`_Change`) is
+    carried over from the old graph (the conditions on consumers and outputs are checked
+    again when it is applied); a match that was not there before uses an unstable node, and
+    those are found by matching with the first source node within ``reach`` edges of an
+    unstable node (:func:`_reach`).
     """
     nodes = _node_set(graph)
-    kept = [b for b in previous if all(n in nodes for n in b["nodes"])]
+    kept = [c for c in (change.carry(b, nodes) for b in previous) if c is not None]
     near = near_cache.get(reach)
     if near is None:
-        near = near_cache[reach] = _near(graph, new, reach)
+        near = near_cache[reach] = _near(graph, change.unstable, reach)
+    unstable = change.unstable
     fresh = [b for b in sub.matches(graph, rejected, near=near)
-             if any(n in new for n in b["nodes"])]
+             if any(n in unstable for n in b["nodes"])]
     return kept + fresh
 
 
@@ -200,7 +254,7 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, rejected
     # Pairs that worked once come first: a model repeats its patterns (53 batchnorms).
     first.sort(key=lambda s: -_PAIR_HITS.get(s.name, 0))
     for sub in first:
-        for b, g1, c1 in _cheaper(graph, cost, sub, cost_model, alpha * cost * (1 + 1e-9),
+        for b, g1, c1, _ in _cheaper(graph, cost, sub, cost_model, alpha * cost * (1 + 1e-9),
                                   rejected):
             tries += 1
             if time.perf_counter() > deadline or tries > max_tries:
@@ -216,7 +270,7 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, rejected
                       if any(p.op in new_ops for p in s.source)]
             second.sort(key=lambda s: -_PAIR_HITS.get(s.name, 0))
             for sub2 in second:
-                for b2, g2, c2 in _cheaper(g1, c1, sub2, cost_model, target, rejected, near):
+                for b2, g2, c2, _ in _cheaper(g1, c1, sub2, cost_model, target, rejected, near):
                     if new & set(b2["nodes"]) and c2 < target:
                         _PAIR_HITS[sub.name] = _PAIR_HITS.get(sub.name, 0) + 1
                         _PAIR_HITS[sub2.name] = _PAIR_HITS.get(sub2.name, 0) + 1
@@ -253,7 +307,7 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
             again = True
             while again and time.perf_counter() < deadline:
                 again = False
-                for _, g2, c2 in _cheaper(graph, cost, sub, cost_model, cost * (1 - 1e-9),
+                for _, g2, c2, _ in _cheaper(graph, cost, sub, cost_model, cost * (1 - 1e-9),
                                           rejected):
                     if c2 < cost * (1 - 1e-9):
                         graph, cost = g2, c2
@@ -330,26 +384,27 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         gc, _, g, path, origin = heapq.heappop(queue)  # best is updated when pushed
         iterations += 1
         table: dict[int, list] = {}
-        new = near_cache = None
+        change = near_cache = None
         if origin is not None:
-            new, near_cache = _node_set(g) - _node_set(origin[0]), {}
+            change, near_cache = _Change(origin[0], g, origin[2]), {}
         for sub in _relevant(substitutions, g):
             k = index[id(sub)]
             previous = None if origin is None or reach[k] is None else origin[1].get(k)
             if previous is None:
                 table[k] = list(sub.matches(g, rejected))
             else:
-                table[k] = _incremental_matches(g, sub, reach[k], previous, new, near_cache,
-                                                rejected)
-            for _, g2, c2 in _cheaper(g, gc, sub, cost_model, alpha * best_cost * (1 + 1e-9),
-                                      rejected, bindings=table[k]):
+                table[k] = _incremental_matches(g, sub, reach[k], previous, change,
+                                                near_cache, rejected)
+            limit = alpha * best_cost * (1 + 1e-9)
+            for _, g2, c2, rewrite in _cheaper(g, gc, sub, cost_model, limit, rejected,
+                                               bindings=table[k]):
                 if g2.key in seen:
                     continue
                 seen.add(g2.key)
                 if c2 < alpha * best_cost:
                     visited.append((c2, g2, (*path, sub.name)))
                     heapq.heappush(queue, (c2, next(tie), g2, (*path, sub.name),
-                                           (g, table)))
+                                           (g, table, rewrite)))
                     if c2 < best_cost:
                         best, best_cost, best_path = g2, c2, (*path, sub.name)
         if progress:

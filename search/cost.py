@@ -35,18 +35,28 @@ __all__ = ["CostModel", "AnalyticCostModel", "fused_cost", "MeasuredCostModel", 
 
 
 class CostModel:
-    """Base class: ``node_cost(node)`` in microseconds; per-node results are memoized."""
+    """Base class: ``node_cost(node)`` in microseconds, memoized per node and per signature.
+
+    A node's cost depends only on its signature: operator, attributes, input types and
+    output types. A rewrite rebuilds every node downstream of it (the IR is hash-consed), so
+    most nodes of a rewritten graph are new objects with a signature already priced.
+    """
 
     name = "base"
 
     def __init__(self):
         self._memo: dict[Node, float] = {}
+        self._by_signature: dict[tuple, float] = {}
 
     def node_cost(self, node: Node) -> float:
         """Estimated run time of one node in microseconds."""
         c = self._memo.get(node)
         if c is None:
-            c = self._memo[node] = float(self._cost(node))
+            sig = (node.op, node.attrs, tuple(t.type for t in node.inputs), node.types)
+            c = self._by_signature.get(sig)
+            if c is None:
+                c = self._by_signature[sig] = float(self._cost(node))
+            self._memo[node] = c
         return c
 
     def _cost(self, node: Node) -> float:  # pragma: no cover - abstract

@@ -253,9 +253,15 @@ class Graph:
         return Counter(n.op for n in self.nodes if n.op not in LEAF_OPS
                        and (include_weight_only or n not in self.weight_only))
 
-    def replace(self, mapping: Mapping[Tensor, Tensor]) -> Graph:
-        """A new graph with each tensor in ``mapping`` replaced by its value everywhere."""
-        new: dict[Node, Node] = {}
+    def replace(self, mapping: Mapping[Tensor, Tensor],
+                rebuilt: dict[Node, Node] | None = None) -> Graph:
+        """A new graph with each tensor in ``mapping`` replaced by its value everywhere.
+
+        Every node that reads a replaced tensor, directly or through other nodes, is rebuilt
+        on its new inputs. ``rebuilt`` (optional, a dict) is filled with old node -> rebuilt
+        node for each of them (nodes left dead by the replacement included).
+        """
+        new: dict[Node, Node] = {} if rebuilt is None else rebuilt
 
         def remap(t: Tensor) -> Tensor:
             if t in mapping:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -181,7 +182,8 @@ def test_incremental_matching_finds_exactly_the_full_matches(monkeypatch):
             return tuple(b["nodes"]), tuple(sorted(b["vars"].items())), \
                 tuple(sorted(b["sym"].items(), key=repr))
 
-        assert sorted(map(key, got), key=repr) == sorted(map(key, full), key=repr), sub.name
+        # As multisets: two different matches can print alike, so sorting by repr is unstable.
+        assert Counter(map(key, got)) == Counter(map(key, full)), sub.name
         calls.append(len(got))
         return got
 
