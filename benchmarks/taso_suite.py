@@ -2,22 +2,31 @@
 ResNet-50 and NasNet-A at 1x, 2x and 4x depth (with kernel costs cached: the second search
 of each graph is the one timed).
 
-Run: python benchmarks/taso_suite.py [--small] [--cost-model measured|analytic]
-Writes benchmarks/results/<device>.json, .md and .png (see ``taso-jax bench --help``).
+Run: python benchmarks/taso_suite.py [MODEL ...] [--small] [--cost-model measured|analytic]
+     [--no-scaling | --scaling-only] [--cost-cache FILE] [--fresh] [--out DIR]
+Writes benchmarks/results/<device>.json, .md and .png (see ``taso-jax bench --help``) and
+<device>_scaling.md. Rows of models not named are kept from an earlier run on the same
+device, so that the suite can run in pieces (a lent GPU machine allows 10 minutes a command).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+MODELS_DIR = Path(__file__).resolve().parent.parent / "examples" / "models"
+sys.path.insert(0, str(MODELS_DIR.parent))
 from models import MODELS  # noqa: E402
 from taso_jax.search import backtracking_search, get_cost_model  # noqa: E402
+from taso_jax.search.cost import COST_CACHE_ENV  # noqa: E402
 
 import taso_jax  # noqa: E402
+from taso_jax._io import atomic_write  # noqa: E402
+from taso_jax.bench import device_name, results_path  # noqa: E402
 from taso_jax.cli import main as cli  # noqa: E402
 
 
@@ -50,20 +59,41 @@ def depth_scaling(cost_model: str, small: bool, budget: int) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("models", nargs="*", help="models to bench (default: all six)")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--cost-model", default="measured")
     ap.add_argument("--budget", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--cost-cache", help="SQLite kernel cost cache (sets TASO_JAX_COST_CACHE)")
+    ap.add_argument("--fresh", action="store_true", help="drop earlier rows of this device")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--no-scaling", action="store_true", help="skip the depth scaling")
+    mode.add_argument("--scaling-only", action="store_true", help="only the depth scaling")
     args = ap.parse_args()
-    rc = cli(["bench", "--cost-model", args.cost_model, "--budget", str(args.budget),
-              "--repeats", str(args.repeats), "--out", args.out]
-             + (["--small"] if args.small else []))
-    print("\n| model | depth | operators | search (s), costs cached | graphs expanded | stopped |")
-    print("|---|---|---|---|---|---|")
+    if args.cost_cache:
+        os.environ[COST_CACHE_ENV] = os.path.abspath(args.cost_cache)
+    rc = 0
+    if not args.scaling_only:
+        rc = cli(["bench", "--cost-model", args.cost_model, "--budget", str(args.budget),
+                  "--repeats", str(args.repeats), "--out", args.out,
+                  "--models-dir", str(MODELS_DIR), *args.models]
+                 + (["--small"] if args.small else []) + (["--fresh"] if args.fresh else []))
+    if rc or args.no_scaling:
+        return rc
+    lines = [f"Device: {device_name()}; date: {datetime.date.today().isoformat()}; search "
+             f"budget {args.budget} graphs; {'small' if args.small else 'full-size'} models.",
+             "", "| model | depth | operators | search (s), costs cached | graphs expanded | "
+             "stopped |", "|---|---|---|---|---|---|"]
+    print("\n" + "\n".join(lines), flush=True)
     for r in depth_scaling(args.cost_model, args.small, args.budget):
-        print(f"| {r['model']} | {r['depth']}x | {r['operators']} | {r['seconds']:.1f} | "
-              f"{r['iterations']} | {r['stopped']} |", flush=True)
+        lines.append(f"| {r['model']} | {r['depth']}x | {r['operators']} | "
+                     f"{r['seconds']:.1f} | {r['iterations']} | {r['stopped']} |")
+        print(lines[-1], flush=True)
+    path = results_path(args.out, device_name())
+    path = path.with_name(f"{path.stem}_scaling.md")
+    atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    print(f"written: {path}")
     return rc
 
 

@@ -123,8 +123,20 @@ class AnalyticCostModel(CostModel):
         return max(flops / (self.gflops * 1e3), moved / (self.gbytes * 1e3)) + self.launch_us
 
 
+#: Environment variable naming the SQLite file of measured kernel costs, where it is set.
+COST_CACHE_ENV = "TASO_JAX_COST_CACHE"
+
+
 def default_cache_path() -> str:
-    """``<user cache dir>/taso_jax/costs.sqlite`` (platformdirs)."""
+    """The kernel cost cache file: ``$TASO_JAX_COST_CACHE``, else the user cache's.
+
+    The user cache's is ``<user cache dir>/taso_jax/costs.sqlite`` (platformdirs). Setting
+    the variable lets a cache travel with a checkout, e.g. between the separate commands of a
+    benchmark run on a lent GPU machine, whose user cache is wiped between them.
+    """
+    path = os.environ.get(COST_CACHE_ENV)
+    if path:
+        return path
     import platformdirs
 
     return os.path.join(platformdirs.user_cache_dir("taso_jax"), "costs.sqlite")
@@ -134,7 +146,8 @@ class MeasuredCostModel(CostModel):
     """Operator costs measured as ``jax.jit``-compiled kernels on the current device.
 
     Args:
-        cache_path: SQLite file; ``None`` for the default user cache, ``False`` for no cache.
+        cache_path: SQLite file; ``None`` for :func:`default_cache_path` (the user cache, or
+            ``$TASO_JAX_COST_CACHE``), ``False`` for no cache.
         repeats: timed runs per operator (median is kept).
         calibrate: price an operator at ``max(measured - call_overhead_us, 0) + launch``
             microseconds, where ``call_overhead_us`` is the median time of a jitted call

@@ -27,7 +27,7 @@ from taso_jax.executor import compile_graph, random_inputs, time_function
 from taso_jax.graph import Graph
 
 __all__ = ["time_graphs", "rank_correlation", "choose_fastest", "bench_graph", "device_name",
-           "write_results", "format_table"]
+           "merge_rows", "read_results", "results_path", "write_results", "format_table"]
 
 
 def device_name() -> str:
@@ -179,7 +179,9 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
         "operators_before": sum(graph.op_counts().values()),
         "operators_after": sum(r.graph.op_counts().values()),
         "estimated_us_before": r.cost_before, "estimated_us_after": r.cost_after,
-        "cost_model": cost_model if isinstance(cost_model, str) else type(cost_model).__name__,
+        "cost_model": cost_model if isinstance(cost_model, str) else getattr(
+            cost_model, "name", type(cost_model).__name__),
+        "date": datetime.date.today().isoformat(),
         "search_seconds": search_seconds, "iterations": r.iterations,
         "applied": {k: v for k, v in sorted(r.applied.items(), key=lambda kv: -kv[1])},
         "original_us": before, "optimized_us": after,
@@ -214,25 +216,81 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def results_path(out_dir, device: str) -> Path:
+    """``<out_dir>/<device>.json``, the device name made file-safe (``gpu_NVIDIA_H100``)."""
+    stem = "".join(c if c.isalnum() or c in "-." else "_" for c in device)
+    return Path(out_dir) / f"{stem}.json"
+
+
+def read_results(out_dir, device: str) -> list[dict]:
+    """The rows of this device's results file under ``out_dir`` (``[]`` when there is none).
+
+    Raises:
+        ValueError: the file exists but is not a results file of ``taso-jax bench``; the
+            message names the file.
+    """
+    path = results_path(out_dir, device)
+    if not path.exists():
+        return []
+    try:
+        rows = json.loads(path.read_text())["results"]
+        if not all(isinstance(r, dict) and "model" in r for r in rows):
+            raise TypeError("a result row without a model name")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a results file of taso-jax bench ({e}); move it away "
+                         f"or pass --fresh") from e
+    return rows
+
+
+def merge_rows(rows: list[dict], earlier: list[dict], order: list[str] | None = None
+               ) -> tuple[list[dict], list[str]]:
+    """``rows`` plus the ``earlier`` rows (:func:`read_results`) of the models not in ``rows``.
+
+    A suite too long for one command (a lent GPU machine allows 10 minutes a command) runs
+    in pieces: each piece writes its models and keeps the rest. Earlier rows are kept only
+    when they were measured at the same model size (``settings["small"]``) as ``rows``; a row
+    of this run replaces an earlier row of the same model. The result is in ``order`` (model
+    names) where given, else earlier rows first. Each row carries its own ``date`` and
+    ``settings``.
+
+    Returns ``(merged rows, names of the models kept from the earlier rows)``.
+    """
+    if not rows:
+        return rows, []
+    small = rows[0].get("settings", {}).get("small")
+    new = {r["model"] for r in rows}
+    kept = [r for r in earlier if r["model"] not in new
+            and r.get("settings", {}).get("small") == small]
+    merged = kept + rows
+    if order:
+        rank = {m: i for i, m in enumerate(order)}
+        merged.sort(key=lambda r: rank.get(r["model"], len(rank)))
+    return merged, [r["model"] for r in kept]
+
+
 def write_results(rows: list[dict], out_dir, settings: dict | None = None) -> dict:
     """Write ``<device>.json``, ``<device>.md`` and ``<device>.png`` under ``out_dir``.
 
     The device name is made file-safe (``gpu_NVIDIA_H100_80GB_HBM3``). The chart shows the
     median run time per model, original against optimized, normalised to the original
     (TASO, SOSP 2019, Figure 7 style); it needs matplotlib and is skipped with a note in the
-    returned paths when matplotlib is missing. Files are written atomically.
+    returned paths when matplotlib is missing. Files are written atomically. Rows that carry
+    a ``date`` other than today's (kept by :func:`merge_rows`) are listed under the table.
 
     Returns ``{"json": path, "markdown": path, "chart": path or None}``.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = rows[0]["device"] if rows else device_name()
-    stem = "".join(c if c.isalnum() or c in "-." else "_" for c in device)
     date = datetime.date.today().isoformat()
     doc = {"device": device, "date": date, "settings": settings or {}, "results": rows}
-    paths = {"json": out / f"{stem}.json", "markdown": out / f"{stem}.md", "chart": None}
+    jpath = results_path(out, device)
+    stem = jpath.stem
+    paths = {"json": jpath, "markdown": out / f"{stem}.md", "chart": None}
+    older = [f"{r['model']} ({r['date']})" for r in rows if r.get("date", date) != date]
+    note = f"\nRows from earlier runs: {', '.join(older)}.\n" if older else ""
     text = {"json": json.dumps(doc, indent=1),
-            "markdown": f"Device: {device}; date: {date}.\n\n{format_table(rows)}\n"}
+            "markdown": f"Device: {device}; date: {date}.\n\n{format_table(rows)}\n{note}"}
     for kind, body in text.items():
         atomic_write(paths[kind], lambda tmp, body=body: Path(tmp).write_text(body))
     try:

@@ -253,7 +253,14 @@ def _load_bench_models(models_dir: str | None) -> dict:
 
 
 def _bench(args) -> int:
-    from taso_jax.bench import bench_graph, device_name, format_table, write_results
+    from taso_jax.bench import (
+        bench_graph,
+        device_name,
+        format_table,
+        merge_rows,
+        read_results,
+        write_results,
+    )
 
     models = _load_bench_models(args.models_dir)
     names = args.models or list(models)
@@ -261,13 +268,24 @@ def _bench(args) -> int:
     if unknown:
         raise UsageError(f"unknown benchmark model(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(models)}")
+    try:  # read before the long run, so that a bad file stops it at once
+        earlier = [] if args.fresh else read_results(args.out, device_name())
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     print(f"device: {device_name()}; cost model: {args.cost_model}; "
           f"{'small' if args.small else 'full-size'} models", flush=True)
+    from taso_jax.search import get_cost_model
+
+    settings = {k: getattr(args, k) for k in ("cost_model", "budget", "time_limit", "repeats",
+                                              "candidates", "sample", "small")}
+    cost_model = get_cost_model(args.cost_model, **(
+        {"cache_path": args.cost_cache} if args.cost_cache and args.cost_model == "measured"
+        else {}))
     rows = []
     for name in names:
         m = models[name]
         graph = m.build(**m.SMALL) if args.small else m.build()
-        row = bench_graph(name, graph, cost_model=args.cost_model, budget=args.budget,
+        row = bench_graph(name, graph, cost_model=cost_model, budget=args.budget,
                           time_limit=args.time_limit, repeats=args.repeats,
                           candidates=args.candidates, sample=args.sample)
         e = row["end_to_end"]
@@ -276,9 +294,11 @@ def _bench(args) -> int:
               f"search {row['search_seconds']:.1f} s; measured {e['measured']} graphs"
               f"{', original kept (no candidate faster)' if e['original_kept'] else ''}",
               flush=True)
-        rows.append(row)
-    settings = {k: getattr(args, k) for k in ("cost_model", "budget", "time_limit", "repeats",
-                                              "candidates", "sample", "small")}
+        rows.append({**row, "settings": settings})
+    rows, kept = merge_rows(rows, earlier, order=list(models))
+    if kept:
+        print(f"kept from the earlier results on this device: {', '.join(kept)} "
+              "(--fresh to drop them)", flush=True)
     paths = write_results(rows, args.out, settings)
     print(format_table(rows))
     print("written: " + ", ".join(str(p) for p in paths.values() if p))
@@ -348,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="benchmarks/results",
                    help="folder for <device>.json, .md and .png (benchmarks/results)")
     b.add_argument("--models-dir", help="folder of the model package (examples/models)")
+    b.add_argument("--cost-cache", metavar="FILE",
+                   help="SQLite file of measured kernel costs (default: $TASO_JAX_COST_CACHE, "
+                        "else the user cache dir)")
+    b.add_argument("--fresh", action="store_true",
+                   help="drop the rows of models not run now from the device's results file "
+                        "(default: keep them, so the suite can run in pieces)")
     return p
 
 
