@@ -237,7 +237,8 @@ def _merge_gconv_onnx(ctx, ins, outs, *, groups, count):
 declare(OpDef(
     "merge_gconv", _merge_gconv, _merge_gconv_shape, 1, attrs={"groups": 1, "count": 1},
     to_onnx=_merge_gconv_onnx, flops=lambda i, o, **_: 0.0,
-    examples=(([TensorType((8, 2, 3, 3), _F32)], {"groups": 4, "count": 2}),),
+    examples=(([TensorType((8, 2, 3, 3), _F32)], {"groups": 4, "count": 2}),
+              ([TensorType((8, 2, 3, 3), _F32)], {"groups": 8, "count": 2})),
     doc="kernel of a conv with `groups` groups, rewritten block-diagonally for groups/count "
         "groups (TASO merge_gconv)"))
 

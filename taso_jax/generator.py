@@ -117,7 +117,8 @@ GCONV_DOMAIN = Domain(
                "s": ("weight", (1, "D", 1, 1))},
     instances=({"N": 1, "C": 8, "E": 2, "D": 12, "H": 5, "W": 6, "K": 3},
                {"N": 2, "C": 12, "E": 3, "D": 8, "H": 6, "W": 5, "K": 1}),
-    ops=(("conv2d", {"groups": 4}), ("conv2d", {}), ("merge_gconv", {"groups": 4, "count": 4}),
+    ops=(("conv2d", {"groups": 4}), ("conv2d", {"groups": 2}), ("conv2d", {}),
+         ("merge_gconv", {"groups": 4, "count": 4}), ("merge_gconv", {"groups": 4, "count": 2}),
          ("relu", {}), ("ewmul", {}), ("transpose", {"perm": (1, 0, 2, 3)})),
     attribute_instances=({"N": 1, "C": 6, "E": 3, "D": 4, "H": 5, "W": 6, "K": 3},
                          {"N": 1, "C": 16, "E": 2, "D": 8, "H": 4, "W": 5, "K": 3}))
@@ -434,8 +435,8 @@ def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Subst
             current = [(n.op, a, x) for n in sub.source + sub.target for a, x in n.attrs]
             if any(var == x for _, _, x in current) or (p.op, k, v) not in current:
                 continue  # the name is taken, or a broad renaming already took this value
-            for broad in _renamings(v):
-                cand = _rename_attribute(sub, p.op, k, v, var, broad)
+            for mode in _renamings(v):
+                cand = _rename_attribute(sub, p.op, k, v, var, mode)
                 if cand is None:
                     continue
                 validated = _validate_values(cand, domain, instances, fixed, p.op, k, v, var,
@@ -451,29 +452,48 @@ def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Subst
     return sub
 
 
-def _renamings(v) -> tuple[bool, ...]:
-    """Broad renaming (every equal integer) first, for integers; then the narrow one."""
-    return (True, False) if isinstance(v, int) and not isinstance(v, bool) else (False,)
+def _renamings(v) -> tuple[str, ...]:
+    """For integers: broad renaming (every equal integer), then quotient, then narrow."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return ("broad", "quotient", "narrow")
+    return ("narrow",)
 
 
 def _rename_attribute(sub: Substitution, op: str, k: str, v, var: str,
-                      broad: bool) -> Substitution | None:
-    """``sub`` with ``op``'s attribute ``k == v`` (or, broad, any attribute ``== v``) as ``var``.
+                      mode: str) -> Substitution | None:
+    """``sub`` with ``op``'s attribute ``k == v`` as ``var``, in one of three modes.
 
-    Returns ``None`` when a broad renaming changes nothing more than the narrow one.
+    * ``"narrow"``: only that attribute of ``op``;
+    * ``"broad"``: every attribute equal to ``v`` as well (a merge_gconv's ``groups`` and
+      ``count`` with the convolution's ``groups``);
+    * ``"quotient"``: as broad, and every other attribute named ``k`` whose integer value
+      divides ``v`` as ``var`` over the quotient: halving the groups of a convolution,
+      ``groups=4 => groups=2``, becomes ``groups=?groups => groups=?groups/2`` (TASO's
+      merge_gconv with a count of 2). The matcher applies such a rule only where the
+      division is exact.
+
+    Returns ``None`` when broad or quotient renaming changes nothing more than the narrower
+    mode before it.
     """
-    def hit(n, a, x):
-        if broad:
-            return type(x) is type(v) and x == v
-        return n.op == op and a == k and x == v
+    def new_value(n, a, x):
+        if (mode == "narrow" and n.op == op and a == k and x == v
+                or mode != "narrow" and type(x) is type(v) and x == v):
+            return var
+        if (mode == "quotient" and a == k and type(x) is type(v) and 0 < x < v
+                and v % x == 0):
+            return f"${var}/{v // x}"
+        return None
 
     def rename(nodes):
-        return tuple(PNode(n.op, tuple((a, var if hit(n, a, x) else x) for a, x in n.attrs),
+        return tuple(PNode(n.op, tuple((a, new_value(n, a, x) or x) for a, x in n.attrs),
                            n.inputs) for n in nodes)
 
     nodes = sub.source + sub.target
-    if broad and not any(hit(n, a, x) and not (n.op == op and a == k)
-                         for n in nodes for a, x in n.attrs):
+    if mode == "broad" and not any(new_value(n, a, x) and not (n.op == op and a == k)
+                                   for n in nodes for a, x in n.attrs):
+        return None
+    if mode == "quotient" and not any(str(new_value(n, a, x)).startswith("$")
+                                      for n in nodes for a, x in n.attrs):
         return None
     return Substitution(sub.name, sub.variables, rename(sub.source), rename(sub.target),
                         sub.outputs, sub.provenance)

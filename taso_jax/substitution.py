@@ -53,9 +53,23 @@ def _ref(ref: str) -> tuple[int, int] | None:
     return int(i), int(k or 0)
 
 
+def _resolve_term(term: str, sym: dict) -> int:
+    """One term of a size expression: a symbol, or a symbol over an integer (``?groups/2``).
+
+    Raises ``ShapeError`` when the division is not exact: the rule does not apply there.
+    """
+    name, slash, den = term.partition("/")
+    if not slash:
+        return sym[name]
+    q, r = divmod(sym[name], int(den))
+    if r:
+        raise ShapeError(f"{name} = {sym[name]} is not divisible by {den}")
+    return q
+
+
 def _resolve_attr(v: Any, sym: dict) -> Any:
     if isinstance(v, str) and v.startswith("$"):
-        return sum(sym[s] for s in v[1:].split("+"))
+        return sum(_resolve_term(t, sym) for t in v[1:].split("+"))
     if isinstance(v, str) and v.startswith("?"):
         return sym[v]
     if isinstance(v, tuple):
@@ -83,7 +97,7 @@ def _attrs_match(pattern: tuple, host: tuple, sym: dict) -> dict | None:
         try:
             if _resolve_attr(v1, sym) != v2:
                 return None
-        except KeyError:
+        except (KeyError, ShapeError):
             return None
     return sym
 

@@ -67,3 +67,12 @@ def test_grouped_convolution_rules_hold_for_any_number_of_groups():
                      "dilations=?dilations, padding=?padding, strides=?strides)")
     assert dense is not None, sorted(laws)
     assert dense.provenance["attribute_values"]["?groups"] == [4, 2, 8]
+    # Halving (enumerated as 4 groups => 2): the quotient renaming writes the target's groups
+    # as ?groups/2, which re-checks at 2 and 8 groups.
+    halve = laws.get("conv2d(x, w, activation=?activation, dilations=?dilations, "
+                     "groups=?groups, padding=?padding, strides=?strides)  =>  conv2d(x, "
+                     "merge_gconv(w, count=2, groups=?groups), activation=?activation, "
+                     "dilations=?dilations, groups=$?groups/2, padding=?padding, "
+                     "strides=?strides)")
+    assert halve is not None, sorted(laws)
+    assert halve.provenance["attribute_values"]["?groups"] == [4, 2, 8]

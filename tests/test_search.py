@@ -160,6 +160,38 @@ def test_grouped_convolution_becomes_dense_when_cheaper():
     assert check["ok"], check
 
 
+class _EightGroupsBest(AnalyticCostModel):
+    """Analytic costs, but a convolution's cost grows with its distance from 8 groups (a
+    device whose grouped kernels are fastest at 8 groups)."""
+
+    def _cost(self, node):
+        c = super()._cost(node)
+        if node.op == "conv2d" and node.attr("groups") > 1:
+            return c * (1 + 10 * abs(np.log2(node.attr("groups") / 8)))
+        return c
+
+
+def test_grouped_convolution_halves_its_groups_step_by_step():
+    # TASO's merge_gconv with a count of 2, applied twice: 32 groups -> 16 -> 8; both
+    # block-diagonal kernels are weight-only (built ahead of time)
+    b = taso_jax.new_graph(seed=0)
+    x = b.new_input((1, 64, 8, 8), name="input")
+    t = b.conv2d(x, b.new_weight((64, 2, 3, 3)), groups=32, activation="relu")
+    b.mark_output(b.conv2d(t, b.new_weight((64, 64, 1, 1))), "output")
+    g = b.graph()
+    result = taso_jax.search_graph(g, cost_model=_EightGroupsBest(), budget=20,
+                                   substitutions=SUBS)
+    out = result.graph
+    assert sorted(n.attr("groups") for n in out.by_op["conv2d"]) == [1, 8]
+    merges = out.by_op["merge_gconv"]
+    assert all(m in out.weight_only and m.attr("count") == 2 for m in merges)
+    assert sorted(m.attr("groups") for m in merges) == [16, 32]
+    feeds = {"input": taso_jax.random_inputs(g)[0]}
+    check = compare_onnx(taso_jax.export_onnx(g).SerializeToString(),
+                         taso_jax.export_onnx(out).SerializeToString(), feeds)
+    assert check["ok"], check
+
+
 def test_incremental_matching_finds_exactly_the_full_matches(monkeypatch):
     # A graph popped from the queue is matched from its parent's matches plus new matches
     # near the rewritten nodes; along a real search, that must equal matching from scratch.

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -67,6 +68,20 @@ def test_grouped_convolution_rules_are_proved_for_any_number_of_groups(src, tgt)
     assert rules, f"no shipped rule {src} => {tgt} over any number of groups"
     # proved for every value (no instance restriction), not just those checked numerically
     assert any(s.proof_status == "proved" and s.proved_instances is None for s in rules)
+
+
+def test_halving_the_groups_is_proved_for_any_even_number_of_groups():
+    # TASO's merge_gconv with a count of 2: groups=?groups => groups=?groups/2, found by the
+    # generator at 4 groups and proved for every even number (the exact division is a fact of
+    # the proof, and a condition of the matcher)
+    (rule,) = [s for s in _shipped(["conv2d"], ["merge_gconv", "conv2d"])
+               if ("groups", "$?groups/2") in s.target[1].attrs]
+    assert rule.proof_status == "proved" and rule.proved_instances is None
+    assert ("count", 2) in rule.target[0].attrs
+    # the same rule with a count of 4 but half the groups is wrong: not proved
+    wrong = replace(rule, target=(replace(rule.target[0], attrs=tuple(
+        (k, 4 if k == "count" else v) for k, v in rule.target[0].attrs)), rule.target[1]))
+    assert Prover(timeout_ms=2000).prove(wrong)["status"] != "proved"
 
 
 def _fingerprint(build):

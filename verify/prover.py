@@ -14,9 +14,10 @@ import itertools
 import time
 from dataclasses import replace
 
+from taso_jax.ops import ShapeError
 from taso_jax.verify.laws import Z3Encoding, all_axioms
 
-from taso_jax.substitution import PNode, Substitution, _from_jsonable, _ref
+from taso_jax.substitution import PNode, Substitution, _from_jsonable, _ref, _resolve_attr
 
 __all__ = ["Prover", "bind_attributes"]
 
@@ -50,8 +51,15 @@ class Prover:
         z3 = self.enc.z3
         if isinstance(token, int):
             return z3.IntVal(token)
-        name = str(token).lstrip("$")
-        terms = [ints.setdefault(p, z3.Int(p)) for p in name.split("+")]
+        terms = []
+        for part in str(token).lstrip("$").split("+"):
+            name, slash, den = part.partition("/")
+            t = ints.setdefault(name, z3.Int(name))
+            if slash:  # the matcher applies the rule only where the division is exact
+                q = z3.Int(f"{part}")
+                ints.setdefault(_GUARDS, []).append(q * int(den) == t)
+                t = q
+            terms.append(t)
         return sum(terms[1:], terms[0])
 
     def _attr(self, value, ints: dict):
@@ -146,6 +154,7 @@ class Prover:
             return env[r] if p is None else term(*p)
 
         differ = z3.Or(*[out(src, s) != out(tgt, t) for s, t in sub.outputs])
+        facts += ints.pop(_GUARDS, [])  # built with the sides: exact divisions
         solver = z3.Solver()
         solver.set(timeout=self.timeout_ms)
         for name, f in self.formulas:
@@ -159,6 +168,7 @@ class Prover:
 
 
 _SELECTORS = ("?activation", "?axis")
+_GUARDS = "#guards"  # key of the exact-division facts gathered while encoding a rule
 
 
 def _attribute_variables(sub: Substitution) -> set[str]:
@@ -171,9 +181,21 @@ def bind_attributes(sub: Substitution, assignment: dict) -> Substitution:
 
     ``assignment`` maps ``"?name"`` to a value, e.g. ``{"?axis": -1}``.
     """
+    def value(v):
+        if isinstance(v, str) and v in assignment:
+            return _from_jsonable(assignment[v])
+        if isinstance(v, str) and v.startswith("$"):  # ?groups/2 with ?groups bound
+            names = [t.partition("/")[0] for t in v[1:].split("+")]
+            if all(name in assignment for name in names):
+                try:
+                    return _resolve_attr(v, {k: _from_jsonable(x)
+                                             for k, x in assignment.items()})
+                except ShapeError:  # not exact at this value: left symbolic
+                    return v
+        return v
+
     def bind(nodes):
-        return tuple(PNode(n.op, tuple((k, _from_jsonable(assignment[v])
-                                        if isinstance(v, str) and v in assignment else v)
-                                       for k, v in n.attrs), n.inputs) for n in nodes)
+        return tuple(PNode(n.op, tuple((k, value(v)) for k, v in n.attrs), n.inputs)
+                     for n in nodes)
 
     return replace(sub, source=bind(sub.source), target=bind(sub.target))
