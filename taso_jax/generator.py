@@ -414,11 +414,13 @@ def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Subst
     For each ``(operator, attribute, value)`` used on the source side, the value becomes
     ``"?attribute"``, first wherever the same integer appears in any attribute on either
     side (so ``conv2d(x, w, groups=4) => conv2d(x, merge_gconv(w, groups=4, count=4),
-    groups=1)`` becomes a law for any number of groups), else only on that operator's
-    attribute. A generalised substitution is kept if it re-checks on every domain instance
-    (and attribute instance) for every alternative value from the operator's examples that
-    type-checks, and at least one does. E.g. folding a per-channel scale into a kernel holds
-    for any stride, padding and dilation, but not with a fused relu.
+    groups=1)`` becomes a law for any number of groups), then also as a quotient where an
+    attribute of the same name holds a divisor (``groups=4 => groups=2`` becomes
+    ``groups=?groups => groups=?groups/2``), else only on that operator's attribute. A
+    generalised substitution is kept if it re-checks on every domain instance (and attribute
+    instance) for every alternative value from the operator's examples that type-checks, and
+    at least one does. E.g. folding a per-channel scale into a kernel holds for any stride,
+    padding and dilation, but not with a fused relu.
 
     The values each variable was checked at (the original first) are recorded in
     ``provenance["attribute_values"]``; the verifier proves a rule at those values when it

@@ -38,7 +38,12 @@ class PNode:
     """A pattern node: operator, attributes (sorted pairs), inputs as references.
 
     A reference is a variable name, or ``"#i"`` / ``"#i.k"`` for output ``k`` of pattern
-    node ``i`` of the same side.
+    node ``i`` of the same side. An attribute value is a constant, an attribute variable
+    (``"?groups"``: any value, the same wherever it appears), or a size expression: ``"$"``
+    and terms joined by ``+``, each a symbol (a shape symbol ``D`` or an attribute
+    variable), or a symbol over an integer (``"$?groups/2"``). A size expression is computed
+    from symbols bound earlier in the pattern; a rule does not apply where a division is not
+    exact.
     """
 
     op: str
