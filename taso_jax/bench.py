@@ -225,6 +225,9 @@ def results_path(out_dir, device: str) -> Path:
 def read_results(out_dir, device: str) -> list[dict]:
     """The rows of this device's results file under ``out_dir`` (``[]`` when there is none).
 
+    Each row has its ``date`` and ``settings``; a row without them (written by an earlier
+    version) takes the file's.
+
     Raises:
         ValueError: the file exists but is not a results file of ``taso-jax bench``; the
             message names the file.
@@ -233,13 +236,15 @@ def read_results(out_dir, device: str) -> list[dict]:
     if not path.exists():
         return []
     try:
-        rows = json.loads(path.read_text())["results"]
+        doc = json.loads(path.read_text())
+        rows = doc["results"]
         if not all(isinstance(r, dict) and "model" in r for r in rows):
             raise TypeError("a result row without a model name")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a results file of taso-jax bench ({e}); move it away "
                          f"or pass --fresh") from e
-    return rows
+    # rows written before rows carried their own date and settings take the file's
+    return [{"date": doc.get("date"), "settings": doc.get("settings", {}), **r} for r in rows]
 
 
 def merge_rows(rows: list[dict], earlier: list[dict], order: list[str] | None = None

@@ -15,6 +15,7 @@ from taso_jax.bench import (
     device_name,
     merge_rows,
     rank_correlation,
+    read_results,
     results_path,
 )
 from taso_jax.cli import main
@@ -65,6 +66,16 @@ def test_merge_rows_keeps_other_models_at_the_same_size_only():
     assert [(r["model"], r["date"]) for r in merged] == [
         ("resnet50", "2026-02-02"), ("nasnet_a", "2026-01-01"), ("bert", "2026-01-01")]
     assert merge_rows([], earlier) == ([], [])
+
+
+def test_rows_without_their_own_settings_take_the_files(tmp_path):
+    path = results_path(tmp_path, "cpu:2 cores")
+    path.write_text(json.dumps({"device": "cpu:2 cores", "date": "2026-01-01",
+                                "settings": {"small": False}, "results": [{"model": "bert"}]}))
+    (row,) = read_results(tmp_path, "cpu:2 cores")
+    assert row == {"model": "bert", "date": "2026-01-01", "settings": {"small": False}}
+    new = {"model": "nasrnn", "settings": {"small": False}, "date": "2026-02-02"}
+    assert merge_rows([new], [row])[1] == ["bert"]
 
 
 def test_bench_stops_before_running_on_a_bad_results_file(tmp_path, capsys, monkeypatch):
