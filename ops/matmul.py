@@ -18,7 +18,7 @@ from taso_jax.ops import (
     jaxpr_importer,
     onnx_importer,
 )
-from taso_jax.ops.conv import _ACT_ONNX, _act
+from taso_jax.ops.conv import _ACT_ONNX, _act, check_activation
 from taso_jax.ops.elementwise import broadcast_shape
 
 
@@ -34,7 +34,7 @@ def _matmul_shape(ts, *, activation):
         raise ShapeError(f"matmul: contracting sizes differ in {a.shape} @ {b.shape}")
     if a.dtype != b.dtype:
         raise ShapeError(f"matmul: dtype mismatch {a.dtype} vs {b.dtype}")
-    _act(jnp.zeros(()), activation)
+    check_activation(activation)
     batch = broadcast_shape(a.shape[:-2], b.shape[:-2])
     return [TensorType(batch + (a.shape[-2], b.shape[-1]), a.dtype)]
 
