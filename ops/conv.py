@@ -64,13 +64,6 @@ def _window_out(size, k, s, d, pb, pe):
     return out
 
 
-def _act(x, activation):
-    try:
-        return ACTIVATIONS[activation](x)
-    except KeyError:
-        raise ShapeError(f"unknown activation {activation!r}") from None
-
-
 def check_activation(activation) -> None:
     """Raise ``ShapeError`` unless ``activation`` names a fused activation.
 
@@ -78,6 +71,11 @@ def check_activation(activation) -> None:
     """
     if activation not in ACTIVATIONS:
         raise ShapeError(f"unknown activation {activation!r}")
+
+
+def _act(x, activation):
+    check_activation(activation)
+    return ACTIVATIONS[activation](x)
 
 
 def _emit_act(ctx, y, outs, activation):

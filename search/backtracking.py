@@ -23,7 +23,8 @@ Two things keep an expansion cheap on large models:
 
 Together (and with costs memoized per operator signature) they took the NasNet-A search
 (446 operators, 1,124 rules, budget 100, kernel costs cached) on this project's 2-core CPU
-from 60 s, where it hit its time limit, to about 10 s, with the same result.
+from 60 s, where it hit its time limit, to about 10 s, with the same result (about 12 s with
+the 1,127 rules that include halving the groups of a convolution).
 """
 
 from __future__ import annotations

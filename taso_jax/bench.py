@@ -290,8 +290,7 @@ def write_results(rows: list[dict], out_dir, settings: dict | None = None) -> di
     date = datetime.date.today().isoformat()
     doc = {"device": device, "date": date, "settings": settings or {}, "results": rows}
     jpath = results_path(out, device)
-    stem = jpath.stem
-    paths = {"json": jpath, "markdown": out / f"{stem}.md", "chart": None}
+    paths = {"json": jpath, "markdown": jpath.with_suffix(".md"), "chart": None}
     older = [f"{r['model']} ({r['date']})" for r in rows if r.get("date", date) != date]
     note = f"\nRows from earlier runs: {', '.join(older)}.\n" if older else ""
     text = {"json": json.dumps(doc, indent=1),
@@ -318,7 +317,7 @@ def write_results(rows: list[dict], out_dir, settings: dict | None = None) -> di
     ax.set_title(f"{device}, {date}", fontsize=9)
     ax.legend(fontsize=8, loc="upper center", ncol=2, frameon=False)
     fig.tight_layout()
-    paths["chart"] = out / f"{stem}.png"
+    paths["chart"] = jpath.with_suffix(".png")
     atomic_write(paths["chart"], lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
     return paths

@@ -268,6 +268,9 @@ def _bench(args) -> int:
     if unknown:
         raise UsageError(f"unknown benchmark model(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(models)}")
+    if args.cost_cache and args.cost_model != "measured":
+        raise UsageError("--cost-cache holds measured kernel costs: it needs --cost-model "
+                         "measured")
     try:  # read before the long run, so that a bad file stops it at once
         earlier = [] if args.fresh else read_results(args.out, device_name())
     except ValueError as e:
@@ -278,9 +281,8 @@ def _bench(args) -> int:
 
     settings = {k: getattr(args, k) for k in ("cost_model", "budget", "time_limit", "repeats",
                                               "candidates", "sample", "small")}
-    cost_model = get_cost_model(args.cost_model, **(
-        {"cache_path": args.cost_cache} if args.cost_cache and args.cost_model == "measured"
-        else {}))
+    cost_model = get_cost_model(args.cost_model,
+                                **({"cache_path": args.cost_cache} if args.cost_cache else {}))
     rows = []
     for name in names:
         m = models[name]

@@ -99,6 +99,13 @@ def test_cost_cache_file_from_the_environment(tmp_path, monkeypatch):
     assert again.call_overhead_us == cm.call_overhead_us and again.measured == 0
 
 
+def test_cost_cache_needs_the_measured_cost_model(tmp_path, capsys):
+    assert main(["bench", "--small", "--cost-model", "analytic", "--cost-cache",
+                 str(tmp_path / "c.sqlite"), "--out", str(tmp_path), "nasrnn"]) == 2
+    assert "--cost-cache holds measured kernel costs" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_bench_rejects_an_unknown_model(tmp_path, capsys):
     assert main(["bench", "--small", "--out", str(tmp_path), "alexnet"]) == 2
     assert "unknown benchmark model(s) alexnet" in capsys.readouterr().err
