@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import jax_models  # noqa: E402
 
 import taso_jax  # noqa: E402
-from taso_jax.executor import time_function  # noqa: E402
+from taso_jax.ir.executor import time_function  # noqa: E402
 
 
 def bench(name: str, repeats: int, budget: int, time_limit: float, cost_model: str) -> dict:

@@ -22,11 +22,12 @@ MODELS_DIR = Path(__file__).resolve().parent.parent / "examples" / "models"
 sys.path.insert(0, str(MODELS_DIR.parent))
 from models import MODELS  # noqa: E402
 from taso_jax.search import backtracking_search, get_cost_model  # noqa: E402
+from taso_jax.search.choose import device_name  # noqa: E402
 from taso_jax.search.cost import COST_CACHE_ENV  # noqa: E402
 
 import taso_jax  # noqa: E402
 from taso_jax._io import atomic_write  # noqa: E402
-from taso_jax.bench import device_name, results_path  # noqa: E402
+from taso_jax.bench import results_path  # noqa: E402
 from taso_jax.cli import main as cli  # noqa: E402
 
 

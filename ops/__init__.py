@@ -213,7 +213,7 @@ def declare(op: OpDef) -> OpDef:
 def onnx_importer(*op_types: str):
     """Register ``fn(ctx, node_inputs, **onnx_attrs) -> list of outputs`` for ONNX op types.
 
-    ``ctx`` is duck-typed (see ``taso_jax.onnx_io``): ``ctx.op(name, inputs, **attrs)``
+    ``ctx`` is duck-typed (see ``taso_jax.frontends.onnx_io``): ``ctx.op(name, inputs, **attrs)``
     creates a node, ``ctx.const(tensor)`` returns a weight's value or ``None``,
     ``ctx.weight(array)`` makes a new weight, ``ctx.type(tensor)`` gives its TensorType,
     ``ctx.out_types`` the ONNX-inferred output types and ``ctx.opset`` the model's opset.
@@ -234,7 +234,7 @@ def jaxpr_importer(*primitives: str):
     ``conv_general_dilated``, ...); ``params`` are the equation's parameters. ``ctx`` is the
     same duck type as for :func:`onnx_importer` (``op``, ``const``, ``weight``, ``type``,
     ``out_types``) plus ``ctx.scalar(value, dtype)``. Returning ``None`` keeps the equation
-    as an opaque node that binds the original primitive (``taso_jax.jaxpr_io``).
+    as an opaque node that binds the original primitive (``taso_jax.frontends.jaxpr_io``).
     """
 
     def register(fn):

@@ -455,7 +455,7 @@ def _import_conv_jaxpr(ctx, ins, *, window_strides, padding, lhs_dilation, rhs_d
                        dimension_numbers, feature_group_count, batch_group_count,
                        preferred_element_type=None, **_):
     # Any layout (flax uses NHWC/HWIO): transpose into NCHW/OIHW, convolve, transpose back.
-    # The layout pass (taso_jax.layout) later cancels the transposes between convolutions.
+    # The layout pass (taso_jax.frontends.layout) later cancels the transposes between convolutions.
     lhs, rhs = ins
     if (len(ctx.type(lhs).shape) != 4 or any(d != 1 for d in lhs_dilation)
             or batch_group_count != 1

@@ -37,9 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from taso_jax.search.cost import AnalyticCostModel, CostModel
+from taso_jax.search.rules import Substitution
 
-from taso_jax.graph import Graph, Tensor
-from taso_jax.substitution import Substitution
+from taso_jax.ir.graph import Graph, Tensor
 
 __all__ = ["SearchResult", "backtracking_search", "greedy_descent"]
 
@@ -66,7 +66,7 @@ class SearchResult:
             the cheapest children left in it at the end, in the same form and order of
             discovery (for judging the cost model against measurements).
         end_to_end: when candidates were timed on the device, what was measured and chosen
-            (see :func:`taso_jax.bench.choose_fastest`).
+            (see :func:`taso_jax.search.choose.choose_fastest`).
     """
 
     graph: Graph

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 import numpy as np
 from taso_jax.ops import OPS
 
-from taso_jax.graph import LEAF_OPS, Graph, Node
+from taso_jax.ir.graph import LEAF_OPS, Graph, Node
 
 __all__ = ["CostModel", "AnalyticCostModel", "fused_cost", "MeasuredCostModel", "graph_cost",
            "get_cost_model"]
@@ -231,7 +231,7 @@ class MeasuredCostModel(CostModel):
     def _measure_overhead(self) -> float:
         import jax
 
-        from taso_jax.executor import time_function
+        from taso_jax.ir.executor import time_function
 
         x = jax.device_put(np.zeros((1,), np.float32))
         fn = jax.jit(lambda a: a + 1)
@@ -241,7 +241,7 @@ class MeasuredCostModel(CostModel):
     def _measure(self, node: Node) -> float:
         import jax
 
-        from taso_jax.executor import run_node, time_function
+        from taso_jax.ir.executor import run_node, time_function
 
         rng = np.random.default_rng(0)
         args = []
@@ -255,6 +255,10 @@ class MeasuredCostModel(CostModel):
         fn = jax.jit(lambda *a: run_node(node, a))
         times = time_function(lambda: fn(*args), repeats=self.repeats, warmup=2)
         return float(np.median(times))
+
+
+#: The cost models that can be named by a string.
+COST_MODEL_NAMES = ("measured", "analytic")
 
 
 def get_cost_model(name: str = "measured", **kw) -> CostModel:

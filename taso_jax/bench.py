@@ -1,21 +1,16 @@
-"""End-to-end measurement: the original and optimized graphs under ``jax.jit``, side by side.
+"""The benchmark table of ``taso-jax bench``: original and optimized graphs under ``jax.jit``.
 
-Two uses:
-
-* :func:`choose_fastest` times a search's best few candidate graphs (and the original) on the
-  current device and keeps the fastest, so the optimizer never returns a graph that runs
-  slower than its input by more than the measurement's noise;
-* :func:`bench_graph` and :func:`write_results` produce the benchmark table of
-  ``taso-jax bench``: per model, both graphs timed in one process, interleaved, after warm-up
-  (median, min and max in microseconds), the search time, the substitutions applied, and the
-  rank correlation between the cost model's estimates and the measured times.
+:func:`bench_graph` and :func:`write_results` give, per model, both graphs timed in one
+process, interleaved, after warm-up (median, min and max in microseconds), the search time,
+the substitutions applied, and the rank correlation between the cost model's estimates and
+the measured times. The end-to-end choice itself is part of optimizing and lives in
+:mod:`taso_jax.search.choose`.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,123 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from taso_jax._io import atomic_write
-from taso_jax.executor import compile_graph, random_inputs, time_function
-from taso_jax.graph import Graph
+from taso_jax.ir.graph import Graph
+from taso_jax.search.backtracking import backtracking_search
+from taso_jax.search.choose import choose_fastest, device_name, time_graphs
+from taso_jax.search.options import OptimizeOptions, usable_rules
 
-__all__ = ["time_graphs", "rank_correlation", "choose_fastest", "bench_graph", "device_name",
-           "merge_rows", "read_results", "results_path", "write_results", "format_table"]
-
-
-def device_name() -> str:
-    """The current JAX device: ``"gpu:NVIDIA H100 80GB HBM3"``, or ``"cpu:N cores"``."""
-    import jax
-
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        return f"cpu:{os.cpu_count()} cores"
-    return f"{dev.platform}:{getattr(dev, 'device_kind', '') or dev.platform}"
-
-
-def time_graphs(graphs: list[Graph], repeats: int = 50, warmup: int = 3,
-                seed: int = 0) -> list[dict]:
-    """Wall time of each graph under ``jax.jit`` on the same random inputs, in microseconds.
-
-    The graphs must share their runtime inputs (equivalent graphs do). Each is compiled once
-    (weight-only subgraphs folded ahead of time, :func:`taso_jax.compile_graph`), warmed up,
-    then run round robin ``repeats`` times, so that machine noise hits all of them alike.
-    Returns ``{"median_us", "min_us", "max_us", "repeats"}`` per graph, in order.
-
-    Raises:
-        ValueError: ``repeats < 1`` or graphs whose inputs differ.
-    """
-    import jax
-
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    sig = [(n.name, n.types[0]) for n in graphs[0].inputs]
-    for g in graphs[1:]:
-        if [(n.name, n.types[0]) for n in g.inputs] != sig:
-            raise ValueError("time_graphs: the graphs do not have the same runtime inputs")
-    xs = [jax.device_put(x) for x in random_inputs(graphs[0], seed)]
-    fns = [compile_graph(g) for g in graphs]
-    for _ in range(warmup):
-        for f in fns:
-            jax.block_until_ready(f(*xs))
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for f, ts in zip(fns, times, strict=True):
-            ts += time_function(lambda f=f: f(*xs), repeats=1, warmup=0)
-    return [{"median_us": float(np.median(ts)), "min_us": float(np.min(ts)),
-             "max_us": float(np.max(ts)), "repeats": repeats} for ts in times]
-
-
-def rank_correlation(x, y) -> float:
-    """Spearman's rank correlation of two equally long sequences (NaN below 3 points).
-
-    Ties get their average rank. Source: Spearman (1904); the Pearson correlation of ranks.
-    """
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    if len(x) != len(y):
-        raise ValueError(f"rank_correlation: lengths differ ({len(x)} vs {len(y)})")
-    if len(x) < 3:
-        return float("nan")
-
-    def ranks(v):
-        order = np.argsort(v, kind="stable")
-        r = np.empty(len(v))
-        r[order] = np.arange(len(v), dtype=float)
-        for value in np.unique(v):  # average rank for ties
-            tied = v == value
-            r[tied] = r[tied].mean()
-        return r
-
-    rx, ry = ranks(x), ranks(y)
-    if rx.std() == 0 or ry.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(rx, ry)[0, 1])
-
-
-def _measured_set(result, sample: int) -> list[tuple]:
-    """The input, the candidates, and up to ``sample`` visited graphs spread evenly by cost."""
-    chosen: dict = {}
-    for c, g, path in [*result.visited[:1], *result.candidates]:
-        chosen.setdefault(g.key, (c, g, path))
-    pool = sorted(result.visited, key=lambda v: v[0])
-    if sample > 0 and pool:
-        for i in np.linspace(0, len(pool) - 1, min(sample, len(pool))).round().astype(int):
-            c, g, path = pool[int(i)]
-            chosen.setdefault(g.key, (c, g, path))
-    return list(chosen.values())
-
-
-def choose_fastest(result, repeats: int = 20, sample: int = 0) -> dict:
-    """Time a search's candidate graphs end to end and make ``result`` the fastest.
-
-    ``result`` is a :class:`taso_jax.search.SearchResult`. Its input graph, its
-    ``candidates`` (the cheapest by estimate) and ``sample`` more of its ``visited`` graphs,
-    spread evenly over their estimated costs, are timed with :func:`time_graphs`. The fastest
-    by median replaces ``result.graph`` (``cost_after`` and ``applied`` follow it); when none
-    is faster than the input, the input is kept, so the result is never slower than the
-    input by more than the noise of this measurement. ``result`` is changed in place.
-
-    Returns ``{"measured", "original_kept", "times_us", "estimates_us",
-    "rank_correlation", "device", "repeats"}``: the rank correlation (Spearman) between the
-    cost model's estimates and the measured medians over the graphs timed (``None`` when
-    fewer than three graphs were timed, or all estimates are equal).
-    """
-    graphs = _measured_set(result, sample)
-    times = time_graphs([g for _, g, _ in graphs], repeats=repeats)
-    med = [t["median_us"] for t in times]
-    chosen = min(range(len(graphs)), key=lambda i: (med[i], i))
-    if med[chosen] >= med[0]:  # graphs[0] is the input
-        chosen = 0
-    cost, graph, path = graphs[chosen]
-    result.graph, result.cost_after, result.applied = graph, cost, Counter(path)
-    estimates = [c for c, _, _ in graphs]
-    rho = rank_correlation(estimates, med)
-    return {"measured": len(graphs), "original_kept": chosen == 0, "times_us": med,
-            "estimates_us": estimates, "rank_correlation": None if rho != rho else rho,
-            "device": device_name(), "repeats": repeats}
+__all__ = ["bench_graph", "merge_rows", "read_results", "results_path", "write_results",
+           "format_table"]
 
 
 def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 100,
@@ -159,15 +44,12 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
     ``min_us``, ``max_us``), ``speedup`` (median ratio), ``end_to_end`` (what
     :func:`choose_fastest` measured, with the rank correlation).
     """
-    import taso_jax
-    from taso_jax.search import backtracking_search, get_cost_model
-
-    cm = get_cost_model(cost_model) if isinstance(cost_model, str) else cost_model
-    subs = taso_jax.default_substitutions() if substitutions is None else substitutions
-    subs = [s for s in subs if s.proof_status == "proved"]
+    opts = OptimizeOptions(budget=budget, time_limit=time_limit, cost_model=cost_model,
+                           substitutions=substitutions)
+    subs, _ = usable_rules(opts.load_rules(), allow_unverified=False)
     t0 = time.perf_counter()
-    r = backtracking_search(graph, subs, cm, budget=budget, time_limit=time_limit,
-                            keep=max(1, candidates))
+    r = backtracking_search(graph, subs, opts.make_cost_model(), budget=budget,
+                            time_limit=time_limit, keep=max(1, candidates))
     search_seconds = time.perf_counter() - t0
     e2e = choose_fastest(r, repeats=max(5, repeats // 5), sample=sample)
     if r.graph.key == graph.key:  # the input is returned as is: one graph, one measurement
@@ -179,8 +61,7 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
         "operators_before": sum(graph.op_counts().values()),
         "operators_after": sum(r.graph.op_counts().values()),
         "estimated_us_before": r.cost_before, "estimated_us_after": r.cost_after,
-        "cost_model": cost_model if isinstance(cost_model, str) else getattr(
-            cost_model, "name", type(cost_model).__name__),
+        "cost_model": opts.cost_model_name,
         "date": datetime.date.today().isoformat(),
         "search_seconds": search_seconds, "iterations": r.iterations,
         "applied": {k: v for k, v in sorted(r.applied.items(), key=lambda kv: -kv[1])},

@@ -1,7 +1,13 @@
-"""Command line: ``taso-jax optimize``, ``taso-jax generate``.
+"""taso-jax: a tensor algebra superoptimizer for JAX/XLA (TASO, reimplemented).
 
-Exit codes: 0 success, 1 optimized model failed the output check (nothing written),
-2 bad input (missing/invalid/unsupported model, bad option, output path equals input).
+taso-jax optimize   optimize an ONNX model (or the built-in example) and write it
+taso-jax generate   generate substitutions and prove them from the operator axioms
+taso-jax verify     prove a substitution file (default: the shipped set) with Z3
+taso-jax bench      time TASO's six benchmark models: jax.jit against optimized
+
+Exit codes: 0 success; 1 the optimized model failed the output check (nothing written), or
+verify found rules it could not prove; 2 bad input (a missing, invalid or unsupported model,
+a bad option, an output path that is the input).
 """
 
 from __future__ import annotations
@@ -37,9 +43,12 @@ def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
 def _optimize(args) -> int:
     import onnx
 
-    import taso_jax
     from taso_jax._io import atomic_write
+    from taso_jax.frontends.onnx_io import export_onnx, load_onnx
+    from taso_jax.ir.executor import random_inputs
     from taso_jax.report import compare_onnx, format_report, measure_speed, search_report
+    from taso_jax.search.cost import get_cost_model
+    from taso_jax.search.options import OptimizeOptions, search_graph
 
     notes = []
     if args.model is None:
@@ -56,7 +65,7 @@ def _optimize(args) -> int:
         if os.path.exists(args.output) and os.path.samefile(args.output, args.model):
             raise UsageError(f"output path {args.output!r} is the input model; choose another "
                              "with -o (the input is never overwritten)")
-        graph = taso_jax.load_onnx(args.model, _parse_shapes(args.input_shape))
+        graph = load_onnx(args.model, _parse_shapes(args.input_shape))
         with open(args.model, "rb") as f:  # the reference for the output check
             original_bytes = f.read()
         if graph.meta.get("source_opset") != graph.meta.get("opset"):
@@ -65,9 +74,17 @@ def _optimize(args) -> int:
         if graph.meta.get("opaque"):
             notes.append("kept as opaque nodes: " + ", ".join(
                 f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
+    cost_model = (get_cost_model("measured", cache_path=False)
+                  if args.cost_model == "measured" and args.no_cost_cache else args.cost_model)
     try:
-        subs = (taso_jax.load_substitutions(args.substitutions) if args.substitutions
-                else taso_jax.default_substitutions())
+        options = OptimizeOptions(alpha=args.alpha, budget=args.budget,
+                                  time_limit=args.time_limit, cost_model=cost_model,
+                                  allow_unverified=args.allow_unverified,
+                                  end_to_end=args.end_to_end)
+    except ValueError as e:
+        raise UsageError(str(e).replace("_", "-")) from e
+    try:
+        subs = options.replace(substitutions=args.substitutions).load_rules()
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
         raise UsageError(f"{args.substitutions}: not a valid substitution file ({e})") from e
     from tqdm import tqdm
@@ -79,24 +96,15 @@ def _optimize(args) -> int:
         bar.update(1)
         bar.set_postfix_str(f"best {best:.1f} us")
 
-    from taso_jax.search import get_cost_model
-
-    cost_model = (get_cost_model("measured", cache_path=False)
-                  if args.cost_model == "measured" and args.no_cost_cache else args.cost_model)
-    result = taso_jax.search_graph(graph, alpha=args.alpha, budget=args.budget,
-                                   time_limit=args.time_limit, cost_model=cost_model,
-                                   substitutions=subs, progress=progress,
-                                   allow_unverified=args.allow_unverified,
-                                   end_to_end=args.end_to_end)
+    result = search_graph(graph, options, substitutions=subs, progress=progress)
     bar.close()
-    report = search_report(name, graph, result, args.cost_model, subs, args.alpha,
-                           args.budget, notes)
+    report = search_report(name, graph, result, options, subs, notes)
     if not args.no_time:
         report["time"] = measure_speed(graph, result.graph, repeats=args.repeats)
-    optimized = taso_jax.export_onnx(result.graph)
+    optimized = export_onnx(result.graph)
     onnx.checker.check_model(optimized, full_check=True)
-    reference = original_bytes or taso_jax.export_onnx(graph).SerializeToString()
-    feeds = {n.name: x for n, x in zip(graph.inputs, taso_jax.random_inputs(graph, seed=1),
+    reference = original_bytes or export_onnx(graph).SerializeToString()
+    feeds = {n.name: x for n, x in zip(graph.inputs, random_inputs(graph, seed=1),
                                        strict=True)}
     report["check"] = compare_onnx(reference, optimized.SerializeToString(), feeds)
     if not report["check"]["ok"]:
@@ -148,8 +156,8 @@ def _verify_progress(total: int, quiet: bool):
 def _generate(args) -> int:
     from tqdm import tqdm
 
-    from taso_jax.generator import DEFAULT_DOMAINS, generate
-    from taso_jax.substitution import save_substitutions
+    from taso_jax.search.rules import save_substitutions
+    from taso_jax.verify.generator import DEFAULT_DOMAINS, generate
 
     by_name = {d.name: d for d in DEFAULT_DOMAINS}
     names = args.domains.split(",") if args.domains else list(by_name)
@@ -203,7 +211,7 @@ def _generate(args) -> int:
 
 
 def _verify(args) -> int:
-    from taso_jax.substitution import (
+    from taso_jax.search.rules import (
         default_substitutions,
         load_substitutions,
         save_substitutions,
@@ -253,14 +261,9 @@ def _load_bench_models(models_dir: str | None) -> dict:
 
 
 def _bench(args) -> int:
-    from taso_jax.bench import (
-        bench_graph,
-        device_name,
-        format_table,
-        merge_rows,
-        read_results,
-        write_results,
-    )
+    from taso_jax.bench import bench_graph, format_table, merge_rows, read_results, write_results
+    from taso_jax.search.choose import device_name
+    from taso_jax.search.cost import get_cost_model
 
     models = _load_bench_models(args.models_dir)
     names = args.models or list(models)
@@ -277,8 +280,6 @@ def _bench(args) -> int:
         raise UsageError(str(e)) from e
     print(f"device: {device_name()}; cost model: {args.cost_model}; "
           f"{'small' if args.small else 'full-size'} models", flush=True)
-    from taso_jax.search import get_cost_model
-
     settings = {k: getattr(args, k) for k in ("cost_model", "budget", "time_limit", "repeats",
                                               "candidates", "sample", "small")}
     cost_model = get_cost_model(args.cost_model,
@@ -309,17 +310,26 @@ def _bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``taso-jax`` argument parser."""
-    p = argparse.ArgumentParser(prog="taso-jax", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    from taso_jax.search.options import OptimizeOptions
+
+    d = OptimizeOptions()  # the one set of defaults, shared with the API and the decorator
+    p = argparse.ArgumentParser(prog="taso-jax", description=__doc__.strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     o = sub.add_parser("optimize", help="optimize an ONNX model (or the built-in example)")
     o.add_argument("model", nargs="?", help="ONNX file; omit for the built-in example")
     o.add_argument("-o", "--output", help="output ONNX file (default MODEL.opt.onnx)")
     o.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="static shape for an input with symbolic dimensions (repeatable)")
-    o.add_argument("--alpha", type=float, default=1.05, help="relaxation factor (1.05)")
-    o.add_argument("--budget", type=int, default=100, help="graphs expanded at most (100)")
-    o.add_argument("--time-limit", type=float, default=60.0, help="search seconds at most")
-    o.add_argument("--cost-model", choices=["measured", "analytic"], default="measured")
+    o.add_argument("--alpha", type=float, default=d.alpha,
+                   help=f"alpha relaxation of the search, >= 1 ({d.alpha})")
+    o.add_argument("--budget", type=int, default=d.budget,
+                   help=f"graphs expanded at most ({d.budget})")
+    o.add_argument("--time-limit", type=float, default=d.time_limit,
+                   help=f"search seconds at most ({d.time_limit:g})")
+    o.add_argument("--cost-model", choices=["measured", "analytic"], default=d.cost_model,
+                   help=f"kernels timed on this device (cached), or FLOPs and bytes "
+                        f"({d.cost_model})")
     o.add_argument("--no-cost-cache", action="store_true",
                    help="measure kernels afresh, without the SQLite cache in the user cache dir")
     o.add_argument("--substitutions", help="substitution JSON file (default: shipped set)")
@@ -327,9 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also apply substitutions that are not proved (labelled in the report)")
     o.add_argument("--repeats", type=int, default=30, help="timed runs per graph (30)")
     o.add_argument("--no-time", action="store_true", help="skip the end-to-end timing")
-    o.add_argument("--end-to-end", type=int, default=4, metavar="K",
+    o.add_argument("--end-to-end", type=int, default=d.end_to_end, metavar="K",
                    help="time the K cheapest graphs found and the input under jax.jit and "
-                        "keep the fastest, so the result is never slower (4; 0: off)")
+                        f"keep the fastest, so the result is never slower ({d.end_to_end}; "
+                        "0: off)")
     o.add_argument("--json", help="also write the report as JSON to this file")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     v = sub.add_parser("verify", help="prove substitutions from the operator axioms (Z3)")
@@ -345,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--domains", default=None,
                    help="comma-separated domain names (default: every domain in "
-                        "taso_jax.generator.DEFAULT_DOMAINS)")
+                        "taso_jax.verify.generator.DEFAULT_DOMAINS)")
     g.add_argument("-o", "--output", default="substitutions.json")
     g.add_argument("--timeout-ms", type=int, default=1000, help="Z3 limit per proof (1000)")
     g.add_argument("--workers", type=int, default=None, help="processes (one per core)")
@@ -359,12 +370,15 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time TASO's benchmark models: jax.jit vs optimized")
     b.add_argument("models", nargs="*", help="model names (default: all six)")
     b.add_argument("--small", action="store_true", help="small shapes (a quick run on a CPU)")
-    b.add_argument("--cost-model", choices=["measured", "analytic"], default="measured")
-    b.add_argument("--budget", type=int, default=100, help="graphs expanded at most (100)")
-    b.add_argument("--time-limit", type=float, default=60.0, help="search seconds at most")
+    b.add_argument("--cost-model", choices=["measured", "analytic"], default=d.cost_model)
+    b.add_argument("--budget", type=int, default=d.budget,
+                   help=f"graphs expanded at most ({d.budget})")
+    b.add_argument("--time-limit", type=float, default=d.time_limit,
+                   help=f"search seconds at most ({d.time_limit:g})")
     b.add_argument("--repeats", type=int, default=50, help="timed runs per graph (50)")
-    b.add_argument("--candidates", type=int, default=4,
-                   help="cheapest graphs timed end to end; the fastest is kept (4)")
+    b.add_argument("--candidates", type=int, default=d.end_to_end,
+                   help=f"cheapest graphs timed end to end; the fastest is kept "
+                        f"({d.end_to_end})")
     b.add_argument("--sample", type=int, default=8,
                    help="more visited graphs timed for the cost model's rank correlation (8)")
     b.add_argument("--out", default="benchmarks/results",
@@ -381,8 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``taso-jax`` command; returns the exit code."""
-    from taso_jax.graph import GraphError
-    from taso_jax.onnx_io import ModelError
+    from taso_jax.frontends.onnx_io import ModelError
+    from taso_jax.ir.graph import GraphError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from taso_jax.graph import Graph, new_graph
+from taso_jax.ir.graph import Graph, new_graph
 
 __all__ = ["resnet_module"]
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from taso_jax.graph import Graph
+from taso_jax.ir.graph import Graph
+from taso_jax.search.choose import device_name, time_graphs
+from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["measure_speed", "compare_onnx", "compare_outputs", "search_report", "format_report",
            "RTOL", "ATOL"]
@@ -20,8 +22,6 @@ def measure_speed(before: Graph, after: Graph, repeats: int = 30, seed: int = 0)
     Runs are interleaved (before, after, before, ...) after warm-up so that machine noise
     hits both alike. Returns ``{"before_us", "after_us", "speedup", "device", "repeats"}``.
     """
-    from taso_jax.bench import device_name, time_graphs
-
     ta, tb = time_graphs([before, after], repeats=repeats, warmup=2, seed=seed)
     a, b = ta["median_us"], tb["median_us"]
     return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
@@ -68,21 +68,23 @@ def compare_outputs(actual, reference) -> dict:
             "outputs": len(reference)}
 
 
-def search_report(name: str, graph: Graph, result, cost_model: str, substitutions,
-                  alpha: float, budget: int, notes=()) -> dict:
+def search_report(name: str, graph: Graph, result, options: OptimizeOptions, substitutions,
+                  notes=()) -> dict:
     """The report dictionary (printed by :func:`format_report`) for one search.
 
-    ``result`` is a :class:`taso_jax.search.SearchResult`; costs are in microseconds.
+    ``result`` is a :class:`taso_jax.search.SearchResult` found with ``options``; costs are
+    in microseconds.
     """
     return {
         "model": name, "notes": list(notes),
         "operators_before": dict(graph.op_counts()),
         "operators_after": dict(result.graph.op_counts()),
-        "cost": {"model": cost_model, "before_us": result.cost_before,
+        "cost": {"model": options.cost_model_name, "before_us": result.cost_before,
                  "after_us": result.cost_after},
         "search": {"seconds": result.seconds, "iterations": result.iterations,
                    "explored": result.explored, "stopped": result.stopped,
-                   "alpha": alpha, "budget": budget, "substitutions": len(substitutions)},
+                   "alpha": options.alpha, "budget": options.budget,
+                   "substitutions": len(substitutions)},
         "rules": dict(getattr(result, "rules", {})),
         "applied": dict(result.applied),
         "laws": {s.name: s.law for s in substitutions if s.name in result.applied},

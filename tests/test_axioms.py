@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 from taso_jax.ops import Axiom, axiom
+from taso_jax.search.rules import PNode, Substitution, default_substitutions
 from taso_jax.verify.laws import AxiomError, all_axioms, check_axiom
 from taso_jax.verify.prover import Prover
-
-from taso_jax.substitution import PNode, Substitution, default_substitutions
 
 AXIOMS = all_axioms()
 

@@ -8,16 +8,10 @@ import json
 import numpy as np
 import pytest
 from taso_jax.search import SearchResult
+from taso_jax.search.choose import choose_fastest, device_name, rank_correlation
 
 import taso_jax
-from taso_jax.bench import (
-    choose_fastest,
-    device_name,
-    merge_rows,
-    rank_correlation,
-    read_results,
-    results_path,
-)
+from taso_jax.bench import merge_rows, read_results, results_path
 from taso_jax.cli import main
 
 ROW_KEYS = {"model", "device", "operators_before", "operators_after", "estimated_us_before",
@@ -149,6 +143,8 @@ def test_search_graph_times_its_candidates_and_the_report_says_which_it_kept():
     import sys
     from pathlib import Path
 
+    from taso_jax.search.options import OptimizeOptions
+
     from taso_jax.report import format_report, search_report
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
@@ -163,5 +159,6 @@ def test_search_graph_times_its_candidates_and_the_report_says_which_it_kept():
     assert e["measured"] >= 2 and len(e["times_us"]) == e["measured"]
     kept = e["times_us"][0] if e["original_kept"] else min(e["times_us"])
     assert kept == min(e["times_us"])  # the fastest measured graph is returned
-    text = format_report(search_report("nasrnn", g, r, "analytic", subs, 1.05, 5))
+    text = format_report(search_report("nasrnn", g, r,
+                                       OptimizeOptions(cost_model="analytic", budget=5), subs))
     assert "end-to-end choice" in text and f"timed {e['measured']} graphs" in text

@@ -46,7 +46,7 @@ def _feeds(g):
 def test_small_model_matches_onnxruntime_before_and_after_the_search(name):
     import onnxruntime as ort
 
-    from taso_jax.executor import evaluate
+    from taso_jax.ir.executor import evaluate
 
     g = MODELS[name].build(**MODELS[name].SMALL)
     feeds = _feeds(g)

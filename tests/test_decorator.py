@@ -216,7 +216,7 @@ def test_failure_in_the_pipeline_falls_back_with_a_warning(monkeypatch):
 
 
 def test_wrong_rewrite_is_caught_by_the_check_and_falls_back():
-    from taso_jax.substitution import PNode, Substitution
+    from taso_jax.search.rules import PNode, Substitution
 
     # relu(a) => a: wrong. Unproved, so it is left out unless allowed; allowed in, the
     # first-call check against jax.jit must catch it.

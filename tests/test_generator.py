@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from taso_jax.generator import Domain, check_substitution, generate
-from taso_jax.substitution import PNode, Substitution
+from taso_jax.search.rules import PNode, Substitution
+from taso_jax.verify.generator import Domain, check_substitution, generate
 
 MM = Domain("mm", {"x": ("input", ("M", "K")), "a": ("weight", ("K", "N")),
                    "b": ("weight", ("K", "N")), "c": ("weight", ("N", "P"))},
@@ -57,7 +57,7 @@ def test_near_miss_is_rejected():
 def test_grouped_convolution_rules_hold_for_any_number_of_groups():
     # The grouped domain enumerates at 4 groups; broad renaming ties merge_gconv's groups and
     # count to the convolution's groups, and the attribute instances check 2 and 8 groups.
-    from taso_jax.generator import GCONV_DOMAIN
+    from taso_jax.verify.generator import GCONV_DOMAIN
 
     subs, _ = generate((GCONV_DOMAIN,), max_ops=2, workers=1)
     laws = {s.law: s for s in subs}

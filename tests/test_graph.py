@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from taso_jax import GraphError, ShapeError, compile_graph, new_graph, random_inputs
-from taso_jax.graph import make_node
+from taso_jax.ir.graph import make_node
 
 
 def _two_convs():

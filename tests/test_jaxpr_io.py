@@ -13,8 +13,8 @@ from jax import lax
 from taso_jax.ops import JAXPR_IMPORTERS
 
 import taso_jax
-from taso_jax.executor import compile_graph
-from taso_jax.jaxpr_io import from_jax
+from taso_jax.frontends.jaxpr_io import from_jax
+from taso_jax.ir.executor import compile_graph
 
 KEY = jax.random.key(0)
 

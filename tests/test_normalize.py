@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from taso_jax.canonical import normalize_affine
-from taso_jax.executor import compile_graph
-from taso_jax.jaxpr_io import from_jax
-from taso_jax.layout import sink_transposes
+from taso_jax.frontends.canonical import normalize_affine
+from taso_jax.frontends.jaxpr_io import from_jax
+from taso_jax.frontends.layout import sink_transposes
+from taso_jax.ir.executor import compile_graph
 
 
 def _x(*shape, seed=0):

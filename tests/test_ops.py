@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from taso_jax.ops import OPS, ShapeError, TensorType
 
-from taso_jax.graph import Graph, leaf_node, make_node
+from taso_jax.ir.graph import Graph, leaf_node, make_node
 
 CASES = [(name, i) for name, op in sorted(OPS.items()) for i in range(len(op.examples))]
 
@@ -48,7 +48,7 @@ def test_onnx_export_matches_reference(name, i):
     import onnx
     import onnxruntime as ort
 
-    from taso_jax.onnx_io import export_onnx
+    from taso_jax.frontends.onnx_io import export_onnx
 
     op = OPS[name]
     in_types, attrs = op.examples[i]
@@ -72,7 +72,7 @@ def test_onnx_export_matches_reference(name, i):
 def test_gelu_decomposes_below_opset_20():
     import onnxruntime as ort
 
-    from taso_jax.onnx_io import export_onnx
+    from taso_jax.frontends.onnx_io import export_onnx
 
     for approx in ("none", "tanh"):
         x = leaf_node("input", "x", TensorType((3, 4), "float32"))

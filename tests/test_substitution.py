@@ -6,11 +6,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from taso_jax.search.rules import PNode, Substitution, load_substitutions, save_substitutions
 
 import taso_jax
 from taso_jax import new_graph
 from taso_jax.report import compare_onnx
-from taso_jax.substitution import PNode, Substitution, load_substitutions, save_substitutions
 
 # matmul(x, a), matmul(x, b)  =>  split(matmul(x, concat(a, b)))
 MERGE = Substitution(

@@ -16,13 +16,13 @@ import jax
 import numpy as np
 import pytest
 from taso_jax.ops import TensorType
+from taso_jax.search.rules import PNode, Substitution, default_substitutions, load_substitutions
+from taso_jax.verify.generator import _Fingerprinter
 from taso_jax.verify.prover import Prover, bind_attributes
 
 import taso_jax
 from taso_jax.cli import main
-from taso_jax.generator import _Fingerprinter
-from taso_jax.graph import GraphBuilder, leaf_node, make_node
-from taso_jax.substitution import PNode, Substitution, default_substitutions, load_substitutions
+from taso_jax.ir.graph import GraphBuilder, leaf_node, make_node
 
 SHIPPED = default_substitutions()
 
@@ -95,7 +95,7 @@ def _fingerprint(build):
 
         def run(t):
             if t not in fp.values:
-                from taso_jax.executor import run_node
+                from taso_jax.ir.executor import run_node
 
                 outs = run_node(t.node, [run(i) for i in t.node.inputs])
                 for o, v in zip(t.node.outputs, outs, strict=True):
@@ -148,7 +148,7 @@ def test_a_numerically_equal_but_unprovable_rule_is_rejected():
     g = _neg_neg_graph()
     rewritten = next(TRUE_UNPROVABLE.rewrites(g))
     ins = taso_jax.random_inputs(g, seed=0)
-    from taso_jax.executor import evaluate
+    from taso_jax.ir.executor import evaluate
 
     np.testing.assert_allclose(evaluate(g, ins)[0], evaluate(rewritten, ins)[0], rtol=1e-6)
     assert Prover(timeout_ms=2000).prove(TRUE_UNPROVABLE)["status"] != "proved"
@@ -163,11 +163,14 @@ def test_the_search_uses_only_proved_rules_unless_allowed():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         r = taso_jax.search_graph(g, cost_model="analytic", substitutions=[TRUE_UNPROVABLE],
-                                  budget=5, allow_unverified=True)
+                                  budget=5, allow_unverified=True, end_to_end=0)
     assert r.applied["test:neg-neg"] == 1 and r.rules["unverified_used"] == 1
+    from taso_jax.search.options import OptimizeOptions
+
     from taso_jax.report import format_report, search_report
 
-    text = format_report(search_report("t", g, r, "analytic", [TRUE_UNPROVABLE], 1.05, 5))
+    text = format_report(search_report("t", g, r, OptimizeOptions(cost_model="analytic", budget=5),
+                                       [TRUE_UNPROVABLE]))
     assert "NOT PROVED" in text and "unproved rules allowed" in text
 
 

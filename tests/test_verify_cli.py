@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 
-from taso_jax.cli import main
-from taso_jax.substitution import (
+from taso_jax.search.rules import (
     PNode,
     Substitution,
     default_substitutions,
     load_substitutions,
     save_substitutions,
 )
+
+from taso_jax.cli import main
 
 PROVABLE = ["affine:ewadd+ewmul=>ewmul+ewmul+ewadd", "affine:ewadd+ewadd=>ewadd+ewadd",
             "matmul:matmul+ewadd+matmul=>ewadd+matmul+matmul"]

@@ -7,6 +7,6 @@
 * :mod:`taso_jax.verify.prover`: :class:`~taso_jax.verify.prover.Prover` proves a
   substitution's source equal to its target from the axioms and names the axioms used.
 
-Numeric re-checks of generated substitutions live in ``taso_jax.generator``
-(:func:`~taso_jax.generator.check_substitution`).
+Numeric re-checks of generated substitutions live in ``taso_jax.verify.generator``
+(:func:`~taso_jax.verify.generator.check_substitution`).
 """

@@ -15,9 +15,8 @@ import time
 from dataclasses import replace
 
 from taso_jax.ops import ShapeError
+from taso_jax.search.rules import PNode, Substitution, _from_jsonable, _ref, _resolve_attr
 from taso_jax.verify.laws import Z3Encoding, all_axioms
-
-from taso_jax.substitution import PNode, Substitution, _from_jsonable, _ref, _resolve_attr
 
 __all__ = ["Prover", "bind_attributes"]
 

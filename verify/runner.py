@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from taso_jax.substitution import Substitution
+from taso_jax.search.rules import Substitution
 
 __all__ = ["verify_substitutions"]
 

@@ -14,10 +14,10 @@ subgraphs are precomputed); all other array leaves become runtime inputs, named 
 pytree path (``x``, ``params['dense']['kernel']``). Literals and closed-over constants
 become weights too.
 
-After import, :func:`taso_jax.layout.sink_transposes` removes the layout transposes that an
-NHWC program (flax, ``jax.lax.conv`` with ``("NHWC", "HWIO", "NHWC")``) puts around each
+After import, :func:`taso_jax.frontends.layout.sink_transposes` removes the layout transposes
+that an NHWC program (flax, ``jax.lax.conv`` with ``("NHWC", "HWIO", "NHWC")``) puts around each
 convolution, so the search sees NCHW convolutions followed by their elementwise consumers,
-and :func:`taso_jax.canonical.normalize_affine` writes per-channel affine chains as
+and :func:`taso_jax.frontends.canonical.normalize_affine` writes per-channel affine chains as
 ``x * s + t`` (flax's batchnorm is ``(x - mean) * s + b``), the form the substitutions fold.
 
 Source: JAX's jaxpr language (jax.readthedocs.io, "Understanding Jaxprs") and the public
@@ -33,8 +33,8 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from taso_jax.graph import Graph, Node, Tensor, intern_node, leaf_node, make_node
-from taso_jax.onnx_io import ModelError
+from taso_jax.frontends.onnx_io import ModelError
+from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node, make_node
 from taso_jax.ops import JAXPR_IMPORTERS, OPS, ShapeError, TensorType
 
 __all__ = ["from_jax", "import_jaxpr", "normalize_argnums", "JaxEquation", "INLINED"]
@@ -144,7 +144,7 @@ class _JaxprContext:
         if n.op not in ("input", "opaque") and n.op in OPS:
             args = [self.const(x) for x in n.inputs]
             if all(a is not None for a in args):
-                from taso_jax.executor import run_node
+                from taso_jax.ir.executor import run_node
 
                 value = np.asarray(run_node(n, args)[t.index])
         self._cache[t] = value
@@ -222,7 +222,7 @@ def _opaque(eqn, env, read) -> list:
 
 def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_names: Sequence[str],
                  name: str = "jax_function", sink_layout: bool = True) -> Graph:
-    """Import a ``ClosedJaxpr`` into a :class:`~taso_jax.graph.Graph`.
+    """Import a ``ClosedJaxpr`` into a :class:`~taso_jax.ir.graph.Graph`.
 
     Args:
         closed: the ``jax.extend.core.ClosedJaxpr`` (from ``jax.make_jaxpr``).
@@ -230,14 +230,14 @@ def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_name
             weight's array (ignored for runtime inputs).
         out_names: one name per jaxpr output.
         name: graph name (``graph.meta["name"]``).
-        sink_layout: run :func:`taso_jax.layout.sink_transposes` after import.
+        sink_layout: run :func:`taso_jax.frontends.layout.sink_transposes` after import.
 
     Raises:
         ModelError: a jaxpr with side effects (``jax.debug.print``, ``io_callback``) or an
             element type that is not a NumPy dtype (PRNG keys).
     """
-    from taso_jax.canonical import normalize_affine
-    from taso_jax.layout import sink_transposes
+    from taso_jax.frontends.canonical import normalize_affine
+    from taso_jax.frontends.layout import sink_transposes
 
     if closed.effects:
         effects = sorted(map(str, closed.effects))

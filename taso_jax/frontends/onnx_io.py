@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from taso_jax.graph import Graph, Node, Tensor, intern_node, leaf_node, make_node
+from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node, make_node
 from taso_jax.ops import ONNX_IMPORTERS, OPS, ShapeError, TensorType
 
 __all__ = ["ModelError", "load_onnx", "export_onnx", "MIN_OPSET", "MAX_OPSET"]
@@ -181,7 +181,7 @@ class _ImportContext:
         args = [self.const(x) for x in n.inputs]
         if any(a is None for a in args):
             return None
-        from taso_jax.executor import run_node
+        from taso_jax.ir.executor import run_node
 
         vals = run_node(n, args)
         for i, v in enumerate(vals):
@@ -202,7 +202,7 @@ def _attrs(node) -> dict:
 
 
 def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> Graph:
-    """Import an ONNX model (path or ``ModelProto``) into a :class:`~taso_jax.graph.Graph`.
+    """Import an ONNX model (path or ``ModelProto``) into a :class:`~taso_jax.ir.graph.Graph`.
 
     Args:
         source: file path or loaded ``onnx.ModelProto``. The file is only read.
@@ -393,7 +393,7 @@ def export_onnx(graph: Graph, opset: int | None = None):
     """
     from onnx import helper
 
-    from taso_jax.executor import compile_graph
+    from taso_jax.ir.executor import compile_graph
 
     opset = opset or max(int(graph.meta.get("opset", 17)), 13)
     ctx = _ExportContext(opset)

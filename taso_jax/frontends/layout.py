@@ -21,7 +21,7 @@ otherwise the operator's inputs are materialized in their original layout.
 
 from __future__ import annotations
 
-from taso_jax.graph import Graph, Node, Tensor, make_node, rebuild_node
+from taso_jax.ir.graph import Graph, Node, Tensor, make_node, rebuild_node
 from taso_jax.ops import OPS
 
 __all__ = ["sink_transposes"]

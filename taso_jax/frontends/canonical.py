@@ -21,7 +21,7 @@ Source: the distributive and associative laws of TASO's axioms for ``ewadd`` and
 
 from __future__ import annotations
 
-from taso_jax.graph import Graph, Node, Tensor, make_node, rebuild_node
+from taso_jax.ir.graph import Graph, Node, Tensor, make_node, rebuild_node
 
 __all__ = ["normalize_affine"]
 

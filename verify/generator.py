@@ -39,11 +39,11 @@ from dataclasses import dataclass, field, replace
 
 import jax
 import numpy as np
-
-from taso_jax.executor import evaluate, run_node
-from taso_jax.graph import Graph, Node, Tensor, leaf_node, make_node, topo_order
 from taso_jax.ops import OPS, ShapeError, TensorType
-from taso_jax.substitution import PNode, Substitution, _jsonable, _ref, instantiate
+from taso_jax.search.rules import PNode, Substitution, _jsonable, _ref, instantiate
+
+from taso_jax.ir.executor import evaluate, run_node
+from taso_jax.ir.graph import Graph, Node, Tensor, leaf_node, make_node, topo_order
 
 __all__ = ["Domain", "DEFAULT_DOMAINS", "generate", "GeneratorStats", "check_substitution"]
 

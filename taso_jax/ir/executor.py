@@ -1,4 +1,4 @@
-"""Run a :class:`~taso_jax.graph.Graph` as one ``jax.jit``-compiled function.
+"""Run a :class:`~taso_jax.ir.graph.Graph` as one ``jax.jit``-compiled function.
 
 Weight-only subgraphs (nodes whose inputs are all weights, e.g. a concatenated or enlarged
 kernel) are evaluated once, ahead of time, when the graph is compiled, as TASO does for
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taso_jax.graph import Graph, Node
+from taso_jax.ir.graph import Graph, Node
 from taso_jax.ops import OPS
 
 __all__ = ["CompiledGraph", "StagedGraph", "compile_graph", "run_node", "time_function",

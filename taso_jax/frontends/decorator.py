@@ -2,8 +2,8 @@
 
 On the first call for a given signature (pytree structure, shapes and dtypes of the array
 leaves, values of the static leaves) the function is traced to a jaxpr, imported into the
-graph IR (:mod:`taso_jax.jaxpr_io`), optimized by the backtracking search, and split into two
-jitted stages (:class:`taso_jax.executor.StagedGraph`):
+graph IR (:mod:`taso_jax.frontends.jaxpr_io`), optimized by the backtracking search, and
+split into two jitted stages (:class:`taso_jax.ir.executor.StagedGraph`):
 
 * ``fold(weights)``: the weight-only subgraphs (a concatenation of kernels for merged matmuls,
   an enlarged or batchnorm-scaled kernel). It runs once per distinct set of weight arrays
@@ -37,8 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taso_jax.graph import Graph
-from taso_jax.jaxpr_io import (
+from taso_jax.frontends.jaxpr_io import (
     _fn_name,
     _is_array_leaf,
     _path_name,
@@ -46,6 +45,11 @@ from taso_jax.jaxpr_io import (
     import_jaxpr,
     normalize_argnums,
 )
+from taso_jax.ir.executor import StagedGraph, time_function
+from taso_jax.ir.graph import Graph
+from taso_jax.report import compare_outputs, format_report, search_report
+from taso_jax.search.choose import device_name
+from taso_jax.search.options import OptimizeOptions, search_graph
 
 __all__ = ["OptimizedFunction", "optimize_function"]
 
@@ -108,16 +112,13 @@ class OptimizedFunction:
 
     Attributes:
         fn: the original function.
-        options: search options (``alpha``, ``budget``, ``time_limit``, ``cost_model``,
-            ``substitutions``, ``allow_unverified``, ``end_to_end``).
+        options: the search's :class:`~taso_jax.search.options.OptimizeOptions`.
 
     See :func:`taso_jax.optimize` for the arguments.
     """
 
     def __init__(self, fn: Callable, *, weight_argnums=(), weight_argnames=(),
-                 static_argnums=(), static_argnames=(), alpha: float = 1.05, budget: int = 100,
-                 time_limit: float = 60.0, cost_model="measured", substitutions=None,
-                 allow_unverified: bool = False, check: bool = True, end_to_end: int = 4):
+                 static_argnums=(), static_argnames=(), check: bool = True, **options):
         if not callable(fn):
             raise TypeError(f"taso_jax.optimize: expected a function, got {type(fn).__name__}")
         self.fn = fn
@@ -126,9 +127,7 @@ class OptimizedFunction:
         # Names are checked now; positions once the number of arguments is known.
         normalize_argnums(fn, None, (), weight_argnames, "weight")
         normalize_argnums(fn, None, (), static_argnames, "static")
-        self.options = {"alpha": alpha, "budget": budget, "time_limit": time_limit,
-                        "cost_model": cost_model, "substitutions": substitutions,
-                        "allow_unverified": allow_unverified, "end_to_end": end_to_end}
+        self.options = OptimizeOptions().replace(**options)
         self.check = check
         self._cache: dict = {}
         self._positions: dict[int, tuple[set, set]] = {}
@@ -295,11 +294,6 @@ class OptimizedFunction:
         return entry
 
     def _optimize(self, entry, closed, leaves, kinds, paths, out_flat):
-        import taso_jax
-        from taso_jax.executor import StagedGraph
-        from taso_jax.report import compare_outputs, search_report
-        from taso_jax.search import get_cost_model
-
         specs = []
         for leaf, kind, path in zip(leaves, kinds, paths, strict=True):
             value = None
@@ -309,16 +303,9 @@ class OptimizedFunction:
             specs.append((path, kind == "weight", value))
         out_names = [f"out{i}" for i in range(len(out_flat))]
         graph = import_jaxpr(closed, specs, out_names, _fn_name(self.fn))
-        opts = dict(self.options)
-        cost_model = opts.pop("cost_model")
-        cm_name = cost_model if isinstance(cost_model, str) else type(cost_model).__name__
-        if isinstance(cost_model, str):
-            cost_model = get_cost_model(cost_model)
-        subs = opts.pop("substitutions")
-        if isinstance(subs, str):
-            subs = taso_jax.load_substitutions(subs)
-        subs = taso_jax.default_substitutions() if subs is None else subs
-        result = taso_jax.search_graph(graph, cost_model=cost_model, substitutions=subs, **opts)
+        opts = self.options
+        subs = opts.load_rules()
+        result = search_graph(graph, opts, substitutions=subs)
         staged = StagedGraph(result.graph)
         weight_index = {p: j for j, p in enumerate(
             p for p, k in zip(paths, kinds, strict=True) if k == "weight")}
@@ -331,8 +318,7 @@ class OptimizedFunction:
         if graph.meta.get("opaque"):
             notes.append("kept as opaque equations: " + ", ".join(
                 f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
-        entry.report = search_report(_fn_name(self.fn), graph, result, cm_name, subs,
-                                     opts["alpha"], opts["budget"], notes)
+        entry.report = search_report(_fn_name(self.fn), graph, result, opts, subs, notes)
         if self.check:
             rng = np.random.default_rng(0)
             values = [rng.standard_normal(np.shape(x)).astype(jnp.result_type(x))
@@ -394,9 +380,6 @@ class OptimizedFunction:
         interleaved in one process. Returns ``{"before_us", "after_us", "speedup",
         "device", "repeats"}``.
         """
-        from taso_jax.bench import device_name
-        from taso_jax.executor import time_function
-
         e = self._entry()
         if e.last_call is None:
             raise RuntimeError("measure() needs a call with concrete arguments")
@@ -420,8 +403,6 @@ class OptimizedFunction:
         It gives the substitutions applied, the estimated cost and, with ``time=True``, the
         measured time before and after.
         """
-        from taso_jax.report import format_report
-
         e = self._entry()
         if e.fallback is not None:
             return (f"{_fn_name(self.fn)}: not optimized, running jax.jit of the original "

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from taso_jax.graph import Graph, Node, Tensor, make_node
 from taso_jax.ops import OPS, ShapeError
+
+from taso_jax.ir.graph import Graph, Node, Tensor, make_node
 
 __all__ = ["PNode", "Substitution", "load_substitutions", "save_substitutions",
            "default_substitutions", "instantiate", "FORMAT_VERSION"]

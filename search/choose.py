@@ -1,0 +1,132 @@
+"""The end-to-end choice: time a search's cheapest graphs and its input, keep the fastest.
+
+The cost model ranks graphs; the device decides. :func:`choose_fastest` times the input and
+the search's cheapest candidates under ``jax.jit`` on the current device, interleaved, and
+keeps the fastest by median, so the optimizer never returns a graph that runs slower than
+its input by more than the noise of the measurement. :func:`rank_correlation` says how well
+the cost model's order agreed with the measured one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import numpy as np
+
+from taso_jax.ir.executor import compile_graph, random_inputs, time_function
+from taso_jax.ir.graph import Graph
+
+__all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest"]
+
+
+def device_name() -> str:
+    """The current JAX device: ``"gpu:NVIDIA H100 80GB HBM3"``, or ``"cpu:N cores"``."""
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return f"cpu:{os.cpu_count()} cores"
+    return f"{dev.platform}:{getattr(dev, 'device_kind', '') or dev.platform}"
+
+
+def time_graphs(graphs: list[Graph], repeats: int = 50, warmup: int = 3,
+                seed: int = 0) -> list[dict]:
+    """Wall time of each graph under ``jax.jit`` on the same random inputs, in microseconds.
+
+    The graphs must share their runtime inputs (equivalent graphs do). Each is compiled once
+    (weight-only subgraphs folded ahead of time, :func:`taso_jax.compile_graph`), warmed up,
+    then run round robin ``repeats`` times, so that machine noise hits all of them alike.
+    Returns ``{"median_us", "min_us", "max_us", "repeats"}`` per graph, in order.
+
+    Raises:
+        ValueError: ``repeats < 1`` or graphs whose inputs differ.
+    """
+    import jax
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    sig = [(n.name, n.types[0]) for n in graphs[0].inputs]
+    for g in graphs[1:]:
+        if [(n.name, n.types[0]) for n in g.inputs] != sig:
+            raise ValueError("time_graphs: the graphs do not have the same runtime inputs")
+    xs = [jax.device_put(x) for x in random_inputs(graphs[0], seed)]
+    fns = [compile_graph(g) for g in graphs]
+    for _ in range(warmup):
+        for f in fns:
+            jax.block_until_ready(f(*xs))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for f, ts in zip(fns, times, strict=True):
+            ts += time_function(lambda f=f: f(*xs), repeats=1, warmup=0)
+    return [{"median_us": float(np.median(ts)), "min_us": float(np.min(ts)),
+             "max_us": float(np.max(ts)), "repeats": repeats} for ts in times]
+
+
+def rank_correlation(x, y) -> float:
+    """Spearman's rank correlation of two equally long sequences (NaN below 3 points).
+
+    Ties get their average rank. Source: Spearman (1904); the Pearson correlation of ranks.
+    """
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) != len(y):
+        raise ValueError(f"rank_correlation: lengths differ ({len(x)} vs {len(y)})")
+    if len(x) < 3:
+        return float("nan")
+
+    def ranks(v):
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in np.unique(v):  # average rank for ties
+            tied = v == value
+            r[tied] = r[tied].mean()
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def _measured_set(result, sample: int) -> list[tuple]:
+    """The input, the candidates, and up to ``sample`` visited graphs spread evenly by cost."""
+    chosen: dict = {}
+    for c, g, path in [*result.visited[:1], *result.candidates]:
+        chosen.setdefault(g.key, (c, g, path))
+    pool = sorted(result.visited, key=lambda v: v[0])
+    if sample > 0 and pool:
+        for i in np.linspace(0, len(pool) - 1, min(sample, len(pool))).round().astype(int):
+            c, g, path = pool[int(i)]
+            chosen.setdefault(g.key, (c, g, path))
+    return list(chosen.values())
+
+
+def choose_fastest(result, repeats: int = 20, sample: int = 0) -> dict:
+    """Time a search's candidate graphs end to end and make ``result`` the fastest.
+
+    ``result`` is a :class:`taso_jax.search.SearchResult`. Its input graph, its
+    ``candidates`` (the cheapest by estimate) and ``sample`` more of its ``visited`` graphs,
+    spread evenly over their estimated costs, are timed with :func:`time_graphs`. The fastest
+    by median replaces ``result.graph`` (``cost_after`` and ``applied`` follow it); when none
+    is faster than the input, the input is kept, so the result is never slower than the
+    input by more than the noise of this measurement. ``result`` is changed in place.
+
+    Returns ``{"measured", "original_kept", "times_us", "estimates_us",
+    "rank_correlation", "device", "repeats"}``: the rank correlation (Spearman) between the
+    cost model's estimates and the measured medians over the graphs timed (``None`` when
+    fewer than three graphs were timed, or all estimates are equal).
+    """
+    graphs = _measured_set(result, sample)
+    times = time_graphs([g for _, g, _ in graphs], repeats=repeats)
+    med = [t["median_us"] for t in times]
+    chosen = min(range(len(graphs)), key=lambda i: (med[i], i))
+    if med[chosen] >= med[0]:  # graphs[0] is the input
+        chosen = 0
+    cost, graph, path = graphs[chosen]
+    result.graph, result.cost_after, result.applied = graph, cost, Counter(path)
+    estimates = [c for c, _, _ in graphs]
+    rho = rank_correlation(estimates, med)
+    return {"measured": len(graphs), "original_kept": chosen == 0, "times_us": med,
+            "estimates_us": estimates, "rank_correlation": None if rho != rho else rho,
+            "device": device_name(), "repeats": repeats}

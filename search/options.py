@@ -1,0 +1,164 @@
+"""One options record for every way in: the Python API, the command line and the decorator.
+
+:class:`OptimizeOptions` holds the search's settings with the one set of defaults that
+``taso_jax.optimize``, ``taso_jax.search_graph``, ``taso-jax optimize`` and
+``@taso_jax.optimize`` share; :func:`search_graph` runs TASO's backtracking search with them
+and, unless ``end_to_end=0``, the end-to-end choice (:func:`taso_jax.search.choose.choose_fastest`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from taso_jax.search.backtracking import SearchResult, backtracking_search
+from taso_jax.search.choose import choose_fastest
+from taso_jax.search.cost import COST_MODEL_NAMES, CostModel, get_cost_model
+from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
+
+from taso_jax.ir.graph import Graph, GraphBuilder
+
+__all__ = ["OptimizeOptions", "search_graph", "usable_rules"]
+
+
+@dataclass(frozen=True)
+class OptimizeOptions:
+    """Settings of one optimization, with the defaults every front door uses.
+
+    Attributes:
+        alpha: alpha relaxation of the backtracking search (TASO, SOSP 2019, Section 5:
+            graphs up to ``alpha`` times costlier than the best are explored); >= 1.
+        budget: graphs expanded at most; >= 0.
+        time_limit: seconds for the search at most; > 0.
+        cost_model: ``"measured"`` (kernels timed with ``jax.jit`` on the current device,
+            cached on disk), ``"analytic"`` (FLOPs and bytes), or a
+            :class:`~taso_jax.search.cost.CostModel`.
+        substitutions: a list of :class:`~taso_jax.search.rules.Substitution`, a rule file
+            path, or ``None`` for the shipped set.
+        allow_unverified: also use rules the verifier has not proved (by default they are
+            left out with a ``UserWarning``; TASO, Section 4: only verified rules are sound).
+        end_to_end: how many of the cheapest graphs are timed under ``jax.jit``, with the
+            input, to keep the fastest (never slower than the input beyond noise); 0 trusts
+            the cost model.
+
+    Raises:
+        ValueError: a setting out of its range (on construction).
+    """
+
+    alpha: float = 1.05
+    budget: int = 100
+    time_limit: float = 60.0
+    cost_model: Any = "measured"
+    substitutions: Any = field(default=None, compare=False)
+    allow_unverified: bool = False
+    end_to_end: int = 4
+
+    def __post_init__(self):
+        checks = [("alpha", self.alpha >= 1.0, ">= 1"), ("budget", self.budget >= 0, ">= 0"),
+                  ("time_limit", self.time_limit > 0, "> 0"),
+                  ("end_to_end", self.end_to_end >= 0, ">= 0")]
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {want}, got {getattr(self, name)}")
+        if isinstance(self.cost_model, str) and self.cost_model not in COST_MODEL_NAMES:
+            raise ValueError(f"cost_model must be one of {COST_MODEL_NAMES} or a CostModel, "
+                             f"got {self.cost_model!r}")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names (the keywords every front door accepts)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def replace(self, **changes) -> OptimizeOptions:
+        """A copy with some settings changed (validated again).
+
+        Raises:
+            TypeError: an unknown option name.
+        """
+        unknown = set(changes) - set(self.names())
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; the options are "
+                            f"{', '.join(self.names())}")
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def cost_model_name(self) -> str:
+        """The cost model's name for reports (``"measured"``, ``"analytic"``, a class name)."""
+        cm = self.cost_model
+        return cm if isinstance(cm, str) else getattr(cm, "name", type(cm).__name__)
+
+    def make_cost_model(self) -> CostModel:
+        """The cost model these options name (a given instance is returned as is)."""
+        cm = self.cost_model
+        return get_cost_model(cm) if isinstance(cm, str) else cm
+
+    def load_rules(self) -> list[Substitution]:
+        """Every rule these options name (proved or not).
+
+        Raises:
+            ValueError: the rule file is not a substitution file.
+            OSError: the rule file cannot be read.
+        """
+        subs = self.substitutions
+        if subs is None:
+            return default_substitutions()
+        if isinstance(subs, str) or hasattr(subs, "__fspath__"):
+            return load_substitutions(subs)
+        return list(subs)
+
+
+def usable_rules(subs: Sequence[Substitution], allow_unverified: bool,
+                 stacklevel: int = 3) -> tuple[list[Substitution], dict]:
+    """The rules a search may use, and the counts a report gives.
+
+    Unproved rules are left out, with a ``UserWarning``, unless ``allow_unverified``.
+    Returns ``(rules, {"used", "proved", "unverified_used", "unverified_left_out"})``.
+    """
+    proved = [s for s in subs if s.proof_status == "proved"]
+    unproved = len(subs) - len(proved)
+    if unproved and not allow_unverified:
+        warnings.warn(f"{unproved} of {len(subs)} substitutions are not proved and are not "
+                      "used (run `taso-jax verify` on them, or pass allow_unverified=True / "
+                      "--allow-unverified to use them anyway)", UserWarning,
+                      stacklevel=stacklevel)
+    used = list(subs) if allow_unverified else proved
+    return used, {"used": len(used), "proved": len(proved),
+                  "unverified_used": unproved if allow_unverified else 0,
+                  "unverified_left_out": 0 if allow_unverified else unproved}
+
+
+def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = None, *,
+                 progress: Callable[[int, float], None] | None = None,
+                 **changes) -> SearchResult:
+    """Run the backtracking search, then the end-to-end choice, and return the result.
+
+    Args:
+        graph: a :class:`~taso_jax.ir.graph.Graph` (unchanged), or a
+            :class:`~taso_jax.ir.graph.GraphBuilder` (its unused tensors become outputs, as
+            in TASO).
+        options: the settings (:class:`OptimizeOptions`; its defaults when ``None``).
+        progress: ``progress(iterations, best cost in microseconds)`` after each expansion.
+        **changes: settings that override ``options`` (``budget=30``, ``end_to_end=0``...).
+
+    Returns:
+        A :class:`~taso_jax.search.backtracking.SearchResult`; ``result.rules`` counts the
+        rules used, and ``result.end_to_end`` what was timed when candidates were measured.
+
+    Raises:
+        ValueError: a setting out of range, or a rule file that is not one.
+        TypeError: an unknown setting.
+    """
+    opts = (options or OptimizeOptions()).replace(**changes)
+    if isinstance(graph, GraphBuilder):
+        graph = graph.graph()
+    subs, counts = usable_rules(opts.load_rules(), opts.allow_unverified)
+    result = backtracking_search(graph, subs, opts.make_cost_model(), alpha=opts.alpha,
+                                 budget=opts.budget, time_limit=opts.time_limit,
+                                 progress=progress, keep=max(1, opts.end_to_end))
+    if opts.end_to_end > 0 and len(result.candidates) > 1:
+        result.end_to_end = choose_fastest(result)
+    result.rules = counts
+    return result

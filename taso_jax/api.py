@@ -1,0 +1,40 @@
+"""``taso_jax.optimize``: one entry point for graphs and for JAX functions."""
+
+from __future__ import annotations
+
+from taso_jax.frontends.decorator import optimize_function
+from taso_jax.ir.graph import Graph, GraphBuilder
+from taso_jax.search.options import search_graph
+
+__all__ = ["optimize"]
+
+
+def optimize(graph=None, **options):
+    """Optimize a graph, or make a JAX function faster (a decorator used like ``jax.jit``).
+
+    On a :class:`~taso_jax.ir.graph.Graph` (or a ``GraphBuilder``): return the fastest
+    equivalent graph found (TASO's ``taso.optimize``). The options are those of
+    :class:`~taso_jax.search.options.OptimizeOptions` (``alpha=1.05, budget=100,
+    time_limit=60.0, cost_model="measured", substitutions=None, allow_unverified=False,
+    end_to_end=4``). The input graph is never modified, and it is returned as is when
+    nothing is faster.
+
+    On a function, or with keyword options only, it is a decorator::
+
+        @taso_jax.optimize(weight_argnums=0)
+        def model(params, x): ...
+
+    The decorator takes the same options plus ``weight_argnums`` / ``weight_argnames``
+    (arguments whose array leaves are weights: weight-only subgraphs are computed once per
+    distinct weight arrays), ``static_argnums`` / ``static_argnames`` and ``check`` (compare
+    with ``jax.jit`` of the original at the first call of each signature); see
+    :class:`~taso_jax.frontends.decorator.OptimizedFunction`.
+
+    Raises:
+        ValueError: an option out of range, or (functions) a ``weight_argnames`` /
+            ``static_argnames`` entry that is not a parameter.
+        TypeError: an unknown option.
+    """
+    if isinstance(graph, Graph | GraphBuilder):
+        return search_graph(graph, **options).graph
+    return optimize_function(graph, **options)

@@ -1,0 +1,1 @@
+"""Front doors: ONNX import/export, jaxpr import, and the ``@taso_jax.optimize`` decorator."""

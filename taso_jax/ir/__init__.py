@@ -1,0 +1,1 @@
+"""The graph IR: hash-consed immutable graphs and the JAX executor that runs them."""
