@@ -37,11 +37,45 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from taso_jax.search.cost import AnalyticCostModel, CostModel
+from taso_jax.search.match import Match, MatchState, Rewrite, find_matches, prepare
+from taso_jax.search.pattern import NodeRef
 from taso_jax.search.rules import Substitution
 
 from taso_jax.ir.graph import Graph, Tensor
 
-__all__ = ["SearchResult", "backtracking_search", "greedy_descent"]
+__all__ = ["SearchResult", "SearchState", "Candidate", "backtracking_search", "greedy_descent"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A graph the search built and priced.
+
+    Attributes:
+        cost: estimated cost in microseconds.
+        graph: the graph.
+        path: names of the substitutions applied on the way from the input graph, in order.
+    """
+
+    cost: float
+    graph: Graph
+    path: tuple[str, ...] = ()
+
+    def __iter__(self):  # unpacks as (cost, graph, path)
+        return iter((self.cost, self.graph, self.path))
+
+
+@dataclass
+class SearchState:
+    """What one search keeps while it runs; nothing outlives it or is shared between searches.
+
+    Attributes:
+        matching: rejection counts and first-node bindings (:class:`MatchState`).
+        pair_hits: substitution name -> times it was part of a successful pair step (pairs
+            that worked once are tried first: a model repeats its patterns).
+    """
+
+    matching: MatchState = field(default_factory=MatchState)
+    pair_hits: Counter = field(default_factory=Counter)
 
 
 @dataclass
@@ -58,13 +92,12 @@ class SearchResult:
         rejected: match rejections by reason (for debugging substitutions).
         rules: how many substitutions were used, how many of them proved, and how many
             unproved ones were used or left out (set by :func:`taso_jax.search_graph`).
-        candidates: the cheapest distinct graphs seen, as ``(estimated cost in
-            microseconds, graph, substitution names applied on its path)`` in increasing
-            cost, the input graph included (at most ``keep``): what an end-to-end
-            measurement chooses from.
-        visited: every graph built: the greedy path, each graph popped from the queue, and
-            the cheapest children left in it at the end, in the same form and order of
-            discovery (for judging the cost model against measurements).
+        candidates: the cheapest distinct graphs seen, as :class:`Candidate` records in
+            increasing cost, the input graph included (at most ``keep``): what an
+            end-to-end measurement chooses from.
+        visited: every graph built, as :class:`Candidate` records in order of discovery:
+            the greedy path, each graph popped from the queue, and the cheapest children
+            left in it at the end (for judging the cost model against measurements).
         end_to_end: when candidates were timed on the device, what was measured and chosen
             (see :func:`taso_jax.search.choose.choose_fastest`).
     """
@@ -89,14 +122,7 @@ def _relevant(subs: Sequence[Substitution], graph: Graph) -> list[Substitution]:
     return [s for s in subs if all(p.op in ops for p in s.source)]
 
 
-def _node_set(graph: Graph) -> frozenset:
-    ns = graph.__dict__.get("_node_set")
-    if ns is None:
-        ns = graph.__dict__["_node_set"] = frozenset(graph.nodes)
-    return ns
-
-
-def _estimate(graph: Graph, cost: float, binding: dict, cost_model: CostModel) -> float:
+def _estimate(graph: Graph, cost: float, rw: Rewrite, cost_model: CostModel) -> float:
     """Estimated cost (microseconds) of a prepared rewrite, without building the graph.
 
     It follows from the nodes the rewrite adds and removes: the matched nodes disappear;
@@ -104,43 +130,44 @@ def _estimate(graph: Graph, cost: float, binding: dict, cost_model: CostModel) -
     dead are not subtracted, so the estimate errs high; the search builds and prices
     exactly every graph it keeps.
     """
-    nodes = _node_set(graph)
-    created = set(binding["created"])
+    nodes = graph.node_set
+    created = set(rw.created)
     added = sum(cost_model.node_cost(n) for n in created
                 if n not in nodes and not n.weight_only)
-    removed = sum(cost_model.node_cost(n) for n in set(binding["nodes"])
+    removed = sum(cost_model.node_cost(n) for n in set(rw.match.nodes)
                   if n not in created and not n.weight_only)
     return cost + added - removed
 
 
 def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
-              limit: float, rejected: Counter, near: set | None = None,
-              bindings: list | None = None):
-    """Yield ``(binding, mapping, estimate)`` for valid rewrites estimated below ``limit``.
+              limit: float, state: SearchState, near: set | None = None,
+              matches: list | None = None):
+    """Yield ``(rewrite, estimate)`` for valid rewrites estimated below ``limit``.
 
-    ``mapping`` is what :meth:`Graph.replace` takes; ``estimate`` (microseconds, an upper
-    bound on the rewritten graph's cost) comes from :func:`_estimate`, without building the
-    graph. ``bindings`` (optional) are the rule's matches in ``graph`` when already known
-    (:func:`_incremental_matches`).
+    ``estimate`` (microseconds, an upper bound on the rewritten graph's cost) comes from
+    :func:`_estimate`, without building the graph. ``matches`` (optional) are the rule's
+    matches in ``graph`` when already known (:func:`_incremental_matches`).
     """
-    for b in (sub.matches(graph, rejected, near=near) if bindings is None else bindings):
-        mapping = sub.prepare(graph, b, rejected)
-        if mapping is None:
+    if matches is None:
+        matches = find_matches(sub, graph, state.matching, near=near)
+    for m in matches:
+        rw = prepare(sub, graph, m, state.matching)
+        if not rw:
             continue
-        estimate = _estimate(graph, cost, b, cost_model)
+        estimate = _estimate(graph, cost, rw, cost_model)
         if estimate < limit:
-            yield b, mapping, estimate
+            yield rw, estimate
 
 
 def _cheaper(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
-             limit: float, rejected: Counter, near: set | None = None):
-    """Yield ``(binding, new_graph, new_cost)`` for rewrites estimated below ``limit``.
+             limit: float, state: SearchState, near: set | None = None):
+    """Yield ``(rewrite, new_graph, new_cost)`` for rewrites estimated below ``limit``.
 
     Each yielded graph is built and priced exactly.
     """
-    for b, mapping, _ in _prepared(graph, cost, sub, cost_model, limit, rejected, near):
-        g2 = graph.replace(mapping)
-        yield b, g2, cost_model.graph_cost(g2)
+    for rw, _ in _prepared(graph, cost, sub, cost_model, limit, state, near):
+        g2 = graph.replace(rw.mapping)
+        yield rw, g2, cost_model.graph_cost(g2)
 
 
 def _reach(sub: Substitution) -> int | None:
@@ -156,11 +183,10 @@ def _reach(sub: Substitution) -> int | None:
     readers: dict[str, list[int]] = {}
     for i, p in enumerate(sub.source):
         for r in p.inputs:
-            if r.startswith("#"):
-                j = int(r[1:].split(".")[0])
-                d[i][j] = d[j][i] = min(d[i][j], 1)
+            if isinstance(r, NodeRef):
+                d[i][r.node] = d[r.node][i] = min(d[i][r.node], 1)
             else:
-                readers.setdefault(r, []).append(i)
+                readers.setdefault(r.name, []).append(i)
     for ids in readers.values():
         for i in ids:
             for j in ids:
@@ -187,10 +213,9 @@ class _Change:
     be looked for again; that set stays near the rewrite however deep the model is.
     """
 
-    def __init__(self, old: Graph, new: Graph, rewrite: tuple):
-        old_nodes = _node_set(old)
+    def __init__(self, old: Graph, new: Graph, mapping: dict, rebuilt: dict):
+        old_nodes = old.node_set
         self.unstable: set = set()
-        mapping, rebuilt = rewrite
         self.rebuilt = rebuilt
         preimages = Counter(rebuilt.values())
         pre = {v: n for n, v in rebuilt.items()}
@@ -208,38 +233,37 @@ class _Change:
                 self.unstable.add(v)
         self.unstable |= ambiguous
 
-    def carry(self, binding: dict, nodes: frozenset) -> dict | None:
-        """``binding`` (a match in the old graph) moved to the new graph, or ``None``."""
+    def carry(self, match: Match, nodes: frozenset) -> Match | None:
+        """``match`` (a match in the old graph) moved to the new graph, or ``None``."""
         rebuilt, unstable = self.rebuilt, self.unstable
-        hosts = [rebuilt.get(n, n) for n in binding["nodes"]]
+        hosts = tuple(rebuilt.get(n, n) for n in match.nodes)
         if not all(n in nodes and n not in unstable for n in hosts):
             return None
-        if not any(t.node in rebuilt for t in binding["vars"].values()) and \
-                hosts == binding["nodes"]:
-            return binding  # nothing it uses was rebuilt
+        if not any(t.node in rebuilt for t in match.vars.values()) and hosts == match.nodes:
+            return match  # nothing it uses was rebuilt
         var = {k: t if t.node not in rebuilt else Tensor(rebuilt[t.node], t.index)
-               for k, t in binding["vars"].items()}
-        return {"nodes": hosts, "vars": var, "sym": binding["sym"]}
+               for k, t in match.vars.items()}
+        return Match(hosts, var, match.sym)
 
 
 def _incremental_matches(graph: Graph, sub: Substitution, reach: int, previous: list,
-                         change: _Change, near_cache: dict, rejected: Counter) -> list:
+                         change: _Change, near_cache: dict, state: SearchState) -> list:
     """The matches of ``sub`` in ``graph``, from its matches in the graph it was rewritten from.
 
     Nodes are immutable and hash-consed. A match made of stable nodes (:class:`_Change`) is
     carried over from the old graph (the conditions on consumers and outputs are checked
-    again when it is applied); a match that was not there before uses an unstable node, and
+    again when it is prepared); a match that was not there before uses an unstable node, and
     those are found by matching with the first source node within ``reach`` edges of an
     unstable node (:func:`_reach`).
     """
-    nodes = _node_set(graph)
-    kept = [c for c in (change.carry(b, nodes) for b in previous) if c is not None]
+    nodes = graph.node_set
+    kept = [c for c in (change.carry(m, nodes) for m in previous) if c is not None]
     near = near_cache.get(reach)
     if near is None:
         near = near_cache[reach] = _near(graph, change.unstable, reach)
     unstable = change.unstable
-    fresh = [b for b in sub.matches(graph, rejected, near=near)
-             if any(n in unstable for n in b["nodes"])]
+    fresh = [m for m in find_matches(sub, graph, state.matching, near=near)
+             if any(n in unstable for n in m.nodes)]
     return kept + fresh
 
 
@@ -258,53 +282,49 @@ def _near(graph: Graph, nodes: set, radius: int) -> set:
     return seen
 
 
-def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, rejected,
+def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: SearchState,
                max_tries: int = 64):
     """One sideways rewrite (cost within ``alpha``) that enables a strictly cheaper one.
 
     The second rewrite is looked for only near the nodes the first one created, so a try
     costs little. This is what folds a shift-then-scale (``(y + a) * b``, as flax writes
     batchnorm) into a convolution: distributing is cost-neutral, the fold that follows is
-    not. At most ``max_tries`` sideways rewrites are tried (pairs found before come first).
-    Returns ``(graph, cost, [name1, name2])`` or ``None``.
+    not. At most ``max_tries`` sideways rewrites are tried (pairs that worked earlier in
+    this search come first). Returns ``(graph, cost, [name1, name2])`` or ``None``.
     """
     tries = 0
-    old = _node_set(graph)
+    old = graph.node_set
     target = cost * (1 - 1e-9)
+    hits = state.pair_hits
     first = _relevant(substitutions, graph)
-    # Pairs that worked once come first: a model repeats its patterns (53 batchnorms).
-    first.sort(key=lambda s: -_PAIR_HITS.get(s.name, 0))
+    first.sort(key=lambda s: -hits[s.name])
     for sub in first:
-        for b, g1, c1 in _cheaper(graph, cost, sub, cost_model, alpha * cost * (1 + 1e-9),
-                                  rejected):
+        for rw, g1, c1 in _cheaper(graph, cost, sub, cost_model, alpha * cost * (1 + 1e-9),
+                                   state):
             tries += 1
             if time.perf_counter() > deadline or tries > max_tries:
                 return None
             if c1 > alpha * cost:
                 continue
-            new = {n for n in b["created"] if n not in old}
+            new = {n for n in rw.created if n not in old}
             if not new:
                 continue
             near = _near(g1, new, radius=4)
             new_ops = {n.op for n in new}
             second = [s for s in _relevant(substitutions, g1)
                       if any(p.op in new_ops for p in s.source)]
-            second.sort(key=lambda s: -_PAIR_HITS.get(s.name, 0))
+            second.sort(key=lambda s: -hits[s.name])
             for sub2 in second:
-                for b2, g2, c2 in _cheaper(g1, c1, sub2, cost_model, target, rejected, near):
-                    if new & set(b2["nodes"]) and c2 < target:
-                        _PAIR_HITS[sub.name] = _PAIR_HITS.get(sub.name, 0) + 1
-                        _PAIR_HITS[sub2.name] = _PAIR_HITS.get(sub2.name, 0) + 1
+                for rw2, g2, c2 in _cheaper(g1, c1, sub2, cost_model, target, state, near):
+                    if new & set(rw2.match.nodes) and c2 < target:
+                        hits[sub.name] += 1
+                        hits[sub2.name] += 1
                         return g2, c2, [sub.name, sub2.name]
     return None
 
 
-#: Substitution name -> times it was part of a successful pair (orders later pair steps).
-_PAIR_HITS: dict[str, int] = {}
-
-
 def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
-                   time_limit: float, rejected: Counter, alpha: float = 1.05,
+                   time_limit: float, state: SearchState | None = None, alpha: float = 1.05,
                    on_step: Callable[[float, Graph, tuple], None] | None = None,
                    ) -> tuple[Graph, float, list[str]]:
     """Apply strictly cost-reducing rewrites, first found first, until none is left.
@@ -315,8 +335,9 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
     cheaper, it looks for a pair: a sideways rewrite (within ``alpha``) followed, near the
     nodes it created, by a cheaper one (see ``_pair_step``). Returns the graph, its cost and
     the names of the substitutions applied, in order; ``on_step(cost, graph, names)`` is
-    called after each step.
+    called after each step. ``state`` is the search's (a fresh one when ``None``).
     """
+    state = state if state is not None else SearchState()
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     cost = cost_model.graph_cost(graph)
@@ -329,7 +350,7 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
             while again and time.perf_counter() < deadline:
                 again = False
                 for _, g2, c2 in _cheaper(graph, cost, sub, cost_model, cost * (1 - 1e-9),
-                                          rejected):
+                                          state):
                     if c2 < cost * (1 - 1e-9):
                         graph, cost = g2, c2
                         applied.append(sub.name)
@@ -338,8 +359,7 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                             on_step(cost, graph, tuple(applied))
                         break
         if not improved:
-            step = _pair_step(graph, cost, substitutions, cost_model, alpha, deadline,
-                              rejected)
+            step = _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state)
             if step is not None:
                 graph, cost = step[0], step[1]
                 applied += step[2]
@@ -349,9 +369,31 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
     return graph, cost, applied
 
 
+@dataclass(order=True)
+class _Entry:
+    """A queue entry, ordered by cost, then by the order of queuing.
+
+    Children are queued unbuilt (``graph`` None, ``cost`` the estimate, an upper bound) and
+    built when popped: most are never expanded.
+
+    ``parent`` and ``matches`` (the parent's matches per rule index) and ``mapping`` (the
+    rewrite's tensor mapping) are what let a child's matches be found incrementally;
+    ``rebuilt`` (old node -> rebuilt node) is filled when the child is built.
+    """
+
+    cost: float
+    tie: int
+    graph: Graph | None = field(compare=False, default=None)
+    path: tuple = field(compare=False, default=())
+    parent: Graph | None = field(compare=False, default=None)
+    matches: dict | None = field(compare=False, default=None)
+    mapping: dict | None = field(compare=False, default=None)
+    rebuilt: dict | None = field(compare=False, default=None)
+
+
 def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
                         cost_model: CostModel | None = None, alpha: float = 1.05,
-                        budget: int = 1000, time_limit: float = 60.0,
+                        budget: int = 100, time_limit: float = 60.0,
                         progress: Callable[[int, float], None] | None = None,
                         greedy: bool = True, keep: int = 4) -> SearchResult:
     """Search for the cheapest graph equivalent to ``graph`` under ``substitutions``.
@@ -376,23 +418,18 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     cost_model = cost_model or AnalyticCostModel()
+    state = SearchState()
     t0 = time.perf_counter()
     cost0 = cost_model.graph_cost(graph)
-    rejected: Counter = Counter()
     start, start_cost, start_path = graph, cost0, ()
-    visited: list = [(cost0, graph, ())]
+    visited: list[Candidate] = [Candidate(cost0, graph, ())]
     if greedy:
         start, start_cost, names = greedy_descent(
-            graph, substitutions, cost_model, time_limit / 2, rejected, alpha,
-            on_step=lambda c, g, names: visited.append((c, g, names)))
+            graph, substitutions, cost_model, time_limit / 2, state, alpha,
+            on_step=lambda c, g, names: visited.append(Candidate(c, g, names)))
         start_path = tuple(names)
     tie = itertools.count()
-    # A queue entry is (cost, tie, graph, path, origin). Children are queued unbuilt
-    # (graph None, cost the estimate, an upper bound) and built when popped: most are never
-    # expanded. origin is (parent graph, its matches per rule, rewrite); for an unbuilt
-    # child the rewrite is the tensor mapping, once built (mapping, rebuilt nodes), which
-    # is what lets its own matches be found incrementally (_incremental_matches).
-    queue = [(start_cost, next(tie), start, start_path, None)]
+    queue = [_Entry(start_cost, next(tie), start, start_path)]
     reach = [_reach(sub) for sub in substitutions]
     index = {id(sub): k for k, sub in enumerate(substitutions)}
     seen = {graph.key, start.key}
@@ -401,17 +438,16 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     best_cost = start_cost
     iterations, stopped = 0, "queue empty"
 
-    def build(entry):
-        """An unbuilt entry's graph, priced and recorded; ``None`` if seen before."""
-        _, _, _, path, (parent, matches, mapping) = entry
+    def build(entry: _Entry) -> bool:
+        """Build, price and record an unbuilt entry; ``False`` if its graph was seen."""
         rebuilt: dict = {}
-        g2 = parent.replace(mapping, rebuilt)
+        g2 = entry.parent.replace(entry.mapping, rebuilt)
         if g2.key in seen:
-            return None
+            return False
         seen.add(g2.key)
-        c2 = cost_model.graph_cost(g2)
-        visited.append((c2, g2, path))
-        return c2, g2, (parent, matches, (mapping, rebuilt))
+        entry.graph, entry.cost, entry.rebuilt = g2, cost_model.graph_cost(g2), rebuilt
+        visited.append(Candidate(entry.cost, g2, entry.path))
+        return True
 
     while queue:
         if iterations >= budget:
@@ -421,33 +457,33 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
             stopped = "time limit"
             break
         entry = heapq.heappop(queue)
-        gc, _, g, path, origin = entry
-        if g is None:
-            built = build(entry)
-            if built is None:
+        if entry.graph is None:
+            if not build(entry):
                 continue
-            gc, g, origin = built
-            best_cost = min(best_cost, gc)
-            if queue and queue[0][0] < gc:  # cheaper than its estimate, not cheapest
-                heapq.heappush(queue, (gc, next(tie), g, path, origin))
+            best_cost = min(best_cost, entry.cost)
+            if queue and queue[0].cost < entry.cost:  # cheaper than estimated, not cheapest
+                entry.tie = next(tie)
+                heapq.heappush(queue, entry)
                 continue
+        g, gc = entry.graph, entry.cost
         iterations += 1
         table: dict[int, list] = {}
         change = near_cache = None
-        if origin is not None:
-            change, near_cache = _Change(origin[0], g, origin[2]), {}
+        if entry.parent is not None:
+            change = _Change(entry.parent, g, entry.mapping, entry.rebuilt)
+            near_cache = {}
         for sub in _relevant(substitutions, g):
             k = index[id(sub)]
-            previous = None if origin is None or reach[k] is None else origin[1].get(k)
+            previous = None if change is None or reach[k] is None else entry.matches.get(k)
             if previous is None:
-                table[k] = list(sub.matches(g, rejected))
+                table[k] = list(find_matches(sub, g, state.matching))
             else:
                 table[k] = _incremental_matches(g, sub, reach[k], previous, change,
-                                                near_cache, rejected)
-            for _, mapping, estimate in _prepared(g, gc, sub, cost_model, alpha * best_cost,
-                                                  rejected, bindings=table[k]):
-                heapq.heappush(queue, (estimate, next(tie), None, (*path, sub.name),
-                                       (g, table, mapping)))
+                                                near_cache, state)
+            for rw, estimate in _prepared(g, gc, sub, cost_model, alpha * best_cost, state,
+                                          matches=table[k]):
+                heapq.heappush(queue, _Entry(estimate, next(tie), None, (*entry.path, sub.name),
+                                             g, table, rw.mapping))
                 best_cost = min(best_cost, estimate)
         if progress:
             progress(iterations, best_cost)
@@ -456,14 +492,14 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     built_after = tries = 0
     while queue and built_after < keep and tries < 4 * keep:
         entry = heapq.heappop(queue)
-        if entry[2] is None:
+        if entry.graph is None:
             tries += 1
-            built_after += build(entry) is not None
-    best_cost, best, best_path = min(visited, key=lambda v: v[0])
+            built_after += build(entry)
+    best_cost, best, best_path = min(visited, key=lambda v: v.cost)
     if best_cost >= cost0:
         best, best_cost, best_path = graph, cost0, ()
-    order = sorted(range(len(visited)), key=lambda i: visited[i][0])
+    order = sorted(range(len(visited)), key=lambda i: visited[i].cost)
     candidates = [visited[i] for i in order[:keep]]
     return SearchResult(best, cost0, best_cost, Counter(best_path), iterations, len(seen),
-                        time.perf_counter() - t0, stopped, rejected, candidates=candidates,
-                        visited=visited)
+                        time.perf_counter() - t0, stopped, state.matching.rejected,
+                        candidates=candidates, visited=visited)

@@ -53,8 +53,6 @@ def _result(case: str) -> dict:
         _RULES.extend(taso_jax.default_substitutions())
     by_name = {s.name: s for s in _RULES}
     g = _graph(case)
-    import taso_jax.search.backtracking as bt
-    bt._PAIR_HITS.clear()  # process-wide before the redesign: record each case from scratch
     r = taso_jax.search_graph(g, cost_model="analytic", budget=BUDGET, time_limit=1e9,
                               substitutions=_RULES, end_to_end=0)
     laws = Counter()

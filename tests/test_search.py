@@ -17,6 +17,7 @@ from conftest import (
     randomize_weights,
 )
 from taso_jax.search import AnalyticCostModel, MeasuredCostModel, backtracking_search
+from taso_jax.search.match import find_matches
 
 import taso_jax
 from taso_jax.examples import resnet_module
@@ -213,11 +214,10 @@ def test_incremental_matching_finds_exactly_the_full_matches(monkeypatch):
 
     def checked(graph, sub, *args):
         got = incremental(graph, sub, *args)
-        full = list(sub.matches(graph))
+        full = list(find_matches(sub, graph))
 
-        def key(b):
-            return tuple(b["nodes"]), tuple(sorted(b["vars"].items())), \
-                tuple(sorted(b["sym"].items(), key=repr))
+        def key(m):
+            return m.nodes, tuple(sorted(m.vars.items())), tuple(sorted(m.sym.items(), key=repr))
 
         # As multisets: two different matches can print alike, so sorting by repr is unstable.
         assert Counter(map(key, got)) == Counter(map(key, full)), sub.name
@@ -237,3 +237,24 @@ def test_bert_attention_projections_merge():
     r = _search(g, cost_model=AnalyticCostModel(), budget=10, substitutions=SUBS)
     assert r.graph.op_counts()["matmul"] < g.op_counts()["matmul"]
     assert np.isfinite(r.cost_after)
+
+
+def test_a_search_does_not_depend_on_searches_before_it():
+    # Caches and statistics belong to one search (SearchState): the same search gives the
+    # same result and the same rejection counts whatever ran before it in the process.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from models import MODELS
+
+    def run(name):
+        g = MODELS[name].build(**MODELS[name].SMALL)
+        return _search(g, cost_model=AnalyticCostModel(), budget=5, substitutions=SUBS)
+
+    first = run("nasnet_a")
+    run("inception_v3")
+    run("bert_large")
+    again = run("nasnet_a")
+    assert again.graph.key == first.graph.key
+    assert again.rejected == first.rejected and sum(first.rejected.values()) > 0

@@ -6,6 +6,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from taso_jax.search.match import MatchState, NoMatch, find_matches, prepare, rewrites
 from taso_jax.search.rules import PNode, Substitution, load_substitutions, save_substitutions
 
 import taso_jax
@@ -49,10 +50,10 @@ def test_json_roundtrip(tmp_path):
 @pytest.mark.parametrize("batch", [(), (2, 3)])
 def test_match_and_apply_is_correct(batch):
     g = _graph(n=6, p=6, batch=batch)
-    rewrites = list(MERGE.rewrites(g))
-    assert len(rewrites) == 2  # concat(a, b) and concat(b, a): both orders match
+    graphs = list(rewrites(MERGE, g))
+    assert len(graphs) == 2  # concat(a, b) and concat(b, a): both orders match
     xs = taso_jax.random_inputs(g)
-    for g2 in rewrites:
+    for g2 in graphs:
         assert g2.op_counts() == Counter({"matmul": 1, "split": 1, "relu": 1})
         for a, b in zip(taso_jax.compile_graph(g)(*xs), taso_jax.compile_graph(g2)(*xs),
                         strict=True):
@@ -61,19 +62,19 @@ def test_match_and_apply_is_correct(batch):
 
 def test_match_binds_each_variable_once():
     # With different widths, only the order that unifies "N" and "P" with the weights matches.
-    assert len(list(MERGE.rewrites(_graph(n=6, p=7)))) == 2
+    assert len(list(rewrites(MERGE, _graph(n=6, p=7)))) == 2
     sub = Substitution(MERGE.name, (("x", ("M", "K")), ("a", ("K", "N")), ("b", ("K", "N"))),
                        MERGE.source, MERGE.target, MERGE.outputs)
-    assert list(sub.rewrites(_graph(n=6, p=7))) == []
+    assert list(rewrites(sub, _graph(n=6, p=7))) == []
 
 
 def test_match_checks_symbolic_shapes():
     # Variable shapes must unify: here "K" of a and b differs from x's last dimension.
     sub = Substitution(MERGE.name, (("x", ("M", "K")), ("a", ("K", "N")), ("b", ("K", "N"))),
                        MERGE.source, MERGE.target, MERGE.outputs)
-    stats = Counter()
-    assert list(sub.rewrites(_graph(n=6, p=7), stats)) == []
-    assert stats["shape"] > 0
+    state = MatchState()
+    assert list(rewrites(sub, _graph(n=6, p=7), state)) == []
+    assert state.rejected["shape"] > 0
 
 
 def test_match_refuses_internal_tensor_used_outside():
@@ -89,11 +90,16 @@ def test_match_refuses_internal_tensor_used_outside():
     y = g.matmul(x, a)
     g.mark_output(g.relu(y), "r")
     only = g.graph()
-    assert len(list(fuse.rewrites(only))) == 1
+    assert len(list(rewrites(fuse, only))) == 1
     g.mark_output(y, "y")
-    stats = Counter()
-    assert list(fuse.rewrites(g.graph(), stats)) == []
-    assert stats["internal_used"] == 1
+    state = MatchState()
+    assert list(rewrites(fuse, g.graph(), state)) == []
+    assert state.rejected["internal_used"] == 1
+    # the failed match itself is falsy and says why
+    (m,) = find_matches(fuse, g.graph())
+    result = prepare(fuse, g.graph(), m)
+    assert not result and isinstance(result, NoMatch) and result.reason == "internal_used"
+    assert prepare(fuse, only, next(find_matches(fuse, only)))
 
 
 def test_match_refuses_cycles():
@@ -112,9 +118,9 @@ def test_match_refuses_cycles():
     y2 = g.matmul(g.relu(y1), a)
     g.mark_output(y2, "out")
     g.mark_output(y1, "y1")
-    stats = Counter()
-    assert list(sub.rewrites(g.graph(), stats)) == []
-    assert stats["cycle"] >= 1
+    state = MatchState()
+    assert list(rewrites(sub, g.graph(), state)) == []
+    assert state.rejected["cycle"] >= 1
 
 
 def test_attributes_must_match():
@@ -123,7 +129,7 @@ def test_attributes_must_match():
     a, b = g.new_weight((4, 5), name="a"), g.new_weight((4, 5), name="b")
     g.matmul(x, a, activation="relu")
     g.matmul(x, b)
-    assert list(MERGE.rewrites(g.graph())) == []
+    assert list(rewrites(MERGE, g.graph())) == []
 
 
 def test_default_set_loads_and_is_generated():
@@ -156,7 +162,7 @@ def test_a_quotient_attribute_applies_only_where_the_division_is_exact():
         return g.graph()
 
     g = conv(32, 64)
-    (out,) = list(halve.rewrites(g))
+    (out,) = list(rewrites(halve, g))
     (c,) = out.by_op["conv2d"]
     assert c.attr("groups") == 16 and c.inputs[1].type.shape == (64, 4, 3, 3)
     # checked by onnxruntime, the original against the rewritten model
@@ -164,7 +170,35 @@ def test_a_quotient_attribute_applies_only_where_the_division_is_exact():
                          taso_jax.export_onnx(out).SerializeToString(),
                          {"x": taso_jax.random_inputs(g)[0]})
     assert check["ok"], check
-    stats = Counter()
-    assert list(halve.rewrites(conv(3, 6), stats)) == []  # 3 groups do not halve
-    assert stats["target_shape"] == 1
+    state = MatchState()
+    assert list(rewrites(halve, conv(3, 6), state)) == []  # 3 groups do not halve
+    assert state.rejected["target_shape"] == 1
     assert Substitution.from_json(halve.to_json()) == halve
+
+
+def test_the_shipped_file_round_trips_through_the_typed_patterns_unchanged():
+    import json
+    from importlib.resources import files
+
+    text = files("taso_jax").joinpath("data/substitutions.json").read_text()
+    doc = json.loads(text)
+    subs = taso_jax.default_substitutions()
+    assert len(subs) == len(doc["substitutions"])
+    for s, d in zip(subs, doc["substitutions"], strict=True):
+        assert json.loads(json.dumps(s.to_json())) == d, s.name
+
+
+def test_pattern_strings_are_parsed_once_into_typed_values():
+    from taso_jax.search.pattern import AttrVar, NodeRef, SizeExpr, SizeTerm, VarRef
+
+    assert MERGE.source[0].inputs == (VarRef("x"), VarRef("a"))
+    assert MERGE.target[1].inputs == (VarRef("x"), NodeRef(0, 0))
+    assert MERGE.outputs[1] == (NodeRef(1, 0), NodeRef(2, 1))
+    sizes = dict(MERGE.target[2].attrs)["sizes"]
+    assert sizes == (SizeExpr((SizeTerm("N"),)), SizeExpr((SizeTerm("P"),)))
+    half = PNode("conv2d", (("groups", "$?groups/2"), ("padding", "?p")), ("x", "#0.1"))
+    assert dict(half.attrs)["groups"] == SizeExpr((SizeTerm("?groups", 2),))
+    assert dict(half.attrs)["padding"] == AttrVar("?p")
+    assert [str(r) for r in half.inputs] == ["x", "#0.1"]
+    with pytest.raises(ValueError, match="bad node reference"):
+        PNode("relu", (), ("#a",))

@@ -40,7 +40,9 @@ from dataclasses import dataclass, field, replace
 import jax
 import numpy as np
 from taso_jax.ops import OPS, ShapeError, TensorType
-from taso_jax.search.rules import PNode, Substitution, _jsonable, _ref, instantiate
+from taso_jax.search.match import MatchState, apply, find_matches, instantiate
+from taso_jax.search.pattern import AttrVar, PNode, attr_to_json, is_symbolic
+from taso_jax.search.rules import Substitution
 
 from taso_jax.ir.executor import evaluate, run_node
 from taso_jax.ir.graph import Graph, Node, Tensor, leaf_node, make_node, topo_order
@@ -301,10 +303,10 @@ def _canonical_key(sub: Substitution, domain: Domain) -> str:
     def nodes(ns, ren):
         out = []
         for n in ns:
-            ins = [ren.get(r, r) for r in n.inputs]
+            ins = [ren.get(str(r), str(r)) for r in n.inputs]
             if OPS[n.op].commutative:
                 ins.sort()
-            out.append([n.op, [[k, _jsonable(v)] for k, v in n.attrs], ins])
+            out.append([n.op, [[k, attr_to_json(v)] for k, v in n.attrs], ins])
         return out
 
     best = None
@@ -316,7 +318,8 @@ def _canonical_key(sub: Substitution, domain: Domain) -> str:
             ren.update(zip(vs, ns, strict=True))
         text = json.dumps([sorted((ren[v], list(p)) for v, p in sub.variables),
                            nodes(sub.source, ren), nodes(sub.target, ren),
-                           [[ren.get(a, a), ren.get(b, b)] for a, b in sub.outputs]])
+                           [[ren.get(str(a), str(a)), ren.get(str(b), str(b))]
+                            for a, b in sub.outputs]])
         best = text if best is None or text < best else best
     return best
 
@@ -348,14 +351,14 @@ def check_substitution(sub: Substitution, domain: Domain, instance: dict, seed: 
         return None
     rng = np.random.default_rng(seed)
     values = {v: rng.standard_normal(t.shape) for v, t in leaves.items()}
-    outs = [Tensor(built[r[0]], r[1]) for r in (_ref(s) for s, _ in sub.outputs)]
+    outs = [Tensor(built[s.node], s.output) for s, _ in sub.outputs]
     inputs = tuple(t.node for t in leaves.values() if t.node.op == "input")
     weights = {v: values[v] for v, t in leaves.items() if t.node.op == "weight"}
     g = Graph(inputs, tuple(outs), tuple(f"o{i}" for i in range(len(outs))), weights)
     rewritten = None
-    for b in sub.matches(g):  # a binding over exactly the source nodes that applies
-        if set(b["nodes"]) == set(built):
-            rewritten = sub.apply(g, b)
+    for m in find_matches(sub, g, MatchState()):  # a match of exactly the source nodes
+        if set(m.nodes) == set(built):
+            rewritten = apply(sub, g, m) or None
             if rewritten is not None:
                 break
     if rewritten is None:
@@ -431,11 +434,11 @@ def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Subst
     instances = domain.instances + domain.attribute_instances
     for p in sub.source:
         for k, v in p.attrs:
-            if isinstance(v, str) and v[:1] in "$?" or k == "sizes":
+            if is_symbolic(v) or k == "sizes":
                 continue
             var = f"?{k}"
             current = [(n.op, a, x) for n in sub.source + sub.target for a, x in n.attrs]
-            if any(var == x for _, _, x in current) or (p.op, k, v) not in current:
+            if AttrVar(var) in (x for _, _, x in current) or (p.op, k, v) not in current:
                 continue  # the name is taken, or a broad renaming already took this value
             for mode in _renamings(v):
                 cand = _rename_attribute(sub, p.op, k, v, var, mode)
@@ -449,7 +452,7 @@ def generalize_attributes(sub: Substitution, domain: Domain, seed: int) -> Subst
                     values[var] = validated
                     break
     if values:
-        sub.provenance["attribute_values"] = {k: [_jsonable(x) for x in v]
+        sub.provenance["attribute_values"] = {k: [attr_to_json(x) for x in v]
                                               for k, v in values.items()}
     return sub
 

@@ -15,7 +15,16 @@ import time
 from dataclasses import replace
 
 from taso_jax.ops import ShapeError
-from taso_jax.search.rules import PNode, Substitution, _from_jsonable, _ref, _resolve_attr
+from taso_jax.search.pattern import (
+    AttrVar,
+    NodeRef,
+    PNode,
+    SizeExpr,
+    attr_from_json,
+    is_symbolic,
+    resolve_attr,
+)
+from taso_jax.search.rules import Substitution
 from taso_jax.verify.laws import Z3Encoding, all_axioms
 
 __all__ = ["Prover", "bind_attributes"]
@@ -46,46 +55,49 @@ class Prover:
         self.formulas = [(f"{name}: {ax.law}", self.enc.formula(ax, name))
                          for name, ax in axioms]
 
-    def _size(self, token, ints: dict):
+    def _size(self, size: int | str | SizeExpr, ints: dict, guards: list):
+        """A size as a Z3 integer: a constant, a shape symbol, or a size expression.
+
+        A quotient term ``?groups/2`` becomes a fresh integer ``q`` with the guard
+        ``2 q = ?groups``: the matcher applies the rule only where the division is exact.
+        """
         z3 = self.enc.z3
-        if isinstance(token, int):
-            return z3.IntVal(token)
+        if isinstance(size, int):
+            return z3.IntVal(size)
+        if isinstance(size, str):
+            return ints.setdefault(size, z3.Int(size))
         terms = []
-        for part in str(token).lstrip("$").split("+"):
-            name, slash, den = part.partition("/")
-            t = ints.setdefault(name, z3.Int(name))
-            if slash:  # the matcher applies the rule only where the division is exact
-                q = z3.Int(f"{part}")
-                ints.setdefault(_GUARDS, []).append(q * int(den) == t)
+        for term in size.terms:
+            t = ints.setdefault(term.symbol, z3.Int(term.symbol))
+            if term.divisor != 1:
+                q = z3.Int(str(term))
+                guards.append(q * term.divisor == t)
                 t = q
             terms.append(t)
         return sum(terms[1:], terms[0])
 
-    def _attr(self, value, ints: dict):
-        if isinstance(value, str) and value.startswith("$"):
-            return self._size(value, ints)
-        if isinstance(value, str) and value.startswith("?"):
-            return ints.setdefault(value, self.enc.z3.Int(value))
-        if isinstance(value, tuple) and any(isinstance(v, str) and v[:1] in "$?"
-                                            for v in value):
-            return self.enc.attr_tuple([self._attr(v, ints) for v in value])
+    def _attr(self, value, ints: dict, guards: list):
+        if isinstance(value, SizeExpr):
+            return self._size(value, ints, guards)
+        if isinstance(value, AttrVar):
+            return ints.setdefault(value.name, self.enc.z3.Int(value.name))
+        if isinstance(value, tuple) and is_symbolic(value):
+            return self.enc.attr_tuple([self._attr(v, ints, guards) for v in value])
         return self.enc.attr(value)
 
-    def _side(self, nodes, env: dict, ints: dict):
-        """A function ``(node index, output index) -> Z3 term`` for one side's pattern."""
+    def _side(self, nodes, env: dict, ints: dict, guards: list):
+        """A function ``reference -> Z3 term`` for one side's pattern."""
         built: dict = {}
 
-        def ref(r: str):
-            p = _ref(r)
-            return env[r] if p is None else term(*p)
-
-        def term(i: int, k: int):
-            if (i, k) not in built:
-                n = nodes[i]
-                ins = [ref(r) for r in n.inputs]
-                attrs = {a: self._attr(v, ints) for a, v in n.attrs}
-                built[(i, k)] = self.enc.apply(n.op, ins, attrs, k)
-            return built[(i, k)]
+        def term(r):
+            if not isinstance(r, NodeRef):
+                return env[r.name]
+            if r not in built:
+                n = nodes[r.node]
+                ins = [term(x) for x in n.inputs]
+                attrs = {a: self._attr(v, ints, guards) for a, v in n.attrs}
+                built[r] = self.enc.apply(n.op, ins, attrs, r.output)
+            return built[r]
 
         return term
 
@@ -105,7 +117,7 @@ class Prover:
         t0 = time.perf_counter()
         first = self._prove_one(sub)
         values = {k: v for k, v in (sub.provenance.get("attribute_values") or {}).items()
-                  if k in _attribute_variables(sub)}
+                  if k in sub.attribute_variables}
         if first["status"] == "proved" or not values:
             return {**first, "seconds": round(time.perf_counter() - t0, 3)}
         result = first
@@ -138,22 +150,18 @@ class Prover:
         z3 = self.enc.z3
         env = {v: z3.Const(v, self.enc.T) for v, _ in sub.variables}
         ints: dict = {}
+        guards: list = []  # exact divisions, gathered while the sides are built
         facts = []
         for v, shape in sub.variables:
             shape = [d for d in shape if d != "..."]
             for i, d in enumerate(shape):
-                size = self._size(d, ints)
+                size = self._size(d, ints, guards)
                 facts.append(self.enc.dim(env[v], z3.IntVal(i - len(shape))) == size)
                 facts.append(size > 0)
-        src = self._side(sub.source, env, ints)
-        tgt = self._side(sub.target, env, ints)
-
-        def out(term, r):
-            p = _ref(r)
-            return env[r] if p is None else term(*p)
-
-        differ = z3.Or(*[out(src, s) != out(tgt, t) for s, t in sub.outputs])
-        facts += ints.pop(_GUARDS, [])  # built with the sides: exact divisions
+        src = self._side(sub.source, env, ints, guards)
+        tgt = self._side(sub.target, env, ints, guards)
+        differ = z3.Or(*[src(s) != tgt(t) for s, t in sub.outputs])
+        facts += guards
         solver = z3.Solver()
         solver.set(timeout=self.timeout_ms)
         for name, f in self.formulas:
@@ -167,12 +175,6 @@ class Prover:
 
 
 _SELECTORS = ("?activation", "?axis")
-_GUARDS = "#guards"  # key of the exact-division facts gathered while encoding a rule
-
-
-def _attribute_variables(sub: Substitution) -> set[str]:
-    return {v for n in sub.source + sub.target for _, v in n.attrs
-            if isinstance(v, str) and v.startswith("?")}
 
 
 def bind_attributes(sub: Substitution, assignment: dict) -> Substitution:
@@ -180,17 +182,16 @@ def bind_attributes(sub: Substitution, assignment: dict) -> Substitution:
 
     ``assignment`` maps ``"?name"`` to a value, e.g. ``{"?axis": -1}``.
     """
+    values = {k: attr_from_json(x) for k, x in assignment.items()}
+
     def value(v):
-        if isinstance(v, str) and v in assignment:
-            return _from_jsonable(assignment[v])
-        if isinstance(v, str) and v.startswith("$"):  # ?groups/2 with ?groups bound
-            names = [t.partition("/")[0] for t in v[1:].split("+")]
-            if all(name in assignment for name in names):
-                try:
-                    return _resolve_attr(v, {k: _from_jsonable(x)
-                                             for k, x in assignment.items()})
-                except ShapeError:  # not exact at this value: left symbolic
-                    return v
+        if isinstance(v, AttrVar) and v.name in values:
+            return values[v.name]
+        if isinstance(v, SizeExpr) and all(name in values for name in v.symbols):
+            try:  # ?groups/2 with ?groups bound
+                return resolve_attr(v, values)
+            except ShapeError:  # not exact at this value: left symbolic
+                return v
         return v
 
     def bind(nodes):

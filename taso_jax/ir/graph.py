@@ -222,6 +222,16 @@ class Graph:
         return topo_order(self.outputs)
 
     @cached_property
+    def node_set(self) -> frozenset[Node]:
+        """All nodes reachable from the outputs, as a set."""
+        return frozenset(self.nodes)
+
+    @cached_property
+    def positions(self) -> dict[Node, int]:
+        """Node -> its index in :attr:`nodes` (topological position)."""
+        return {n: i for i, n in enumerate(self.nodes)}
+
+    @cached_property
     def consumers(self) -> dict[Tensor, list[Node]]:
         """Tensor -> nodes that read it (graph outputs are not listed)."""
         out: dict[Tensor, list[Node]] = {}

@@ -1,0 +1,358 @@
+"""Matching a substitution's source in a graph, and building its target there.
+
+Matching (TASO, Jia et al., SOSP 2019, Section 5) binds source pattern nodes to graph nodes
+with the same operator and attributes, and variables to tensors consistently; it checks the
+symbolic shapes (:func:`unify_shape`) and refuses opaque nodes. :func:`find_matches` yields
+each binding as a frozen :class:`Match`. :func:`prepare` then checks what a binding needs to
+be rewritten (internal source tensors read outside the match or used as graph outputs,
+bindings that would create a cycle, a target whose shapes do not work out) and builds the
+target's nodes: the result is a :class:`Rewrite`, or a falsy :class:`NoMatch` that says why
+not (as onnxscript's ``MatchResult`` does).
+
+Reasons are counted in a :class:`MatchState`, which also keeps, per rule, the bindings of
+its first source node to each host node (nodes are immutable, so those never change); a
+search owns one state, so no search depends on another.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from taso_jax.ops import OPS, ShapeError
+from taso_jax.search.pattern import AttrVar, NodeRef, PNode, Ref, resolve_attr
+from taso_jax.search.rules import Substitution
+
+from taso_jax.ir.graph import Graph, Node, Tensor, make_node
+
+__all__ = ["Match", "NoMatch", "Rewrite", "MatchState", "find_matches", "prepare", "apply",
+           "rewrites", "instantiate", "unify_shape"]
+
+#: Dtypes a pattern variable binds to (the rules are proved over the reals).
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+@dataclass(frozen=True)
+class Match:
+    """One binding of a rule's source in a graph.
+
+    Attributes:
+        nodes: the host node of each source pattern node, in pattern order.
+        vars: pattern variable name -> host tensor.
+        sym: shape symbol or attribute variable (``"D"``, ``"?groups"``) -> its value;
+            ``"..."`` -> the leading dimensions.
+    """
+
+    nodes: tuple[Node, ...]
+    vars: Mapping[str, Tensor]
+    sym: Mapping[str, Any]
+
+    def __post_init__(self):
+        object.__setattr__(self, "vars", MappingProxyType(dict(self.vars)))
+        object.__setattr__(self, "sym", MappingProxyType(dict(self.sym)))
+
+
+@dataclass(frozen=True)
+class NoMatch:
+    """A binding that cannot be rewritten; falsy, and says why.
+
+    ``reason`` is one of ``weight_only`` (the matched nodes are computed ahead of time,
+    rewriting them gains nothing), ``internal_used`` (a tensor the rewrite removes is read
+    elsewhere or is a graph output), ``cycle``, ``target_shape`` (the target's shape rules
+    reject the bound tensors, or a size does not divide), ``output_type`` (a target output's
+    type differs from the source output it replaces).
+    """
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """A valid rewrite of one match: what :meth:`Graph.replace` takes, and the target nodes.
+
+    Attributes:
+        match: the binding rewritten.
+        mapping: source output tensor -> the target tensor that replaces it.
+        created: the target's nodes, built on the bound tensors (some may already exist in
+            the graph: nodes are hash-consed).
+    """
+
+    match: Match
+    mapping: Mapping[Tensor, Tensor]
+    created: tuple[Node, ...]
+
+
+@dataclass
+class MatchState:
+    """What matching keeps while one search runs: rejection counts and per-node bindings.
+
+    Attributes:
+        rejected: reason -> how many candidate bindings were turned down for it (``attrs``,
+            ``shape``, ``unproved_instance`` while matching; the :class:`NoMatch` reasons
+            when preparing).
+    """
+
+    rejected: Counter = field(default_factory=Counter)
+    _first: dict = field(default_factory=dict, repr=False)
+
+    def first_cache(self, rule: Substitution) -> dict:
+        """Host node -> bindings of ``rule``'s first source node there (one dict per rule)."""
+        entry = self._first.get(id(rule))
+        if entry is None or entry[0] is not rule:
+            entry = self._first[id(rule)] = (rule, {})
+        return entry[1]
+
+
+def unify_shape(pattern: tuple, shape: tuple[int, ...], sym: dict) -> dict | None:
+    """Extend the binding ``sym`` so that ``pattern`` matches ``shape``, or ``None``.
+
+    ``pattern`` holds integers, shape symbols, and an optional leading ``"..."`` for any
+    leading dimensions (bound as a tuple under ``"..."``).
+    """
+    sym = dict(sym)
+    if pattern and pattern[0] == "...":
+        rest = pattern[1:]
+        if len(shape) < len(rest):
+            return None
+        lead = tuple(shape[: len(shape) - len(rest)])
+        if sym.setdefault("...", lead) != lead:
+            return None
+        pattern, shape = rest, shape[len(shape) - len(rest):]
+    if len(pattern) != len(shape):
+        return None
+    for p, d in zip(pattern, shape, strict=True):
+        if isinstance(p, int):
+            if p != d:
+                return None
+        elif sym.setdefault(p, d) != d:
+            return None
+    return sym
+
+
+def _attrs_match(pattern: tuple, host: tuple, sym: dict) -> dict | None:
+    """Extended binding if the pattern's attributes match the host's, else ``None``.
+
+    An attribute variable is bound to the host's value on first use and must be equal
+    wherever else it appears; a size expression must evaluate to the host's value.
+    """
+    if len(pattern) != len(host):
+        return None
+    for (k1, v1), (k2, v2) in zip(pattern, host, strict=True):
+        if k1 != k2:
+            return None
+        if isinstance(v1, AttrVar):
+            if v1.name not in sym:
+                sym = {**sym, v1.name: v2}
+            elif sym[v1.name] != v2:
+                return None
+            continue
+        try:
+            if resolve_attr(v1, sym) != v2:
+                return None
+        except (KeyError, ShapeError):
+            return None
+    return sym
+
+
+def find_matches(rule: Substitution, graph: Graph, state: MatchState | None = None,
+                 near: set | None = None) -> Iterator[Match]:
+    """Yield every binding of ``rule``'s source in ``graph``.
+
+    ``state`` (optional) counts rejections and caches first-node bindings; ``near``
+    (optional) restricts the host of the first source node to a set of nodes (a local
+    search around a recent rewrite).
+    """
+    state = state if state is not None else MatchState()
+    stats = state.rejected
+    shapes = dict(rule.variables)
+    source = rule.source
+    n_src = len(source)
+    bound: list[Node | None] = [None] * n_src
+    allowed = rule.proved_instances
+    first_cache = state.first_cache(rule)
+
+    def host_of(ref: Ref, var: dict) -> Tensor | None:
+        if isinstance(ref, NodeRef):
+            node = bound[ref.node]
+            return None if node is None else Tensor(node, ref.output)
+        return var.get(ref.name)
+
+    def first_bindings(h: Node) -> list[tuple]:
+        # The first source node reads variables only, so its bindings depend on the host
+        # node alone, and nodes are immutable: computed once per node and kept.
+        found = first_cache.get(h)
+        if found is None:
+            found = first_cache[h] = _host_bindings(source[0], h, {}, {}, host_of, shapes,
+                                                    stats)
+        return found
+
+    def extend(i: int, var: dict, sym: dict) -> Iterator[Match]:
+        if i == n_src:
+            if allowed is not None and not any(all(sym.get(k) == v for k, v in a.items())
+                                               for a in allowed):
+                stats["unproved_instance"] += 1  # proved only at other attribute values
+                return
+            yield Match(tuple(bound), var, sym)
+            return
+        p = source[i]
+        anchors = [host_of(r, var) for r in p.inputs]
+        anchor = next((t for t in anchors if t is not None), None)
+        if anchor is not None:
+            cands = [n for n in graph.consumers.get(anchor, ()) if n.op == p.op]
+        else:
+            cands = graph.by_op.get(p.op, [])
+            if near is not None:
+                cands = [n for n in cands if n in near]
+        for h in dict.fromkeys(cands):
+            if h in bound:
+                continue
+            found = (first_bindings(h) if i == 0 else
+                     _host_bindings(p, h, var, sym, host_of, shapes, stats))
+            for var2, sym2 in found:
+                bound[i] = h
+                yield from extend(i + 1, var2, sym2)
+                bound[i] = None
+
+    yield from extend(0, {}, {})
+
+
+def _host_bindings(p: PNode, h: Node, var: dict, sym: dict, host_of, shapes: dict,
+                   stats: Counter) -> list[tuple]:
+    """Each ``(vars, symbols)`` that binds pattern node ``p`` to host node ``h``.
+
+    ``var`` and ``sym`` are extended; a commutative operator is tried in both operand orders.
+    """
+    if len(h.inputs) != len(p.inputs):
+        return []
+    sym_a = _attrs_match(p.attrs, h.attrs, sym)
+    if sym_a is None:
+        stats["attrs"] += 1
+        return []
+    orders = [h.inputs]
+    if OPS[p.op].commutative and h.inputs[0] != h.inputs[1]:
+        orders.append(h.inputs[::-1])
+    found = []
+    for host_inputs in orders:
+        b = _bind_inputs(p, host_inputs, var, sym_a, host_of, shapes, stats)
+        # Sizes in attributes ("$D") can only be checked once shapes are bound.
+        if b is not None and _attrs_match(p.attrs, h.attrs, b[1]) is not None:
+            found.append(b)
+    return found
+
+
+def _bind_inputs(p: PNode, host_inputs, var: dict, sym: dict, host_of, shapes: dict,
+                 stats: Counter) -> tuple | None:
+    """Bind a pattern node's inputs to host tensors: ``(vars, symbols)`` or ``None``."""
+    var = dict(var)
+    for r, t in zip(p.inputs, host_inputs, strict=True):
+        want = host_of(r, var)
+        if want is not None:
+            if want != t:
+                return None
+            continue
+        if t.dtype not in FLOAT_DTYPES:
+            return None
+        sym = unify_shape(shapes[r.name], t.shape, sym)
+        if sym is None:
+            stats["shape"] += 1
+            return None
+        var[r.name] = t
+    return var, sym
+
+
+def prepare(rule: Substitution, graph: Graph, match: Match,
+            state: MatchState | None = None) -> Rewrite | NoMatch:
+    """Check that ``match`` can be rewritten and build the target's nodes.
+
+    Returns a :class:`Rewrite`, or a falsy :class:`NoMatch` with the reason (also counted
+    in ``state.rejected`` when a state is given).
+    """
+    result = _prepare(rule, graph, match)
+    if not result and state is not None:
+        state.rejected[result.reason] += 1
+    return result
+
+
+def _prepare(rule: Substitution, graph: Graph, match: Match) -> Rewrite | NoMatch:
+    hosts = match.nodes
+    var, sym = match.vars, match.sym
+    matched = set(hosts)
+    if all(h.weight_only for h in hosts):
+        return NoMatch("weight_only")  # rewriting weight-only work changes nothing at run time
+    out_refs = rule.source_output_refs
+    for i, h in enumerate(hosts):
+        for k, t in enumerate(h.outputs):
+            if NodeRef(i, k) in out_refs:
+                continue
+            if t in graph.output_set or any(
+                    c not in matched for c in graph.consumers.get(t, ())):
+                return NoMatch("internal_used")
+    if _creates_cycle(graph, matched, var.values()):
+        return NoMatch("cycle")
+    try:
+        built = instantiate(rule.target, var, sym)
+    except (ShapeError, KeyError):
+        return NoMatch("target_shape")
+    mapping: dict[Tensor, Tensor] = {}
+    for s, t in rule.outputs:
+        src = Tensor(hosts[s.node], s.output)
+        tgt = var[t.name] if not isinstance(t, NodeRef) else Tensor(built[t.node], t.output)
+        if src.type != tgt.type:
+            return NoMatch("output_type")
+        mapping[src] = tgt
+    return Rewrite(match, mapping, tuple(built))
+
+
+def _creates_cycle(graph: Graph, matched: set[Node], var_tensors) -> bool:
+    """Whether a bound variable depends on a matched node (the rewrite would be cyclic)."""
+    pos = graph.positions
+    first = min(pos[n] for n in matched)
+    stack = [t.node for t in var_tensors if pos[t.node] >= first]
+    seen: set[Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in matched:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(t.node for t in n.inputs if pos[t.node] >= first)
+    return False
+
+
+def apply(rule: Substitution, graph: Graph, match: Match,
+          state: MatchState | None = None) -> Graph | NoMatch:
+    """The graph rewritten at ``match``, or a falsy :class:`NoMatch`."""
+    rw = prepare(rule, graph, match, state)
+    return graph.replace(rw.mapping) if rw else rw
+
+
+def rewrites(rule: Substitution, graph: Graph,
+             state: MatchState | None = None) -> Iterator[Graph]:
+    """Every graph obtained by applying ``rule`` once to ``graph``."""
+    for m in find_matches(rule, graph, state):
+        g = apply(rule, graph, m, state)
+        if g:
+            yield g
+
+
+def instantiate(nodes: tuple[PNode, ...], variables: Mapping[str, Tensor],
+                sym: Mapping[str, Any]) -> list[Node]:
+    """Build pattern nodes on tensors bound to their variables, resolving symbolic attributes.
+
+    Raises:
+        ShapeError: a node's shape rule rejects the bound tensors.
+        KeyError: an unbound variable, symbol or attribute variable.
+    """
+    built: list[Node] = []
+    for p in nodes:
+        ins = [Tensor(built[r.node], r.output) if isinstance(r, NodeRef) else variables[r.name]
+               for r in p.inputs]
+        built.append(make_node(p.op, ins, {k: resolve_attr(v, sym) for k, v in p.attrs}))
+    return built
