@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import jax_models  # noqa: E402
 
 import taso_jax  # noqa: E402
+from taso_jax.bench import rule_family  # noqa: E402
 from taso_jax.ir.executor import time_function  # noqa: E402
 
 
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
           "substitutions applied |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        ap = ", ".join(f"{k.split('#')[0]} x{v}" for k, v in
+        ap = ", ".join(f"{rule_family(k)} x{v}" for k, v in
                        sorted(r["applied"].items(), key=lambda kv: -kv[1])[:3]) or "none"
         j, o = r["jit_us"], r["optimized_us"]
         print(f"| {r['model']} | {r['operators_before']} -> {r['operators_after']} | "

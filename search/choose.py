@@ -94,7 +94,7 @@ def _measured_set(result, sample: int) -> list[tuple]:
     chosen: dict = {}
     for c, g, path in [*result.visited[:1], *result.candidates]:
         chosen.setdefault(g.key, (c, g, path))
-    pool = sorted(result.visited, key=lambda v: v[0])
+    pool = sorted(result.visited, key=lambda v: v.cost)
     if sample > 0 and pool:
         for i in np.linspace(0, len(pool) - 1, min(sample, len(pool))).round().astype(int):
             c, g, path = pool[int(i)]

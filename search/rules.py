@@ -14,8 +14,10 @@ The strings of the pattern language are parsed once, into the values of
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -34,7 +36,7 @@ from taso_jax.search.pattern import (
 from taso_jax._io import atomic_write
 
 __all__ = ["PNode", "Substitution", "load_substitutions", "save_substitutions",
-           "default_substitutions", "FORMAT_VERSION"]
+           "default_substitutions", "name_rules", "readable_name", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 
@@ -44,7 +46,9 @@ class Substitution:
     """A verified-or-not rewrite rule ``source => target``.
 
     Attributes:
-        name: identifier (law name when known, else a generated id).
+        name: a readable name: the law's name when written by hand (``conv_bn_fold``),
+            else one derived from the law (:func:`readable_name`, e.g.
+            ``merge-conv2d-conv2d``). The search reports rules by name.
         variables: ``(name, shape pattern)`` pairs.
         source, target: pattern nodes in topological order.
         outputs: ``(source ref, target ref)`` pairs; each source output is replaced.
@@ -93,6 +97,18 @@ class Substitution:
         return f"{src}  =>  {tgt}"
 
     @cached_property
+    def id(self) -> str:
+        """A stable identity derived from the rule's content alone: ``r`` and 12 hex digits.
+
+        It hashes the variables, both patterns and the output pairs in their rule-file form,
+        so it does not depend on the name, the provenance, or the order of generation.
+        """
+        content = {k: v for k, v in self.to_json(with_id=False).items()
+                   if k in ("variables", "source", "target", "outputs")}
+        text = json.dumps(content, sort_keys=True, separators=(",", ":"))
+        return "r" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    @cached_property
     def source_output_refs(self) -> frozenset[NodeRef]:
         """The source tensors that the rule replaces."""
         return frozenset(s for s, _ in self.outputs)
@@ -116,12 +132,12 @@ class Substitution:
                 visit(v)
         return frozenset(names)
 
-    def to_json(self) -> dict:
+    def to_json(self, with_id: bool = True) -> dict:
         """JSON-ready dict: the rule-file form (strings for references and symbols)."""
         def nodes(ns):
             return [{"op": n.op, "attrs": {k: attr_to_json(v) for k, v in n.attrs},
                      "inputs": [str(r) for r in n.inputs]} for n in ns]
-        return {"name": self.name, "law": self.law,
+        return {**({"id": self.id} if with_id else {}), "name": self.name, "law": self.law,
                 "variables": {k: list(v) for k, v in self.variables},
                 "source": nodes(self.source), "target": nodes(self.target),
                 "outputs": [[str(s), str(t)] for s, t in self.outputs],
@@ -129,7 +145,13 @@ class Substitution:
 
     @staticmethod
     def from_json(d: dict) -> Substitution:
-        """Inverse of :meth:`to_json`. Raises ``KeyError``/``ValueError`` on malformed data."""
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            KeyError, ValueError: malformed data, an unknown operator, or an ``id`` that
+                does not match the rule's content (the rule was edited by hand: remove its
+                ``id`` or regenerate the file).
+        """
         def nodes(ns):
             out = []
             for n in ns:
@@ -138,9 +160,13 @@ class Substitution:
                 out.append(PNode(n["op"], OPS[n["op"]].normalize_attrs(
                     {k: attr_from_json(v) for k, v in n["attrs"].items()}), tuple(n["inputs"])))
             return tuple(out)
-        return Substitution(d["name"], tuple((k, tuple(v)) for k, v in d["variables"].items()),
-                            nodes(d["source"]), nodes(d["target"]),
-                            tuple(tuple(p) for p in d["outputs"]), dict(d.get("provenance", {})))
+        sub = Substitution(d["name"], tuple((k, tuple(v)) for k, v in d["variables"].items()),
+                           nodes(d["source"]), nodes(d["target"]),
+                           tuple(tuple(p) for p in d["outputs"]), dict(d.get("provenance", {})))
+        if "id" in d and d["id"] != sub.id:
+            raise ValueError(f"substitution {d['name']}: id {d['id']} does not match its "
+                             f"content ({sub.id}); it was edited: remove the id or regenerate")
+        return sub
 
     # ---- proof status --------------------------------------------------------------------
     @property
@@ -161,6 +187,54 @@ class Substitution:
         if inst is None:
             return None
         return tuple({k: attr_from_json(v) for k, v in a.items()} for a in inst)
+
+
+def readable_name(sub: Substitution) -> str:
+    """A name derived from the rule's law: a verb, then the source's operators.
+
+    The verb says what the rule does to the operators that run: ``cancel`` (the target is
+    one of the variables: ``split(concat(a, b)) => a``), ``reorder`` (the same operators in
+    another order), ``merge`` (operators of one kind become one, their outputs split:
+    TASO's convolution and matmul merges), ``factor`` (operators of one kind become fewer
+    without a split: ``x@a + x@b => x@(a+b)``), ``fuse`` (fewer operators), ``expand``
+    (more operators: usually work moved onto weights, where it is done ahead of time),
+    else ``rewrite``. E.g. ``merge-conv2d-conv2d``, ``fuse-conv2d-ewmul``. Names are not
+    unique; :func:`name_rules` numbers those that coincide.
+    """
+    src = Counter(n.op for n in sub.source)
+    tgt = Counter(n.op for n in sub.target)
+    fewer = [op for op, k in src.items() if k >= 2 and tgt[op] < k]
+    if not sub.target:
+        verb = "cancel"
+    elif src == tgt:
+        verb = "reorder"
+    elif fewer and "split" in tgt:
+        verb = "merge"
+    elif fewer:
+        verb = "factor"
+    elif sum(tgt.values()) < sum(src.values()):
+        verb = "fuse"
+    elif sum(tgt.values()) > sum(src.values()):
+        verb = "expand"
+    else:
+        verb = "rewrite"
+    return "-".join([verb, *(n.op for n in sub.source)])
+
+
+def name_rules(subs: list[Substitution]) -> list[Substitution]:
+    """``subs`` with readable names (:func:`readable_name`), unique within the list.
+
+    Rules whose names coincide are numbered ``-2``, ``-3``... in the order of their
+    :attr:`Substitution.id`, so a rule's name depends on the set, never on the order of
+    generation. The list's order is kept.
+    """
+    base = {s.id: readable_name(s) for s in subs}
+    groups: dict[str, list[str]] = {}
+    for rid in sorted(base):
+        groups.setdefault(base[rid], []).append(rid)
+    final = {rid: name if k == 0 else f"{name}-{k + 1}"
+             for name, ids in groups.items() for k, rid in enumerate(ids)}
+    return [replace(s, name=final[s.id]) for s in subs]
 
 
 def _fmt(v: Any) -> str:

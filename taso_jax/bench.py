@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,8 +24,8 @@ from taso_jax.search.backtracking import backtracking_search
 from taso_jax.search.choose import choose_fastest, device_name, time_graphs
 from taso_jax.search.options import OptimizeOptions, usable_rules
 
-__all__ = ["bench_graph", "merge_rows", "read_results", "results_path", "write_results",
-           "format_table"]
+__all__ = ["bench_graph", "rule_family", "merge_rows", "read_results", "results_path",
+           "write_results", "format_table"]
 
 
 def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 100,
@@ -71,8 +72,13 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
     }
 
 
-def _short(rule: str) -> str:
-    return rule.split("#")[0].split(":")[-1]
+def rule_family(name: str) -> str:
+    """A rule's name without its number (``merge-conv2d-conv2d-3`` -> ``merge-conv2d-conv2d``).
+
+    Names of rule files written before stable names (``conv:conv2d+conv2d=>...#3``) lose
+    their domain and number.
+    """
+    return re.sub(r"-\d+$", "", name.split("#")[0].split(":")[-1])
 
 
 def format_table(rows: list[dict]) -> str:
@@ -85,7 +91,7 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         applied = Counter()
         for k, v in r["applied"].items():
-            applied[_short(k)] += v
+            applied[rule_family(k)] += v
         text = ", ".join(f"{k} x{v}" for k, v in applied.most_common()) or "none"
         if r["end_to_end"]["original_kept"] and r["applied"] == {}:
             text += " (original kept)"

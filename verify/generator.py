@@ -42,7 +42,7 @@ import numpy as np
 from taso_jax.ops import OPS, ShapeError, TensorType
 from taso_jax.search.match import MatchState, apply, find_matches, instantiate
 from taso_jax.search.pattern import AttrVar, PNode, attr_to_json, is_symbolic
-from taso_jax.search.rules import Substitution
+from taso_jax.search.rules import Substitution, name_rules
 
 from taso_jax.ir.executor import evaluate, run_node
 from taso_jax.ir.graph import Graph, Node, Tensor, leaf_node, make_node, topo_order
@@ -682,9 +682,14 @@ def generate(domains=None, max_ops: int = 3, seed: int = 0,
             time.perf_counter() - t2, 2)
         if progress:
             progress(f"{domain.name}: {len(kept)} kept so far")
-    names: Counter = Counter()
-    for i, s in enumerate(kept):
-        names[s.name] += 1
-        kept[i] = replace(s, name=f"{s.name}#{names[s.name]}")
+    # Generalising attributes can make two candidates one rule (found with activation=none
+    # and with relu, both become ?activation): keep the first of each content id.
+    first: dict[str, Substitution] = {}
+    for s in kept:
+        first.setdefault(s.id, s)
+    unique = list(first.values())
+    stats.pruned["duplicate after generalising attributes"] += len(kept) - len(unique)
+    kept = name_rules([replace(s, provenance={**s.provenance, "generated_name": s.name})
+                       for s in unique])
     stats.kept = len(kept)
     return kept, stats
