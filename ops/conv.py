@@ -423,13 +423,13 @@ def _import_pool(ctx, ins, *, kernel_shape, auto_pad="NOTSET", pads=None, stride
     if ceil_mode:
         # ceil_mode adds windows at the end; extra end padding gives the same windows
         # (max ignores -inf padding; average pooling would count it, so stays opaque).
-        if ctx.onnx_op != "MaxPool":
+        if ctx.source_op != "MaxPool":
             return None
         for i, size in enumerate(ctx.type(x).shape[2:]):
             out = ctx.out_types[0].shape[2 + i]
             p[2 + i] += max((out - 1) * st[i] + k[i] - (size + p[i] + p[2 + i]), 0)
     padding = canonical_padding(p, k)
-    if ctx.onnx_op == "MaxPool":
+    if ctx.source_op == "MaxPool":
         return [ctx.op("maxpool2d", [x], kernel=k, strides=st, padding=padding)]
     return [ctx.op("avgpool2d", [x], kernel=k, strides=st, padding=padding,
                    count_include_pad=bool(count_include_pad))]
@@ -494,7 +494,7 @@ def _import_reduce_window(ctx, ins, *, window_dimensions, window_strides, paddin
     (t, b), (lf, r) = (padding[i] for i in spatial)
     pads = canonical_padding((t, lf, b, r), k)
     y = ctx.transpose(x, perm)
-    if ctx.primitive == "reduce_window_max":
+    if ctx.source_op == "reduce_window_max":
         y = ctx.op("maxpool2d", [y], kernel=k, strides=st, padding=pads)
     else:  # a window sum is an average that counts padding, times the window size
         y = ctx.op("avgpool2d", [y], kernel=k, strides=st, padding=pads, count_include_pad=True)

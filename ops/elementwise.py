@@ -260,10 +260,10 @@ def _import_sub_div(ctx, ins, **_):
     # reciprocal are computed once with the weights).
     a, b = ins
     if ctx.weight_only(b) and not ctx.weight_only(a):
-        inv = ctx.op("neg" if ctx.primitive == "sub" else "ewdiv",
-                     [b] if ctx.primitive == "sub" else [ctx.scalar(1, ctx.type(b).dtype), b])
-        return [ctx.op("ewadd" if ctx.primitive == "sub" else "ewmul", [a, inv])]
-    return [ctx.op("ewsub" if ctx.primitive == "sub" else "ewdiv", ins)]
+        inv = ctx.op("neg" if ctx.source_op == "sub" else "ewdiv",
+                     [b] if ctx.source_op == "sub" else [ctx.scalar(1, ctx.type(b).dtype), b])
+        return [ctx.op("ewadd" if ctx.source_op == "sub" else "ewmul", [a, inv])]
+    return [ctx.op("ewsub" if ctx.source_op == "sub" else "ewdiv", ins)]
 
 
 def _scalar_const(ctx, t):
@@ -282,7 +282,7 @@ def _import_max_min(ctx, ins, **_):
         v = _scalar_const(ctx, c)
         if v is None or ctx.type(x).shape != ctx.out_types[0].shape:
             continue
-        if ctx.primitive == "max":
+        if ctx.source_op == "max":
             return [ctx.op("relu", [x]) if v == 0.0 else ctx.op("clip", [x], min=v)]
         return [ctx.op("clip", [x], max=v)]
     return None

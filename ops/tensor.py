@@ -313,7 +313,7 @@ def _import_transpose_jaxpr(ctx, ins, *, permutation, **_):
 
 @jaxpr_importer("reshape", "squeeze")
 def _import_reshape_jaxpr(ctx, ins, *, dimensions=None, **_):
-    if ctx.primitive == "reshape" and dimensions is not None:
+    if ctx.source_op == "reshape" and dimensions is not None:
         return None  # reshape with a transposition folded in (old lax API)
     return [ctx.reshape(ins[0], ctx.out_types[0].shape)]
 

@@ -112,3 +112,28 @@ def test_unsupported_opset():
                               opset_imports=[helper.make_opsetid("", 8)], ir_version=3)
     with pytest.raises(taso_jax.ModelError, match="unsupported opset 8"):
         taso_jax.load_onnx(model)
+
+
+def test_an_opaque_node_with_an_absent_optional_input_runs():
+    # Resize(X, roi="", scales): the empty name of an absent optional input must not shift
+    # the names and types of the inputs that follow (it crashed in the opaque session).
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    scales = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="nearest")
+    graph = helper.make_graph(
+        [node], "resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 6, 6])], [scales])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = taso_jax.load_onnx(model)
+    assert [n.op for n in g.nodes if n.op == "opaque"] == ["opaque"]
+    assert repr(next(n for n in g.nodes if n.op == "opaque")) == "opaque(Resize)"
+    x = np.random.default_rng(0).standard_normal((1, 2, 3, 3)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(np.asarray(taso_jax.compile_graph(g)(x)[0]), ref)
+    again = taso_jax.export_onnx(g)
+    out = ort.InferenceSession(again.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(out, ref)

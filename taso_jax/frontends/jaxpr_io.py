@@ -33,9 +33,11 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from taso_jax.frontends.context import ImportContext
 from taso_jax.frontends.onnx_io import ModelError
-from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node, make_node
-from taso_jax.ops import JAXPR_IMPORTERS, OPS, ShapeError, TensorType
+from taso_jax.ir.graph import Graph, Node, intern_node, leaf_node
+from taso_jax.ir.opaque import OpaqueOp
+from taso_jax.ops import JAXPR_IMPORTERS, ShapeError, TensorType
 
 __all__ = ["from_jax", "import_jaxpr", "normalize_argnums", "JaxEquation", "INLINED"]
 
@@ -44,7 +46,7 @@ INLINED = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom
            "custom_vjp_call_jaxpr", "remat2", "checkpoint", "remat")
 
 
-class JaxEquation:
+class JaxEquation(OpaqueOp):
     """One jaxpr equation kept as it is (an opaque node); calling it evaluates the equation.
 
     Hashes and compares by identity: two opaque nodes are the same only if they come from the
@@ -54,7 +56,7 @@ class JaxEquation:
 
     def __init__(self, eqn, invars: Sequence, outvars: Sequence):
         self.eqn = eqn
-        self.primitive = eqn.primitive.name
+        self.primitive = self.label = eqn.primitive.name
         import warnings
 
         with warnings.catch_warnings():  # a one-equation jaxpr has no source to point at
@@ -69,6 +71,22 @@ class JaxEquation:
     def __repr__(self) -> str:
         return f"JaxEquation({self.primitive})"
 
+    def evaluate(self, node, args) -> tuple:
+        """The equation's outputs on JAX values."""
+        return self(*args)
+
+    def to_onnx(self, ctx, inputs: list[str], outputs: list[str]) -> None:
+        """``stop_gradient`` (its value is its input) as ONNX Identity; others raise."""
+        if self.primitive in _FORWARD_IDENTITY:
+            ctx.node("Identity", inputs, outputs)
+            return
+        raise ValueError(f"JAX primitive {self.primitive!r} has no ONNX mapping (it was kept "
+                         "as an opaque node on import)")
+
+
+#: JAX primitives kept opaque for their derivative rules, whose value is their input.
+_FORWARD_IDENTITY = ("stop_gradient",)
+
 
 def _ttype(aval) -> TensorType:
     try:
@@ -76,79 +94,6 @@ def _ttype(aval) -> TensorType:
     except TypeError as e:
         raise ModelError(f"unsupported element type {aval.dtype} (only NumPy dtypes)") from e
     return TensorType(tuple(int(d) for d in aval.shape), dtype)
-
-
-class _JaxprContext:
-    """What a jaxpr importer sees (see ``taso_jax.ops.jaxpr_importer``)."""
-
-    def __init__(self, weights: dict[str, np.ndarray]):
-        self.weights = weights
-        self.constants: set[str] = set()  # weights whose value may be read at import time
-        self.out_types: list[TensorType] = []
-        self.primitive = ""
-        self._literals: dict[tuple, Tensor] = {}
-        self._cache: dict[Tensor, np.ndarray | None] = {}
-
-    def op(self, name, inputs, **attrs):
-        node = make_node(name, inputs, attrs)
-        return node.outputs[0] if len(node.types) == 1 else list(node.outputs)
-
-    def type(self, t: Tensor) -> TensorType:
-        return t.type
-
-    def weight(self, array, prefix: str = "const") -> Tensor:
-        """A constant (a literal, a closed-over array): its value may be read by importers."""
-        array = np.asarray(array)
-        key = (array.dtype.str, array.shape, array.tobytes())
-        if key in self._literals:
-            return self._literals[key]
-        i = len(self.weights)
-        while f"{prefix}_{i}" in self.weights:
-            i += 1
-        name = f"{prefix}_{i}"
-        self.weights[name] = array
-        self.constants.add(name)
-        t = leaf_node("weight", name, TensorType(array.shape, str(array.dtype))).outputs[0]
-        self._literals[key] = t
-        return t
-
-    def scalar(self, value, dtype: str) -> Tensor:
-        return self.weight(np.asarray(value, dtype))
-
-    def transpose(self, t: Tensor, perm) -> Tensor:
-        perm = tuple(int(p) for p in perm)
-        return t if perm == tuple(range(len(perm))) else self.op("transpose", [t], perm=perm)
-
-    def reshape(self, t: Tensor, shape) -> Tensor:
-        shape = tuple(int(d) for d in shape)
-        return t if t.shape == shape else self.op("reshape", [t], shape=shape)
-
-    def weight_only(self, t: Tensor) -> bool:
-        """Whether ``t`` depends on weights and constants only (computed ahead of time)."""
-        return t.node.weight_only
-
-    def const(self, t: Tensor):
-        """Value of a tensor computed from constants only, else ``None``.
-
-        Weight *arguments* are not constants here: the graph must stay valid when the same
-        function is called again with other weight values.
-        """
-        if t in self._cache:
-            return self._cache[t]
-        if not self.weight_only(t):
-            return None
-        n = t.node
-        if n.op == "weight":
-            return self.weights[n.name] if n.name in self.constants else None
-        value = None
-        if n.op not in ("input", "opaque") and n.op in OPS:
-            args = [self.const(x) for x in n.inputs]
-            if all(a is not None for a in args):
-                from taso_jax.ir.executor import run_node
-
-                value = np.asarray(run_node(n, args)[t.index])
-        self._cache[t] = value
-        return value
 
 
 def _inner_jaxpr(eqn):
@@ -164,7 +109,7 @@ def _inner_jaxpr(eqn):
     return None
 
 
-def _import_eqns(jaxpr, env: dict, ctx: _JaxprContext, opaque: dict, inlined: dict):
+def _import_eqns(jaxpr, env: dict, ctx: ImportContext, opaque: dict, inlined: dict):
     def read(v):
         if isinstance(v, jcore.Literal):
             return ctx.weight(np.asarray(v.val, dtype=_ttype(v.aval).dtype), "literal")
@@ -190,7 +135,7 @@ def _import_eqns(jaxpr, env: dict, ctx: _JaxprContext, opaque: dict, inlined: di
         res = None
         importer = JAXPR_IMPORTERS.get(name)
         if importer is not None and not eqn.effects:
-            ctx.out_types, ctx.primitive = out_types, name
+            ctx.out_types, ctx.source_op = out_types, name
             try:
                 res = importer(ctx, ins, **eqn.params)
             except (ShapeError, TypeError, ValueError, KeyError, IndexError):
@@ -213,8 +158,7 @@ def _opaque(eqn, env, read) -> list:
             invars.append(v)
     outvars = [v for v in eqn.outvars if not isinstance(v, jcore.DropVar)]
     handle = JaxEquation(eqn, invars, outvars)
-    attrs = (("jax_primitive", handle.primitive), ("jax_equation", handle))
-    node = intern_node("opaque", attrs, tuple(read(v) for v in invars),
+    node = intern_node("opaque", (("call", handle),), tuple(read(v) for v in invars),
                        tuple(_ttype(v.aval) for v in outvars))
     it = iter(node.outputs)
     return [None if isinstance(v, jcore.DropVar) else next(it) for v in eqn.outvars]
@@ -245,7 +189,7 @@ def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_name
                          "lost")
     jaxpr = closed.jaxpr
     weights: dict[str, np.ndarray] = {}
-    ctx = _JaxprContext(weights)
+    ctx = ImportContext(weights, constants=set(), dedupe_literals=True)
     env: dict = {}
     inputs: list[Node] = []
     for v, c in zip(jaxpr.constvars, closed.consts, strict=True):

@@ -16,15 +16,18 @@ Source: ONNX IR and operator specifications (onnx.ai, opsets 9-20).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 
 import numpy as np
 
-from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node, make_node
+from taso_jax.frontends.context import ImportContext
+from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
+from taso_jax.ir.opaque import OpaqueOp
 from taso_jax.ops import ONNX_IMPORTERS, OPS, ShapeError, TensorType
 
-__all__ = ["ModelError", "load_onnx", "export_onnx", "MIN_OPSET", "MAX_OPSET"]
+__all__ = ["ModelError", "OnnxNode", "load_onnx", "export_onnx", "MIN_OPSET", "MAX_OPSET"]
 
 MIN_OPSET, MAX_OPSET = 9, 20
 _CONVERT_BELOW, _CONVERT_TO = 13, 17
@@ -143,50 +146,97 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
         types[n] = TensorType(tuple(v.shape), str(v.dtype))
 
 
-class _ImportContext:
-    """What an operator's ONNX importer sees (see ``taso_jax.ops.onnx_importer``)."""
+class OnnxNode(OpaqueOp):
+    """An ONNX node kept as it is: run by onnxruntime, exported verbatim.
 
-    def __init__(self, weights: dict[str, np.ndarray], opset: int):
-        self.weights = weights
-        self.opset = opset
-        self.out_types: list[TensorType] = []
-        self.onnx_op = ""
-        self._const_cache: dict[Tensor, np.ndarray] = {}
+    Equal when the serialized node, opsets and IR version are equal (hash-consing merges
+    identical nodes). Inside ``jax.jit`` it runs through ``jax.pure_callback``; the
+    onnxruntime sessions are cached (at most :data:`SESSION_CACHE` of them).
 
-    def op(self, name, inputs, **attrs):
-        node = make_node(name, inputs, attrs)
-        return node.outputs[0] if len(node.types) == 1 else list(node.outputs)
+    Attributes:
+        label: the ONNX op type.
+        proto: the serialized ``NodeProto`` (its input names may be empty: optional inputs
+            that are absent).
+        opsets: ``(domain, version)`` pairs of the model.
+        ir_version: the model's IR version.
+    """
 
-    def type(self, t: Tensor) -> TensorType:
-        return t.type
+    def __init__(self, proto: bytes, op_type: str, opsets: tuple, ir_version: int):
+        self.proto, self.label, self.opsets, self.ir_version = proto, op_type, opsets, ir_version
+        self._key = (proto, opsets, ir_version)
 
-    def weight(self, array: np.ndarray, prefix: str = "const") -> Tensor:
-        i = len(self.weights)
-        while f"{prefix}_{i}" in self.weights:
-            i += 1
-        name = f"{prefix}_{i}"
-        self.weights[name] = np.asarray(array)
-        return leaf_node("weight", name, TensorType(np.shape(array), str(np.asarray(array).dtype))
-                         ).outputs[0]
+    def __eq__(self, other) -> bool:
+        return isinstance(other, OnnxNode) and other._key == self._key
 
-    def const(self, t: Tensor):
-        """Value of a tensor that depends on weights only, else ``None``."""
-        if t in self._const_cache:
-            return self._const_cache[t]
-        n = t.node
-        if n.op == "weight":
-            return self.weights[n.name]
-        if n.op in ("input", "opaque") or n.op not in OPS:
-            return None
-        args = [self.const(x) for x in n.inputs]
-        if any(a is None for a in args):
-            return None
-        from taso_jax.ir.executor import run_node
+    def __hash__(self) -> int:
+        return hash(self._key)
 
-        vals = run_node(n, args)
-        for i, v in enumerate(vals):
-            self._const_cache[Tensor(n, i)] = np.asarray(v).astype(n.types[i].dtype)
-        return self._const_cache[t]
+    def __repr__(self) -> str:
+        return f"OnnxNode({self.label})"
+
+    def evaluate(self, node: Node, args) -> tuple:
+        """The outputs, computed by onnxruntime through ``jax.pure_callback``."""
+        import jax
+
+        specs = tuple(jax.ShapeDtypeStruct(t.shape, jax.dtypes.canonicalize_dtype(t.dtype))
+                      for t in node.types)
+        in_types = tuple(t.type for t in node.inputs)
+
+        def callback(*values):
+            sess, names = _session(self, in_types, tuple(node.types))
+            feeds = {n: np.asarray(v).astype(t.dtype)
+                     for n, v, t in zip(names, values, in_types, strict=True)}
+            return tuple(np.asarray(o).astype(s.dtype)
+                         for o, s in zip(sess.run(None, feeds), specs, strict=True))
+
+        return tuple(jax.pure_callback(callback, specs, *args))
+
+    def to_onnx(self, ctx, inputs: list[str], outputs: list[str]) -> None:
+        """The node itself, its present inputs and its outputs renamed."""
+        import onnx
+
+        proto = onnx.NodeProto.FromString(self.proto)
+        it = iter(inputs)
+        new_in = [next(it) if x else "" for x in proto.input]
+        del proto.input[:]
+        proto.input.extend(new_in)
+        del proto.output[:]
+        proto.output.extend(outputs)
+        ctx.nodes.append(proto)
+
+
+#: onnxruntime sessions kept for opaque nodes at most (least recently used dropped).
+SESSION_CACHE = 256
+
+
+@functools.lru_cache(maxsize=SESSION_CACHE)
+def _session(op: OnnxNode, in_types: tuple, out_types: tuple):
+    """An onnxruntime session running ``op`` alone, and the names of its present inputs.
+
+    Absent optional inputs (empty names) are skipped: ``in_types`` has one type per
+    present input, in order.
+    """
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    proto = onnx.NodeProto.FromString(op.proto)
+    names = [n for n in proto.input if n]
+
+    def info(name, t):
+        return helper.make_tensor_value_info(
+            name, helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)), list(t.shape))
+
+    ins = [info(n, t) for n, t in zip(names, in_types, strict=True)]
+    outs = [info(n, t) for n, t in zip(proto.output, out_types, strict=True)]
+    model = helper.make_model(helper.make_graph([proto], "opaque", ins, outs),
+                              opset_imports=[helper.make_opsetid(d, v) for d, v in op.opsets],
+                              ir_version=min(int(op.ir_version), 10))
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
+    return sess, names
 
 
 def _attrs(node) -> dict:
@@ -263,7 +313,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         inputs.append(node)
         env[inp.name] = node.outputs[0]
 
-    ctx = _ImportContext(weights, opset)
+    ctx = ImportContext(weights, opset)
     opsets = tuple(sorted((o.domain, o.version) for o in model.opset_import))
     opaque: dict[str, int] = {}
     for node in g.node:
@@ -281,7 +331,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     return Graph(tuple(inputs), tuple(outputs), tuple(names), weights, meta)
 
 
-def _constant_value(node, ctx: _ImportContext, ins: list):
+def _constant_value(node, ctx: ImportContext, ins: list):
     """Value of a ``Constant`` node, or of a ``ConstantOfShape`` with a constant shape."""
     from onnx import numpy_helper
 
@@ -313,7 +363,7 @@ def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tens
         importer = ONNX_IMPORTERS.get(node.op_type)
         if importer is not None and all(t is not None for t in out_types):
             ctx.out_types = out_types
-            ctx.onnx_op = node.op_type
+            ctx.source_op = node.op_type
             try:
                 res = importer(ctx, ins, **_attrs(node))
             except (ShapeError, TypeError, ValueError, KeyError):
@@ -326,14 +376,10 @@ def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tens
         raise ModelError(f"node {node.name or node.op_type!r} ({node.op_type}): output shapes "
                          "unknown after shape inference")
     opaque[node.op_type] = opaque.get(node.op_type, 0) + 1
-    attrs = (("onnx_op", node.op_type), ("onnx", node.SerializeToString()),
-             ("opsets", opsets), ("ir_version", ir_version))
-    n = intern_node("opaque", attrs, tuple(t for t in ins if t is not None), tuple(out_types))
+    call = OnnxNode(node.SerializeToString(), node.op_type, opsets, ir_version)
+    n = intern_node("opaque", (("call", call),), tuple(t for t in ins if t is not None),
+                    tuple(out_types))
     return list(n.outputs)
-
-
-#: JAX primitives kept opaque for their derivative rules, whose value is their input.
-_FORWARD_IDENTITY = ("stop_gradient",)
 
 
 class _ExportContext:
@@ -417,23 +463,8 @@ def export_onnx(graph: Graph, opset: int | None = None):
             ctx.types[names[t]] = t.type
             outs.append(names[t])
         ins = [names[t] for t in n.inputs]
-        if n.attr("jax_primitive") in _FORWARD_IDENTITY:
-            ctx.node("Identity", ins, outs)
-            continue
-        if n.op == "opaque" and n.attr("onnx") is None:
-            raise ValueError(f"JAX primitive {n.attr('jax_primitive')!r} has no ONNX mapping "
-                             "(it was kept as an opaque node on import)")
         if n.op == "opaque":
-            import onnx
-
-            proto = onnx.NodeProto.FromString(n.attr("onnx"))
-            it = iter(ins)
-            new_in = [next(it) if x else "" for x in proto.input]
-            del proto.input[:]
-            proto.input.extend(new_in)
-            del proto.output[:]
-            proto.output.extend(outs)
-            ctx.nodes.append(proto)
+            n.attr("call").to_onnx(ctx, ins, outs)
             continue
         opdef = OPS[n.op]
         if opdef.to_onnx is None:

@@ -3,15 +3,14 @@
 Weight-only subgraphs (nodes whose inputs are all weights, e.g. a concatenated or enlarged
 kernel) are evaluated once, ahead of time, when the graph is compiled, as TASO does for
 weights; the jitted function receives their values as arguments and computes only what
-depends on runtime inputs. Opaque nodes (ONNX operators without a declaration) run in
-onnxruntime through ``jax.pure_callback``, so every imported graph executes.
+depends on runtime inputs. Opaque nodes run the computation their front door gave them
+(:class:`~taso_jax.ir.opaque.OpaqueOp`), so every imported graph executes.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 
 import jax
 import jax.numpy as jnp
@@ -24,55 +23,14 @@ __all__ = ["CompiledGraph", "StagedGraph", "compile_graph", "run_node", "time_fu
            "random_inputs"]
 
 
-@lru_cache(maxsize=4096)
-def _opaque_session(node: Node):
-    import onnx
-    import onnxruntime as ort
-    from onnx import helper
-
-    proto = onnx.NodeProto.FromString(node.attr("onnx"))
-    ins = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)),
-                                         list(t.shape))
-           for n, t in zip(proto.input, (t.type for t in node.inputs), strict=False) if n]
-    outs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)),
-                                          list(t.shape))
-            for n, t in zip(proto.output, node.types, strict=True)]
-    opsets = [helper.make_opsetid(d, v) for d, v in node.attr("opsets")]
-    model = helper.make_model(helper.make_graph([proto], "opaque", ins, outs),
-                              opset_imports=opsets,
-                              ir_version=min(int(node.attr("ir_version")), 10))
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    sess = ort.InferenceSession(model.SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
-    names = [n for n in proto.input if n]
-    return sess, names
-
-
-def _run_opaque_numpy(node: Node, *args):
-    sess, names = _opaque_session(node)
-    feeds = {n: np.asarray(a).astype(t.dtype)
-             for n, a, t in zip(names, args, (t.type for t in node.inputs), strict=True)}
-    return sess.run(None, feeds)
-
-
 def run_node(node: Node, args: Sequence) -> tuple:
     """Evaluate one operator or opaque node on JAX arrays; returns a tuple of outputs.
 
-    Inside ``jax.jit`` an opaque ONNX node becomes a ``jax.pure_callback`` into onnxruntime;
-    an opaque jaxpr equation evaluates the original primitive.
+    An opaque node runs its :class:`~taso_jax.ir.opaque.OpaqueOp` (an ONNX node through
+    onnxruntime, a jaxpr equation through JAX).
     """
-    if node.op == "opaque" and node.attr("jax_equation") is not None:
-        return node.attr("jax_equation")(*args)
     if node.op == "opaque":
-        specs = [jax.ShapeDtypeStruct(t.shape, jax.dtypes.canonicalize_dtype(t.dtype))
-                 for t in node.types]
-
-        def cb(*a):
-            return tuple(np.asarray(o).astype(s.dtype)
-                         for o, s in zip(_run_opaque_numpy(node, *a), specs, strict=True))
-
-        return tuple(jax.pure_callback(cb, tuple(specs), *args))
+        return tuple(node.attr("call").evaluate(node, args))
     out = OPS[node.op].ref(*args, **dict(node.attrs))
     return tuple(out) if isinstance(out, tuple | list) else (out,)
 

@@ -88,7 +88,7 @@ class Node:
         if self.op in LEAF_OPS:
             return f"{self.op}({self.name}: {list(self.types[0].shape)})"
         if self.op == "opaque":
-            return f"opaque({self.attr('onnx_op') or self.attr('jax_primitive')})"
+            return f"opaque({self.attr('call').label})"
         return f"{self.op}({', '.join(f'{k}={v}' for k, v in self.attrs)})"
 
 
