@@ -52,7 +52,7 @@ def _linear_onnx(ctx, ins, outs):
 
 
 LINEAR = OpDef(
-    "linear", _linear, _linear_shape, 3, to_onnx=_linear_onnx,
+    name="linear", ref=_linear, shape=_linear_shape, arity=3, to_onnx=_linear_onnx,
     flops=lambda ins, outs, **_: 2.0 * outs[0].size * ins[0].shape[-1] + outs[0].size,
     examples=(([TensorType((3, 4), "float32"), TensorType((4, 5), "float32"),
                 TensorType((1, 5), "float32")], {}),),

@@ -27,7 +27,6 @@ __all__ = [
     "TensorType",
     "declare",
     "axiom",
-    "add_axioms",
     "onnx_importer",
     "jaxpr_importer",
     "get_op",
@@ -60,9 +59,9 @@ class TensorType(NamedTuple):
         return self.size * np.dtype(self.dtype).itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OpDef:
-    """Declaration of one operator.
+    """Declaration of one operator, built with keywords only.
 
     Attributes:
         name: lower_snake operator name, used in code and in serialized substitutions.
@@ -243,17 +242,6 @@ def jaxpr_importer(*primitives: str):
         return fn
 
     return register
-
-
-def add_axioms(name: str, *axioms: Axiom) -> None:
-    """Attach axioms to a declared operator (next to its declaration, in its family file).
-
-    Raises:
-        KeyError: an operator that is not declared.
-    """
-    from dataclasses import replace
-
-    OPS[name] = replace(get_op(name), axioms=get_op(name).axioms + tuple(axioms))
 
 
 def get_op(name: str) -> OpDef:

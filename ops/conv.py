@@ -20,7 +20,6 @@ from taso_jax.ops import (
     OpDef,
     ShapeError,
     TensorType,
-    add_axioms,
     axiom,
     declare,
     jaxpr_importer,
@@ -126,8 +125,100 @@ def _conv2d_onnx(ctx, ins, outs, *, strides, padding, dilations, groups, activat
         _emit_act(ctx, y, outs, activation)
 
 
+# ---- laws (TASO, SOSP 2019, Table 2: convolution laws) -----------------------------------
+# Each law is one literal line. Shapes and the attribute values the numeric check tries:
+_C = {"x": ("N", "C", "H", "W"), "y": ("N", "C", "H", "W"), "w": ("D", "C", 3, 3),
+      "v": ("D", "C", 3, 3), "s": (1, "D", 1, 1)}
+_P = {"st": ((1, 1), (2, 2)), "p": ("same", "valid")}
+_PD = {**_P, "dl": ((1, 1), (2, 1))}
+_F = ("none", "relu", "sigmoid", "tanh")
+_PER_CHANNEL = ("dim(s, -4) == 1", "dim(s, -2) == 1", "dim(s, -1) == 1")
+# Laws over groups=q hold for any number of groups: the shapes are grouped (input channels
+# q*E, kernel q*D x E), and q = 1 is the ungrouped case.
+_G = {"x": ("N", "q*E", "H", "W"), "y": ("N", "q*E", "H", "W"), "w": ("q*D", "E", 3, 3),
+      "v": ("q*D", "E", 3, 3), "s": (1, "q*D", 1, 1)}
+_GPD = {**_PD, "q": (1, 2, 3)}
+
+_CONV2D_LAWS = (
+    axiom("conv2d(ewadd(x, y), w, strides=st, padding=p, dilations=dl, groups=q) = ewadd(conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q), conv2d(y, w, strides=st, padding=p, dilations=dl, groups=q))",
+          _G, **_GPD),
+    axiom("conv2d(x, ewadd(w, v), strides=st, padding=p, dilations=dl, groups=q) = ewadd(conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q), conv2d(x, v, strides=st, padding=p, dilations=dl, groups=q))",
+          _G, **_GPD),
+    axiom("conv2d(x, concat(w, v, axis=-4), strides=st, padding=p, dilations=dl, activation=f) = concat(conv2d(x, w, strides=st, padding=p, dilations=dl, activation=f), conv2d(x, v, strides=st, padding=p, dilations=dl, activation=f), axis=-3)",
+          _C, f=_F, **_PD),
+    axiom("conv2d(concat(x, y, axis=-3), concat(w, v, axis=-3), strides=st, padding=p, dilations=dl) = ewadd(conv2d(x, w, strides=st, padding=p, dilations=dl), conv2d(y, v, strides=st, padding=p, dilations=dl))",
+          {**_C, "y": ("N", "E", "H", "W"), "v": ("D", "E", 3, 3)}, **_PD),
+    axiom("conv2d(concat(x, y, axis=-4), w, strides=st, padding=p, dilations=dl, groups=q, activation=f) = concat(conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q, activation=f), conv2d(y, w, strides=st, padding=p, dilations=dl, groups=q, activation=f), axis=-4)",
+          _G, f=_F, **_GPD),
+    axiom("conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q, activation='relu') = relu(conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q))",
+          _G, **_GPD),
+    axiom("conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q, activation='sigmoid') = sigmoid(conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q))",
+          _G, **_GPD),
+    axiom("conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q, activation='tanh') = tanh(conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q))",
+          _G, **_GPD),
+    # a per-output-channel scale folds into the kernel, for any groups; the conditions say
+    # that s is [1, D, 1, 1] (Z3 does not know shapes otherwise)
+    axiom("ewmul(conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q), s) = conv2d(x, ewmul(w, transpose(s, perm=(1, 0, 2, 3))), strides=st, padding=p, dilations=dl, groups=q)",
+          _G, where=_PER_CHANNEL, **_GPD),
+    # ... and so does a per-input-channel scale (ungrouped: the kernel spans all C)
+    axiom("conv2d(ewmul(x, r), w, strides=st, padding=p, dilations=dl, activation=f) = conv2d(x, ewmul(w, r), strides=st, padding=p, dilations=dl, activation=f)",
+          {**_C, "r": (1, "C", 1, 1)},
+          where=("dim(r, -4) == 1", "dim(r, -2) == 1", "dim(r, -1) == 1"), f=_F, **_PD),
+    axiom("dim(conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q, activation=f), -3) = dim(w, -4)",
+          _G, f=("none", "relu"), **_GPD),
+    # 'same' padding at stride 1 keeps the spatial size
+    axiom("dim(conv2d(x, w, strides=(1, 1), padding='same', dilations=dl, groups=q, activation=f), -1) = dim(x, -1)",
+          _G, f=("none", "relu"), dl=((1, 1), (2, 1)), q=(1, 2, 3)),
+    axiom("dim(conv2d(x, w, strides=(1, 1), padding='same', dilations=dl, groups=q, activation=f), -2) = dim(x, -2)",
+          _G, f=("none", "relu"), dl=((1, 1), (2, 1)), q=(1, 2, 3)),
+    axiom("conv2d(scalar_mul(x, scalar=c), w, strides=st, padding=p, dilations=dl) = scalar_mul(conv2d(x, w, strides=st, padding=p, dilations=dl), scalar=c)",
+          _C, c=(2.0,), **_PD),
+    axiom("conv2d(x, enlarge(u, w), strides=st, padding='same', dilations=dl, activation=f) = conv2d(x, u, strides=st, padding='same', dilations=dl, activation=f)",
+          {**_C, "u": ("D", "C", 1, 1)}, st=((1, 1), (2, 2)), dl=((1, 1), (2, 1)),
+          f=("none", "relu")),
+    # two branch convolutions side by side are one grouped convolution (each of the 2g
+    # groups reads its own channels)
+    axiom("conv2d(concat(x, y, axis=-3), concat(w, v, axis=-4), groups=g + g, strides=st, padding=p, dilations=dl, activation=f) = concat(conv2d(x, w, groups=g, strides=st, padding=p, dilations=dl, activation=f), conv2d(y, v, groups=g, strides=st, padding=p, dilations=dl, activation=f), axis=-3)",
+          {"x": ("N", "g*E", "H", "W"), "y": ("N", "g*E", "H", "W"), "w": ("g*D", "E", 3, 3),
+           "v": ("g*D", "E", 3, 3)}, g=(1, 2, 3), f=_F, **_PD),
+)
+
+_ENLARGE_LAWS = (
+    axiom("enlarge(concat(u, v, axis=-4), w) = concat(enlarge(u, w), enlarge(v, w), axis=-4)",
+          {"u": ("D", "C", 1, 1), "v": ("E", "C", 1, 1), "w": ("F", "C", 3, 3)}),
+    axiom("dim(enlarge(u, w), -4) = dim(u, -4)", {"u": ("D", "C", 1, 1), "w": ("F", "C", 3, 3)}),
+    axiom("dim(enlarge(u, w), -3) = dim(u, -3)", {"u": ("D", "C", 1, 1), "w": ("F", "C", 3, 3)}),
+    axiom("dim(enlarge(u, w), -2) = dim(w, -2)", {"u": ("D", "C", 1, 1), "w": ("F", "C", 3, 3)}),
+    axiom("dim(enlarge(u, w), -1) = dim(w, -1)", {"u": ("D", "C", 1, 1), "w": ("F", "C", 3, 3)}),
+    # enlarging a kernel to its own size changes nothing
+    axiom("enlarge(u, w) = u", {"u": ("D", "C", "K", "K"), "w": ("E", "C", "K", "K")},
+          where=("h = dim(u, -2)", "h = dim(w, -2)", "k = dim(u, -1)", "k = dim(w, -1)")),
+)
+
+_MERGE_GCONV_LAWS = (
+    # a grouped kernel rewritten block-diagonally for fewer groups (TASO merge_gconv)
+    axiom("conv2d(x, merge_gconv(w, groups=g, count=c), groups=q, strides=st, padding=p, dilations=dl, activation=f) = conv2d(x, w, groups=g, strides=st, padding=p, dilations=dl, activation=f)",
+          {"x": ("N", "q*c*E", "H", "W"), "w": ("q*c*D", "E", 3, 3)}, where=("g = q * c",),
+          q=(1, 2), c=(2, 3), f=("none", "tanh"), st=((2, 2),), p=("same",), dl=((2, 1),)),
+)
+
+_IDENTITY_KERNEL_LAWS = (
+    # a depthwise convolution with a centred one is the identity, for any kernel size
+    axiom("conv2d(x, constant_identity_kernel(channels=c, kernel=k, dtype=t), padding='same', groups=c) = x",
+          {"x": ("N", "C", "H", "W")}, where=("c = dim(x, -3)",),
+          k=((3, 3), (1, 1), (5, 3), (2, 2), (1, 4)), t=("float64",)),
+)
+
+_POOL_KERNEL_LAWS = (
+    # average pooling that counts the padding is a depthwise convolution
+    axiom("avgpool2d(x, kernel=k, strides=st, padding=p, count_include_pad=True) = conv2d(x, constant_pool_kernel(channels=c, kernel=k, dtype=t), strides=st, padding=p, groups=c)",
+          {"x": ("N", "C", "H", "W")}, where=("c = dim(x, -3)",), k=((3, 3), (2, 2), (1, 3)),
+          st=((1, 1), (2, 2)), p=("valid", "same", (1, 0, 1, 0)), t=("float64",)),
+)
+
+
 declare(OpDef(
-    "conv2d", _conv2d, _conv2d_shape, 2,
+    name="conv2d", ref=_conv2d, shape=_conv2d_shape, arity=2,
     attrs={"strides": (1, 1), "padding": "same", "dilations": (1, 1), "groups": 1,
            "activation": "none"},
     to_onnx=_conv2d_onnx, flops=_conv2d_flops,
@@ -141,6 +232,7 @@ declare(OpDef(
          {"padding": "valid", "activation": "sigmoid"}),
         ([TensorType((1, 8, 6, 6), _F32), TensorType((8, 1, 3, 3), _F32)], {"groups": 8}),
     ),
+    axioms=_CONV2D_LAWS,
     doc="2-D convolution, NCHW x OIHW -> NCHW, with groups and fused activation (ONNX Conv)"))
 
 
@@ -207,8 +299,10 @@ def _enlarge_onnx(ctx, ins, outs):
 
 
 declare(OpDef(
-    "enlarge", _enlarge, _enlarge_shape, 2, to_onnx=_enlarge_onnx, flops=lambda i, o: 0.0,
+    name="enlarge", ref=_enlarge, shape=_enlarge_shape, arity=2,
+    to_onnx=_enlarge_onnx, flops=lambda i, o: 0.0,
     examples=(([TensorType((4, 2, 1, 1), _F32), TensorType((3, 2, 3, 5), _F32)], {}),),
+    axioms=_ENLARGE_LAWS,
     doc="zero-pad kernel w (OIHW) to the spatial size of ref, centred (TASO enlarge)"))
 
 
@@ -242,10 +336,12 @@ def _merge_gconv_onnx(ctx, ins, outs, *, groups, count):
 
 
 declare(OpDef(
-    "merge_gconv", _merge_gconv, _merge_gconv_shape, 1, attrs={"groups": 1, "count": 1},
+    name="merge_gconv", ref=_merge_gconv, shape=_merge_gconv_shape, arity=1,
+    attrs={"groups": 1, "count": 1},
     to_onnx=_merge_gconv_onnx, flops=lambda i, o, **_: 0.0,
     examples=(([TensorType((8, 2, 3, 3), _F32)], {"groups": 4, "count": 2}),
               ([TensorType((8, 2, 3, 3), _F32)], {"groups": 8, "count": 2})),
+    axioms=_MERGE_GCONV_LAWS,
     doc="kernel of a conv with `groups` groups, rewritten block-diagonally for groups/count "
         "groups (TASO merge_gconv)"))
 
@@ -278,25 +374,25 @@ def _const_onnx(ref):
     return to_onnx
 
 
-for _name, _fill, _doc in (
-        ("constant_identity_kernel", _centre_one,
+for _name, _fill, _laws, _doc in (
+        ("constant_identity_kernel", _centre_one, _IDENTITY_KERNEL_LAWS,
          "depthwise kernel [C,1,kh,kw], 1 at the centre: conv2d with groups=C is identity (TASO)"),
-        ("constant_pool_kernel", _uniform,
+        ("constant_pool_kernel", _uniform, _POOL_KERNEL_LAWS,
          "depthwise kernel [C,1,kh,kw] of 1/(kh*kw): conv2d with groups=C is average pooling "
          "(TASO)")):
     _ref = _const_kernel(_fill)
-    declare(OpDef(_name, _ref, _const_kernel_shape, 0,
+    declare(OpDef(name=_name, ref=_ref, shape=_const_kernel_shape, arity=0,
                   attrs={"channels": 1, "kernel": (3, 3), "dtype": _F32},
                   to_onnx=_const_onnx(_ref), flops=lambda i, o, **_: 0.0,
-                  examples=(([], {"channels": 3, "kernel": (3, 3)}),), doc=_doc))
+                  examples=(([], {"channels": 3, "kernel": (3, 3)}),), axioms=_laws, doc=_doc))
 
 
 def _constant_one(*, shape, dtype):
     return jnp.ones(shape, dtype)
 
 
-declare(OpDef("constant_one", _constant_one,
-              lambda ts, *, shape, dtype: [TensorType(shape, dtype)], 0,
+declare(OpDef(name="constant_one", ref=_constant_one,
+              shape=lambda ts, *, shape, dtype: [TensorType(shape, dtype)], arity=0,
               attrs={"shape": (1,), "dtype": _F32}, to_onnx=_const_onnx(_constant_one),
               flops=lambda i, o, **_: 0.0,
               examples=(([], {"shape": (2, 3)}),), doc="tensor of ones (TASO constant one)"))
@@ -318,7 +414,7 @@ def _batchnorm_shape(ts, *, epsilon):
 
 
 declare(OpDef(
-    "batchnorm", _batchnorm, _batchnorm_shape, 5, attrs={"epsilon": 1e-5},
+    name="batchnorm", ref=_batchnorm, shape=_batchnorm_shape, arity=5, attrs={"epsilon": 1e-5},
     to_onnx=lambda ctx, ins, outs, *, epsilon: ctx.node(
         "BatchNormalization", ins, outs, epsilon=epsilon),
     examples=(([TensorType((2, 3, 4, 4), _F32)] + [TensorType((3,), _F32)] * 4, {}),),
@@ -394,13 +490,13 @@ def _pool_flops(ins, outs, *, kernel, **_):
 
 
 _POOL_EX = [TensorType((1, 3, 9, 9), _F32)]
-declare(OpDef("maxpool2d", _maxpool2d, _pool_shape, 1,
+declare(OpDef(name="maxpool2d", ref=_maxpool2d, shape=_pool_shape, arity=1,
               attrs={"kernel": (2, 2), "strides": (2, 2), "padding": "valid"},
               to_onnx=_pool_onnx("MaxPool"), flops=_pool_flops,
               examples=((_POOL_EX, {}), (_POOL_EX, {"kernel": (3, 3), "padding": "same",
                                                     "strides": (1, 1)})),
               doc="2-D max pooling on NCHW (ONNX MaxPool)"))
-declare(OpDef("avgpool2d", _avgpool2d, _pool_shape, 1,
+declare(OpDef(name="avgpool2d", ref=_avgpool2d, shape=_pool_shape, arity=1,
               attrs={"kernel": (2, 2), "strides": (2, 2), "padding": "valid",
                      "count_include_pad": False},
               to_onnx=_pool_onnx("AveragePool"), flops=_pool_flops,
@@ -500,96 +596,3 @@ def _import_reduce_window(ctx, ins, *, window_dimensions, window_strides, paddin
         y = ctx.op("avgpool2d", [y], kernel=k, strides=st, padding=pads, count_include_pad=True)
         y = ctx.op("scalar_mul", [y], scalar=float(k[0] * k[1]))
     return [ctx.transpose(y, _inverse(perm))]
-
-
-# ---- axioms (TASO, SOSP 2019, Table 2: convolution laws) ------------------------------------
-
-_C = {"x": ("N", "C", "H", "W"), "y": ("N", "C", "H", "W"), "w": ("D", "C", 3, 3),
-      "v": ("D", "C", 3, 3), "s": (1, "D", 1, 1)}
-_P = {"st": ((1, 1), (2, 2)), "p": ("same", "valid")}
-_PD = {**_P, "dl": ((1, 1), (2, 1))}
-_F = ("none", "relu", "sigmoid", "tanh")
-_PER_CHANNEL = ("dim(s, -4) == 1", "dim(s, -2) == 1", "dim(s, -1) == 1")
-_CONV = "strides=st, padding=p, dilations=dl"  # any stride, padding and dilation
-# Laws marked _GC hold for any number of groups q: the shapes below are grouped (input
-# channels q*E, kernel q*D x E), and q = 1 is the ungrouped case.
-_GC = "strides=st, padding=p, dilations=dl, groups=q"
-_G = {"x": ("N", "q*E", "H", "W"), "y": ("N", "q*E", "H", "W"), "w": ("q*D", "E", 3, 3),
-      "v": ("q*D", "E", 3, 3), "s": (1, "q*D", 1, 1)}
-_GPD = {**_PD, "q": (1, 2, 3)}
-add_axioms("conv2d",
-           axiom(f"conv2d(ewadd(x, y), w, {_GC}) = ewadd(conv2d(x, w, {_GC}), "
-                 f"conv2d(y, w, {_GC}))", _G, **_GPD),
-           axiom(f"conv2d(x, ewadd(w, v), {_GC}) = ewadd(conv2d(x, w, {_GC}), "
-                 f"conv2d(x, v, {_GC}))", _G, **_GPD),
-           axiom(f"conv2d(x, concat(w, v, axis=-4), {_CONV}, activation=f) = "
-                 f"concat(conv2d(x, w, {_CONV}, activation=f), conv2d(x, v, {_CONV}, "
-                 "activation=f), axis=-3)", _C, f=_F, **_PD),
-           axiom(f"conv2d(concat(x, y, axis=-3), concat(w, v, axis=-3), {_CONV}) = "
-                 f"ewadd(conv2d(x, w, {_CONV}), conv2d(y, v, {_CONV}))",
-                 {**_C, "y": ("N", "E", "H", "W"), "v": ("D", "E", 3, 3)}, **_PD),
-           axiom(f"conv2d(concat(x, y, axis=-4), w, {_GC}, activation=f) = "
-                 f"concat(conv2d(x, w, {_GC}, activation=f), conv2d(y, w, {_GC}, "
-                 "activation=f), axis=-4)", _G, f=_F, **_GPD),
-           *(axiom(f"conv2d(x, w, {_GC}, activation='{f}') = {f}(conv2d(x, w, {_GC}))",
-                   _G, **_GPD) for f in _F[1:]),
-           # a per-output-channel scale folds into the kernel, for any groups; the
-           # conditions say that s is [1, D, 1, 1] (Z3 does not know shapes otherwise)
-           axiom(f"ewmul(conv2d(x, w, {_GC}), s) = conv2d(x, "
-                 f"ewmul(w, transpose(s, perm=(1, 0, 2, 3))), {_GC})", _G,
-                 where=_PER_CHANNEL, **_GPD),
-           # ... and so does a per-input-channel scale (ungrouped: the kernel spans all C)
-           axiom(f"conv2d(ewmul(x, r), w, {_CONV}, activation=f) = "
-                 f"conv2d(x, ewmul(w, r), {_CONV}, activation=f)", {**_C, "r": (1, "C", 1, 1)},
-                 where=tuple(c.replace("(s,", "(r,") for c in _PER_CHANNEL), f=_F, **_PD),
-           axiom(f"dim(conv2d(x, w, {_GC}, activation=f), -3) = dim(w, -4)", _G,
-                 f=("none", "relu"), **_GPD),
-           # 'same' padding at stride 1 keeps the spatial size
-           *(axiom(f"dim(conv2d(x, w, strides=(1, 1), padding='same', dilations=dl, "
-                   f"groups=q, activation=f), {k}) = dim(x, {k})", _G, f=("none", "relu"),
-                   dl=((1, 1), (2, 1)), q=(1, 2, 3)) for k in (-1, -2)),
-           axiom(f"conv2d(scalar_mul(x, scalar=c), w, {_CONV}) = "
-                 f"scalar_mul(conv2d(x, w, {_CONV}), scalar=c)", _C, c=(2.0,), **_PD),
-           axiom("conv2d(x, enlarge(u, w), strides=st, padding='same', dilations=dl, "
-                 "activation=f) = conv2d(x, u, strides=st, padding='same', dilations=dl, "
-                 "activation=f)", {**_C, "u": ("D", "C", 1, 1)}, st=((1, 1), (2, 2)),
-                 dl=((1, 1), (2, 1)), f=("none", "relu")))
-add_axioms("enlarge",
-           axiom("enlarge(concat(u, v, axis=-4), w) = concat(enlarge(u, w), enlarge(v, w), "
-                 "axis=-4)", {"u": ("D", "C", 1, 1), "v": ("E", "C", 1, 1),
-                             "w": ("F", "C", 3, 3)}),
-           *(axiom(f"dim(enlarge(u, w), {k}) = dim({'u' if k < -2 else 'w'}, {k})",
-                   {"u": ("D", "C", 1, 1), "w": ("F", "C", 3, 3)}) for k in (-4, -3, -2, -1)),
-           # enlarging a kernel to its own size changes nothing
-           axiom("enlarge(u, w) = u", {"u": ("D", "C", "K", "K"), "w": ("E", "C", "K", "K")},
-                 where=("h = dim(u, -2)", "h = dim(w, -2)", "k = dim(u, -1)",
-                        "k = dim(w, -1)")))
-add_axioms("conv2d",
-           # two branch convolutions side by side are one grouped convolution (each of the
-           # 2g groups reads its own channels)
-           axiom(f"conv2d(concat(x, y, axis=-3), concat(w, v, axis=-4), groups=g + g, {_CONV}, "
-                 f"activation=f) = concat(conv2d(x, w, groups=g, {_CONV}, activation=f), "
-                 f"conv2d(y, v, groups=g, {_CONV}, activation=f), axis=-3)",
-                 {"x": ("N", "g*E", "H", "W"), "y": ("N", "g*E", "H", "W"),
-                  "w": ("g*D", "E", 3, 3), "v": ("g*D", "E", 3, 3)},
-                 g=(1, 2, 3), f=_F, **_PD))
-add_axioms("merge_gconv",
-           # a grouped kernel rewritten block-diagonally for fewer groups (TASO merge_gconv)
-           axiom(f"conv2d(x, merge_gconv(w, groups=g, count=c), groups=q, {_CONV}, "
-                 f"activation=f) = conv2d(x, w, groups=g, {_CONV}, activation=f)",
-                 {"x": ("N", "q*c*E", "H", "W"), "w": ("q*c*D", "E", 3, 3)},
-                 where=("g = q * c",), q=(1, 2), c=(2, 3), f=("none", "tanh"),
-                 st=((2, 2),), p=("same",), dl=((2, 1),)))
-add_axioms("constant_identity_kernel",
-           # a depthwise convolution with a centred one is the identity, for any kernel size
-           axiom("conv2d(x, constant_identity_kernel(channels=c, kernel=k, dtype=t), "
-                 "padding='same', groups=c) = x", {"x": ("N", "C", "H", "W")},
-                 where=("c = dim(x, -3)",), k=((3, 3), (1, 1), (5, 3), (2, 2), (1, 4)),
-                 t=("float64",)))
-add_axioms("constant_pool_kernel",
-           # average pooling that counts the padding is a depthwise convolution
-           axiom("avgpool2d(x, kernel=k, strides=st, padding=p, count_include_pad=True) = "
-                 "conv2d(x, constant_pool_kernel(channels=c, kernel=k, dtype=t), strides=st, "
-                 "padding=p, groups=c)", {"x": ("N", "C", "H", "W")},
-                 where=("c = dim(x, -3)",), k=((3, 3), (2, 2), (1, 3)),
-                 st=((1, 1), (2, 2)), p=("valid", "same", (1, 0, 1, 0)), t=("float64",)))

@@ -14,7 +14,6 @@ from taso_jax.ops import (
     OpDef,
     ShapeError,
     TensorType,
-    add_axioms,
     axiom,
     declare,
     jaxpr_importer,
@@ -52,16 +51,48 @@ _EX2 = ((((2, 3, 4), _F32), ((3, 1), _F32)), {})
 _EX1 = ((((2, 3, 4), _F32),), {})
 
 
-def _binary(name, fn, onnx_type, doc, commutative=False):
-    declare(OpDef(name, fn, _binary_shape, 2, to_onnx=_emit(onnx_type), commutative=commutative,
+# ---- laws (TASO, SOSP 2019, Table 2: the elementwise laws) ---------------------------------
+_V = {"x": ("N", "C"), "y": ("N", "C"), "z": ("N", "C")}
+_S = {**_V, "s": (1, "C")}
+_SAME_SIZES = {"where": ("dim(x, k) == dim(y, k)",), "k": (-1, -2)}  # without broadcasting
+
+_EWADD_LAWS = (
+    axiom("ewadd(x, y) = ewadd(y, x)", _V),
+    axiom("ewadd(x, ewadd(y, z)) = ewadd(ewadd(x, y), z)", _V),
+    axiom("dim(ewadd(x, y), k) = dim(x, k)", _V, **_SAME_SIZES),
+)
+_EWSUB_LAWS = (axiom("ewsub(x, y) = ewadd(x, neg(y))", _V),)
+_EWMUL_LAWS = (
+    axiom("ewmul(x, y) = ewmul(y, x)", _V),
+    axiom("ewmul(x, ewmul(y, z)) = ewmul(ewmul(x, y), z)", _V),
+    axiom("ewmul(ewadd(x, y), z) = ewadd(ewmul(x, z), ewmul(y, z))", _V),
+    axiom("ewmul(ewadd(x, y), s) = ewadd(ewmul(x, s), ewmul(y, s))", _S),
+    axiom("dim(ewmul(x, y), k) = dim(x, k)", _V, **_SAME_SIZES),
+)
+_RELU_LAWS = (
+    axiom("relu(relu(x)) = relu(x)", _V),
+    axiom("relu(ewadd(x, x)) = ewadd(relu(x), relu(x))", _V),  # positive homogeneity
+)
+_NEG_LAWS = (axiom("neg(neg(x)) = x", _V),)
+_SCALAR_MUL_LAWS = (
+    axiom("scalar_mul(ewadd(x, y), scalar=c) = ewadd(scalar_mul(x, scalar=c), scalar_mul(y, scalar=c))", _V, c=(2.0, -0.5)),
+    axiom("scalar_mul(ewmul(x, y), scalar=c) = ewmul(scalar_mul(x, scalar=c), y)", _V, c=(2.0, -0.5)),
+)
+
+
+def _binary(name, fn, onnx_type, doc, commutative=False, laws=()):
+    declare(OpDef(name=name, ref=fn, shape=_binary_shape, arity=2,
+                  to_onnx=_emit(onnx_type), commutative=commutative,
                   fusible=True, layout="elementwise",
-                  examples=(([TensorType(*t) for t in _EX2[0]], {}),), doc=doc))
+                  examples=(([TensorType(*t) for t in _EX2[0]], {}),), axioms=laws, doc=doc))
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
 
-_binary("ewadd", jnp.add, "Add", "a + b, broadcasting (ONNX Add; TASO ewadd)", True)
-_binary("ewsub", jnp.subtract, "Sub", "a - b, broadcasting (ONNX Sub)")
-_binary("ewmul", jnp.multiply, "Mul", "a * b, broadcasting (ONNX Mul; TASO ewmul)", True)
+_binary("ewadd", jnp.add, "Add", "a + b, broadcasting (ONNX Add; TASO ewadd)", True,
+        _EWADD_LAWS)
+_binary("ewsub", jnp.subtract, "Sub", "a - b, broadcasting (ONNX Sub)", laws=_EWSUB_LAWS)
+_binary("ewmul", jnp.multiply, "Mul", "a * b, broadcasting (ONNX Mul; TASO ewmul)", True,
+        _EWMUL_LAWS)
 _binary("ewdiv", jnp.divide, "Div", "a / b, broadcasting (ONNX Div)")
 _binary("pow", jnp.power, "Pow", "a ** b, broadcasting (ONNX Pow)")
 
@@ -74,19 +105,20 @@ def _import_sum(ctx, ins, **_):
     return [acc]
 
 
-def _unary(name, fn, onnx_type, doc):
-    declare(OpDef(name, fn, _same_shape, 1, to_onnx=_emit(onnx_type), fusible=True,
-                  layout="elementwise", examples=(([TensorType(*_EX1[0][0])], {}),), doc=doc))
+def _unary(name, fn, onnx_type, doc, laws=()):
+    declare(OpDef(name=name, ref=fn, shape=_same_shape, arity=1,
+                  to_onnx=_emit(onnx_type), fusible=True, layout="elementwise",
+                  examples=(([TensorType(*_EX1[0][0])], {}),), axioms=laws, doc=doc))
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
 
-_unary("relu", jax.nn.relu, "Relu", "max(x, 0) (ONNX Relu)")
+_unary("relu", jax.nn.relu, "Relu", "max(x, 0) (ONNX Relu)", _RELU_LAWS)
 _unary("sigmoid", jax.nn.sigmoid, "Sigmoid", "1 / (1 + exp(-x)) (ONNX Sigmoid)")
 _unary("tanh", jnp.tanh, "Tanh", "tanh(x) (ONNX Tanh)")
 _unary("erf", jax.lax.erf, "Erf", "error function (ONNX Erf)")
 _unary("sqrt", jnp.sqrt, "Sqrt", "square root (ONNX Sqrt)")
 _unary("exp", jnp.exp, "Exp", "exponential (ONNX Exp)")
-_unary("neg", jnp.negative, "Neg", "-x (ONNX Neg)")
+_unary("neg", jnp.negative, "Neg", "-x (ONNX Neg)", _NEG_LAWS)
 
 
 def _gelu(x, *, approximate="none"):
@@ -109,7 +141,8 @@ def _gelu_onnx(ctx, ins, outs, *, approximate):
     ctx.node("Mul", [half_x, one_plus], outs)
 
 
-declare(OpDef("gelu", _gelu, _same_shape, 1, attrs={"approximate": "none"}, to_onnx=_gelu_onnx,
+declare(OpDef(name="gelu", ref=_gelu, shape=_same_shape, arity=1,
+              attrs={"approximate": "none"}, to_onnx=_gelu_onnx,
               layout="elementwise",
               examples=(([TensorType((2, 5), _F32)], {}),
                         ([TensorType((2, 5), _F32)], {"approximate": "tanh"})),
@@ -126,11 +159,12 @@ def _scalar_mul(x, *, scalar=1.0):
 
 
 declare(OpDef(
-    "scalar_mul", _scalar_mul, _same_shape, 1, attrs={"scalar": 1.0}, fusible=True,
+    name="scalar_mul", ref=_scalar_mul, shape=_same_shape, arity=1,
+    attrs={"scalar": 1.0}, fusible=True,
     layout="elementwise",
     to_onnx=lambda ctx, ins, outs, *, scalar: ctx.node(
         "Mul", [ins[0], ctx.scalar(scalar, ctx.dtype(ins[0]))], outs),
-    examples=(([TensorType((2, 3), _F32)], {"scalar": 2.5}),),
+    examples=(([TensorType((2, 3), _F32)], {"scalar": 2.5}),), axioms=_SCALAR_MUL_LAWS,
     doc="x * c for a constant scalar attribute c (TASO scalar mul)"))
 
 
@@ -149,7 +183,8 @@ def _clip_onnx(ctx, ins, outs, *, min, max):  # noqa: A002
     ctx.node("Clip", [ins[0], lo, hi] if max is not None else [ins[0], lo], outs)
 
 
-declare(OpDef("clip", _clip, _same_shape, 1, attrs={"min": None, "max": None}, fusible=True,
+declare(OpDef(name="clip", ref=_clip, shape=_same_shape, arity=1,
+              attrs={"min": None, "max": None}, fusible=True,
               to_onnx=_clip_onnx, layout="elementwise",
               examples=(([TensorType((2, 3), _F32)], {"min": 0.0, "max": 6.0}),),
               doc="min(max(x, min), max) (ONNX Clip; ReLU6 is clip(0, 6))"))
@@ -182,7 +217,8 @@ def _where_shape(ts, **_):
     return [TensorType(broadcast_shape(c.shape, a.shape, b.shape), a.dtype)]
 
 
-declare(OpDef("where", _where, _where_shape, 3, to_onnx=_emit("Where"), layout="elementwise",
+declare(OpDef(name="where", ref=_where, shape=_where_shape, arity=3,
+              to_onnx=_emit("Where"), layout="elementwise",
               examples=(([TensorType((2, 3), "bool"), TensorType((2, 3), _F32),
                           TensorType((1, 3), _F32)], {}),),
               doc="elementwise select c ? a : b (ONNX Where)"))
@@ -195,7 +231,8 @@ def _pred_shape(ts, **_):
 
 def _predicate(name, fn, onnx_type, arity, in_dtype, doc):
     ex = [TensorType((2, 3), in_dtype)] * arity
-    declare(OpDef(name, fn, _pred_shape, arity, to_onnx=_emit(onnx_type), layout="elementwise",
+    declare(OpDef(name=name, ref=fn, shape=_pred_shape, arity=arity,
+                  to_onnx=_emit(onnx_type), layout="elementwise",
                   examples=((ex, {}),), doc=doc))
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
@@ -217,7 +254,9 @@ def _cast_onnx(ctx, ins, outs, *, to):
     ctx.node("Cast", ins, outs, to=helper.np_dtype_to_tensor_dtype(np.dtype(to)))
 
 
-declare(OpDef("cast", _cast, lambda ts, *, to: [TensorType(ts[0].shape, to)], 1,
+declare(OpDef(name="cast", ref=_cast,
+              shape=lambda ts, *, to: [TensorType(ts[0].shape, to)], arity=1,
+              
               attrs={"to": "float32"}, to_onnx=_cast_onnx, layout="elementwise",
               examples=(([TensorType((2, 3), "int64")], {"to": "float32"}),),
               doc="convert element type (ONNX Cast)"))
@@ -333,30 +372,3 @@ def _import_convert(ctx, ins, *, new_dtype, **_):
 @jaxpr_importer("copy", "copy_p", "optimization_barrier")
 def _import_identity_prim(ctx, ins, **_):
     return list(ins)
-
-
-# ---- axioms (TASO, SOSP 2019, Table 2: the elementwise laws) --------------------------------
-
-_V = {"x": ("N", "C"), "y": ("N", "C"), "z": ("N", "C")}
-_S = {**_V, "s": (1, "C")}
-add_axioms("ewadd",
-           axiom("ewadd(x, y) = ewadd(y, x)", _V),
-           axiom("ewadd(x, ewadd(y, z)) = ewadd(ewadd(x, y), z)", _V))
-add_axioms("ewmul",
-           axiom("ewmul(x, y) = ewmul(y, x)", _V),
-           axiom("ewmul(x, ewmul(y, z)) = ewmul(ewmul(x, y), z)", _V),
-           axiom("ewmul(ewadd(x, y), z) = ewadd(ewmul(x, z), ewmul(y, z))", _V),
-           axiom("ewmul(ewadd(x, y), s) = ewadd(ewmul(x, s), ewmul(y, s))", _S))
-for _op in ("ewadd", "ewmul"):  # without broadcasting, the sizes carry through
-    add_axioms(_op, axiom(f"dim({_op}(x, y), k) = dim(x, k)", _V,
-                          where=("dim(x, k) == dim(y, k)",), k=(-1, -2)))
-add_axioms("ewsub", axiom("ewsub(x, y) = ewadd(x, neg(y))", _V))
-add_axioms("neg", axiom("neg(neg(x)) = x", _V))
-add_axioms("scalar_mul",
-           axiom("scalar_mul(ewadd(x, y), scalar=c) = ewadd(scalar_mul(x, scalar=c), "
-                 "scalar_mul(y, scalar=c))", _V, c=(2.0, -0.5)),
-           axiom("scalar_mul(ewmul(x, y), scalar=c) = ewmul(scalar_mul(x, scalar=c), y)", _V,
-                 c=(2.0, -0.5)))
-add_axioms("relu",
-           axiom("relu(relu(x)) = relu(x)", _V),
-           axiom("relu(ewadd(x, x)) = ewadd(relu(x), relu(x))", _V))  # positive homogeneity

@@ -12,7 +12,6 @@ from taso_jax.ops import (
     OpDef,
     ShapeError,
     TensorType,
-    add_axioms,
     axiom,
     declare,
     jaxpr_importer,
@@ -46,13 +45,34 @@ def _matmul_onnx(ctx, ins, outs, *, activation):
         ctx.node(_ACT_ONNX[activation], [ctx.tmp("MatMul", ins)], outs)
 
 
+# ---- laws (TASO, SOSP 2019, Table 2: matmul laws) ------------------------------------------
+_X = {"x": ("M", "K"), "y": ("M", "K"), "a": ("K", "N"), "b": ("K", "N"), "c": ("N", "P")}
+_ACTS = ("none", "relu", "sigmoid", "tanh")
+_MATMUL_LAWS = (
+    axiom("matmul(matmul(x, a), c) = matmul(x, matmul(a, c))", _X),
+    axiom("dim(matmul(x, a, activation=f), -1) = dim(a, -1)", _X, f=("none", "relu")),
+    axiom("matmul(x, ewadd(a, b)) = ewadd(matmul(x, a), matmul(x, b))", _X),
+    axiom("matmul(ewadd(x, y), a) = ewadd(matmul(x, a), matmul(y, a))", _X),
+    axiom("matmul(x, concat(a, b, axis=-1), activation=f) = concat(matmul(x, a, activation=f), matmul(x, b, activation=f), axis=-1)", _X, f=_ACTS),
+    axiom("matmul(concat(x, y, axis=-2), a, activation=f) = concat(matmul(x, a, activation=f), matmul(y, a, activation=f), axis=-2)", _X, f=_ACTS),
+    axiom("matmul(concat(x, y, axis=-1), concat(a, b, axis=-2)) = ewadd(matmul(x, a), matmul(y, b))", _X),
+    axiom("matmul(x, a, activation='relu') = relu(matmul(x, a))", _X),
+    axiom("matmul(x, a, activation='sigmoid') = sigmoid(matmul(x, a))", _X),
+    axiom("matmul(x, a, activation='tanh') = tanh(matmul(x, a))", _X),
+    axiom("matmul(scalar_mul(x, scalar=s), a) = scalar_mul(matmul(x, a), scalar=s)", _X, s=(2.0,)),
+    axiom("transpose(matmul(x, a), perm=(1, 0)) = matmul(transpose(a, perm=(1, 0)), transpose(x, perm=(1, 0)))", _X),
+)
+
+
 _F32 = "float32"
 declare(OpDef(
-    "matmul", _matmul, _matmul_shape, 2, attrs={"activation": "none"}, to_onnx=_matmul_onnx,
+    name="matmul", ref=_matmul, shape=_matmul_shape, arity=2,
+    attrs={"activation": "none"}, to_onnx=_matmul_onnx,
     flops=lambda ins, outs, **_: 2.0 * outs[0].size * ins[0].shape[-1],
     examples=(([TensorType((3, 4), _F32), TensorType((4, 5), _F32)], {}),
               ([TensorType((2, 1, 3, 4), _F32), TensorType((6, 4, 5), _F32)],
                {"activation": "relu"})),
+    axioms=_MATMUL_LAWS,
     doc="batched matrix product with fused activation (ONNX MatMul; TASO matmul)"))
 
 
@@ -106,27 +126,3 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
         m = int(np.prod([ls[i] for i in lf], dtype=np.int64))
         a = ctx.reshape(ctx.transpose(lhs, (*lb, *lf, *lc)), (*(ls[i] for i in lb), m, k))
     return [ctx.reshape(ctx.op("matmul", [a, b]), out.shape)]
-
-
-# ---- axioms (TASO, SOSP 2019, Table 2: matmul laws) -----------------------------------------
-
-_X = {"x": ("M", "K"), "y": ("M", "K"), "a": ("K", "N"), "b": ("K", "N"), "c": ("N", "P")}
-add_axioms("matmul",
-           axiom("matmul(matmul(x, a), c) = matmul(x, matmul(a, c))", _X),
-           axiom("dim(matmul(x, a, activation=f), -1) = dim(a, -1)", _X, f=("none", "relu")),
-           axiom("matmul(x, ewadd(a, b)) = ewadd(matmul(x, a), matmul(x, b))", _X),
-           axiom("matmul(ewadd(x, y), a) = ewadd(matmul(x, a), matmul(y, a))", _X),
-           axiom("matmul(x, concat(a, b, axis=-1), activation=f) = concat(matmul(x, a, "
-                 "activation=f), matmul(x, b, activation=f), axis=-1)", _X,
-                 f=("none", "relu", "sigmoid", "tanh")),
-           axiom("matmul(concat(x, y, axis=-2), a, activation=f) = concat(matmul(x, a, "
-                 "activation=f), matmul(y, a, activation=f), axis=-2)", _X,
-                 f=("none", "relu", "sigmoid", "tanh")),
-           axiom("matmul(concat(x, y, axis=-1), concat(a, b, axis=-2)) = ewadd(matmul(x, a), "
-                 "matmul(y, b))", _X),
-           *(axiom(f"matmul(x, a, activation='{f}') = {f}(matmul(x, a))", _X)
-             for f in ("relu", "sigmoid", "tanh")),
-           axiom("matmul(scalar_mul(x, scalar=s), a) = scalar_mul(matmul(x, a), scalar=s)", _X,
-                 s=(2.0,)),
-           axiom("transpose(matmul(x, a), perm=(1, 0)) = matmul(transpose(a, perm=(1, 0)), "
-                 "transpose(x, perm=(1, 0)))", _X))

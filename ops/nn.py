@@ -25,7 +25,9 @@ def _softmax_shape(ts, *, axis):
 
 
 declare(OpDef(
-    "softmax", lambda x, *, axis: jax.nn.softmax(x, axis=axis), _softmax_shape, 1,
+    name="softmax", ref=lambda x, *, axis: jax.nn.softmax(x, axis=axis),
+    shape=_softmax_shape, arity=1,
+    
     attrs={"axis": -1},
     to_onnx=lambda ctx, ins, outs, *, axis: ctx.node("Softmax", ins, outs, axis=axis),
     flops=_flops_per_elem(5), canon=_canon_axis, layout="axis",
@@ -57,7 +59,8 @@ def _layernorm_shape(ts, *, axis, epsilon):
 
 
 declare(OpDef(
-    "layernorm", _layernorm, _layernorm_shape, 3, attrs={"axis": -1, "epsilon": 1e-5},
+    name="layernorm", ref=_layernorm, shape=_layernorm_shape, arity=3,
+    attrs={"axis": -1, "epsilon": 1e-5},
     to_onnx=lambda ctx, ins, outs, *, axis, epsilon: ctx.node(
         "LayerNormalization", ins, outs, axis=axis, epsilon=epsilon),
     flops=_flops_per_elem(8), canon=_canon_axis,
@@ -100,8 +103,8 @@ def _reduction(name, fn, onnx_type, axes_input_opset, primitive, doc):
             ctx.node(onnx_type, ins, outs, axes=list(axes), keepdims=int(keepdims))
 
     declare(OpDef(
-        name, lambda x, *, axes, keepdims: fn(x, axis=axes, keepdims=keepdims),
-        _reduce_shape, 1, attrs={"axes": (), "keepdims": True}, to_onnx=to_onnx,
+        name=name, ref=lambda x, *, axes, keepdims: fn(x, axis=axes, keepdims=keepdims),
+        shape=_reduce_shape, arity=1, attrs={"axes": (), "keepdims": True}, to_onnx=to_onnx,
         flops=_flops_per_elem(1), layout="reduce",
         examples=(([TensorType((2, 3, 4, 4), _F32)], {"axes": (2, 3)}),
                   ([TensorType((2, 3, 4), _F32)], {"axes": (-1,), "keepdims": False})),

@@ -14,7 +14,6 @@ from taso_jax.ops import (
     OpDef,
     ShapeError,
     TensorType,
-    add_axioms,
     axiom,
     declare,
     jaxpr_importer,
@@ -57,13 +56,58 @@ def _concat_shape(ts, *, axis):
     return [TensorType(tuple(shape), ts[0].dtype)]
 
 
+# ---- laws (TASO, SOSP 2019, Table 2: concat, split and transpose laws) ---------------------
+_M = {"a": ("N", "C"), "b": ("N", "C"), "c": ("N", "C"), "d": ("N", "C")}
+_NCHW = ("N", "C", "H", "W")
+_T = {"w": _NCHW, "u": _NCHW, "v": _NCHW, "z": _NCHW}
+_AXES = (-2, -1)
+_PERMS = ((1, 0), (0, 1))
+_CONCAT_LAWS = (
+    axiom("concat(concat(a, b, axis=k), c, axis=k) = concat(a, concat(b, c, axis=k), axis=k)", _M, k=_AXES),
+    axiom("relu(concat(a, b, axis=k)) = concat(relu(a), relu(b), axis=k)", _M, k=_AXES),
+    axiom("ewadd(concat(a, b, axis=k), concat(c, d, axis=k)) = concat(ewadd(a, c), ewadd(b, d), axis=k)", _M, k=_AXES),
+    axiom("ewmul(concat(a, b, axis=k), concat(c, d, axis=k)) = concat(ewmul(a, c), ewmul(b, d), axis=k)", _M, k=_AXES),
+    axiom("scalar_mul(concat(a, b, axis=k), scalar=s) = concat(scalar_mul(a, scalar=s), scalar_mul(b, scalar=s), axis=k)", _M, k=_AXES, s=(3.0,)),
+    # interchange of concatenations on two different axes (the blocks line up)
+    axiom("concat(concat(a, b, axis=i), concat(c, d, axis=i), axis=j) = concat(concat(a, c, axis=j), concat(b, d, axis=j), axis=i)",
+          {"a": _NCHW, "b": _NCHW, "c": _NCHW, "d": _NCHW},
+          where=("i != j", "i < 0", "j < 0", "s = dim(a, i)", "s = dim(c, i)"),
+          i=(-1, -2, -3, -4), j=(-1, -2, -3, -4)),
+)
+_SPLIT_LAWS = (
+    axiom("split(concat(a, b, axis=k), axis=k, sizes=(s, t))[0] = a", {"a": ("N", "C"), "b": ("N", "D")},
+          where=("s = dim(a, k)", "t = dim(b, k)"), k=(-1, -2)),
+    axiom("split(concat(a, b, axis=k), axis=k, sizes=(s, t))[1] = b", {"a": ("N", "C"), "b": ("N", "D")},
+          where=("s = dim(a, k)", "t = dim(b, k)"), k=(-1, -2)),
+    # Stated with size variables, not "dim(a, k) - s" inside the pattern: a size term as
+    # Z3's trigger would fire on every dim() and loop.
+    axiom("concat(split(a, axis=k, sizes=(s, t))[0], split(a, axis=k, sizes=(s, t))[1], axis=k) = a", _M,
+          where=("t = dim(a, k) - s",), k=_AXES, s=(1,)),
+)
+_TRANSPOSE_LAWS = (
+    axiom("transpose(transpose(a, perm=(1, 0)), perm=(1, 0)) = a", _M),
+    axiom("transpose(transpose(w, perm=(1, 0, 2, 3)), perm=(1, 0, 2, 3)) = w", {"w": ("D", "C", "K", "K")}),
+    axiom("relu(transpose(a, perm=q)) = transpose(relu(a), perm=q)", _M, q=_PERMS),
+    axiom("transpose(ewadd(a, b), perm=q) = ewadd(transpose(a, perm=q), transpose(b, perm=q))", _M, q=_PERMS),
+    axiom("transpose(ewmul(w, s), perm=(1, 0, 2, 3)) = ewmul(transpose(w, perm=(1, 0, 2, 3)), transpose(s, perm=(1, 0, 2, 3)))",
+          {"w": ("D", "C", "K", "K"), "s": ("D", 1, 1, 1)}),
+    axiom("transpose(ewmul(a, b), perm=q) = ewmul(transpose(a, perm=q), transpose(b, perm=q))", _M, q=_PERMS),
+    axiom("transpose(concat(a, b, axis=-2), perm=(1, 0)) = concat(transpose(a, perm=(1, 0)), transpose(b, perm=(1, 0)), axis=-1)", _M),
+    axiom("transpose(concat(w, u, axis=-3), perm=(1, 0, 2, 3)) = concat(transpose(w, perm=(1, 0, 2, 3)), transpose(u, perm=(1, 0, 2, 3)), axis=-4)", _T),
+    axiom("transpose(concat(w, u, axis=-4), perm=(1, 0, 2, 3)) = concat(transpose(w, perm=(1, 0, 2, 3)), transpose(u, perm=(1, 0, 2, 3)), axis=-3)", _T),
+)
+
+
 declare(OpDef(
-    "concat", lambda *xs, axis: jnp.concatenate(xs, axis=axis), _concat_shape, None,
+    name="concat", ref=lambda *xs, axis: jnp.concatenate(xs, axis=axis),
+    shape=_concat_shape, arity=None,
+    
     attrs={"axis": 0},
     to_onnx=lambda ctx, ins, outs, *, axis: ctx.node("Concat", ins, outs, axis=axis),
     flops=lambda i, o, **_: 0.0, canon=_canon_axis, layout="axis",
     examples=(([TensorType((2, 3), _F32), TensorType((2, 5), _F32)], {"axis": 1}),
               ([TensorType((2, 3, 4, 4), _F32)] * 3, {"axis": -3})),
+    axioms=_CONCAT_LAWS,
     doc="concatenate along axis (ONNX Concat; TASO concat)"))
 
 
@@ -91,11 +135,13 @@ def _split_shape(ts, *, axis, sizes):
 
 
 declare(OpDef(
-    "split", _split, _split_shape, 1, attrs={"axis": 0, "sizes": ()}, fusible=True,
+    name="split", ref=_split, shape=_split_shape, arity=1,
+    attrs={"axis": 0, "sizes": ()}, fusible=True,
     to_onnx=lambda ctx, ins, outs, *, axis, sizes: ctx.node(
         "Split", [ins[0], ctx.const(_i64(sizes))], outs, axis=axis),
     flops=lambda i, o, **_: 0.0, canon=_canon_axis, layout="axis",
     examples=(([TensorType((2, 7), _F32)], {"axis": 1, "sizes": (3, 4)}),),
+    axioms=_SPLIT_LAWS,
     doc="split along axis into parts of the given sizes; one output per part (ONNX Split)"))
 
 
@@ -118,11 +164,14 @@ def _transpose_shape(ts, *, perm):
 
 
 declare(OpDef(
-    "transpose", lambda x, *, perm: jnp.transpose(x, perm), _transpose_shape, 1,
+    name="transpose", ref=lambda x, *, perm: jnp.transpose(x, perm),
+    shape=_transpose_shape, arity=1,
+    
     attrs={"perm": ()},
     to_onnx=lambda ctx, ins, outs, *, perm: ctx.node("Transpose", ins, outs, perm=list(perm)),
     flops=lambda i, o, **_: 0.0,
     examples=(([TensorType((2, 3, 4), _F32)], {"perm": (2, 0, 1)}),),
+    axioms=_TRANSPOSE_LAWS,
     doc="permute axes (ONNX Transpose)"))
 
 
@@ -140,7 +189,8 @@ def _reshape_shape(ts, *, shape):
 
 
 declare(OpDef(
-    "reshape", lambda x, *, shape: jnp.reshape(x, shape), _reshape_shape, 1, fusible=True,
+    name="reshape", ref=lambda x, *, shape: jnp.reshape(x, shape), shape=_reshape_shape, arity=1,
+    fusible=True,
     attrs={"shape": ()},
     to_onnx=lambda ctx, ins, outs, *, shape: ctx.node(
         "Reshape", [ins[0], ctx.const(_i64(shape))], outs),
@@ -178,7 +228,8 @@ def _slice_onnx(ctx, ins, outs, *, starts, ends, steps):
 
 
 declare(OpDef(
-    "slice", _slice, _slice_shape, 1, attrs={"starts": (), "ends": (), "steps": ()}, fusible=True,
+    name="slice", ref=_slice, shape=_slice_shape, arity=1,
+    attrs={"starts": (), "ends": (), "steps": ()}, fusible=True,
     to_onnx=_slice_onnx, flops=lambda i, o, **_: 0.0,
     examples=(([TensorType((5, 6), _F32)], {"starts": (1, 5), "ends": (4, -1),
                                             "steps": (2, -2)}),),
@@ -225,7 +276,7 @@ def _pad_shape(ts, *, pads, value):
 
 
 declare(OpDef(
-    "pad", _pad, _pad_shape, 1, attrs={"pads": (), "value": 0.0},
+    name="pad", ref=_pad, shape=_pad_shape, arity=1, attrs={"pads": (), "value": 0.0},
     to_onnx=lambda ctx, ins, outs, *, pads, value: ctx.node(
         "Pad", [ins[0], ctx.const(_i64(pads)), ctx.scalar(value, ctx.dtype(ins[0]))], outs),
     flops=lambda i, o, **_: 0.0,
@@ -263,7 +314,7 @@ def _gather_shape(ts, *, axis):
 
 
 declare(OpDef(
-    "gather", _gather, _gather_shape, 2, attrs={"axis": 0},
+    name="gather", ref=_gather, shape=_gather_shape, arity=2, attrs={"axis": 0},
     to_onnx=lambda ctx, ins, outs, *, axis: ctx.node("Gather", ins, outs, axis=axis),
     flops=lambda i, o, **_: 0.0, canon=_canon_axis,
     examples=(([TensorType((10, 4), _F32), TensorType((2, 3), "int64")], {"axis": 0}),),
@@ -283,7 +334,7 @@ def _expand_shape(ts, *, shape):
 
 
 declare(OpDef(
-    "expand", lambda x, *, shape: jnp.broadcast_to(x, shape), _expand_shape, 1,
+    name="expand", ref=lambda x, *, shape: jnp.broadcast_to(x, shape), shape=_expand_shape, arity=1,
     attrs={"shape": ()},
     to_onnx=lambda ctx, ins, outs, *, shape: ctx.node(
         "Expand", [ins[0], ctx.const(_i64(shape))], outs),
@@ -348,57 +399,3 @@ def _import_pad_jaxpr(ctx, ins, *, padding_config, **_):
     pads = tuple(lo for lo, _, _ in padding_config) + tuple(hi for _, hi, _ in padding_config)
     return [ctx.op("pad", [x], pads=tuple(int(p) for p in pads),
                    value=float(np.asarray(v).reshape(())))]
-
-
-# ---- axioms (TASO, SOSP 2019, Table 2: concat, split and transpose laws) --------------------
-
-_M = {"a": ("N", "C"), "b": ("N", "C"), "c": ("N", "C"), "d": ("N", "C")}
-add_axioms("concat",
-           axiom("concat(concat(a, b, axis=k), c, axis=k) = concat(a, concat(b, c, axis=k), "
-                 "axis=k)", _M, k=(-2, -1)),
-           axiom("relu(concat(a, b, axis=k)) = concat(relu(a), relu(b), axis=k)", _M, k=(-2, -1)),
-           axiom("ewadd(concat(a, b, axis=k), concat(c, d, axis=k)) = concat(ewadd(a, c), "
-                 "ewadd(b, d), axis=k)", _M, k=(-2, -1)),
-           axiom("ewmul(concat(a, b, axis=k), concat(c, d, axis=k)) = concat(ewmul(a, c), "
-                 "ewmul(b, d), axis=k)", _M, k=(-2, -1)),
-           axiom("scalar_mul(concat(a, b, axis=k), scalar=s) = concat(scalar_mul(a, scalar=s), "
-                 "scalar_mul(b, scalar=s), axis=k)", _M, k=(-2, -1), s=(3.0,)))
-add_axioms("split",
-           axiom("split(concat(a, b, axis=k), axis=k, sizes=(s, t))[0] = a",
-                 {"a": ("N", "C"), "b": ("N", "D")}, where=("s = dim(a, k)", "t = dim(b, k)"),
-                 k=(-1, -2)),
-           axiom("split(concat(a, b, axis=k), axis=k, sizes=(s, t))[1] = b",
-                 {"a": ("N", "C"), "b": ("N", "D")}, where=("s = dim(a, k)", "t = dim(b, k)"),
-                 k=(-1, -2)),
-           # Stated with size variables, not "dim(a, k) - s" inside the pattern: a size term
-           # as Z3's trigger would fire on every dim() and loop.
-           axiom("concat(split(a, axis=k, sizes=(s, t))[0], split(a, axis=k, sizes=(s, t))[1], "
-                 "axis=k) = a", _M, where=("t = dim(a, k) - s",), k=(-2, -1), s=(1,)))
-_T = {"w": ("N", "C", "H", "W"), "u": ("N", "C", "H", "W"), "v": ("N", "C", "H", "W"),
-      "z": ("N", "C", "H", "W")}
-add_axioms("concat",
-           # interchange of concatenations on two different axes (the blocks line up)
-           axiom("concat(concat(a, b, axis=i), concat(c, d, axis=i), axis=j) = "
-                 "concat(concat(a, c, axis=j), concat(b, d, axis=j), axis=i)",
-                 {"a": _T["w"], "b": _T["w"], "c": _T["w"], "d": _T["w"]},
-                 where=("i != j", "i < 0", "j < 0", "s = dim(a, i)", "s = dim(c, i)"),
-                 i=(-1, -2, -3, -4), j=(-1, -2, -3, -4)))
-add_axioms("transpose",
-           axiom("transpose(transpose(a, perm=(1, 0)), perm=(1, 0)) = a", _M),
-           axiom("transpose(transpose(w, perm=(1, 0, 2, 3)), perm=(1, 0, 2, 3)) = w",
-                 {"w": ("D", "C", "K", "K")}),
-           axiom("relu(transpose(a, perm=q)) = transpose(relu(a), perm=q)", _M,
-                 q=((1, 0), (0, 1))),
-           axiom("transpose(ewadd(a, b), perm=q) = ewadd(transpose(a, perm=q), "
-                 "transpose(b, perm=q))", _M, q=((1, 0), (0, 1))),
-           axiom("transpose(ewmul(w, s), perm=(1, 0, 2, 3)) = ewmul(transpose(w, "
-                 "perm=(1, 0, 2, 3)), transpose(s, perm=(1, 0, 2, 3)))",
-                 {"w": ("D", "C", "K", "K"), "s": ("D", 1, 1, 1)}),
-           axiom("transpose(ewmul(a, b), perm=q) = ewmul(transpose(a, perm=q), "
-                 "transpose(b, perm=q))", _M, q=((1, 0), (0, 1))),
-           axiom("transpose(concat(a, b, axis=-2), perm=(1, 0)) = concat(transpose(a, "
-                 "perm=(1, 0)), transpose(b, perm=(1, 0)), axis=-1)", _M),
-           *(axiom(f"transpose(concat(w, u, axis={i}), perm=(1, 0, 2, 3)) = "
-                   f"concat(transpose(w, perm=(1, 0, 2, 3)), transpose(u, perm=(1, 0, 2, 3)), "
-                   f"axis={j})", _T)
-             for i, j in ((-3, -4), (-4, -3))))
