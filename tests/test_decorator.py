@@ -7,6 +7,7 @@ they are never asserted.
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -73,7 +74,8 @@ def test_flax_resnet50_folds_batchnorm_into_convolutions():
     # 53 batchnorms, each a scale and a shift on the NHWC tensor; folding removes the scales.
     assert before["conv2d"] == after["conv2d"] == 53
     assert after["ewmul"] < before["ewmul"], (before, after)
-    assert "conv2d+ewmul" in report
+    # the report prints the law of the fold: the scale moves onto the kernel
+    assert re.search(r"=>  conv2d\(\w+, ewmul\(\w+, transpose\(", report), report
     assert opt.graph.meta["source"] == "jaxpr"
 
 
@@ -198,10 +200,12 @@ def test_bad_argnums_name_the_argument():
 def test_failure_in_the_pipeline_falls_back_with_a_warning(monkeypatch):
     import taso_jax.search as search
 
+    import taso_jax.frontends.decorator as decorator
+
     def broken(*a, **k):
         raise RuntimeError("search exploded")
 
-    monkeypatch.setattr(taso_jax, "search_graph", broken)
+    monkeypatch.setattr(decorator, "search_graph", broken)
     assert search  # the search module itself is untouched
 
     @taso_jax.optimize(**OPTS)

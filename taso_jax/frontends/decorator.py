@@ -38,12 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from taso_jax.frontends.jaxpr_io import (
+    TracedFunction,
     _fn_name,
     _is_array_leaf,
-    _path_name,
-    argument_names,
-    import_jaxpr,
     normalize_argnums,
+    trace_function,
 )
 from taso_jax.ir.executor import StagedGraph, time_function
 from taso_jax.ir.graph import Graph
@@ -91,12 +90,6 @@ def _leaf_signature(x) -> tuple:
     if type(x) in (bool, int, float, complex):
         return (type(x),)
     return (x.shape, x.dtype, getattr(x, "weak_type", False))
-
-
-def _abstract(x):
-    if isinstance(x, bool | int | float | complex):
-        return jax.ShapeDtypeStruct((), jnp.result_type(x), weak_type=True)
-    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
 
 
 def _static_key(x):
@@ -232,59 +225,27 @@ class OptimizedFunction:
 
     def _build(self, args, weight_pos, static_pos) -> _Entry:
         fn = self.fn
-        names = argument_names(fn, len(args))
-        leaves, kinds, paths, array_index = [], [], [], []
-        flat_positions = []  # per argument: its static value, or how to rebuild its pytree
-        offset = 0
-        for a_i, a in enumerate(args):
-            if a_i in static_pos:
-                flat_positions.append(("static", a))
-                continue
-            with_path, tree = jax.tree_util.tree_flatten_with_path(a)
-            flat = [x for _, x in with_path]
-            mask = [_is_array_leaf(x) or _is_tracer(x) for x in flat]
-            for j, ((p, x), m) in enumerate(zip(with_path, mask, strict=True)):
-                if m:
-                    leaves.append(x)
-                    kinds.append("weight" if a_i in weight_pos else "input")
-                    paths.append(_path_name(names[a_i], p))
-                    array_index.append(offset + j)
-            offset += len(flat)
-            flat_positions.append(("tree", tree, flat, mask, len(leaves) - sum(mask)))
-
-        def flat_fn(*dyn):
-            rebuilt = []
-            for spec in flat_positions:
-                if spec[0] == "static":
-                    rebuilt.append(spec[1])
-                    continue
-                _, tree, flat, mask, start = spec
-                it = iter(dyn[start:start + sum(mask)])
-                vals = [next(it) if m else x for x, m in zip(flat, mask, strict=True)]
-                rebuilt.append(jax.tree_util.tree_unflatten(tree, vals))
-            return fn(*rebuilt)
-
-        abstract = [_abstract(x) for x in leaves]
         try:
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
+            traced = trace_function(fn, args, weight_pos, static_pos, non_arrays="static")
         except Exception as e:  # the user's function does not trace: jax.jit would fail too
             e.add_note(f"taso_jax.optimize traces {_fn_name(fn)} like jax.jit: Python control "
                        "flow on array values is not allowed (use jax.lax.cond / jnp.where, or "
                        "mark the argument with static_argnums)")
             raise
-        out_flat, out_tree = jax.tree_util.tree_flatten(out_shape)
-        entry = _Entry(out_tree=out_tree, jit_original=jax.jit(flat_fn),
+        kinds, array_index = traced.kinds, traced.array_index
+        entry = _Entry(out_tree=traced.out_tree, jit_original=jax.jit(traced.flat_fn),
                        kinds=kinds, array_index=array_index)
         inputs_at = {i for i, k in zip(array_index, kinds, strict=True) if k == "input"}
-        entry.same_object = [i for i in range(offset) if i not in inputs_at]
+        entry.same_object = [i for i in range(traced.n_flat) if i not in inputs_at]
         entry.input_signature = [(i, _leaf_signature(x)) for i, x, k in
-                                 zip(array_index, leaves, kinds, strict=True) if k == "input"]
+                                 zip(array_index, traced.leaves, kinds, strict=True)
+                                 if k == "input"]
         t0 = time.perf_counter()
         try:
             # The first call may come from inside jax.jit, grad or vmap of this function: the
             # search's timings and the output check run on concrete arrays, not staged out.
             with jax.ensure_compile_time_eval():
-                self._optimize(entry, closed, leaves, kinds, paths, out_flat)
+                self._optimize(entry, traced)
         except Exception as e:  # anything in our pipeline: fall back, never a wrong answer
             entry.fallback = f"{type(e).__name__}: {e}"
             warnings.warn(f"taso_jax.optimize({_fn_name(fn)}): falling back to jax.jit "
@@ -293,16 +254,9 @@ class OptimizedFunction:
         entry.optimize_seconds = time.perf_counter() - t0
         return entry
 
-    def _optimize(self, entry, closed, leaves, kinds, paths, out_flat):
-        specs = []
-        for leaf, kind, path in zip(leaves, kinds, paths, strict=True):
-            value = None
-            if kind == "weight":  # values only matter for the check; shapes for the search
-                value = (np.zeros(np.shape(leaf), jnp.result_type(leaf)) if _is_tracer(leaf)
-                         else np.asarray(leaf))
-            specs.append((path, kind == "weight", value))
-        out_names = [f"out{i}" for i in range(len(out_flat))]
-        graph = import_jaxpr(closed, specs, out_names, _fn_name(self.fn))
+    def _optimize(self, entry, traced: TracedFunction):
+        graph = traced.to_graph(_fn_name(self.fn))
+        leaves, kinds, paths = traced.leaves, traced.kinds, traced.paths
         opts = self.options
         subs = opts.load_rules()
         result = search_graph(graph, opts, substitutions=subs)

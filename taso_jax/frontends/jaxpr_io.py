@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,7 +41,8 @@ from taso_jax.ir.graph import Graph, Node, intern_node, leaf_node
 from taso_jax.ir.opaque import OpaqueOp
 from taso_jax.ops import JAXPR_IMPORTERS, ShapeError, TensorType
 
-__all__ = ["from_jax", "import_jaxpr", "normalize_argnums", "JaxEquation", "INLINED"]
+__all__ = ["from_jax", "import_jaxpr", "trace_function", "TracedFunction", "normalize_argnums",
+           "JaxEquation", "INLINED"]
 
 #: Call-like primitives whose inner jaxpr is imported in place.
 INLINED = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
@@ -284,6 +287,122 @@ def argument_names(fn: Callable, nargs: int) -> list[str]:
     return [params[i] if i < len(params) else f"arg{i}" for i in range(nargs)]
 
 
+@dataclass(frozen=True)
+class TracedFunction:
+    """A function traced for one call signature: what ``from_jax`` and the decorator import.
+
+    Attributes:
+        closed: the ``ClosedJaxpr`` of :attr:`flat_fn`.
+        flat_fn: the function of the array leaves alone, in order (static arguments and
+            non-array leaves are closed over); ``jax.jit(flat_fn)`` is the original.
+        leaves: the array leaves (arrays, tracers or Python numbers), in order.
+        kinds: ``"weight"`` or ``"input"`` per leaf.
+        paths: per leaf, its argument name and pytree path (``params['dense']['kernel']``).
+        array_index: per leaf, its position among the flattened non-static arguments.
+        n_flat: how many leaves the non-static arguments flatten to (arrays or not).
+        out_names: per output leaf, ``out`` and its pytree path (``out[0]``).
+        out_tree: the output's pytree structure.
+    """
+
+    closed: Any
+    flat_fn: Callable
+    leaves: list
+    kinds: list[str]
+    paths: list[str]
+    array_index: list[int]
+    n_flat: int
+    out_names: list[str]
+    out_tree: Any
+
+    def weight_specs(self) -> list[tuple[str, bool, object]]:
+        """``(path, is weight, value)`` per leaf, as :func:`import_jaxpr` takes them.
+
+        Only weights carry a value (a tracer's value is unknown: zeros stand in, which only
+        matters for checking; the search needs shapes alone).
+        """
+        specs = []
+        for leaf, kind, path in zip(self.leaves, self.kinds, self.paths, strict=True):
+            value = None
+            if kind == "weight":
+                value = (np.zeros(np.shape(leaf), jax.numpy.result_type(leaf))
+                         if isinstance(leaf, jax.core.Tracer) else np.asarray(leaf))
+            specs.append((path, kind == "weight", value))
+        return specs
+
+    def to_graph(self, name: str, sink_layout: bool = True) -> Graph:
+        """The traced function as a graph (:func:`import_jaxpr`)."""
+        return import_jaxpr(self.closed, self.weight_specs(), self.out_names, name, sink_layout)
+
+
+def abstract_leaf(x):
+    """A leaf as ``jax.ShapeDtypeStruct`` (Python numbers are weakly typed scalars)."""
+    if isinstance(x, bool | int | float | complex):
+        return jax.ShapeDtypeStruct((), jax.numpy.result_type(x), weak_type=True)
+    return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
+
+
+def trace_function(fn: Callable, args: Sequence, weight_pos: set[int],
+                   static_pos: set[int] = frozenset(), non_arrays: str = "error"
+                   ) -> TracedFunction:
+    """Flatten ``args`` and trace ``fn`` once, by the same rules for every front door.
+
+    Args:
+        fn: the function, called positionally.
+        args: one value per positional parameter.
+        weight_pos: positions of the arguments whose array leaves are weights.
+        static_pos: positions of arguments passed through untraced (hashable values).
+        non_arrays: what a non-array leaf of a traced argument is: ``"error"`` (a
+            ``ValueError`` naming the argument and path) or ``"static"`` (closed over).
+
+    Raises:
+        ValueError: a non-array leaf when ``non_arrays="error"``.
+        Errors from tracing ``fn`` itself propagate unchanged, as with ``jax.jit``.
+    """
+    names = argument_names(fn, len(args))
+    leaves, kinds, paths, array_index = [], [], [], []
+    flat_positions = []  # per argument: its static value, or how to rebuild its pytree
+    offset = 0
+    for a_i, a in enumerate(args):
+        if a_i in static_pos:
+            flat_positions.append(("static", a))
+            continue
+        with_path, tree = jax.tree_util.tree_flatten_with_path(a)
+        flat = [x for _, x in with_path]
+        mask = [_is_array_leaf(x) for x in flat]
+        for j, ((p, x), m) in enumerate(zip(with_path, mask, strict=True)):
+            where = _path_name(names[a_i], p)
+            if not m and non_arrays == "error":
+                raise ValueError(f"argument {where!r} of {_fn_name(fn)} is a "
+                                 f"{type(x).__name__}, not an array; pass only arrays "
+                                 "(partition equinox modules with eqx.partition)")
+            if m:
+                leaves.append(x)
+                kinds.append("weight" if a_i in weight_pos else "input")
+                paths.append(where)
+                array_index.append(offset + j)
+        offset += len(flat)
+        flat_positions.append(("tree", tree, flat, mask, len(leaves) - sum(mask)))
+
+    def flat_fn(*dyn):
+        rebuilt = []
+        for spec in flat_positions:
+            if spec[0] == "static":
+                rebuilt.append(spec[1])
+                continue
+            _, tree, flat, mask, start = spec
+            it = iter(dyn[start:start + sum(mask)])
+            vals = [next(it) if m else x for x, m in zip(flat, mask, strict=True)]
+            rebuilt.append(jax.tree_util.tree_unflatten(tree, vals))
+        return fn(*rebuilt)
+
+    flat_fn.__name__ = _fn_name(fn)
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
+        *[abstract_leaf(x) for x in leaves])
+    out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+    return TracedFunction(closed, flat_fn, leaves, kinds, paths, array_index, offset,
+                          [_path_name("out", p) for p, _ in out_paths], out_tree)
+
+
 def from_jax(fn: Callable, *args, weight_argnums=(), weight_argnames=(),
              sink_layout: bool = True) -> Graph:
     """Trace ``fn(*args)`` and import it as a graph (JAX to graph IR; export with ONNX).
@@ -309,17 +428,5 @@ def from_jax(fn: Callable, *args, weight_argnums=(), weight_argnames=(),
         Python control flow on traced values) propagate unchanged, as with ``jax.jit``.
     """
     weight_pos = normalize_argnums(fn, len(args), weight_argnums, weight_argnames, "weight")
-    names = argument_names(fn, len(args))
-    leaves = []
-    for i, a in enumerate(args):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
-            where = _path_name(names[i], path)
-            if not _is_array_leaf(leaf):
-                raise ValueError(f"argument {where!r} of {_fn_name(fn)} is a "
-                                 f"{type(leaf).__name__}, not an array; pass only arrays "
-                                 "(partition equinox modules with eqx.partition)")
-            leaves.append((where, i in weight_pos, leaf))
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    out_paths = jax.tree_util.tree_flatten_with_path(out_shape)[0]
-    out_names = [_path_name("out", p) for p, _ in out_paths]
-    return import_jaxpr(closed, leaves, out_names, _fn_name(fn), sink_layout)
+    traced = trace_function(fn, args, weight_pos, non_arrays="error")
+    return traced.to_graph(_fn_name(fn), sink_layout)
