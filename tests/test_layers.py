@@ -1,0 +1,71 @@
+"""The package's import layers point one way (issue 16): ops <- ir <- verify / search <-
+frontends <- the command line; ``taso_jax/__init__.py`` only re-exports.
+
+Every ``import`` of a ``taso_jax`` module, at module level or inside a function, is read from
+the source; a module may import its own layer and the layers below it, never one above.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+#: layer of each folder or module (higher imports lower)
+LAYERS = {"taso_jax.ops": 0, "taso_jax._io": 0, "taso_jax.ir": 1, "taso_jax.search": 2,
+          "taso_jax.verify": 3, "taso_jax.frontends": 4, "taso_jax.report": 4,
+          "taso_jax.api": 5, "taso_jax.examples": 5, "taso_jax.bench": 5, "taso_jax.cli": 6,
+          "taso_jax": 7}
+FOLDERS = {"ops": "taso_jax.ops", "search": "taso_jax.search", "verify": "taso_jax.verify",
+           "taso_jax": "taso_jax"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    parts = [FOLDERS[rel.parts[0]].removeprefix("taso_jax").strip("."), *rel.parts[1:]]
+    parts[-1] = parts[-1].removesuffix(".py")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["taso_jax", *[p for p in parts if p]])
+
+
+def _layer(module: str) -> int:
+    best = max((k for k in LAYERS if module == k or module.startswith(k + ".")), key=len)
+    return LAYERS[best]
+
+
+def _imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+
+
+def _package_files():
+    for folder in FOLDERS:
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for path in _package_files():
+        me = _module_name(path)
+        if me == "taso_jax":
+            continue  # the package's __init__ re-exports from every layer
+        for line, module in _imports(path):
+            if module.split(".")[0] != "taso_jax":
+                continue
+            if module == "taso_jax":
+                upward.append(f"{path.relative_to(ROOT)}:{line} imports the package itself")
+            elif _layer(module) > _layer(me):
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({me}) imports {module}")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_package_init_only_re_exports():
+    tree = ast.parse((ROOT / "taso_jax" / "__init__.py").read_text())
+    kinds = {type(node).__name__ for node in tree.body}
+    assert kinds <= {"Expr", "ImportFrom", "Assign"}, kinds  # docstring, imports, __all__
