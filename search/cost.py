@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -180,12 +181,7 @@ class MeasuredCostModel(CostModel):
         self._db = None
         self._lock = threading.Lock()
         if cache_path is not False:
-            path = cache_path or default_cache_path()
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._db = sqlite3.connect(path, check_same_thread=False)
-            self._db.execute("CREATE TABLE IF NOT EXISTS cost (device TEXT, key TEXT, "
-                             "micros REAL, PRIMARY KEY (device, key))")
-            self._db.commit()
+            self._db = _open_cache(cache_path or default_cache_path())
         self._analytic = AnalyticCostModel.for_backend()  # opaque and fused operators
 
     @staticmethod
@@ -213,20 +209,36 @@ class MeasuredCostModel(CostModel):
         return self._overhead
 
     def _cached(self, key: str, measure) -> float:
-        """The cached raw median for ``key``, measured (and stored) on a miss."""
+        """The cached raw median for ``key``, measured (and stored) on a miss.
+
+        A cache that fails while in use (a disk error, a file locked too long) is dropped
+        with a warning: costs are then measured without it, never lost or wrong.
+        """
         if self._db is not None:
-            row = self._db.execute("SELECT micros FROM cost WHERE device=? AND key=?",
-                                   (self.device, key)).fetchone()
+            try:
+                row = self._db.execute("SELECT micros FROM cost WHERE device=? AND key=?",
+                                       (self.device, key)).fetchone()
+            except sqlite3.Error as e:
+                self._drop_cache(e)
+                row = None
             if row:
                 return row[0]
         micros = measure()
         self.measured += 1
         if self._db is not None:
-            with self._lock:
-                self._db.execute("INSERT OR REPLACE INTO cost VALUES (?, ?, ?)",
-                                 (self.device, key, micros))
-                self._db.commit()
+            try:
+                with self._lock:
+                    self._db.execute("INSERT OR REPLACE INTO cost VALUES (?, ?, ?)",
+                                     (self.device, key, micros))
+                    self._db.commit()
+            except sqlite3.Error as e:
+                self._drop_cache(e)
         return micros
+
+    def _drop_cache(self, error: Exception) -> None:
+        warnings.warn(f"kernel cost cache disabled for this run ({error}); costs are measured "
+                      "without it", RuntimeWarning, stacklevel=4)
+        self._db = None
 
     def _measure_overhead(self) -> float:
         import jax
@@ -255,6 +267,43 @@ class MeasuredCostModel(CostModel):
         fn = jax.jit(lambda *a: run_node(node, a))
         times = time_function(lambda: fn(*args), repeats=self.repeats, warmup=2)
         return float(np.median(times))
+
+
+def _open_cache(path: str) -> sqlite3.Connection | None:
+    """The SQLite cost cache at ``path``, created if absent (WAL mode, 10 s busy timeout).
+
+    A file that is not a readable cost cache (corrupt, or another kind of file) is moved
+    aside to ``path + ".corrupt"`` with a warning and a new cache is started; a cache that
+    cannot be opened or written (a read-only file or folder) gives a warning and ``None``:
+    costs are then measured without a cache.
+    """
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"kernel cost cache {path}: {e.strerror}; measuring without a cache",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    for attempt in range(2):
+        try:
+            db = sqlite3.connect(path, timeout=10.0, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("CREATE TABLE IF NOT EXISTS cost (device TEXT, key TEXT, "
+                       "micros REAL, PRIMARY KEY (device, key))")
+            db.execute("SELECT count(*) FROM cost").fetchone()
+            db.commit()
+            return db
+        except sqlite3.DatabaseError as e:
+            corrupt = "not a database" in str(e) or "malformed" in str(e)
+            if attempt == 0 and corrupt and os.path.isfile(path):
+                aside = path + ".corrupt"
+                os.replace(path, aside)
+                warnings.warn(f"kernel cost cache {path} is not a valid cache ({e}); moved to "
+                              f"{aside} and started anew", RuntimeWarning, stacklevel=3)
+                continue
+            warnings.warn(f"kernel cost cache {path} cannot be used ({e}); measuring without a "
+                          "cache", RuntimeWarning, stacklevel=3)
+            return None
+    return None
 
 
 #: The cost models that can be named by a string.

@@ -5,9 +5,10 @@ taso-jax generate   generate substitutions and prove them from the operator axio
 taso-jax verify     prove a substitution file (default: the shipped set) with Z3
 taso-jax bench      time TASO's six benchmark models: jax.jit against optimized
 
-Exit codes: 0 success; 1 the optimized model failed the output check (nothing written), or
-verify found rules it could not prove; 2 bad input (a missing, invalid or unsupported model,
-a bad option, an output path that is the input).
+Exit codes: 0 success; 1 the optimized model failed the output check (nothing written),
+verify found rules it could not prove, or an internal error (one line; --debug prints the
+traceback); 2 bad input, named in one line (a missing, invalid or unsupported model, a bad
+option, an output path that would overwrite an input or is not writable).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import logging
 import os
 import sys
 import time
+import traceback
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -37,7 +40,59 @@ def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
         except ValueError:
             raise UsageError(f"--input-shape {item!r}: expected NAME=D1,D2,... "
                              "(for example x=1,3,224,224)") from None
+        if any(d < 1 for d in out[name]):
+            raise UsageError(f"--input-shape {item!r}: every size must be at least 1")
+        size = 1
+        for d in out[name]:
+            size *= d
+        if size > _MAX_INPUT_ELEMENTS:
+            raise UsageError(f"--input-shape {item!r}: {size:,} elements is more than "
+                             f"{_MAX_INPUT_ELEMENTS:,}")
     return out
+
+
+#: Elements of one input at most (2^31: 8 GiB of float32).
+_MAX_INPUT_ELEMENTS = 2 ** 31
+
+
+def _external_data_files(model_path: str) -> set[str]:
+    """Absolute paths of the external-data files a model file refers to (ONNX spec)."""
+    import onnx
+
+    try:
+        model = onnx.load(model_path, load_external_data=False)
+    except Exception:  # an unreadable model is reported by the loader, with its own message
+        return set()
+    folder = os.path.dirname(os.path.abspath(model_path))
+    found = set()
+    for init in model.graph.initializer:
+        for entry in init.external_data:
+            if entry.key == "location":
+                found.add(os.path.realpath(os.path.join(folder, entry.value)))
+    return found
+
+
+def check_output_path(path: str, option: str, protected: dict[str, str]) -> None:
+    """Refuse an output path that would lose data, before any long work starts.
+
+    ``protected`` maps real paths to what they are (``"the input model"``). The path must
+    not be one of them, must not be an existing special file (a device, a folder, a pipe),
+    and its folder must exist and be writable.
+
+    Raises:
+        UsageError: naming the option and the path.
+    """
+    real = os.path.realpath(path)
+    if real in protected:
+        raise UsageError(f"{option} {path!r} is {protected[real]}; choose another path "
+                         "(inputs are never overwritten)")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise UsageError(f"{option} {path!r} exists and is not a regular file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option} {path!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{option} {path!r}: folder {folder!r} is not writable")
 
 
 def _optimize(args) -> int:
@@ -62,12 +117,21 @@ def _optimize(args) -> int:
         if args.output is None:
             stem = args.model[:-5] if args.model.endswith(".onnx") else args.model
             args.output = stem + ".opt.onnx"
-        if os.path.exists(args.output) and os.path.samefile(args.output, args.model):
-            raise UsageError(f"output path {args.output!r} is the input model; choose another "
-                             "with -o (the input is never overwritten)")
+    protected = {}
+    if args.model is not None:
+        protected[os.path.realpath(args.model)] = "the input model"
+        protected.update((p, "an external-data file of the input model")
+                         for p in _external_data_files(args.model))
+    if args.output:
+        check_output_path(args.output, "-o", protected)
+        protected[os.path.realpath(args.output)] = "the output model (-o)"
+    if args.json:
+        check_output_path(args.json, "--json", protected)
+    if args.model is not None:
         graph = load_onnx(args.model, _parse_shapes(args.input_shape))
         with open(args.model, "rb") as f:  # the reference for the output check
             original_bytes = f.read()
+        notes += graph.meta.get("shape_notes", [])
         if graph.meta.get("source_opset") != graph.meta.get("opset"):
             notes.append(f"converted from opset {graph.meta['source_opset']} to "
                          f"{graph.meta['opset']}")
@@ -82,10 +146,10 @@ def _optimize(args) -> int:
                                   allow_unverified=args.allow_unverified,
                                   end_to_end=args.end_to_end)
     except ValueError as e:
-        raise UsageError(str(e).replace("_", "-")) from e
+        raise UsageError("--" + str(e).replace("_", "-")) from e
     try:
         subs = options.replace(substitutions=args.substitutions).load_rules()
-    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise UsageError(f"{args.substitutions}: not a valid substitution file ({e})") from e
     from tqdm import tqdm
 
@@ -118,8 +182,8 @@ def _optimize(args) -> int:
         report["written"] = args.output
     print(format_report(report))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        text = json.dumps(report, indent=1, default=str)
+        atomic_write(args.json, lambda tmp: Path(tmp).write_text(text))
     return 0
 
 
@@ -220,7 +284,7 @@ def _verify(args) -> int:
 
     try:
         subs = (load_substitutions(args.file) if args.file else default_substitutions())
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise UsageError(f"{args.file}: not a valid substitution file ({e})") from e
     bar, progress = _verify_progress(len(subs), args.quiet)
     stamped, stats = verify_substitutions(subs, timeout_ms=args.timeout_ms,
@@ -308,6 +372,13 @@ def _bench(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``taso-jax`` argument parser."""
     from taso_jax.search.options import OptimizeOptions
@@ -315,8 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = OptimizeOptions()  # the one set of defaults, shared with the API and the decorator
     p = argparse.ArgumentParser(prog="taso-jax", description=__doc__.strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="print the traceback of an internal error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    o = sub.add_parser("optimize", help="optimize an ONNX model (or the built-in example)")
+    o = sub.add_parser("optimize", parents=[common],
+                       help="optimize an ONNX model (or the built-in example)")
     o.add_argument("model", nargs="?", help="ONNX file; omit for the built-in example")
     o.add_argument("-o", "--output", help="output ONNX file (default MODEL.opt.onnx)")
     o.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
@@ -335,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--substitutions", help="substitution JSON file (default: shipped set)")
     o.add_argument("--allow-unverified", action="store_true",
                    help="also apply substitutions that are not proved (labelled in the report)")
-    o.add_argument("--repeats", type=int, default=30, help="timed runs per graph (30)")
+    o.add_argument("--repeats", type=_positive_int, default=30,
+                   help="timed runs per graph (30)")
     o.add_argument("--no-time", action="store_true", help="skip the end-to-end timing")
     o.add_argument("--end-to-end", type=int, default=d.end_to_end, metavar="K",
                    help="time the K cheapest graphs found and the input under jax.jit and "
@@ -343,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: off)")
     o.add_argument("--json", help="also write the report as JSON to this file")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    v = sub.add_parser("verify", help="prove substitutions from the operator axioms (Z3)")
+    v = sub.add_parser("verify", parents=[common],
+                       help="prove substitutions from the operator axioms (Z3)")
     v.add_argument("file", nargs="?", help="substitution JSON file (default: shipped set)")
     v.add_argument("-o", "--output", help="write the set with proof stamps to this file")
     v.add_argument("--report", default="unproved.txt",
@@ -351,7 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--timeout-ms", type=int, default=2000, help="Z3 limit per rule (2000)")
     v.add_argument("--workers", type=int, default=None, help="processes (one per core)")
     v.add_argument("-q", "--quiet", action="store_true")
-    g = sub.add_parser("generate", help="generate substitutions and prove them (Z3)")
+    g = sub.add_parser("generate", parents=[common],
+                       help="generate substitutions and prove them (Z3)")
     g.add_argument("--max-ops", type=int, default=3, help="operators per side at most (3)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--domains", default=None,
@@ -367,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-unverified", action="store_true",
                    help="keep candidates that were not proved (stamped as such)")
     g.add_argument("-q", "--quiet", action="store_true")
-    b = sub.add_parser("bench", help="time TASO's benchmark models: jax.jit vs optimized")
+    b = sub.add_parser("bench", parents=[common],
+                       help="time TASO's benchmark models: jax.jit vs optimized")
     b.add_argument("models", nargs="*", help="model names (default: all six)")
     b.add_argument("--small", action="store_true", help="small shapes (a quick run on a CPU)")
     b.add_argument("--cost-model", choices=["measured", "analytic"], default=d.cost_model)
@@ -375,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"graphs expanded at most ({d.budget})")
     b.add_argument("--time-limit", type=float, default=d.time_limit,
                    help=f"search seconds at most ({d.time_limit:g})")
-    b.add_argument("--repeats", type=int, default=50, help="timed runs per graph (50)")
+    b.add_argument("--repeats", type=_positive_int, default=50,
+                   help="timed runs per graph (50)")
     b.add_argument("--candidates", type=int, default=d.end_to_end,
                    help=f"cheapest graphs timed end to end; the fastest is kept "
                         f"({d.end_to_end})")
@@ -414,6 +494,16 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"taso-jax: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("taso-jax: interrupted; nothing written", file=sys.stderr)
+        return 130
+    except Exception as e:  # our own failure: one line, the traceback only with --debug
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        detail = str(e).splitlines()[0] if str(e) else ""
+        print(f"taso-jax: internal error: {type(e).__name__}: {detail} (nothing written; "
+              "run with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

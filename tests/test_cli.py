@@ -51,7 +51,10 @@ def _run(args):
 
 
 @pytest.mark.parametrize("case", ["missing", "not_onnx", "truncated", "same_output",
-                                  "symbolic", "bad_shape_flag", "opset", "bad_rules"])
+                                  "json_is_input", "json_is_output", "output_is_device",
+                                  "no_folder", "negative_budget", "alpha_below_one",
+                                  "huge_shape", "bad_shape_flag", "opset", "bad_rules",
+                                  "rules_list"])
 def test_bad_input_exit_code_2(tmp_path, case):
     p = tmp_path / "m.onnx"
     args = ["optimize", str(p), *FAST, "--no-time"]
@@ -60,22 +63,27 @@ def test_bad_input_exit_code_2(tmp_path, case):
     elif case == "truncated":
         data = model_path("tv_squeezenet1_1").read_bytes()
         p.write_bytes(data[: len(data) // 2])
-    elif case == "same_output":
+    elif case in ("same_output", "json_is_input", "json_is_output", "output_is_device",
+                  "no_folder", "negative_budget", "alpha_below_one", "huge_shape"):
         p.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
-        args += ["-o", str(p)]
-    elif case in ("symbolic", "opset"):
+        args += {"same_output": ["-o", str(p)], "json_is_input": ["--json", str(p)],
+                 "json_is_output": ["-o", str(tmp_path / "o.onnx"),
+                                    "--json", str(tmp_path / "o.onnx")],
+                 "output_is_device": ["-o", "/dev/null"],
+                 "no_folder": ["-o", str(tmp_path / "nowhere" / "o.onnx")],
+                 "negative_budget": ["--budget", "-5"], "alpha_below_one": ["--alpha", "0.5"],
+                 "huge_shape": ["--input-shape", "input=1000000000,3,224,224"]}[case]
+    elif case == "opset":
         from onnx import TensorProto, helper, save
 
-        dims = ["n", 3] if case == "symbolic" else [2, 3]
-        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)
-        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
         save(helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])],
                                                  "g", [x], [y]),
-                               opset_imports=[helper.make_opsetid(
-                                   "", 17 if case == "symbolic" else 21)], ir_version=10), p)
-    elif case == "bad_rules":
+                               opset_imports=[helper.make_opsetid("", 21)], ir_version=10), p)
+    elif case in ("bad_rules", "rules_list"):
         p.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
-        (tmp_path / "rules.json").write_text("{not json")
+        (tmp_path / "rules.json").write_text("{not json" if case == "bad_rules" else "[1, 2]")
         args += ["--substitutions", str(tmp_path / "rules.json")]
     elif case == "bad_shape_flag":
         p.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
@@ -87,9 +95,13 @@ def test_bad_input_exit_code_2(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("taso-jax: error:"), r.stderr
     expected = {"missing": "file not found", "not_onnx": "not a valid ONNX model",
                 "truncated": "not a valid ONNX model", "same_output": "is the input model",
-                "symbolic": "dimension 0 is symbolic", "bad_shape_flag": "expected NAME=",
+                "json_is_input": "--json", "json_is_output": "is the output model (-o)",
+                "output_is_device": "is not a regular file", "no_folder": "does not exist",
+                "negative_budget": "--budget must be >= 0", "alpha_below_one": "--alpha",
+                "huge_shape": "elements is more than", "bad_shape_flag": "expected NAME=",
                 "opset": "unsupported opset 21",
-                "bad_rules": "not a valid substitution file"}[case]
+                "bad_rules": "not a valid substitution file",
+                "rules_list": "not a valid substitution file"}[case]
     assert expected in lines[0]
     assert (p.read_bytes() if p.exists() else None) == before
     assert not (tmp_path / "m.opt.onnx").exists()
@@ -145,3 +157,35 @@ def test_cost_cache_location_and_opt_out(tmp_path):
     r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "cache" / "taso_jax" / "costs.sqlite").exists()
+
+
+def test_an_internal_error_is_one_line_and_exit_1_with_the_traceback_under_debug(
+        tmp_path, capsys, monkeypatch):
+    import taso_jax.search.options as options
+
+    def broken(*a, **k):
+        raise RuntimeError("the search broke\nsecond line")
+
+    monkeypatch.setattr(options, "search_graph", broken)
+    out = tmp_path / "o.onnx"
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+    assert main(["optimize", str(src), "-o", str(out), *FAST, "--no-time"]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == ["taso-jax: internal error: RuntimeError: the search broke (nothing written; "
+                   "run with --debug for the traceback)"]
+    assert not out.exists()
+    assert main(["optimize", str(src), "-o", str(out), *FAST, "--no-time", "--debug"]) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_json_report_is_written_atomically_beside_the_model(tmp_path):
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+    before = src.read_bytes()
+    assert main(["optimize", str(src), "-o", str(tmp_path / "o.onnx"), "--json",
+                 str(tmp_path / "r.json"), *FAST, "--no-time", "--end-to-end", "0"]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["written"] == str(tmp_path / "o.onnx") and report["check"]["ok"]
+    assert src.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "o.onnx", "r.json"]

@@ -74,12 +74,32 @@ def _symbolic_model():
                              opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
-def test_symbolic_dimension_needs_input_shape():
+def test_symbolic_dimensions_load_at_a_default_that_a_note_names():
     model = _symbolic_model()
-    with pytest.raises(taso_jax.ModelError, match=r"input 'x' dimension 0 is symbolic"):
-        taso_jax.load_onnx(model)
+    graph = taso_jax.load_onnx(model)  # no flags: the batch dimension defaults to 1
+    assert graph.inputs[0].types[0].shape == (1, 3)
+    (note,) = graph.meta["shape_notes"]
+    assert "dimension 0 ('batch') = 1" in note and "--input-shape x=1,3" in note
     graph = taso_jax.load_onnx(model, {"x": (2, 3)})
-    assert graph.inputs[0].types[0].shape == (2, 3)
+    assert graph.inputs[0].types[0].shape == (2, 3) and not graph.meta["shape_notes"]
+
+
+def test_a_symbolic_image_size_takes_the_first_size_the_model_accepts():
+    # dim_value -1, and symbolic height and width before a 3x3 convolution and a 2x2 pool:
+    # 1 does not fit, 32 does
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((4, 3, 3, 3), np.float32), "w")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3, "height", "width"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 4, "oh", "ow"])
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3]),
+             helper.make_node("MaxPool", ["c"], ["y"], kernel_shape=[2, 2], strides=[2, 2])]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], [w]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    graph = taso_jax.load_onnx(model)
+    assert graph.inputs[0].types[0].shape == (1, 3, 32, 32)
+    assert graph.outputs[0].shape == (1, 4, 15, 15)
+    assert "('height') = 32" in graph.meta["shape_notes"][0]
 
 
 @pytest.mark.parametrize("content,message", [

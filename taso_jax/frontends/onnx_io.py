@@ -2,7 +2,7 @@
 
 Import: the model is loaded and checked, converted to opset 17 when older than 13 (so every
 operator has its modern form), given static shapes (``input_shapes`` fills symbolic
-dimensions) and run through ONNX shape inference. Initializers, ``Constant`` and
+dimensions; the others take defaults: 1 for a batch) and run through ONNX shape inference. Initializers, ``Constant`` and
 ``ConstantOfShape`` with a constant shape become weights. Each node goes through the
 importer that its operator declaration registered (``taso_jax.ops.ONNX_IMPORTERS``); a node
 without one, or whose importer declines or disagrees with ONNX shape inference, becomes an
@@ -37,7 +37,7 @@ class ModelError(ValueError):
     """A model that cannot be loaded; the message names the problem and where it is.
 
     Raised for a missing file, a file that is not ONNX or is truncated, an opset outside
-    9-20, and symbolic dimensions without ``input_shapes`` for them.
+    9-20, and input shapes given that do not fit the model.
     """
 
 
@@ -74,8 +74,52 @@ def _opset(model) -> int:
     return 1
 
 
-def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where: str):
+def _is_symbolic(dim) -> bool:
+    return not dim.HasField("dim_value") or dim.dim_value < 1
+
+
+def _batch_like(axis: int, label: str) -> bool:
+    """Axis 0, or a dimension whose name says batch (``batch``, ``batch_size``, ``N``)."""
+    return axis == 0 or "batch" in label.lower() or label in ("N", "n", "B", "b")
+
+
+#: Sizes tried, in order, for a symbolic dimension that is not batch-like (a sequence
+#: length, an image side): the first one that ONNX shape inference accepts is used.
+SYMBOLIC_CANDIDATES = (1, 32, 224)
+
+
+def _shapes_fit(model) -> bool:
+    """Whether ONNX shape inference accepts the model and infers no size below 0."""
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception:
+        return False
+    g = inferred.graph
+    for vi in list(g.value_info) + list(g.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_value") and d.dim_value < 0:
+                return False
+    return True
+
+
+def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where: str
+                      ) -> list[str]:
+    """Give every runtime input a static shape, in place; return notes on defaults chosen.
+
+    Sizes given in ``input_shapes`` are used as they are. A symbolic dimension (a
+    ``dim_param``, no size, or a size below 1 such as -1) that is not given takes a default:
+    1 when batch-like (:func:`_batch_like`), else the first of :data:`SYMBOLIC_CANDIDATES`
+    that ONNX shape inference accepts. Dimensions that share a name share a size. Each
+    default is named in a note that says how to override it.
+
+    Raises:
+        ModelError: a given shape of the wrong rank, or disagreeing with a static size, or
+            an unknown input name.
+    """
     inits = {i.name for i in model.graph.initializer}
+    open_dims: dict[str, list] = {}  # symbol -> [(input name, axis, dim proto)]
     for inp in model.graph.input:
         if inp.name in inits:
             continue
@@ -86,23 +130,58 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
                 raise ModelError(f"{where}: input {inp.name!r} has rank {len(dims)}, "
                                  f"--input-shape gives {list(want)}")
             for d, v in zip(dims, want, strict=True):
-                if d.HasField("dim_value") and d.dim_value != v:
+                if not _is_symbolic(d) and d.dim_value != v:
                     raise ModelError(f"{where}: input {inp.name!r} has static size "
                                      f"{d.dim_value}, --input-shape gives {v}")
                 d.Clear()
                 d.dim_value = v
             continue
         for i, d in enumerate(dims):
-            if not d.HasField("dim_value"):
-                label = d.dim_param or "?"
-                raise ModelError(f"{where}: input {inp.name!r} dimension {i} is symbolic "
-                                 f"({label!r}); give it with --input-shape "
-                                 f"{inp.name}=" + ",".join(
-                                     str(x.dim_value) if x.HasField("dim_value") else "N"
-                                     for x in dims))
+            if _is_symbolic(d):
+                symbol = d.dim_param or f"{inp.name}[{i}]"
+                open_dims.setdefault(symbol, []).append((inp.name, i, d))
     unknown = set(input_shapes) - {i.name for i in model.graph.input}
     if unknown:
         raise ModelError(f"{where}: --input-shape names unknown input(s) {sorted(unknown)}")
+    if not open_dims:
+        return []
+    named_symbols = {d.dim_param for uses in open_dims.values() for _, _, d in uses if d.dim_param}
+    sizes = {sym: 1 if all(_batch_like(i, sym) for _, i, _ in uses) else None
+             for sym, uses in open_dims.items()}
+
+    def bind(values):
+        for sym, uses in open_dims.items():
+            for _, _, d in uses:
+                d.Clear()
+                d.dim_value = values[sym]
+
+    # A size below 1 declared on an output or intermediate value (-1 for "any") would
+    # contradict every inferred size: it is left unknown instead.
+    for vi in list(model.graph.output) + list(model.graph.value_info):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_value") and d.dim_value < 1:
+                d.Clear()
+    rest = [sym for sym, v in sizes.items() if v is None]
+    candidates = SYMBOLIC_CANDIDATES if rest else (1,)
+    fitting = candidates[0]
+    for candidate in candidates:
+        bind({sym: candidate if v is None else v for sym, v in sizes.items()})
+        if _shapes_fit(model):
+            fitting = candidate
+            break
+    sizes = {sym: fitting if v is None else v for sym, v in sizes.items()}
+    bind(sizes)
+    notes = []
+    for inp in model.graph.input:
+        syms = [(i, sym) for sym, uses in open_dims.items() for name, i, _ in uses
+                if name == inp.name]
+        if syms:
+            shape = ",".join(str(d.dim_value) for d in inp.type.tensor_type.shape.dim)
+            named = ", ".join(f"dimension {i}" + (f" ({sym!r})" if sym in named_symbols else "")
+                              + f" = {sizes[sym]}" for i, sym in syms)
+            notes.append(f"input {inp.name!r} has symbolic sizes; optimized and written at "
+                         f"{named} (override with --input-shape {inp.name}={shape})")
+    return notes
 
 
 def _value_types(model) -> dict[str, TensorType]:
@@ -257,15 +336,17 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     Args:
         source: file path or loaded ``onnx.ModelProto``. The file is only read.
         input_shapes: static shapes for inputs with symbolic dimensions, e.g.
-            ``{"x": (1, 3, 224, 224)}``.
+            ``{"x": (1, 3, 224, 224)}``. A symbolic dimension not given here takes a
+            default (1 for a batch dimension; see :func:`_fix_input_shapes`), named in
+            ``meta["shape_notes"]``.
 
     Returns:
         The graph, with ``meta`` holding ``opset`` (after conversion), ``source_opset``,
         ``opaque`` (ONNX op types kept opaque) and the names needed for export.
 
     Raises:
-        ModelError: missing or unreadable file, opset outside 9-20, symbolic dimensions
-            without ``input_shapes``, or a model that ONNX's checker rejects.
+        ModelError: missing or unreadable file, opset outside 9-20, an ``input_shapes``
+            entry that does not fit its input, or a model that ONNX's checker rejects.
     """
     import onnx
     from onnx import numpy_helper, version_converter
@@ -283,7 +364,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     model_copy = onnx.ModelProto()
     model_copy.CopyFrom(model)
     model = model_copy
-    _fix_input_shapes(model, input_shapes or {}, where)
+    shape_notes = _fix_input_shapes(model, input_shapes or {}, where)
     opset = src_opset
     if src_opset < _CONVERT_BELOW:
         try:
@@ -326,6 +407,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         outputs.append(env[o.name])
         names.append(o.name)
     meta = {"opset": opset, "source_opset": src_opset, "opsets": opsets,
+            "shape_notes": shape_notes,
             "ir_version": model.ir_version, "opaque": dict(opaque),
             "name": g.name or "graph"}
     return Graph(tuple(inputs), tuple(outputs), tuple(names), weights, meta)
