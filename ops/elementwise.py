@@ -93,7 +93,14 @@ _binary("ewadd", jnp.add, "Add", "a + b, broadcasting (ONNX Add; TASO ewadd)", T
 _binary("ewsub", jnp.subtract, "Sub", "a - b, broadcasting (ONNX Sub)", laws=_EWSUB_LAWS)
 _binary("ewmul", jnp.multiply, "Mul", "a * b, broadcasting (ONNX Mul; TASO ewmul)", True,
         _EWMUL_LAWS)
-_binary("ewdiv", jnp.divide, "Div", "a / b, broadcasting (ONNX Div)")
+def _ewdiv(a, b):
+    # ONNX Div and lax.div on integers truncate toward zero; jnp.divide would give floats
+    if jnp.issubdtype(jnp.result_type(a, b), jnp.integer):
+        return jax.lax.div(*jnp.broadcast_arrays(a, b))
+    return jnp.divide(a, b)
+
+
+_binary("ewdiv", _ewdiv, "Div", "a / b, broadcasting; integers truncate toward zero (ONNX Div)")
 _binary("pow", jnp.power, "Pow", "a ** b, broadcasting (ONNX Pow)")
 
 

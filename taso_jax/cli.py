@@ -100,8 +100,7 @@ def _optimize(args) -> int:
 
     from taso_jax._io import atomic_write
     from taso_jax.frontends.onnx_io import export_onnx, load_onnx
-    from taso_jax.ir.executor import random_inputs
-    from taso_jax.report import compare_onnx, format_report, measure_speed, search_report
+    from taso_jax.report import check_onnx, format_report, measure_speed, search_report
     from taso_jax.search.cost import get_cost_model
     from taso_jax.search.options import OptimizeOptions, search_graph
 
@@ -122,6 +121,8 @@ def _optimize(args) -> int:
         protected[os.path.realpath(args.model)] = "the input model"
         protected.update((p, "an external-data file of the input model")
                          for p in _external_data_files(args.model))
+    if args.rtol < 0 or (args.atol is not None and args.atol < 0):
+        raise UsageError("--rtol and --atol must be >= 0")
     if args.output:
         check_output_path(args.output, "-o", protected)
         protected[os.path.realpath(args.output)] = "the output model (-o)"
@@ -168,9 +169,8 @@ def _optimize(args) -> int:
     optimized = export_onnx(result.graph)
     onnx.checker.check_model(optimized, full_check=True)
     reference = original_bytes or export_onnx(graph).SerializeToString()
-    feeds = {n.name: x for n, x in zip(graph.inputs, random_inputs(graph, seed=1),
-                                       strict=True)}
-    report["check"] = compare_onnx(reference, optimized.SerializeToString(), feeds)
+    report["check"] = check_onnx(reference, optimized.SerializeToString(), graph,
+                                 rtol=args.rtol, atol=args.atol)
     if not report["check"]["ok"]:
         print(format_report(report))
         print("taso-jax: error: optimized model's outputs differ from the original's; "
@@ -381,6 +381,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``taso-jax`` argument parser."""
+    from taso_jax.report import ATOL, RTOL
     from taso_jax.search.options import OptimizeOptions
 
     d = OptimizeOptions()  # the one set of defaults, shared with the API and the decorator
@@ -417,6 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the K cheapest graphs found and the input under jax.jit and "
                         f"keep the fastest, so the result is never slower ({d.end_to_end}; "
                         "0: off)")
+    o.add_argument("--rtol", type=float, default=RTOL,
+                   help=f"output check: relative tolerance ({RTOL})")
+    o.add_argument("--atol", type=float, default=None,
+                   help=f"output check: absolute tolerance (default {ATOL} x the largest "
+                        "reference magnitude of each output)")
     o.add_argument("--json", help="also write the report as JSON to this file")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     v = sub.add_parser("verify", parents=[common],

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from taso_jax.ir.executor import random_inputs
 from taso_jax.ir.graph import Graph
 from taso_jax.search.choose import device_name, time_graphs
 from taso_jax.search.options import OptimizeOptions
 
-__all__ = ["measure_speed", "compare_onnx", "compare_outputs", "search_report", "format_report",
-           "RTOL", "ATOL"]
+__all__ = ["measure_speed", "compare_onnx", "check_onnx", "compare_outputs", "search_report",
+           "format_report", "RTOL", "ATOL", "CHECK_SCALES"]
 
 #: Outputs agree when ``|a - b| <= ATOL * max|b| + RTOL * |b|`` elementwise (float32 sums
 #: reassociate when convolutions are merged or batchnorm is folded).
@@ -28,11 +29,11 @@ def measure_speed(before: Graph, after: Graph, repeats: int = 30, seed: int = 0)
             "device": device_name(), "repeats": repeats}
 
 
-def compare_onnx(original, optimized, inputs: dict) -> dict:
+def compare_onnx(original, optimized, inputs: dict, rtol: float = RTOL,
+                 atol: float | None = None) -> dict:
     """Run both ONNX models (bytes or paths) in onnxruntime on ``inputs``; compare outputs.
 
-    Returns ``{"ok", "max_abs_err", "rtol", "atol", "outputs"}``; ``atol`` is relative to the
-    largest reference magnitude of each output.
+    Returns what :func:`compare_outputs` returns.
     """
     import onnxruntime as ort
 
@@ -40,31 +41,78 @@ def compare_onnx(original, optimized, inputs: dict) -> dict:
     so.log_severity_level = 3
     s0 = ort.InferenceSession(original, so, providers=["CPUExecutionProvider"])
     s1 = ort.InferenceSession(optimized, so, providers=["CPUExecutionProvider"])
-    return compare_outputs(s1.run(None, inputs), s0.run(None, inputs))
+    return compare_outputs(s1.run(None, inputs), s0.run(None, inputs), rtol, atol)
 
 
-def compare_outputs(actual, reference) -> dict:
-    """Compare output arrays with their references (same order) within ``RTOL``/``ATOL``.
+#: Scales of the random inputs an output check runs at: N(0, 1), then x100 (a rewrite that is
+#: right near zero only, such as dropping a clip, shows at large inputs).
+CHECK_SCALES = (1.0, 100.0)
 
-    Returns ``{"ok", "max_abs_err", "rtol", "atol", "outputs"}``; NaN matches NaN, and
-    ``atol`` is relative to the largest finite reference magnitude of each output.
+
+def check_onnx(original, optimized, graph: Graph, rtol: float = RTOL,
+               atol: float | None = None, scales=CHECK_SCALES, seed: int = 1) -> dict:
+    """:func:`compare_onnx` at each input scale in ``scales``; ok only if every one is.
+
+    Float inputs are N(0, 1) times the scale; integer and boolean inputs are not scaled.
+    Returns the comparison of the worst scale, with ``"scales"`` (the scales run) and
+    ``"failed_scale"`` (the first failing one, or ``None``).
+    """
+    base = dict(zip((n.name for n in graph.inputs), random_inputs(graph, seed=seed),
+                    strict=True))
+    worst = None
+    for scale in scales:
+        feeds = {k: (v * np.asarray(scale, v.dtype) if np.issubdtype(v.dtype, np.floating)
+                     else v) for k, v in base.items()}
+        r = compare_onnx(original, optimized, feeds, rtol, atol)
+        r["failed_scale"] = None if r["ok"] else scale
+        if worst is None or (worst["ok"] and not r["ok"]) or (
+                r["ok"] == worst["ok"] and r["max_abs_err"] > worst["max_abs_err"]):
+            worst = r
+        if not r["ok"]:
+            break
+    worst["scales"] = list(scales)
+    return worst
+
+
+def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = None) -> dict:
+    """Compare output arrays with their references (same order).
+
+    Integer and boolean outputs must be equal. Float and complex outputs agree where
+    ``|a - b| <= atol + rtol * |b|``, with ``atol`` by default ``ATOL`` times the largest
+    finite reference magnitude of each output (a scale-aware tolerance), or the absolute
+    value given. Non-finite values must match exactly: NaN with NaN, +inf with +inf.
+
+    Returns ``{"ok", "max_abs_err", "rtol", "atol", "outputs"}``; ``max_abs_err`` is
+    ``inf`` when a non-finite value does not match.
     """
     ok, worst = len(actual) == len(reference), 0.0
     for a, b in zip(actual, reference, strict=False):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        a, b = np.asarray(a), np.asarray(b)
         if a.shape != b.shape:
             ok = False
             continue
         if b.size == 0:
             continue
+        if not np.issubdtype(b.dtype, np.inexact):  # integers and booleans: exactly
+            diff = np.abs(a.astype(np.int64) - b.astype(np.int64)) if b.dtype != bool \
+                else (a != b).astype(np.int64)
+            ok &= bool(np.all(diff == 0))
+            worst = max(worst, float(diff.max()))
+            continue
+        kind = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+        a, b = a.astype(kind), b.astype(kind)
+        finite = np.isfinite(a) & np.isfinite(b)
+        same = (a == b) | (np.isnan(a) & np.isnan(b))  # equal infinities, NaN with NaN
+        if not np.all(finite | same):
+            ok, worst = False, float("inf")
         scale = float(np.max(np.abs(b[np.isfinite(b)]), initial=0.0))
-        err = np.abs(a - b)
-        both_nan = np.isnan(a) & np.isnan(b)
-        bad = ~both_nan & ~(err <= ATOL * scale + RTOL * np.abs(b))
-        if bad.any():
+        tol = (ATOL * scale if atol is None else atol) + rtol * np.abs(b)
+        err = np.where(finite, np.abs(a - b), 0.0)
+        if np.any(err > tol):
             ok = False
-        worst = max(worst, float(np.max(np.where(both_nan, 0, err))))
-    return {"ok": ok, "max_abs_err": worst, "rtol": RTOL, "atol": f"{ATOL} x max|output|",
+        worst = max(worst, float(err.max()))
+    return {"ok": bool(ok), "max_abs_err": worst, "rtol": rtol,
+            "atol": f"{ATOL} x max|output|" if atol is None else atol,
             "outputs": len(reference)}
 
 
@@ -143,10 +191,13 @@ def format_report(r: dict) -> str:
         lines.append("substitutions applied: none (the input graph is returned unchanged)")
     if r.get("check"):
         k = r["check"]
-        lines.append(f"output check ({k.get('reference', 'onnxruntime')}, original vs optimized, "
-                     f"rtol {k['rtol']}, "
-                     f"atol {k['atol']}): {'ok' if k['ok'] else 'MISMATCH'}, max abs error "
-                     f"{k['max_abs_err']:.3g}")
+        scales = (f", inputs N(0,1) x {' and x '.join(f'{x:g}' for x in k['scales'])}"
+                  if k.get("scales") else "")
+        lines.append(f"output check ({k.get('reference', 'onnxruntime')}, original vs optimized"
+                     f"{scales}, rtol {k['rtol']}, atol {k['atol']}): "
+                     f"{'ok' if k['ok'] else 'MISMATCH'}"
+                     + (f" at x{k['failed_scale']:g}" if k.get("failed_scale") else "")
+                     + f", max abs error {k['max_abs_err']:.3g}")
     if r.get("written"):
         lines.append(f"written: {r['written']}")
     return "\n".join(lines)

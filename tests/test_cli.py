@@ -7,10 +7,12 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import model_path
 from taso_jax.search.rules import PNode, Substitution, save_substitutions
 
+import taso_jax
 from taso_jax.cli import main
 
 FAST = ["--cost-model", "analytic", "--budget", "5", "-q"]
@@ -189,3 +191,46 @@ def test_json_report_is_written_atomically_beside_the_model(tmp_path):
     assert report["written"] == str(tmp_path / "o.onnx") and report["check"]["ok"]
     assert src.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "o.onnx", "r.json"]
+
+
+def test_output_check_compares_infinities_complex_and_integers_exactly():
+    from taso_jax.report import compare_outputs
+
+    inf = np.inf
+    assert compare_outputs([np.array([-inf, 1.0])], [np.array([-inf, 1.0])])["ok"]
+    r = compare_outputs([np.array([inf, 1.0])], [np.array([-inf, 1.0])])
+    assert not r["ok"] and r["max_abs_err"] == inf
+    assert not compare_outputs([np.array([1 + 2j])], [np.array([1 + 3j])])["ok"]
+    assert not compare_outputs([np.array([3, 4])], [np.array([3, 5])])["ok"]
+    assert compare_outputs([np.array([3, 4])], [np.array([3, 4])])["ok"]
+    # a tiny output is compared at its own scale, and --atol can loosen that
+    tiny = np.array([6e-5, 1e-7])
+    assert not compare_outputs([tiny + 1e-8], [tiny])["ok"]
+    assert compare_outputs([tiny + 1e-8], [tiny], atol=1e-7)["ok"]
+
+
+def test_a_wrong_rule_stamped_proved_is_caught_by_the_check_at_large_inputs(tmp_path, capsys):
+    # clip(x, -6, 6) => x holds for N(0, 1) inputs (|x| < 6 almost surely), not at x100
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    lo, hi = (numpy_helper.from_array(np.array(v, np.float32), n)
+              for v, n in ((-6.0, "lo"), (6.0, "hi")))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])
+    nodes = [helper.make_node("Clip", ["x", "lo", "hi"], ["c"]),
+             helper.make_node("Relu", ["c"], ["y"])]
+    src = tmp_path / "m.onnx"
+    save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], [lo, hi]),
+                           opset_imports=[helper.make_opsetid("", 17)], ir_version=10), src)
+    g = taso_jax.load_onnx(src)
+    (clip,) = [n for n in g.nodes if n.op == "clip"]
+    wrong = Substitution("wrong_drop_clip", (("a", ("N", "C")),),
+                         (PNode("clip", clip.attrs, ("a",)),), (), (("#0", "a"),),
+                         {"proof": {"status": "proved", "axioms": ["stamped by hand"]}})
+    save_substitutions([wrong], tmp_path / "rules.json")
+    out = tmp_path / "o.onnx"
+    code = main(["optimize", str(src), "-o", str(out), "--substitutions",
+                 str(tmp_path / "rules.json"), *FAST, "--no-time", "--end-to-end", "0"])
+    captured = capsys.readouterr()
+    assert code == 1 and not out.exists()
+    assert "MISMATCH at x100" in captured.out and "wrong_drop_clip" in captured.err

@@ -157,3 +157,19 @@ def test_an_opaque_node_with_an_absent_optional_input_runs():
     out = ort.InferenceSession(again.SerializeToString(),
                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_array_equal(out, ref)
+
+
+def test_integer_division_stays_integer_and_truncates_like_onnxruntime():
+    from onnx import TensorProto, helper
+
+    vi = [helper.make_tensor_value_info(n, TensorProto.INT64, [4]) for n in "xyz"]
+    model = helper.make_model(
+        helper.make_graph([helper.make_node("Div", ["x", "y"], ["z"])], "g", vi[:2], vi[2:]),
+        opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    g = taso_jax.load_onnx(model)
+    a, b = np.array([7, -7, 9, -9]), np.array([2, 2, -4, -4])
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, {"x": a, "y": b})[0]
+    got = np.asarray(taso_jax.compile_graph(g)(a, b)[0])
+    assert np.issubdtype(got.dtype, np.integer)  # int32 unless JAX runs with x64
+    np.testing.assert_array_equal(got, ref)
