@@ -196,8 +196,12 @@ def format_report(r: dict) -> str:
         lines.append(f"output check ({k.get('reference', 'onnxruntime')}, original vs optimized"
                      f"{scales}, rtol {k['rtol']}, atol {k['atol']}): "
                      f"{'ok' if k['ok'] else 'MISMATCH'}"
-                     + (f" at x{k['failed_scale']:g}" if k.get("failed_scale") else "")
-                     + f", max abs error {k['max_abs_err']:.3g}")
+                     + (f" at x{k['failed_scale']:g}" if k.get("failed_scale")
+                        and not k["ok"] else "")
+                     + f", max abs error {k['max_abs_err']:.3g}"
+                     + (f" (within twice the {k['noise_floor']:.3g} that exporting the input "
+                        "without any rewrite already gives: the model's own rounding noise)"
+                        if k.get("noise_floor") is not None else ""))
     if r.get("written"):
         lines.append(f"written: {r['written']}")
     return "\n".join(lines)

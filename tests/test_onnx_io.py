@@ -84,9 +84,8 @@ def test_symbolic_dimensions_load_at_a_default_that_a_note_names():
     assert graph.inputs[0].types[0].shape == (2, 3) and not graph.meta["shape_notes"]
 
 
-def test_a_symbolic_image_size_takes_the_first_size_the_model_accepts():
-    # dim_value -1, and symbolic height and width before a 3x3 convolution and a 2x2 pool:
-    # 1 does not fit, 32 does
+def test_a_symbolic_image_side_defaults_to_224():
+    # dim_value -1 and a symbolic height and width, before a 3x3 convolution and a 2x2 pool
     from onnx import TensorProto, helper, numpy_helper
 
     w = numpy_helper.from_array(np.ones((4, 3, 3, 3), np.float32), "w")
@@ -97,9 +96,24 @@ def test_a_symbolic_image_size_takes_the_first_size_the_model_accepts():
     model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], [w]),
                               opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
     graph = taso_jax.load_onnx(model)
-    assert graph.inputs[0].types[0].shape == (1, 3, 32, 32)
-    assert graph.outputs[0].shape == (1, 4, 15, 15)
-    assert "('height') = 32" in graph.meta["shape_notes"][0]
+    assert graph.inputs[0].types[0].shape == (1, 3, 224, 224)
+    assert graph.outputs[0].shape == (1, 4, 111, 111)
+    assert "('height') = 224" in graph.meta["shape_notes"][0]
+
+
+def test_a_symbolic_length_takes_the_first_size_the_model_runs_at():
+    # a reflect padding of 2 needs at least 3 samples: 1 passes shape inference, not the run
+    from onnx import TensorProto, helper, numpy_helper
+
+    pads = numpy_helper.from_array(np.array([0, 2, 0, 2], np.int64), "pads")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "samples"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "padded"])
+    node = helper.make_node("Pad", ["x", "pads"], ["y"], mode="reflect")
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y], [pads]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    graph = taso_jax.load_onnx(model)
+    assert graph.inputs[0].types[0].shape == (1, 32)
+    assert "dimension 1 ('samples') = 32" in graph.meta["shape_notes"][0]
 
 
 @pytest.mark.parametrize("content,message", [

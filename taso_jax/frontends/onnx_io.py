@@ -84,13 +84,20 @@ def _batch_like(axis: int, label: str) -> bool:
     return axis == 0 or "batch" in label.lower() or label in ("N", "n", "B", "b")
 
 
-#: Sizes tried, in order, for a symbolic dimension that is not batch-like (a sequence
-#: length, an image side): the first one that ONNX shape inference accepts is used.
-SYMBOLIC_CANDIDATES = (1, 32, 224)
+#: Sizes tried, in order, for a symbolic dimension that is not batch-like: the first that
+#: the model accepts (ONNX shape inference, then one run in onnxruntime) is used. The sides
+#: of an image (axes 2 and 3 of a 4-D input) start at 224, other sizes (a sequence) at 1.
+SYMBOLIC_CANDIDATES = (1, 32, 224, 512)
+IMAGE_CANDIDATES = (224, 64, 32, 512)
 
 
 def _shapes_fit(model) -> bool:
-    """Whether ONNX shape inference accepts the model and infers no size below 0."""
+    """Whether the model accepts its input shapes as bound.
+
+    ONNX shape inference must accept them and infer no size below 0, and the model must
+    run once in onnxruntime on zeros (a reflect padding, a reshape or a window can reject a
+    size that shape inference lets through).
+    """
     import onnx
 
     try:
@@ -102,7 +109,30 @@ def _shapes_fit(model) -> bool:
         for d in vi.type.tensor_type.shape.dim:
             if d.HasField("dim_value") and d.dim_value < 0:
                 return False
+    try:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 4
+        sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                    providers=["CPUExecutionProvider"])
+        feeds = {}
+        for i in sess.get_inputs():
+            dims = [d for d in next(x for x in g.input if x.name == i.name)
+                    .type.tensor_type.shape.dim]
+            shape = [d.dim_value for d in dims]
+            feeds[i.name] = np.zeros(shape, _ORT_TYPES.get(i.type, np.float32))
+        sess.run(None, feeds)
+    except Exception:
+        return False
     return True
+
+
+#: onnxruntime input type names -> NumPy dtypes, for the zeros a binding is tried on.
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64,
+              "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+              "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+              "tensor(bool)": np.bool_}
 
 
 def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where: str
@@ -144,6 +174,12 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
     unknown = set(input_shapes) - {i.name for i in model.graph.input}
     if unknown:
         raise ModelError(f"{where}: --input-shape names unknown input(s) {sorted(unknown)}")
+    # A size below 1 declared on an output or intermediate value (-1 for "any") would
+    # contradict every inferred size: it is left unknown instead.
+    for vi in list(model.graph.output) + list(model.graph.value_info):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_value") and d.dim_value < 1:
+                d.Clear()
     if not open_dims:
         return []
     named_symbols = {d.dim_param for uses in open_dims.values() for _, _, d in uses if d.dim_param}
@@ -156,22 +192,27 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
                 d.Clear()
                 d.dim_value = values[sym]
 
-    # A size below 1 declared on an output or intermediate value (-1 for "any") would
-    # contradict every inferred size: it is left unknown instead.
-    for vi in list(model.graph.output) + list(model.graph.value_info):
-        for d in vi.type.tensor_type.shape.dim:
-            if d.HasField("dim_value") and d.dim_value < 1:
-                d.Clear()
     rest = [sym for sym, v in sizes.items() if v is None]
-    candidates = SYMBOLIC_CANDIDATES if rest else (1,)
-    fitting = candidates[0]
-    for candidate in candidates:
-        bind({sym: candidate if v is None else v for sym, v in sizes.items()})
+    image = {sym for sym in rest if all(
+        len(next(x for x in model.graph.input if x.name == name).type.tensor_type.shape.dim)
+        == 4 and axis >= 2 for name, axis, _ in open_dims[sym])}
+    fitting = None
+    for k in range(len(SYMBOLIC_CANDIDATES) if rest else 1):
+        trial = {sym: v if v is not None else
+                 (IMAGE_CANDIDATES if sym in image else SYMBOLIC_CANDIDATES)[k]
+                 for sym, v in sizes.items()}
+        bind(trial)
         if _shapes_fit(model):
-            fitting = candidate
+            fitting = trial
             break
-    sizes = {sym: fitting if v is None else v for sym, v in sizes.items()}
-    bind(sizes)
+    if fitting is None:
+        described = ", ".join(f"{name!r} dimension {axis}" + (f" ({sym!r})" if sym in
+                                                                named_symbols else "")
+                              for sym in open_dims for name, axis, _ in open_dims[sym])
+        raise ModelError(f"{where}: the model has symbolic sizes ({described}) and runs at "
+                         "none of the default sizes tried; give them with --input-shape "
+                         "NAME=D1,D2,...")
+    sizes = fitting
     notes = []
     for inp in model.graph.input:
         syms = [(i, sym) for sym, uses in open_dims.items() for name, i, _ in uses
