@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from taso_jax.frontends.onnx_io import ModelError
 from taso_jax.ir.executor import random_inputs
 from taso_jax.ir.graph import Graph
 from taso_jax.search.choose import device_name, time_graphs
@@ -34,14 +35,31 @@ def compare_onnx(original, optimized, inputs: dict, rtol: float = RTOL,
     """Run both ONNX models (bytes or paths) in onnxruntime on ``inputs``; compare outputs.
 
     Returns what :func:`compare_outputs` returns.
+
+    Raises:
+        ModelError: the original model does not run on ``inputs``.
     """
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
     s0 = ort.InferenceSession(original, so, providers=["CPUExecutionProvider"])
-    s1 = ort.InferenceSession(optimized, so, providers=["CPUExecutionProvider"])
-    return compare_outputs(s1.run(None, inputs), s0.run(None, inputs), rtol, atol)
+    try:
+        reference = s0.run(None, inputs)
+    except Exception as e:  # the user's model itself, not ours: bad input for this check
+        shapes = ", ".join(f"{k}={list(np.shape(v))}" for k, v in inputs.items())
+        raise ModelError(f"the original model does not run in onnxruntime on random inputs "
+                         f"({shapes}): {str(e).splitlines()[0][:200]}; give the sizes it "
+                         "expects with --input-shape") from e
+    try:
+        s1 = ort.InferenceSession(optimized, so, providers=["CPUExecutionProvider"])
+        actual = s1.run(None, inputs)
+    except Exception as e:  # ours: the check fails, and says why
+        return {"ok": False, "max_abs_err": float("inf"), "rtol": rtol,
+                "atol": f"{ATOL} x max|output|" if atol is None else atol,
+                "outputs": len(reference),
+                "error": f"the optimized model does not run: {str(e).splitlines()[0][:300]}"}
+    return compare_outputs(actual, reference, rtol, atol)
 
 
 #: Scales of the random inputs an output check runs at: N(0, 1), then x100 (a rewrite that is
@@ -201,7 +219,8 @@ def format_report(r: dict) -> str:
                      + f", max abs error {k['max_abs_err']:.3g}"
                      + (f" (within twice the {k['noise_floor']:.3g} that exporting the input "
                         "without any rewrite already gives: the model's own rounding noise)"
-                        if k.get("noise_floor") is not None else ""))
+                        if k.get("noise_floor") is not None else "")
+                     + (f"; {k['error']}" if k.get("error") else ""))
     if r.get("written"):
         lines.append(f"written: {r['written']}")
     return "\n".join(lines)

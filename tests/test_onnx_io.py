@@ -187,3 +187,34 @@ def test_integer_division_stays_integer_and_truncates_like_onnxruntime():
     got = np.asarray(taso_jax.compile_graph(g)(a, b)[0])
     assert np.issubdtype(got.dtype, np.integer)  # int32 unless JAX runs with x64
     np.testing.assert_array_equal(got, ref)
+
+
+def test_an_if_whose_branches_read_the_enclosing_graph_runs_and_exports():
+    # Both branches read x and the initializer w from the enclosing graph without declaring
+    # them: the opaque If receives them as inputs, and the export defines them again.
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "w")
+    out = helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 3])
+    then = helper.make_graph([helper.make_node("Add", ["r", "w"], ["b"])], "then", [], [out])
+    other = helper.make_graph([helper.make_node("Sub", ["r", "w"], ["b"])], "else", [], [out])
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)]
+    model = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                     helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [w]),
+        opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    g = taso_jax.load_onnx(model)
+    assert g.meta["opaque"] == {"If": 1}
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    exported = taso_jax.export_onnx(g).SerializeToString()
+    for c in (True, False):
+        feeds = {"x": x, "c": np.array(c)}
+        ref = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        ours = np.asarray(taso_jax.compile_graph(g)(x, np.array(c))[0])
+        again = ort.InferenceSession(exported, providers=["CPUExecutionProvider"]).run(
+            None, feeds)[0]
+        np.testing.assert_allclose(ours, ref, rtol=1e-6)
+        np.testing.assert_allclose(again, ref, rtol=1e-6)

@@ -280,11 +280,16 @@ class OnnxNode(OpaqueOp):
             that are absent).
         opsets: ``(domain, version)`` pairs of the model.
         ir_version: the model's IR version.
+        outer: names of the enclosing graph that the node's subgraphs (the branches of
+            ``If``, the bodies of ``Loop`` and ``Scan``) read without declaring them; the
+            node receives them as inputs after its own.
     """
 
-    def __init__(self, proto: bytes, op_type: str, opsets: tuple, ir_version: int):
+    def __init__(self, proto: bytes, op_type: str, opsets: tuple, ir_version: int,
+                 outer: tuple[str, ...] = ()):
         self.proto, self.label, self.opsets, self.ir_version = proto, op_type, opsets, ir_version
-        self._key = (proto, opsets, ir_version)
+        self.outer = outer
+        self._key = (proto, opsets, ir_version, outer)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, OnnxNode) and other._key == self._key
@@ -305,6 +310,7 @@ class OnnxNode(OpaqueOp):
 
         def callback(*values):
             sess, names = _session(self, in_types, tuple(node.types))
+            names = names + list(self.outer)
             feeds = {n: np.asarray(v).astype(t.dtype)
                      for n, v, t in zip(names, values, in_types, strict=True)}
             return tuple(np.asarray(o).astype(s.dtype)
@@ -313,10 +319,21 @@ class OnnxNode(OpaqueOp):
         return tuple(jax.pure_callback(callback, specs, *args))
 
     def to_onnx(self, ctx, inputs: list[str], outputs: list[str]) -> None:
-        """The node itself, its present inputs and its outputs renamed."""
+        """The node itself, its present inputs and its outputs renamed.
+
+        Subgraphs read enclosing names as they were in the original model; each such name
+        that the export gave another name is defined again, by an ``Identity``.
+        """
         import onnx
 
         proto = onnx.NodeProto.FromString(self.proto)
+        present = [x for x in proto.input if x]
+        exported = dict(zip(present + list(self.outer), inputs, strict=True))
+        for original in _outer_names(proto):
+            name = exported.get(original)
+            if name is not None and name != original and original not in ctx.types:
+                ctx.node("Identity", [name], [original])
+                ctx.types[original] = ctx.types[name]
         it = iter(inputs)
         new_in = [next(it) if x else "" for x in proto.input]
         del proto.input[:]
@@ -330,12 +347,38 @@ class OnnxNode(OpaqueOp):
 SESSION_CACHE = 256
 
 
+def _outer_names(proto) -> list[str]:
+    """Names that a node's subgraphs read from enclosing graphs, in first-use order."""
+    from onnx import AttributeProto
+
+    found: dict[str, None] = {}
+
+    def visit(graph, defined: set):
+        defined = defined | {i.name for i in graph.input} | {i.name for i in graph.initializer}
+        for n in graph.node:
+            for name in n.input:
+                if name and name not in defined:
+                    found.setdefault(name)
+            for a in n.attribute:
+                for g in ([a.g] if a.type == AttributeProto.GRAPH else
+                          list(a.graphs) if a.type == AttributeProto.GRAPHS else []):
+                    visit(g, defined)
+            defined |= set(n.output)
+
+    for a in proto.attribute:
+        for g in ([a.g] if a.type == AttributeProto.GRAPH else
+                  list(a.graphs) if a.type == AttributeProto.GRAPHS else []):
+            visit(g, set())
+    return list(found)
+
+
 @functools.lru_cache(maxsize=SESSION_CACHE)
 def _session(op: OnnxNode, in_types: tuple, out_types: tuple):
     """An onnxruntime session running ``op`` alone, and the names of its present inputs.
 
     Absent optional inputs (empty names) are skipped: ``in_types`` has one type per
-    present input, in order.
+    present input, in order, then one per name in ``op.outer`` (graph inputs of the session,
+    so that the node's subgraphs find them).
     """
     import onnx
     import onnxruntime as ort
@@ -348,7 +391,7 @@ def _session(op: OnnxNode, in_types: tuple, out_types: tuple):
         return helper.make_tensor_value_info(
             name, helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)), list(t.shape))
 
-    ins = [info(n, t) for n, t in zip(names, in_types, strict=True)]
+    ins = [info(n, t) for n, t in zip(names + list(op.outer), in_types, strict=True)]
     outs = [info(n, t) for n, t in zip(proto.output, out_types, strict=True)]
     model = helper.make_model(helper.make_graph([proto], "opaque", ins, outs),
                               opset_imports=[helper.make_opsetid(d, v) for d, v in op.opsets],
@@ -500,8 +543,15 @@ def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tens
         raise ModelError(f"node {node.name or node.op_type!r} ({node.op_type}): output shapes "
                          "unknown after shape inference")
     opaque[node.op_type] = opaque.get(node.op_type, 0) + 1
-    call = OnnxNode(node.SerializeToString(), node.op_type, opsets, ir_version)
-    n = intern_node("opaque", (("call", call),), tuple(t for t in ins if t is not None),
+    explicit = set(node.input)
+    outer = tuple(x for x in _outer_names(node) if x not in explicit)
+    missing = [x for x in outer if x not in env]
+    if missing:
+        raise ModelError(f"node {node.name or node.op_type!r} ({node.op_type}): its subgraph "
+                         f"reads {missing[0]!r}, which no enclosing graph defines")
+    call = OnnxNode(node.SerializeToString(), node.op_type, opsets, ir_version, outer)
+    n = intern_node("opaque", (("call", call),),
+                    tuple(t for t in ins if t is not None) + tuple(env[x] for x in outer),
                     tuple(out_types))
     return list(n.outputs)
 
