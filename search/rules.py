@@ -103,9 +103,7 @@ class Substitution:
         It hashes the variables, both patterns and the output pairs in their rule-file form,
         so it does not depend on the name, the provenance, or the order of generation.
         """
-        content = {k: v for k, v in self.to_json(with_id=False).items()
-                   if k in ("variables", "source", "target", "outputs")}
-        text = json.dumps(content, sort_keys=True, separators=(",", ":"))
+        text = json.dumps(self._content(), sort_keys=True, separators=(",", ":"))
         return "r" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
     @cached_property
@@ -132,15 +130,18 @@ class Substitution:
                 visit(v)
         return frozenset(names)
 
-    def to_json(self, with_id: bool = True) -> dict:
-        """JSON-ready dict: the rule-file form (strings for references and symbols)."""
+    def _content(self) -> dict:
+        """What the rule is, in its rule-file form: variables, both patterns, outputs."""
         def nodes(ns):
             return [{"op": n.op, "attrs": {k: attr_to_json(v) for k, v in n.attrs},
                      "inputs": [str(r) for r in n.inputs]} for n in ns]
-        return {**({"id": self.id} if with_id else {}), "name": self.name, "law": self.law,
-                "variables": {k: list(v) for k, v in self.variables},
+        return {"variables": {k: list(v) for k, v in self.variables},
                 "source": nodes(self.source), "target": nodes(self.target),
-                "outputs": [[str(s), str(t)] for s, t in self.outputs],
+                "outputs": [[str(s), str(t)] for s, t in self.outputs]}
+
+    def to_json(self) -> dict:
+        """JSON-ready dict: the rule-file form (strings for references and symbols)."""
+        return {"id": self.id, "name": self.name, "law": self.law, **self._content(),
                 "provenance": self.provenance}
 
     @staticmethod
