@@ -212,10 +212,11 @@ def declare(op: OpDef) -> OpDef:
 def onnx_importer(*op_types: str):
     """Register ``fn(ctx, node_inputs, **onnx_attrs) -> list of outputs`` for ONNX op types.
 
-    ``ctx`` is duck-typed (see ``taso_jax.frontends.onnx_io``): ``ctx.op(name, inputs, **attrs)``
-    creates a node, ``ctx.const(tensor)`` returns a weight's value or ``None``,
-    ``ctx.weight(array)`` makes a new weight, ``ctx.type(tensor)`` gives its TensorType,
-    ``ctx.out_types`` the ONNX-inferred output types and ``ctx.opset`` the model's opset.
+    ``ctx`` is a ``taso_jax.frontends.context.ImportContext``, the same for every front door:
+    ``ctx.op(name, inputs, **attrs)`` creates a node, ``ctx.const(tensor)`` returns a
+    constant's value or ``None``, ``ctx.weight(array)`` makes a new weight,
+    ``ctx.type(tensor)`` gives its TensorType, ``ctx.out_types`` the ONNX-inferred output
+    types, ``ctx.opset`` the model's opset and ``ctx.source_op`` the op type being imported.
     """
 
     def register(fn):
@@ -231,9 +232,10 @@ def jaxpr_importer(*primitives: str):
 
     ``primitives`` are ``jax.extend.core.Primitive`` names as they appear in a jaxpr (``add``,
     ``conv_general_dilated``, ...); ``params`` are the equation's parameters. ``ctx`` is the
-    same duck type as for :func:`onnx_importer` (``op``, ``const``, ``weight``, ``type``,
-    ``out_types``) plus ``ctx.scalar(value, dtype)``. Returning ``None`` keeps the equation
-    as an opaque node that binds the original primitive (``taso_jax.frontends.jaxpr_io``).
+    same ``ImportContext`` as for :func:`onnx_importer` (``ctx.source_op`` is the primitive's
+    name; ``ctx.scalar(value, dtype)``, ``ctx.transpose`` and ``ctx.reshape`` help). Returning
+    ``None`` keeps the equation as an opaque node that binds the original primitive
+    (``taso_jax.frontends.jaxpr_io``).
     """
 
     def register(fn):
