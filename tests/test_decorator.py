@@ -257,3 +257,33 @@ def test_export_refuses_opaque_jax_primitives():
     g = taso_jax.from_jax(lambda x: jnp.sort(x), jnp.ones(4))
     with pytest.raises(ValueError, match="'sort' has no ONNX mapping"):
         taso_jax.export_onnx(g)
+
+
+def test_an_unchanged_function_runs_jax_jit_of_the_original():
+    # nothing to rewrite and no weight-only work: the optimized path would only add work
+    @taso_jax.optimize(**OPTS)
+    def f(x, y):
+        return jnp.tanh(x) * y
+
+    x, y = jnp.ones((2, 3)), jnp.full((2, 3), 2.0)
+    np.testing.assert_allclose(f(x, y), np.tanh(1.0) * 2.0, rtol=1e-6)
+    assert f.original_kept == "the search changed nothing" and f.fallback_reason is None
+    assert "running jax.jit of the original function" in f.report(time=False)
+
+
+def test_the_optimized_function_must_beat_jax_jit_of_the_original_when_timed(monkeypatch):
+    import taso_jax.frontends.decorator as decorator
+
+    # with timing on, a function the search did change is still measured against jax.jit
+    # of the original; here the optimized run is made to look slow, so the original runs
+    monkeypatch.setattr(decorator, "NOISE", 1e9)
+
+    @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]  # x@a + x@b => x@(a+b): a rewrite the search makes
+
+    w = {"a": jnp.ones((4, 5)), "b": jnp.ones((4, 5))}
+    x = jnp.ones((3, 4))
+    np.testing.assert_allclose(cell(w, x), 8.0 * np.ones((3, 5)), rtol=1e-6)
+    assert cell.original_kept.startswith("jax.jit of the original is as fast")
+    assert cell.optimized_graph.op_counts() != cell.graph.op_counts()

@@ -52,6 +52,13 @@ from taso_jax.search.options import OptimizeOptions, search_graph
 
 __all__ = ["OptimizedFunction", "optimize_function"]
 
+#: The optimized function must beat ``jax.jit`` of the original by this factor (medians) to
+#: be used; identical graphs time up to ~10% apart on a loaded 2-core CPU.
+NOISE = 1.05
+#: Interleaved runs of each when the optimized function is timed against the original.
+BASELINE_REPEATS = 15
+
+
 class _Fallback(Exception):
     """Internal: the optimized pipeline failed for this signature."""
 
@@ -70,6 +77,7 @@ class _Entry:
     weight_slots: list = field(default_factory=list)  # per weight name: leaf index or None
     constants: dict = field(default_factory=dict)
     fallback: str | None = None
+    original_kept: str | None = None  # why jax.jit of the original runs (no fallback: a choice)
     report: dict = field(default_factory=dict)
     folded_for: tuple = ()  # (weight leaves kept alive, folded values)
     last_call: tuple | None = None  # (arguments, array leaves) of the last concrete call
@@ -203,7 +211,7 @@ class OptimizedFunction:
         return entry
 
     def _execute(self, entry: _Entry, leaves, kinds, concrete: bool = False):
-        if entry.fallback is not None:
+        if entry.fallback is not None or entry.original_kept is not None:
             return entry.jit_original(*leaves)
         weights = [x for x, k in zip(leaves, kinds, strict=True) if k == "weight"]
         inputs = [x for x, k in zip(leaves, kinds, strict=True) if k == "input"]  # noqa
@@ -289,6 +297,49 @@ class OptimizedFunction:
                                 f"{check['max_abs_err']:.3g}); substitutions applied: "
                                 f"{sorted(result.applied)}")
             entry.folded_for = ()
+        entry.original_kept = self._keep_original(entry, traced, result)
+        entry.report["original_kept"] = entry.original_kept
+
+    def _keep_original(self, entry: _Entry, traced: TracedFunction, result) -> str | None:
+        """Why ``jax.jit`` of the original function should run instead, or ``None``.
+
+        The baseline is what the user would run. With ``end_to_end > 0`` both are timed in
+        one loop, interleaved, on the traced arguments, and the optimized function must be
+        faster by more than :data:`NOISE` (medians); with ``end_to_end=0``, a graph that the
+        search left unchanged and that has no weight-only work to fold runs the original.
+        """
+        graph = entry.graph
+        if self.options.end_to_end == 0:
+            unchanged = result.graph.key == graph.key and not any(
+                n.weight_only and n.op != "weight" for n in graph.nodes)
+            return "the search changed nothing" if unchanged else None
+        if any(_is_tracer(x) for x in traced.leaves):
+            return None  # called under a transformation: nothing concrete to time
+        leaves, kinds = traced.leaves, traced.kinds
+        weights = [x for x, k in zip(leaves, kinds, strict=True) if k == "weight"]
+        inputs = [x for x, k in zip(leaves, kinds, strict=True) if k == "input"]
+        folded = entry.fold([entry.constants[slot] if isinstance(slot, str) else weights[slot]
+                             for slot in entry.weight_slots])
+
+        def original():
+            return entry.jit_original(*leaves)
+
+        def optimized():
+            return entry.run(folded, *inputs)
+
+        for f in (original, optimized, original, optimized):
+            jax.block_until_ready(f())
+        ta, tb = [], []
+        for _ in range(BASELINE_REPEATS):
+            ta += time_function(original, repeats=1, warmup=0)
+            tb += time_function(optimized, repeats=1, warmup=0)
+        a, b = float(np.median(ta)), float(np.median(tb))
+        entry.report["baseline"] = {"jit_us": a, "optimized_us": b,
+                                    "repeats": BASELINE_REPEATS, "device": device_name()}
+        if b * NOISE < a:
+            return None
+        return (f"jax.jit of the original is as fast or faster: {a:.1f} us against {b:.1f} us "
+                f"optimized (medians of {BASELINE_REPEATS}, interleaved)")
 
     # ---- inspection ---------------------------------------------------------------------
 
@@ -308,6 +359,15 @@ class OptimizedFunction:
         """The optimized graph for the last call's signature."""
         e = self._entry()
         return e.result.graph if e.result is not None else None
+
+    @property
+    def original_kept(self) -> str | None:
+        """Why the last call's signature runs ``jax.jit`` of the original by choice, or None.
+
+        The optimized function was not faster than ``jax.jit`` of the original, or the
+        search changed nothing; ``None`` when the optimized function runs.
+        """
+        return self._entry().original_kept
 
     @property
     def fallback_reason(self) -> str | None:
@@ -362,6 +422,9 @@ class OptimizedFunction:
             return (f"{_fn_name(self.fn)}: not optimized, running jax.jit of the original "
                     f"function ({e.fallback})")
         r = dict(e.report)
+        if e.original_kept:
+            r["notes"] = [*r.get("notes", []),
+                          f"running jax.jit of the original function: {e.original_kept}"]
         if time and e.last_call is not None:
             r["time"] = self.measure(repeats)
         return format_report(r)
