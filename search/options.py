@@ -40,6 +40,9 @@ class OptimizeOptions:
             path, or ``None`` for the shipped set.
         allow_unverified: also use rules the verifier has not proved (by default they are
             left out with a ``UserWarning``; TASO, Section 4: only verified rules are sound).
+        trust_proofs: take the proof stamps of a rule file as they are. By default the front
+            doors prove a rule file's rules again (cached by the file's hash:
+            :func:`taso_jax.verify.runner.load_proved_rules`); the shipped set is trusted.
         end_to_end: how many of the cheapest graphs are timed under ``jax.jit``, with the
             input, to keep the fastest (never slower than the input beyond noise); 0 trusts
             the cost model.
@@ -55,6 +58,7 @@ class OptimizeOptions:
     substitutions: Any = field(default=None, compare=False)
     allow_unverified: bool = False
     end_to_end: int = 4
+    trust_proofs: bool = False
 
     def __post_init__(self):
         checks = [("alpha", self.alpha >= 1.0, ">= 1"), ("budget", self.budget >= 0, ">= 0"),
@@ -96,7 +100,10 @@ class OptimizeOptions:
         return get_cost_model(cm) if isinstance(cm, str) else cm
 
     def load_rules(self) -> list[Substitution]:
-        """Every rule these options name (proved or not).
+        """Every rule these options name (proved or not), stamps as they are in the file.
+
+        The front doors use :func:`taso_jax.verify.runner.rules_for`, which proves a rule
+        file's rules again.
 
         Raises:
             ValueError: the rule file is not a substitution file.

@@ -19,13 +19,13 @@ jaxpr, decorator) and the command line ``taso_jax.cli``.
 
 from __future__ import annotations
 
-from taso_jax.api import optimize
+from taso_jax.api import optimize, search_graph
 from taso_jax.frontends.jaxpr_io import from_jax
 from taso_jax.frontends.onnx_io import ModelError, export_onnx, load_onnx
 from taso_jax.ir.executor import compile_graph, random_inputs
 from taso_jax.ir.graph import Graph, GraphBuilder, GraphError, Node, Tensor, new_graph
 from taso_jax.ops import OPS, ShapeError
-from taso_jax.search.options import OptimizeOptions, search_graph
+from taso_jax.search.options import OptimizeOptions
 from taso_jax.search.rules import (
     Substitution,
     default_substitutions,

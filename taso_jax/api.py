@@ -4,9 +4,23 @@ from __future__ import annotations
 
 from taso_jax.frontends.decorator import optimize_function
 from taso_jax.ir.graph import Graph, GraphBuilder
-from taso_jax.search.options import search_graph
+from taso_jax.search import options as _options
+from taso_jax.verify.runner import rules_for
 
-__all__ = ["optimize"]
+__all__ = ["optimize", "search_graph"]
+
+
+def search_graph(graph, options: _options.OptimizeOptions | None = None, *, progress=None,
+                 **changes):
+    """:func:`taso_jax.search.options.search_graph`, with a rule file's proofs checked.
+
+    A ``substitutions`` rule file path is read with
+    :func:`taso_jax.verify.runner.load_proved_rules`: its rules are proved again unless
+    ``trust_proofs=True``. Arguments, result and errors are those of
+    :func:`taso_jax.search.options.search_graph`.
+    """
+    opts = (options or _options.OptimizeOptions()).replace(**changes)
+    return _options.search_graph(graph, opts, progress=progress, substitutions=rules_for(opts))
 
 
 def optimize(graph=None, **options):

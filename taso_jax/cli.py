@@ -104,6 +104,7 @@ def _optimize(args) -> int:
     from taso_jax.report import check_onnx, format_report, measure_speed, search_report
     from taso_jax.search.cost import get_cost_model
     from taso_jax.search.options import OptimizeOptions, search_graph
+    from taso_jax.verify.runner import rules_for
 
     notes = []
     if args.model is None:
@@ -150,7 +151,9 @@ def _optimize(args) -> int:
     except ValueError as e:
         raise UsageError("--" + str(e).replace("_", "-")) from e
     try:
-        subs = options.replace(substitutions=args.substitutions).load_rules()
+        options = options.replace(substitutions=args.substitutions,
+                                  trust_proofs=args.trust_proofs)
+        subs = rules_for(options)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise UsageError(f"{args.substitutions}: not a valid substitution file ({e})") from e
     from tqdm import tqdm
@@ -421,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-cost-cache", action="store_true",
                    help="measure kernels afresh, without the SQLite cache in the user cache dir")
     o.add_argument("--substitutions", help="substitution JSON file (default: shipped set)")
+    o.add_argument("--trust-proofs", action="store_true",
+                   help="take a --substitutions file's proof stamps as they are (default: "
+                        "prove its rules again, once per file content; the shipped set is "
+                        "trusted)")
     o.add_argument("--allow-unverified", action="store_true",
                    help="also apply substitutions that are not proved (labelled in the report)")
     o.add_argument("--repeats", type=_positive_int, default=30,

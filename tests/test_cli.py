@@ -109,10 +109,11 @@ def test_bad_input_exit_code_2(tmp_path, case):
     assert not (tmp_path / "m.opt.onnx").exists()
 
 
-def test_wrong_substitution_is_caught_and_nothing_written(tmp_path, capsys):
+def test_wrong_substitution_is_caught_and_nothing_written(tmp_path, capsys, monkeypatch):
     """A deliberately wrong rule, relu(a) => a, looks profitable to any cost model. It is
     not proved, so the search leaves it out by default; allowed in anyway, the output check
     (onnxruntime on both models) must refuse the result and write nothing."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the proof cache
     bad = Substitution("wrong_drop_relu", (("a", ("N", "C", "H", "W")),),
                        (PNode("relu", (), ("a",)),), (), (("#0", "a"),),
                        {"method": "hand-written, deliberately wrong"})
@@ -209,8 +210,8 @@ def test_output_check_compares_infinities_complex_and_integers_exactly():
     assert compare_outputs([tiny + 1e-8], [tiny], atol=1e-7)["ok"]
 
 
-def test_a_wrong_rule_stamped_proved_is_caught_by_the_check_at_large_inputs(tmp_path, capsys):
-    # clip(x, -6, 6) => x holds for N(0, 1) inputs (|x| < 6 almost surely), not at x100
+def _clip_model_and_wrong_rule(tmp_path):
+    """A Clip(-6, 6) then Relu model, and a file with clip(x) => x stamped proved by hand."""
     from onnx import TensorProto, helper, numpy_helper, save
 
     lo, hi = (numpy_helper.from_array(np.array(v, np.float32), n)
@@ -228,9 +229,28 @@ def test_a_wrong_rule_stamped_proved_is_caught_by_the_check_at_large_inputs(tmp_
                          (PNode("clip", clip.attrs, ("a",)),), (), (("#0", "a"),),
                          {"proof": {"status": "proved", "axioms": ["stamped by hand"]}})
     save_substitutions([wrong], tmp_path / "rules.json")
+    return src, tmp_path / "rules.json"
+
+
+def test_a_rule_file_is_proved_again_so_a_hand_stamped_wrong_rule_is_left_out(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the proof cache
+    src, rules = _clip_model_and_wrong_rule(tmp_path)
     out = tmp_path / "o.onnx"
-    code = main(["optimize", str(src), "-o", str(out), "--substitutions",
-                 str(tmp_path / "rules.json"), *FAST, "--no-time", "--end-to-end", "0"])
+    with pytest.warns(UserWarning, match="1 of 1 substitutions are not proved"):
+        code = main(["optimize", str(src), "-o", str(out), "--substitutions", str(rules),
+                     *FAST, "--no-time", "--end-to-end", "0"])
+    text = capsys.readouterr().out
+    assert code == 0 and "substitutions applied: none" in text
+    assert list((tmp_path / "cache").rglob("*.json")), "the proofs are cached by file hash"
+
+
+def test_a_trusted_wrong_rule_is_caught_by_the_check_at_large_inputs(tmp_path, capsys):
+    # clip(x, -6, 6) => x holds for N(0, 1) inputs (|x| < 6 almost surely), not at x100
+    src, rules = _clip_model_and_wrong_rule(tmp_path)
+    out = tmp_path / "o.onnx"
+    code = main(["optimize", str(src), "-o", str(out), "--substitutions", str(rules),
+                 "--trust-proofs", *FAST, "--no-time", "--end-to-end", "0"])
     captured = capsys.readouterr()
     assert code == 1 and not out.exists()
     assert "MISMATCH at x100" in captured.out and "wrong_drop_clip" in captured.err

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from taso_jax.search.rules import Substitution
 
-__all__ = ["verify_substitutions"]
+__all__ = ["verify_substitutions", "load_proved_rules", "rules_for"]
 
 _PROVER = None
 
@@ -83,3 +83,58 @@ def verify_substitutions(subs: Sequence[Substitution], timeout_ms: int = 2000,
     stats = {"counts": {k: counts.get(k, 0) for k in ("proved", "unproved", "unknown")},
              "seconds": round(time.perf_counter() - t0, 1), "axioms": len(all_axioms())}
     return stamped, stats
+
+
+def load_proved_rules(path, trust_proofs: bool = False, timeout_ms: int = 2000,
+                      cache_dir: str | None = None) -> list[Substitution]:
+    """Read a rule file and prove its rules again, unless told to trust their stamps.
+
+    A proof stamp in a file that did not ship with the package is a claim, not a proof (a
+    hand-edited ``clip(x) => x`` can say "proved"): every rule is proved again from the
+    axioms (:func:`verify_substitutions`) and carries the new stamp, so the search leaves
+    out whatever is not proved. The result is cached by the file's content hash (SHA-256)
+    under ``<user cache dir>/taso_jax/proofs/`` (or ``cache_dir``), so a file is proved
+    once. ``trust_proofs`` keeps the file's own stamps.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError, KeyError, TypeError: the file is not a valid substitution file.
+    """
+    import hashlib
+    from pathlib import Path
+
+    from taso_jax.search.rules import load_substitutions, save_substitutions
+
+    data = Path(path).read_bytes()
+    subs = load_substitutions(path)
+    if trust_proofs:
+        return subs
+    if cache_dir is None:
+        import platformdirs
+
+        cache_dir = os.path.join(platformdirs.user_cache_dir("taso_jax"), "proofs")
+    cached = Path(cache_dir) / f"{hashlib.sha256(data).hexdigest()}-{timeout_ms}.json"
+    if cached.is_file():
+        try:
+            return load_substitutions(cached)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged cache entry is proved again below
+    stamped, _ = verify_substitutions(subs, timeout_ms=timeout_ms)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        save_substitutions(stamped, cached)
+    except OSError:
+        pass  # no cache: the proofs are redone next time
+    return stamped
+
+
+def rules_for(options) -> list[Substitution]:
+    """The rules an :class:`~taso_jax.search.options.OptimizeOptions` names, proofs checked.
+
+    A rule file path is read with :func:`load_proved_rules` (its proofs redone unless
+    ``options.trust_proofs``); the shipped set and lists of rules are taken as they are.
+    """
+    subs = options.substitutions
+    if isinstance(subs, str) or hasattr(subs, "__fspath__"):
+        return load_proved_rules(subs, trust_proofs=options.trust_proofs)
+    return options.load_rules()

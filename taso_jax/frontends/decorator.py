@@ -49,6 +49,7 @@ from taso_jax.ir.graph import Graph
 from taso_jax.report import compare_outputs, format_report, search_report
 from taso_jax.search.choose import device_name
 from taso_jax.search.options import OptimizeOptions, search_graph
+from taso_jax.verify.runner import rules_for
 
 __all__ = ["OptimizedFunction", "optimize_function"]
 
@@ -266,7 +267,7 @@ class OptimizedFunction:
         graph = traced.to_graph(_fn_name(self.fn))
         leaves, kinds, paths = traced.leaves, traced.kinds, traced.paths
         opts = self.options
-        subs = opts.load_rules()
+        subs = rules_for(opts)
         result = search_graph(graph, opts, substitutions=subs)
         staged = StagedGraph(result.graph)
         weight_index = {p: j for j, p in enumerate(
