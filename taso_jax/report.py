@@ -174,9 +174,12 @@ def format_report(r: dict) -> str:
                  f"{c['after_us']:.1f} us ({c['before_us'] / max(c['after_us'], 1e-9):.2f}x)")
     if r.get("time"):
         t = r["time"]
-        lines.append(f"measured time ({t['device']}, jax.jit, median of {t['repeats']}): "
-                     f"{t['before_us']:.1f} us -> {t['after_us']:.1f} us "
-                     f"({t['speedup']:.2f}x)")
+        head = f"measured time ({t['device']}, jax.jit, median of {t['repeats']}): "
+        if r.get("applied"):
+            lines.append(head + f"{t['before_us']:.1f} us -> {t['after_us']:.1f} us "
+                         f"({t['speedup']:.2f}x)")
+        else:  # the same graph twice: a ratio would only show the noise
+            lines.append(head + f"{t['before_us']:.1f} us, unchanged")
     s = r["search"]
     lines.append(f"search: {s['seconds']:.1f} s, {s['iterations']} graphs expanded, "
                  f"{s['explored']} explored, stopped: {s['stopped']}, "
