@@ -100,7 +100,7 @@ def _optimize(args) -> int:
     import onnx
 
     from taso_jax._io import atomic_write
-    from taso_jax.frontends.onnx_io import export_onnx, load_onnx
+    from taso_jax.frontends.onnx_io import ModelError, export_onnx, load_onnx
     from taso_jax.report import check_onnx, format_report, measure_speed, search_report
     from taso_jax.search.cost import get_cost_model
     from taso_jax.search.options import OptimizeOptions, search_graph
@@ -171,7 +171,17 @@ def _optimize(args) -> int:
     if not args.no_time:
         report["time"] = measure_speed(graph, result.graph, repeats=args.repeats)
     optimized = export_onnx(result.graph)
-    onnx.checker.check_model(optimized, full_check=True)
+    try:
+        onnx.checker.check_model(optimized, full_check=True)
+    except Exception as e:
+        if original_bytes is not None:  # is the input itself inconsistent?
+            try:
+                onnx.checker.check_model(onnx.load_from_string(original_bytes),
+                                         full_check=True)
+            except Exception as orig:
+                raise ModelError(f"{name}: the model fails ONNX's full check "
+                                 f"({str(orig).splitlines()[0][:200]})") from orig
+        raise e
     reference = original_bytes or export_onnx(graph).SerializeToString()
     report["check"] = check_onnx(reference, optimized.SerializeToString(), graph,
                                  rtol=args.rtol, atol=args.atol)

@@ -43,14 +43,14 @@ def compare_onnx(original, optimized, inputs: dict, rtol: float = RTOL,
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    s0 = ort.InferenceSession(original, so, providers=["CPUExecutionProvider"])
     try:
+        s0 = ort.InferenceSession(original, so, providers=["CPUExecutionProvider"])
         reference = s0.run(None, inputs)
     except Exception as e:  # the user's model itself, not ours: bad input for this check
         shapes = ", ".join(f"{k}={list(np.shape(v))}" for k, v in inputs.items())
         raise ModelError(f"the original model does not run in onnxruntime on random inputs "
-                         f"({shapes}): {str(e).splitlines()[0][:200]}; give the sizes it "
-                         "expects with --input-shape") from e
+                         f"({shapes}): {str(e).splitlines()[0][:200]} (if it expects other "
+                         "sizes, give them with --input-shape)") from e
     try:
         s1 = ort.InferenceSession(optimized, so, providers=["CPUExecutionProvider"])
         actual = s1.run(None, inputs)

@@ -270,3 +270,57 @@ def test_a_model_whose_own_rounding_noise_exceeds_the_tolerance_is_judged_agains
     text = capsys.readouterr().out
     assert code == 0 and out.exists(), text
     assert "the model's own rounding noise" in text
+
+
+def _malformed(case: str, path):
+    """One awkward or malformed model, made here (issue 13's list)."""
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    relu = helper.make_node("Relu", ["x"], ["y"])
+    opsets, inits, ins, outs, nodes = [("", 17)], [], [x], [y], [relu]
+    if case == "no_outputs":
+        outs = []
+    elif case == "custom_domain":
+        nodes = [helper.make_node("MyOp", ["x"], ["y"], domain="com.example")]
+        opsets.append(("com.example", 1))
+    elif case == "bf16":
+        ins = [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, 3])]
+        outs = [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2, 3])]
+    elif case == "duplicate_node_names":
+        nodes = [helper.make_node("Relu", ["x"], ["a"], name="n"),
+                 helper.make_node("Relu", ["a"], ["y"], name="n")]
+    elif case == "initializer_disagrees":
+        inits = [numpy_helper.from_array(np.ones((4, 4), np.float32), "w")]
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["y"])]
+    elif case == "sequence_input":
+        ins = [helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [2, 3]),
+               helper.make_tensor_value_info("i", TensorProto.INT64, [])]
+        nodes = [helper.make_node("SequenceAt", ["s", "i"], ["y"])]
+    save(helper.make_model(helper.make_graph(nodes, "g", ins, outs, inits),
+                           opset_imports=[helper.make_opsetid(d, v) for d, v in opsets],
+                           ir_version=10), path)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no_outputs", "the graph has no outputs"),
+    ("custom_domain", "does not run in onnxruntime"),
+    ("bf16", "does not run in onnxruntime"),
+    ("duplicate_node_names", "does not run in onnxruntime"),
+    ("initializer_disagrees", "fails ONNX's full check"),
+    ("sequence_input", "input 's' is a sequence, not a tensor"),
+])
+def test_a_malformed_model_gets_one_line_exit_2_and_nothing_written(tmp_path, capsys, case,
+                                                                     message):
+    src = tmp_path / "m.onnx"
+    _malformed(case, src)
+    before = src.read_bytes()
+    out = tmp_path / "o.onnx"
+    assert main(["optimize", str(src), "-o", str(out), *FAST, "--no-time",
+                 "--end-to-end", "0"]) == 2
+    text = capsys.readouterr().err
+    err = [ln for ln in text.splitlines() if ln.startswith("taso-jax:")]
+    assert len(err) == 1 and err[0].startswith("taso-jax: error:") and message in err[0], err
+    assert "Traceback" not in text
+    assert src.read_bytes() == before and not out.exists()

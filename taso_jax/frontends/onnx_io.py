@@ -446,6 +446,8 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         onnx.checker.check_model(model)
     except Exception as e:
         raise ModelError(f"{where}: invalid ONNX model ({str(e).splitlines()[0]})") from e
+    if not model.graph.output:
+        raise ModelError(f"{where}: the graph has no outputs")
     model_copy = onnx.ModelProto()
     model_copy.CopyFrom(model)
     model = model_copy
@@ -475,6 +477,10 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     for inp in g.input:
         if inp.name in env:
             continue
+        if not inp.type.HasField("tensor_type") or inp.name not in types:
+            kind = inp.type.WhichOneof("value") or "untyped"
+            raise ModelError(f"{where}: input {inp.name!r} is a {kind.replace('_type', '')}, "
+                             "not a tensor; only tensor inputs are supported")
         node = leaf_node("input", inp.name, types[inp.name])
         inputs.append(node)
         env[inp.name] = node.outputs[0]
