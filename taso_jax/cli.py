@@ -101,7 +101,13 @@ def _optimize(args) -> int:
 
     from taso_jax._io import atomic_write
     from taso_jax.frontends.onnx_io import ModelError, export_onnx, load_onnx
-    from taso_jax.report import check_onnx, format_report, measure_speed, search_report
+    from taso_jax.report import (
+        check_onnx,
+        format_report,
+        measure_speed,
+        reference_runs,
+        search_report,
+    )
     from taso_jax.search.cost import get_cost_model
     from taso_jax.search.options import OptimizeOptions, search_graph
     from taso_jax.verify.runner import rules_for
@@ -135,6 +141,7 @@ def _optimize(args) -> int:
         with open(args.model, "rb") as f:  # the reference for the output check
             original_bytes = f.read()
         notes += graph.meta.get("shape_notes", [])
+        references = reference_runs(original_bytes, graph)  # a model that fails, fails now
         if graph.meta.get("source_opset") != graph.meta.get("opset"):
             notes.append(f"converted from opset {graph.meta['source_opset']} to "
                          f"{graph.meta['opset']}")
@@ -183,14 +190,16 @@ def _optimize(args) -> int:
                                  f"({str(orig).splitlines()[0][:200]})") from orig
         raise e
     reference = original_bytes or export_onnx(graph).SerializeToString()
+    if original_bytes is None:
+        references = reference_runs(reference, graph)
     report["check"] = check_onnx(reference, optimized.SerializeToString(), graph,
-                                 rtol=args.rtol, atol=args.atol)
+                                 rtol=args.rtol, atol=args.atol, references=references)
     if not report["check"]["ok"]:
         # Is it the rewrites, or the model's own rounding noise? The input graph, exported
         # without any rewrite, measures the noise of import and export alone.
         noise = report["check"] if result.graph.key == graph.key else check_onnx(
             reference, export_onnx(graph).SerializeToString(), graph, rtol=args.rtol,
-            atol=args.atol)
+            atol=args.atol, references=references)
         err = report["check"]["max_abs_err"]
         if not noise["ok"] and np.isfinite(err) and err <= 2 * noise["max_abs_err"]:
             report["check"].update(ok=True, noise_floor=noise["max_abs_err"])

@@ -10,8 +10,8 @@ from taso_jax.ir.graph import Graph
 from taso_jax.search.choose import device_name, time_graphs
 from taso_jax.search.options import OptimizeOptions
 
-__all__ = ["measure_speed", "compare_onnx", "check_onnx", "compare_outputs", "search_report",
-           "format_report", "RTOL", "ATOL", "CHECK_SCALES"]
+__all__ = ["measure_speed", "compare_onnx", "check_onnx", "reference_runs", "compare_outputs",
+           "search_report", "format_report", "RTOL", "ATOL", "CHECK_SCALES"]
 
 #: Outputs agree when ``|a - b| <= ATOL * max|b| + RTOL * |b|`` elementwise (float32 sums
 #: reassociate when convolutions are merged or batchnorm is folded).
@@ -30,36 +30,51 @@ def measure_speed(before: Graph, after: Graph, repeats: int = 30, seed: int = 0)
             "device": device_name(), "repeats": repeats}
 
 
-def compare_onnx(original, optimized, inputs: dict, rtol: float = RTOL,
-                 atol: float | None = None) -> dict:
-    """Run both ONNX models (bytes or paths) in onnxruntime on ``inputs``; compare outputs.
-
-    Returns what :func:`compare_outputs` returns.
-
-    Raises:
-        ModelError: the original model does not run on ``inputs``.
-    """
+def _session(model):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def _reference(original, inputs: dict) -> list:
+    """The original model's outputs on ``inputs``; a model that does not run is bad input."""
     try:
-        s0 = ort.InferenceSession(original, so, providers=["CPUExecutionProvider"])
-        reference = s0.run(None, inputs)
-    except Exception as e:  # the user's model itself, not ours: bad input for this check
+        return _session(original).run(None, inputs)
+    except Exception as e:  # the user's model itself, not ours
         shapes = ", ".join(f"{k}={list(np.shape(v))}" for k, v in inputs.items())
         raise ModelError(f"the original model does not run in onnxruntime on random inputs "
                          f"({shapes}): {str(e).splitlines()[0][:200]} (if it expects other "
                          "sizes, give them with --input-shape)") from e
+
+
+def _actual(optimized, inputs_list: list, reference_count: int, rtol, atol):
+    """The optimized model's outputs per input set, or the failed check if it cannot run."""
     try:
-        s1 = ort.InferenceSession(optimized, so, providers=["CPUExecutionProvider"])
-        actual = s1.run(None, inputs)
+        sess = _session(optimized)
+        return [sess.run(None, inputs) for inputs in inputs_list], None
     except Exception as e:  # ours: the check fails, and says why
-        return {"ok": False, "max_abs_err": float("inf"), "rtol": rtol,
-                "atol": f"{ATOL} x max|output|" if atol is None else atol,
-                "outputs": len(reference),
-                "error": f"the optimized model does not run: {str(e).splitlines()[0][:300]}"}
-    return compare_outputs(actual, reference, rtol, atol)
+        return None, {"ok": False, "max_abs_err": float("inf"), "rtol": rtol,
+                      "atol": f"{ATOL} x max|output|" if atol is None else atol,
+                      "outputs": reference_count,
+                      "error": "the optimized model does not run: "
+                               f"{str(e).splitlines()[0][:300]}"}
+
+
+def compare_onnx(original, optimized, inputs: dict, rtol: float = RTOL,
+                 atol: float | None = None) -> dict:
+    """Run both ONNX models (bytes or paths) in onnxruntime on ``inputs``; compare outputs.
+
+    Returns what :func:`compare_outputs` returns; a check that failed because the optimized
+    model does not run carries ``"error"``.
+
+    Raises:
+        ModelError: the original model does not run on ``inputs``.
+    """
+    reference = _reference(original, inputs)
+    actual, failed = _actual(optimized, [inputs], len(reference), rtol, atol)
+    return failed or compare_outputs(actual[0], reference, rtol, atol)
 
 
 #: Scales of the random inputs an output check runs at: N(0, 1), then x100 (a rewrite that is
@@ -67,28 +82,54 @@ def compare_onnx(original, optimized, inputs: dict, rtol: float = RTOL,
 CHECK_SCALES = (1.0, 100.0)
 
 
-def check_onnx(original, optimized, graph: Graph, rtol: float = RTOL,
-               atol: float | None = None, scales=CHECK_SCALES, seed: int = 1) -> dict:
-    """:func:`compare_onnx` at each input scale in ``scales``; ok only if every one is.
+def reference_runs(original, graph: Graph, scales=CHECK_SCALES, seed: int = 1
+                   ) -> list[tuple[float, dict, list]]:
+    """``(scale, inputs, outputs)`` of the original model at each input scale.
 
     Float inputs are N(0, 1) times the scale; integer and boolean inputs are not scaled.
-    Returns the comparison of the worst scale, with ``"scales"`` (the scales run) and
-    ``"failed_scale"`` (the first failing one, or ``None``).
+    Run before a long search, so that a model that does not run fails at once.
+
+    Raises:
+        ModelError: the original model does not run on these inputs.
     """
     base = dict(zip((n.name for n in graph.inputs), random_inputs(graph, seed=seed),
                     strict=True))
-    worst = None
+    runs = []
     for scale in scales:
         feeds = {k: (v * np.asarray(scale, v.dtype) if np.issubdtype(v.dtype, np.floating)
                      else v) for k, v in base.items()}
-        r = compare_onnx(original, optimized, feeds, rtol, atol)
+        runs.append((scale, feeds, _reference(original, feeds)))
+    return runs
+
+
+def check_onnx(original, optimized, graph: Graph, rtol: float = RTOL,
+               atol: float | None = None, scales=CHECK_SCALES, seed: int = 1,
+               references: list | None = None) -> dict:
+    """Compare the optimized model with the original at each input scale; ok if all are.
+
+    ``references`` are :func:`reference_runs` of the original when already made. Returns
+    the comparison of the worst scale, with ``"scales"`` (the scales run) and
+    ``"failed_scale"`` (the first failing one, or ``None``).
+
+    Raises:
+        ModelError: the original model does not run on the check's inputs.
+    """
+    runs = references if references is not None else reference_runs(original, graph,
+                                                                     scales, seed)
+    actual, failed = _actual(optimized, [feeds for _, feeds, _ in runs], len(runs[0][2]),
+                             rtol, atol)
+    if failed:
+        return {**failed, "failed_scale": runs[0][0], "scales": [s for s, _, _ in runs]}
+    worst = None
+    for (scale, _, reference), got in zip(runs, actual, strict=True):
+        r = compare_outputs(got, reference, rtol, atol)
         r["failed_scale"] = None if r["ok"] else scale
         if worst is None or (worst["ok"] and not r["ok"]) or (
                 r["ok"] == worst["ok"] and r["max_abs_err"] > worst["max_abs_err"]):
             worst = r
         if not r["ok"]:
             break
-    worst["scales"] = list(scales)
+    worst["scales"] = [s for s, _, _ in runs]
     return worst
 
 
