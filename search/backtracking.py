@@ -404,7 +404,9 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         cost_model: defaults to :class:`AnalyticCostModel`.
         alpha: relaxation factor (>= 1); TASO's default is 1.05.
         budget: maximum number of graphs expanded.
-        time_limit: maximum wall time in seconds.
+        time_limit: maximum wall time in seconds, kernel measurement included: a cost
+            model with a ``deadline`` (the measured one) prices kernels it has not measured
+            analytically once the time is up.
         progress: called as ``progress(iterations, best_cost)`` after each expansion.
         greedy: first apply every strictly cost-reducing rewrite (:func:`greedy_descent`,
             at most half the time limit), then search from there.
@@ -413,11 +415,28 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     Raises:
         ValueError: ``alpha < 1`` or a negative budget.
     """
+    cost_model = cost_model or AnalyticCostModel()
+    timed = hasattr(cost_model, "deadline")
+    before = cost_model.deadline if timed else None
+    if timed:
+        cost_model.deadline = time.perf_counter() + time_limit
+    try:
+        return _search(graph, substitutions, cost_model, alpha, budget, time_limit,
+                       progress, greedy, keep)
+    finally:
+        if timed:
+            cost_model.deadline = before
+
+
+def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
+            alpha: float, budget: int, time_limit: float,
+            progress: Callable[[int, float], None] | None, greedy: bool,
+            keep: int) -> SearchResult:
+    """The body of :func:`backtracking_search`."""
     if alpha < 1.0:
         raise ValueError(f"alpha must be >= 1, got {alpha}")
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    cost_model = cost_model or AnalyticCostModel()
     state = SearchState()
     t0 = time.perf_counter()
     cost0 = cost_model.graph_cost(graph)

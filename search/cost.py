@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import time
 import warnings
 from collections.abc import Iterable
 
@@ -166,6 +167,10 @@ class MeasuredCostModel(CostModel):
     """
 
     name = "measured"
+    #: ``time.perf_counter()`` after which a kernel not in the cache is priced by the
+    #: analytic model instead of measured (``None``: always measure). A search sets it, so
+    #: that measuring a large model's kernels cannot run past the search's time limit.
+    deadline: float | None = None
 
     def __init__(self, cache_path: str | bool | None = None, repeats: int = 15,
                  calibrate: bool = True):
@@ -178,6 +183,7 @@ class MeasuredCostModel(CostModel):
         self.calibrate = calibrate
         self._overhead: float | None = None
         self.measured = 0
+        self.estimated = 0  # kernels priced analytically because the deadline had passed
         self._db = None
         self._lock = threading.Lock()
         if cache_path is not False:
@@ -196,7 +202,13 @@ class MeasuredCostModel(CostModel):
             # Timed alone, an elementwise or layout operator would be charged a whole kernel;
             # under jax.jit it is fused into its neighbour, so only its arithmetic counts.
             return fused_cost(node, self._analytic.gflops)
-        micros = self._cached(self.key(node), lambda: self._measure(node))
+        key = self.key(node)
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            micros = self._lookup(key)
+            if micros is None:
+                self.estimated += 1
+                return self._analytic.node_cost(node)
+        micros = self._cached(key, lambda: self._measure(node))
         if not self.calibrate:
             return micros
         return max(micros - self.call_overhead_us, 0.0) + self._analytic.launch_us
@@ -208,21 +220,27 @@ class MeasuredCostModel(CostModel):
             self._overhead = self._cached("call_overhead", self._measure_overhead)
         return self._overhead
 
+    def _lookup(self, key: str) -> float | None:
+        """The cached raw median for ``key``, or ``None``."""
+        if self._db is None:
+            return None
+        try:
+            row = self._db.execute("SELECT micros FROM cost WHERE device=? AND key=?",
+                                   (self.device, key)).fetchone()
+        except sqlite3.Error as e:
+            self._drop_cache(e)
+            return None
+        return row[0] if row else None
+
     def _cached(self, key: str, measure) -> float:
         """The cached raw median for ``key``, measured (and stored) on a miss.
 
         A cache that fails while in use (a disk error, a file locked too long) is dropped
         with a warning: costs are then measured without it, never lost or wrong.
         """
-        if self._db is not None:
-            try:
-                row = self._db.execute("SELECT micros FROM cost WHERE device=? AND key=?",
-                                       (self.device, key)).fetchone()
-            except sqlite3.Error as e:
-                self._drop_cache(e)
-                row = None
-            if row:
-                return row[0]
+        cached = self._lookup(key)
+        if cached is not None:
+            return cached
         micros = measure()
         self.measured += 1
         if self._db is not None:

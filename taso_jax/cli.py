@@ -436,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--budget", type=int, default=d.budget,
                    help=f"graphs expanded at most ({d.budget})")
     o.add_argument("--time-limit", type=float, default=d.time_limit,
-                   help=f"search seconds at most ({d.time_limit:g})")
+                   help=f"seconds for the search, kernel measurement included ({d.time_limit:g})")
     o.add_argument("--cost-model", choices=["measured", "analytic"], default=d.cost_model,
                    help=f"kernels timed on this device (cached), or FLOPs and bytes "
                         f"({d.cost_model})")
@@ -497,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--budget", type=int, default=d.budget,
                    help=f"graphs expanded at most ({d.budget})")
     b.add_argument("--time-limit", type=float, default=d.time_limit,
-                   help=f"search seconds at most ({d.time_limit:g})")
+                   help=f"seconds for the search, kernel measurement included ({d.time_limit:g})")
     b.add_argument("--repeats", type=_positive_int, default=50,
                    help="timed runs per graph (50)")
     b.add_argument("--candidates", type=int, default=d.end_to_end,

@@ -261,3 +261,19 @@ def test_a_search_does_not_depend_on_searches_before_it():
     again = run("nasnet_a")
     assert again.graph.key == first.graph.key
     assert again.rejected == first.rejected and sum(first.rejected.values()) > 0
+
+
+def test_the_time_limit_bounds_kernel_measurement_too():
+    # Past the search's time limit, a kernel not yet measured is priced analytically instead
+    # of timed: a large model cannot spend minutes measuring before the search even starts.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from models import MODELS
+
+    g = MODELS["inception_v3"].build(**MODELS["inception_v3"].SMALL)
+    cm = MeasuredCostModel(cache_path=False, repeats=3)
+    r = backtracking_search(g, SUBS, cm, budget=5, time_limit=1e-6)
+    assert cm.measured == 0 and cm.estimated > 0
+    assert r.stopped == "time limit" and cm.deadline is None  # restored after the search
