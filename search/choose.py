@@ -14,7 +14,7 @@ from collections import Counter
 
 import numpy as np
 
-from taso_jax.ir.executor import compile_graph, random_inputs, time_function
+from taso_jax.ir.executor import compile_graph, random_inputs, time_interleaved
 from taso_jax.ir.graph import Graph
 
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest"]
@@ -52,13 +52,7 @@ def time_graphs(graphs: list[Graph], repeats: int = 50, warmup: int = 3,
             raise ValueError("time_graphs: the graphs do not have the same runtime inputs")
     xs = [jax.device_put(x) for x in random_inputs(graphs[0], seed)]
     fns = [compile_graph(g) for g in graphs]
-    for _ in range(warmup):
-        for f in fns:
-            jax.block_until_ready(f(*xs))
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for f, ts in zip(fns, times, strict=True):
-            ts += time_function(lambda f=f: f(*xs), repeats=1, warmup=0)
+    times = time_interleaved([lambda f=f: f(*xs) for f in fns], repeats, warmup)
     return [{"median_us": float(np.median(ts)), "min_us": float(np.min(ts)),
              "max_us": float(np.max(ts)), "repeats": repeats} for ts in times]
 

@@ -44,7 +44,7 @@ from taso_jax.frontends.jaxpr_io import (
     normalize_argnums,
     trace_function,
 )
-from taso_jax.ir.executor import StagedGraph, time_function
+from taso_jax.ir.executor import StagedGraph, time_interleaved
 from taso_jax.ir.graph import Graph
 from taso_jax.report import compare_outputs, format_report, search_report
 from taso_jax.search.choose import device_name
@@ -328,12 +328,7 @@ class OptimizedFunction:
         def optimized():
             return entry.run(folded, *inputs)
 
-        for f in (original, optimized, original, optimized):
-            jax.block_until_ready(f())
-        ta, tb = [], []
-        for _ in range(BASELINE_REPEATS):
-            ta += time_function(original, repeats=1, warmup=0)
-            tb += time_function(optimized, repeats=1, warmup=0)
+        ta, tb = time_interleaved([original, optimized], BASELINE_REPEATS)
         a, b = float(np.median(ta)), float(np.median(tb))
         entry.report["baseline"] = {"jit_us": a, "optimized_us": b,
                                     "repeats": BASELINE_REPEATS, "device": device_name()}
@@ -402,12 +397,7 @@ class OptimizedFunction:
         # Both are called the way a user calls them: pytrees in, pytrees out.
         orig = lambda: e.jit_original(*leaves)  # noqa: E731
         opt = lambda: self(*args)  # noqa: E731
-        for f in (orig, opt, orig, opt):
-            jax.block_until_ready(f())
-        ta, tb = [], []
-        for _ in range(repeats):
-            ta += time_function(orig, repeats=1, warmup=0)
-            tb += time_function(opt, repeats=1, warmup=0)
+        ta, tb = time_interleaved([orig, opt], repeats)
         a, b = float(np.median(ta)), float(np.median(tb))
         return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
                 "device": device_name(), "repeats": repeats}

@@ -20,7 +20,7 @@ from taso_jax.ir.graph import Graph, Node
 from taso_jax.ops import OPS
 
 __all__ = ["CompiledGraph", "StagedGraph", "compile_graph", "run_node", "time_function",
-           "random_inputs"]
+           "time_interleaved", "random_inputs"]
 
 
 def run_node(node: Node, args: Sequence) -> tuple:
@@ -147,6 +147,23 @@ def time_function(fn: Callable[[], object], repeats: int = 20, warmup: int = 2) 
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         times.append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
+def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
+                     warmup: int = 2) -> list[list[float]]:
+    """Wall times in microseconds of each ``fn()``, run round robin ``repeats`` times.
+
+    Each is warmed up first; interleaving makes machine noise hit all of them alike, so
+    their medians can be compared (a ratio taken in one loop).
+    """
+    for _ in range(warmup):
+        for fn in fns:
+            jax.block_until_ready(fn())
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times, strict=True):
+            ts += time_function(fn, repeats=1, warmup=0)
     return times
 
 
