@@ -104,6 +104,7 @@ def _optimize(args) -> int:
     from taso_jax.report import (
         check_onnx,
         format_report,
+        measure_onnxruntime,
         measure_speed,
         reference_runs,
         search_report,
@@ -211,6 +212,9 @@ def _optimize(args) -> int:
         print("taso-jax: error: optimized model's outputs differ from the original's; "
               f"nothing written; {applied}", file=sys.stderr)
         return 1
+    if not args.no_time and result.applied:
+        report["onnxruntime"] = measure_onnxruntime(reference, optimized.SerializeToString(),
+                                                    references[0][1])
     if args.output:
         atomic_write(args.output, lambda tmp: onnx.save(optimized, tmp))
         report["written"] = args.output

@@ -10,8 +10,9 @@ from taso_jax.ir.graph import Graph
 from taso_jax.search.choose import device_name, time_graphs
 from taso_jax.search.options import OptimizeOptions
 
-__all__ = ["measure_speed", "compare_onnx", "check_onnx", "reference_runs", "compare_outputs",
-           "search_report", "format_report", "RTOL", "ATOL", "CHECK_SCALES"]
+__all__ = ["measure_speed", "measure_onnxruntime", "compare_onnx", "check_onnx",
+           "reference_runs", "compare_outputs", "search_report", "format_report", "RTOL", "ATOL",
+           "CHECK_SCALES", "ONNXRUNTIME_WARN"]
 
 #: Outputs agree when ``|a - b| <= ATOL * max|b| + RTOL * |b|`` elementwise (float32 sums
 #: reassociate when convolutions are merged or batchnorm is folded).
@@ -28,6 +29,34 @@ def measure_speed(before: Graph, after: Graph, repeats: int = 30, seed: int = 0)
     a, b = ta["median_us"], tb["median_us"]
     return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
             "device": device_name(), "repeats": repeats}
+
+
+def measure_onnxruntime(original, optimized, inputs: dict, repeats: int = 20) -> dict:
+    """Median wall time in microseconds of both ONNX models in onnxruntime, same process.
+
+    What a user of the ONNX file runs: CPU execution provider, onnxruntime's default
+    threads, runs interleaved after warm-up. A rewrite that pays under XLA can cost in
+    onnxruntime (a grouped convolution made dense). Returns ``{"before_us", "after_us",
+    "speedup", "repeats"}``.
+    """
+    import time
+
+    sessions = [_session(original), _session(optimized)]
+    for sess in sessions * 2:
+        sess.run(None, inputs)
+    times: list[list[float]] = [[], []]
+    for _ in range(repeats):
+        for sess, ts in zip(sessions, times, strict=True):
+            t0 = time.perf_counter()
+            sess.run(None, inputs)
+            ts.append((time.perf_counter() - t0) * 1e6)
+    a, b = float(np.median(times[0])), float(np.median(times[1]))
+    return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
+            "repeats": repeats}
+
+
+#: A written model slower than this fraction of the original in onnxruntime is warned about.
+ONNXRUNTIME_WARN = 0.95
 
 
 def _session(model):
@@ -221,6 +250,15 @@ def format_report(r: dict) -> str:
                          f"({t['speedup']:.2f}x)")
         else:  # the same graph twice: a ratio would only show the noise
             lines.append(head + f"{t['before_us']:.1f} us, unchanged")
+    if r.get("onnxruntime"):
+        t = r["onnxruntime"]
+        lines.append(f"onnxruntime time (CPU, median of {t['repeats']}): "
+                     f"{t['before_us']:.1f} us -> {t['after_us']:.1f} us "
+                     f"({t['speedup']:.2f}x)")
+        if t["speedup"] < ONNXRUNTIME_WARN:
+            lines.append("WARNING: the written model runs slower than the original in "
+                         "onnxruntime: the rewrites were chosen for XLA (jax.jit); if you run "
+                         "the file in onnxruntime, keep the original")
     s = r["search"]
     lines.append(f"search: {s['seconds']:.1f} s, {s['iterations']} graphs expanded, "
                  f"{s['explored']} explored, stopped: {s['stopped']}, "

@@ -324,3 +324,25 @@ def test_a_malformed_model_gets_one_line_exit_2_and_nothing_written(tmp_path, ca
     assert len(err) == 1 and err[0].startswith("taso-jax: error:") and message in err[0], err
     assert "Traceback" not in text
     assert src.read_bytes() == before and not out.exists()
+
+
+def test_the_report_gives_onnxruntime_times_and_warns_when_the_file_is_slower_there(
+        tmp_path, capsys, monkeypatch):
+    import taso_jax.report as report
+
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+    args = ["--cost-model", "analytic", "--budget", "30", "-q", "--end-to-end", "0",
+            "--repeats", "3"]
+    assert main(["optimize", str(src), "-o", str(tmp_path / "o.onnx"), *args]) == 0
+    text = capsys.readouterr().out
+    assert "substitutions applied: none" not in text  # a rewrite was applied: it is timed
+    assert "onnxruntime time (CPU" in text
+
+    def slower(original, optimized, inputs, repeats=20):
+        return {"before_us": 100.0, "after_us": 200.0, "speedup": 0.5, "repeats": repeats}
+
+    monkeypatch.setattr(report, "measure_onnxruntime", slower)
+    assert main(["optimize", str(src), "-o", str(tmp_path / "o2.onnx"), *args]) == 0
+    text = capsys.readouterr().out
+    assert "WARNING: the written model runs slower than the original in onnxruntime" in text
