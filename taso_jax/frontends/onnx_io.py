@@ -117,22 +117,15 @@ def _shapes_fit(model) -> bool:
         sess = ort.InferenceSession(model.SerializeToString(), opts,
                                     providers=["CPUExecutionProvider"])
         feeds = {}
+        declared = {x.name: x.type.tensor_type for x in g.input}
         for i in sess.get_inputs():
-            dims = [d for d in next(x for x in g.input if x.name == i.name)
-                    .type.tensor_type.shape.dim]
-            shape = [d.dim_value for d in dims]
-            feeds[i.name] = np.zeros(shape, _ORT_TYPES.get(i.type, np.float32))
+            tt = declared[i.name]
+            feeds[i.name] = np.zeros([d.dim_value for d in tt.shape.dim],
+                                     _np_dtype(tt.elem_type))
         sess.run(None, feeds)
     except Exception:
         return False
     return True
-
-
-#: onnxruntime input type names -> NumPy dtypes, for the zeros a binding is tried on.
-_ORT_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64,
-              "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-              "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
-              "tensor(bool)": np.bool_}
 
 
 def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where: str
