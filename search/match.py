@@ -170,7 +170,7 @@ def find_matches(rule: Substitution, graph: Graph, state: MatchState | None = No
     """
     state = state if state is not None else MatchState()
     stats = state.rejected
-    shapes = dict(rule.variables)
+    shapes = rule.variable_shapes
     source = rule.source
     n_src = len(source)
     bound: list[Node | None] = [None] * n_src

@@ -107,6 +107,11 @@ class Substitution:
         return "r" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
     @cached_property
+    def variable_shapes(self) -> dict[str, tuple]:
+        """Variable name -> shape pattern (the matcher reads it for every candidate)."""
+        return dict(self.variables)
+
+    @cached_property
     def source_output_refs(self) -> frozenset[NodeRef]:
         """The source tensors that the rule replaces."""
         return frozenset(s for s, _ in self.outputs)
