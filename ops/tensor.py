@@ -188,12 +188,34 @@ def _reshape_shape(ts, *, shape):
     return [TensorType(tuple(shape), x.dtype)]
 
 
+def _reshape_to_onnx(ctx, ins, outs, *, shape):
+    """ONNX Reshape whose shape still holds at other sizes of the leading dimensions.
+
+    Output sizes equal to the input's at the same leading positions are written 0 (ONNX:
+    copy that size from the input), and a single size after them -1 (whatever is left), so
+    a model written with its batch size open reshapes right at any batch size. At the size
+    it was built for, the result is the same.
+    """
+    full = tuple(int(d) for d in shape)
+    try:
+        in_shape = ctx.shape(ins[0])
+    except KeyError:
+        in_shape = ()
+    out = list(full)
+    k = 0
+    while k < min(len(full), len(in_shape)) and full[k] == in_shape[k]:
+        out[k] = 0
+        k += 1
+    if len(full) - k == 1 and k > 0:
+        out[k] = -1
+    ctx.node("Reshape", [ins[0], ctx.const(_i64(out))], outs)
+
+
 declare(OpDef(
     name="reshape", ref=lambda x, *, shape: jnp.reshape(x, shape), shape=_reshape_shape, arity=1,
     fusible=True,
     attrs={"shape": ()},
-    to_onnx=lambda ctx, ins, outs, *, shape: ctx.node(
-        "Reshape", [ins[0], ctx.const(_i64(shape))], outs),
+    to_onnx=_reshape_to_onnx,
     flops=lambda i, o, **_: 0.0,
     examples=(([TensorType((2, 3, 4), _F32)], {"shape": (6, 4)}),),
     doc="reshape to a static shape (ONNX Reshape, Flatten, Squeeze, Unsqueeze)"))

@@ -218,3 +218,73 @@ def test_an_if_whose_branches_read_the_enclosing_graph_runs_and_exports():
             None, feeds)[0]
         np.testing.assert_allclose(ours, ref, rtol=1e-6)
         np.testing.assert_allclose(again, ref, rtol=1e-6)
+
+
+def _opaque_chain_model(n_chain: int, with_side_branch: bool = True) -> bytes:
+    """x -> HardSigmoid x n_chain (undeclared: opaque) -> out0; plus, optionally, a node
+    that reads both an opaque tensor and a declared Relu of it (cannot join its region)."""
+    from onnx import TensorProto, helper
+
+    nodes, prev = [], "x"
+    for i in range(n_chain):
+        nodes.append(helper.make_node("HardSigmoid", [prev], [f"h{i}"], alpha=0.3))
+        prev = f"h{i}"
+    outs = [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [2, 8])]
+    if with_side_branch:
+        nodes += [helper.make_node("Relu", ["h0"], ["r"]),
+                  helper.make_node("Mod", ["h0", "r"], ["m"], fmod=1),
+                  helper.make_node("Softsign", ["m"], ["s"])]
+        outs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, [2, 8]))
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [2, 8])], outs)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_connected_opaque_nodes_run_as_one_region_and_regions_stay_acyclic():
+    import onnx
+
+    from taso_jax.frontends.onnx_io import export_onnx, load_onnx
+    from taso_jax.ir.executor import compile_graph
+    from taso_jax.report import check_onnx
+
+    model = _opaque_chain_model(5)
+    g = load_onnx(model)
+    regions = [n for n in g.nodes if n.op == "opaque"]
+    # The chain is one region; Mod reads h0 and Relu(h0), so it cannot join the chain's
+    # region (the region would both feed and follow the Relu), and starts one with Softsign.
+    labels = sorted(n.attr("call").label for n in regions)
+    assert labels == ["HardSigmoid+HardSigmoid+HardSigmoid+HardSigmoid+HardSigmoid",
+                      "Mod+Softsign"], labels
+    assert g.meta["opaque_regions"] == 2
+    chain = next(n for n in regions if n.attr("call").label.startswith("Hard"))
+    assert chain.attr("call").out_names == ("h0", "h4")  # h0 is read outside the region
+    out = export_onnx(g)
+    onnx.checker.check_model(out, full_check=True)
+    assert check_onnx(model, out.SerializeToString(), g)["ok"]
+    x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    got = compile_graph(g)(x)
+    import onnxruntime as ort
+
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_thousand_opaque_nodes_make_one_session():
+    from taso_jax.frontends.onnx_io import _session, load_onnx
+    from taso_jax.ir.executor import compile_graph
+
+    g = load_onnx(_opaque_chain_model(1000, with_side_branch=False))
+    assert [n.op for n in g.nodes].count("opaque") == 1
+    _session.cache_clear()
+    compile_graph(g)(np.zeros((2, 8), np.float32))
+    assert _session.cache_info().currsize == 1
+
+
+def test_int64_sentinels_keep_their_meaning_through_jax():
+    """INT64_MAX as a slice end ("to the end") must not wrap to -1 under 32-bit JAX."""
+    from taso_jax.ir.executor import as_jax_constant
+
+    big = np.array([np.iinfo(np.int64).max, np.iinfo(np.int64).min, 5], np.int64)
+    got = np.asarray(as_jax_constant(big))
+    assert got[0] > 0 and got[1] < 0 and got[2] == 5
