@@ -10,6 +10,7 @@ the cost model's order agreed with the measured one.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 
 import numpy as np
@@ -31,13 +32,16 @@ def device_name() -> str:
 
 
 def time_graphs(graphs: list[Graph], repeats: int = 50, warmup: int = 3,
-                seed: int = 0) -> list[dict]:
+                seed: int = 0, deadline: float | None = None) -> list[dict]:
     """Wall time of each graph under ``jax.jit`` on the same random inputs, in microseconds.
 
     The graphs must share their runtime inputs (equivalent graphs do). Each is compiled once
     (weight-only subgraphs folded ahead of time, :func:`taso_jax.compile_graph`), warmed up,
-    then run round robin ``repeats`` times, so that machine noise hits all of them alike.
-    Returns ``{"median_us", "min_us", "max_us", "repeats"}`` per graph, in order.
+    then run round robin ``repeats`` times, so that machine noise hits all of them alike
+    (fewer once ``deadline``, a ``time.perf_counter()`` value, has passed; at least 3).
+    Returns ``{"median_us", "min_us", "max_us", "repeats"}`` per graph, in order; past the
+    deadline, graphs whose compilation would overrun it are left out of the list (the
+    first two are always timed).
 
     Raises:
         ValueError: ``repeats < 1`` or graphs whose inputs differ.
@@ -51,10 +55,19 @@ def time_graphs(graphs: list[Graph], repeats: int = 50, warmup: int = 3,
         if [(n.name, n.types[0]) for n in g.inputs] != sig:
             raise ValueError("time_graphs: the graphs do not have the same runtime inputs")
     xs = [jax.device_put(x) for x in random_inputs(graphs[0], seed)]
-    fns = [compile_graph(g) for g in graphs]
-    times = time_interleaved([lambda f=f: f(*xs) for f in fns], repeats, warmup)
+    fns, slowest = [], 0.0
+    for g in graphs:
+        if (deadline is not None and len(fns) >= 2
+                and time.perf_counter() + slowest > deadline):
+            break  # compiling one more would run past the deadline
+        t0 = time.perf_counter()
+        fn = compile_graph(g)
+        jax.block_until_ready(fn(*xs))  # jax.jit compiles on the first call
+        slowest = max(slowest, time.perf_counter() - t0)
+        fns.append(fn)
+    times = time_interleaved([lambda f=f: f(*xs) for f in fns], repeats, warmup, deadline)
     return [{"median_us": float(np.median(ts)), "min_us": float(np.min(ts)),
-             "max_us": float(np.max(ts)), "repeats": repeats} for ts in times]
+             "max_us": float(np.max(ts)), "repeats": len(ts)} for ts in times]
 
 
 def rank_correlation(x, y) -> float:
@@ -96,7 +109,8 @@ def _measured_set(result, sample: int) -> list[tuple]:
     return list(chosen.values())
 
 
-def choose_fastest(result, repeats: int = 20, sample: int = 0) -> dict:
+def choose_fastest(result, repeats: int = 20, sample: int = 0,
+                   deadline: float | None = None) -> dict:
     """Time a search's candidate graphs end to end and make ``result`` the fastest.
 
     ``result`` is a :class:`taso_jax.search.SearchResult`. Its input graph, its
@@ -105,14 +119,18 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0) -> dict:
     by median replaces ``result.graph`` (``cost_after`` and ``applied`` follow it); when none
     is faster than the input, the input is kept, so the result is never slower than the
     input by more than the noise of this measurement. ``result`` is changed in place.
+    Past ``deadline`` (a ``time.perf_counter()`` value) fewer rounds are timed (at least 3).
 
-    Returns ``{"measured", "original_kept", "times_us", "estimates_us",
+    Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
     "rank_correlation", "device", "repeats"}``: the rank correlation (Spearman) between the
     cost model's estimates and the measured medians over the graphs timed (``None`` when
     fewer than three graphs were timed, or all estimates are equal).
     """
     graphs = _measured_set(result, sample)
-    times = time_graphs([g for _, g, _ in graphs], repeats=repeats)
+    if deadline is not None and time.perf_counter() > deadline:
+        graphs = graphs[:2]  # out of time: the input and the cheapest candidate only
+    times = time_graphs([g for _, g, _ in graphs], repeats=repeats, deadline=deadline)
+    graphs, repeats = graphs[:len(times)], times[0]["repeats"]
     med = [t["median_us"] for t in times]
     chosen = min(range(len(graphs)), key=lambda i: (med[i], i))
     if med[chosen] >= med[0]:  # graphs[0] is the input
@@ -121,6 +139,7 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0) -> dict:
     result.graph, result.cost_after, result.applied = graph, cost, Counter(path)
     estimates = [c for c, _, _ in graphs]
     rho = rank_correlation(estimates, med)
-    return {"measured": len(graphs), "original_kept": chosen == 0, "times_us": med,
+    return {"measured": len(graphs), "original_kept": chosen == 0, "chosen": chosen,
+            "times_us": med,
             "estimates_us": estimates, "rank_correlation": None if rho != rho else rho,
             "device": device_name(), "repeats": repeats}

@@ -9,6 +9,7 @@ and, unless ``end_to_end=0``, the end-to-end choice (:func:`taso_jax.search.choo
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,14 @@ from taso_jax.search.rules import Substitution, default_substitutions, load_subs
 
 from taso_jax.ir.graph import Graph, GraphBuilder
 
-__all__ = ["OptimizeOptions", "search_graph", "usable_rules"]
+__all__ = ["OptimizeOptions", "search_graph", "usable_rules", "TARGETS"]
+
+#: Share of ``time_limit`` that the backtracking search may use; the end-to-end choice
+#: (compiling and timing the candidates) has the rest.
+SEARCH_SHARE = 0.7
+
+#: The runtimes a result can be made fast in.
+TARGETS = ("xla", "onnxruntime")
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,9 @@ class OptimizeOptions:
         alpha: alpha relaxation of the backtracking search (TASO, SOSP 2019, Section 5:
             graphs up to ``alpha`` times costlier than the best are explored); >= 1.
         budget: graphs expanded at most; >= 0.
-        time_limit: seconds for the search at most; > 0.
+        time_limit: seconds for the whole optimization at most; > 0. The backtracking search
+            (kernel measurement included) gets :data:`SEARCH_SHARE` of it, the end-to-end
+            choice the rest (it times fewer rounds when short of time).
         cost_model: ``"measured"`` (kernels timed with ``jax.jit`` on the current device,
             cached on disk), ``"analytic"`` (FLOPs and bytes), or a
             :class:`~taso_jax.search.cost.CostModel`.
@@ -46,6 +56,10 @@ class OptimizeOptions:
         end_to_end: how many of the cheapest graphs are timed under ``jax.jit``, with the
             input, to keep the fastest (never slower than the input beyond noise); 0 trusts
             the cost model.
+        target: the runtime the result must be fast in: ``"xla"`` (``jax.jit`` on this
+            device) or ``"onnxruntime"`` (an ONNX model's own runtime: kernels and
+            candidates are timed there; the ONNX front door's
+            :func:`taso_jax.frontends.onnxruntime_target.resolve_target` sets it up).
 
     Raises:
         ValueError: a setting out of its range (on construction).
@@ -59,6 +73,7 @@ class OptimizeOptions:
     allow_unverified: bool = False
     end_to_end: int = 4
     trust_proofs: bool = False
+    target: str = "xla"
 
     def __post_init__(self):
         checks = [("alpha", self.alpha >= 1.0, ">= 1"), ("budget", self.budget >= 0, ">= 0"),
@@ -67,6 +82,8 @@ class OptimizeOptions:
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"{name} must be {want}, got {getattr(self, name)}")
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
         if isinstance(self.cost_model, str) and self.cost_model not in COST_MODEL_NAMES:
             raise ValueError(f"cost_model must be one of {COST_MODEL_NAMES} or a CostModel, "
                              f"got {self.cost_model!r}")
@@ -139,6 +156,7 @@ def usable_rules(subs: Sequence[Substitution], allow_unverified: bool,
 
 def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = None, *,
                  progress: Callable[[int, float], None] | None = None,
+                 chooser: Callable[[SearchResult], dict] | None = None,
                  **changes) -> SearchResult:
     """Run the backtracking search, then the end-to-end choice, and return the result.
 
@@ -148,6 +166,11 @@ def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = 
             in TASO).
         options: the settings (:class:`OptimizeOptions`; its defaults when ``None``).
         progress: ``progress(iterations, best cost in microseconds)`` after each expansion.
+        chooser: the end-to-end choice, ``chooser(result, deadline=...) -> dict``: it
+            replaces ``result.graph`` by the fastest graph timed, in fewer rounds once
+            ``deadline`` (a ``time.perf_counter()`` value) has passed; default
+            :func:`~taso_jax.search.choose.choose_fastest` (``jax.jit`` on this device).
+            ``target="onnxruntime"`` needs one (the ONNX front door gives it).
         **changes: settings that override ``options`` (``budget=30``, ``end_to_end=0``...).
 
     Returns:
@@ -159,13 +182,20 @@ def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = 
         TypeError: an unknown setting.
     """
     opts = (options or OptimizeOptions()).replace(**changes)
+    if opts.target != "xla" and (chooser is None or isinstance(opts.cost_model, str)
+                                 and opts.cost_model == "measured"):
+        raise ValueError(f"target {opts.target!r} needs its cost model and end-to-end choice "
+                         "(use taso_jax.search_graph or taso-jax optimize --target)")
     if isinstance(graph, GraphBuilder):
         graph = graph.graph()
     subs, counts = usable_rules(opts.load_rules(), opts.allow_unverified)
+    deadline = time.perf_counter() + opts.time_limit
     result = backtracking_search(graph, subs, opts.make_cost_model(), alpha=opts.alpha,
-                                 budget=opts.budget, time_limit=opts.time_limit,
+                                 budget=opts.budget,
+                                 time_limit=opts.time_limit * (
+                                     SEARCH_SHARE if opts.end_to_end > 0 else 1.0),
                                  progress=progress, keep=max(1, opts.end_to_end))
     if opts.end_to_end > 0 and len(result.candidates) > 1:
-        result.end_to_end = choose_fastest(result)
+        result.end_to_end = (chooser or choose_fastest)(result, deadline=deadline)
     result.rules = counts
     return result

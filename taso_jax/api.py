@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from taso_jax.frontends.decorator import optimize_function
+from taso_jax.frontends.onnxruntime_target import resolve_target
 from taso_jax.ir.graph import Graph, GraphBuilder
 from taso_jax.search import options as _options
 from taso_jax.verify.runner import rules_for
@@ -17,10 +18,14 @@ def search_graph(graph, options: _options.OptimizeOptions | None = None, *, prog
     A ``substitutions`` rule file path is read with
     :func:`taso_jax.verify.runner.load_proved_rules`: its rules are proved again unless
     ``trust_proofs=True``. Arguments, result and errors are those of
-    :func:`taso_jax.search.options.search_graph`.
+    :func:`taso_jax.search.options.search_graph`. With ``target="onnxruntime"`` kernels and
+    candidates are timed in onnxruntime against the input graph's own export
+    (:func:`taso_jax.frontends.onnxruntime_target.resolve_target`).
     """
     opts = (options or _options.OptimizeOptions()).replace(**changes)
-    return _options.search_graph(graph, opts, progress=progress, substitutions=rules_for(opts))
+    opts, chooser = resolve_target(opts)
+    return _options.search_graph(graph, opts, progress=progress, chooser=chooser,
+                                 substitutions=rules_for(opts))
 
 
 def optimize(graph=None, **options):
@@ -30,7 +35,7 @@ def optimize(graph=None, **options):
     equivalent graph found (TASO's ``taso.optimize``). The options are those of
     :class:`~taso_jax.search.options.OptimizeOptions` (``alpha=1.05, budget=100,
     time_limit=60.0, cost_model="measured", substitutions=None, allow_unverified=False,
-    end_to_end=4, trust_proofs=False``). The input graph is never modified, and it is
+    end_to_end=4, trust_proofs=False, target="xla"``). The input graph is never modified, and it is
     returned as is when nothing is faster.
 
     On a function, or with keyword options only, it is a decorator::

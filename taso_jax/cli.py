@@ -96,11 +96,13 @@ def check_output_path(path: str, option: str, protected: dict[str, str]) -> None
 
 
 def _optimize(args) -> int:
+    import time
+
     import numpy as np
     import onnx
 
     from taso_jax._io import atomic_write
-    from taso_jax.frontends.onnx_io import ModelError, export_onnx, load_onnx
+    from taso_jax.frontends.onnx_io import ModelError, export_onnx, load_onnx, symbolic_dims
     from taso_jax.report import (
         check_onnx,
         format_report,
@@ -113,6 +115,8 @@ def _optimize(args) -> int:
     from taso_jax.search.options import OptimizeOptions, search_graph
     from taso_jax.verify.runner import rules_for
 
+    started = time.perf_counter()
+    deadline = started + args.time_limit  # bounds the whole run (argument checked below)
     notes = []
     if args.model is None:
         from taso_jax.examples import resnet_module
@@ -155,7 +159,7 @@ def _optimize(args) -> int:
         options = OptimizeOptions(alpha=args.alpha, budget=args.budget,
                                   time_limit=args.time_limit, cost_model=cost_model,
                                   allow_unverified=args.allow_unverified,
-                                  end_to_end=args.end_to_end)
+                                  end_to_end=args.end_to_end, target=args.target)
     except ValueError as e:
         raise UsageError("--" + str(e).replace("_", "-")) from e
     try:
@@ -173,11 +177,38 @@ def _optimize(args) -> int:
         bar.update(1)
         bar.set_postfix_str(f"best {best:.1f} us")
 
-    result = search_graph(graph, options, substitutions=subs, progress=progress)
+    chooser = None
+    if options.target != "xla":
+        from taso_jax.frontends.onnxruntime_target import resolve_target
+
+        options, chooser = resolve_target(
+            options, original_bytes, references[0][1] if original_bytes is not None else None)
+    # The time limit bounds the whole run: the search and its end-to-end choice get what
+    # importing the model left of it.
+    left = max(deadline - time.perf_counter(), 0.05 * args.time_limit)
+    result = search_graph(graph, options, substitutions=subs, progress=progress,
+                          chooser=chooser, time_limit=left)
     bar.close()
     report = search_report(name, graph, result, options, subs, notes)
+    report["time_limit"] = args.time_limit
     if not args.no_time:
-        report["time"] = measure_speed(graph, result.graph, repeats=args.repeats)
+        report["time"] = measure_speed(graph, result.graph, repeats=args.repeats,
+                                       deadline=deadline)
+    unchanged = result.graph.key == graph.key
+    if unchanged and original_bytes is not None:
+        # Nothing beat the input: the user's own file is written back byte for byte (its
+        # symbolic sizes, names and metadata included), so it cannot be slower or wrong.
+        report["check"] = {"ok": True, "max_abs_err": 0.0, "rtol": args.rtol,
+                           "atol": args.atol if args.atol is not None else 0.0,
+                           "outputs": len(graph.outputs), "identical": True}
+        if args.output:
+            atomic_write(args.output, lambda tmp: Path(tmp).write_bytes(original_bytes))
+            report["written"] = args.output
+            report["written_copy_of_input"] = True
+        report["wall_seconds"] = time.perf_counter() - started
+        print(format_report(report))
+        _write_json(args.json, report)
+        return 0
     optimized = export_onnx(result.graph)
     try:
         onnx.checker.check_model(optimized, full_check=True)
@@ -198,13 +229,14 @@ def _optimize(args) -> int:
     if not report["check"]["ok"]:
         # Is it the rewrites, or the model's own rounding noise? The input graph, exported
         # without any rewrite, measures the noise of import and export alone.
-        noise = report["check"] if result.graph.key == graph.key else check_onnx(
+        noise = report["check"] if unchanged else check_onnx(
             reference, export_onnx(graph).SerializeToString(), graph, rtol=args.rtol,
             atol=args.atol, references=references)
         err = report["check"]["max_abs_err"]
         if not noise["ok"] and np.isfinite(err) and err <= 2 * noise["max_abs_err"]:
             report["check"].update(ok=True, noise_floor=noise["max_abs_err"])
     if not report["check"]["ok"]:
+        report["wall_seconds"] = time.perf_counter() - started
         print(format_report(report))
         applied = (f"substitutions applied: {', '.join(sorted(result.applied))}"
                    if result.applied else "no substitution was applied, so the fault is in "
@@ -212,17 +244,59 @@ def _optimize(args) -> int:
         print("taso-jax: error: optimized model's outputs differ from the original's; "
               f"nothing written; {applied}", file=sys.stderr)
         return 1
-    if not args.no_time and result.applied:
+    if original_bytes is not None and symbolic_dims(original_bytes):
+        optimized = _keep_sizes_open(optimized, original_bytes, graph, report, args)
+    if not args.no_time and not unchanged:
         report["onnxruntime"] = measure_onnxruntime(reference, optimized.SerializeToString(),
-                                                    references[0][1])
+                                                    references[0][1], deadline=deadline)
     if args.output:
         atomic_write(args.output, lambda tmp: onnx.save(optimized, tmp))
         report["written"] = args.output
+    report["wall_seconds"] = time.perf_counter() - started
     print(format_report(report))
-    if args.json:
-        text = json.dumps(report, indent=1, default=str)
-        atomic_write(args.json, lambda tmp: Path(tmp).write_text(text))
+    _write_json(args.json, report)
     return 0
+
+
+def _keep_sizes_open(optimized, original_bytes: bytes, graph, report: dict, args):
+    """The optimized model with the input's open sizes open again, where it still matches.
+
+    The model was optimized at one binding of its symbolic sizes; written with them open,
+    it is checked against the original at other sizes
+    (:func:`taso_jax.report.check_other_sizes`). Where that fails (a rewritten Reshape holds
+    a fixed size) the model is written at the sizes it was optimized at, and the report says
+    so.
+    """
+    from taso_jax.frontends.onnx_io import symbolic_dims, with_symbolic_dims
+    from taso_jax.report import check_other_sizes
+
+    symbolic = symbolic_dims(original_bytes)
+    general = with_symbolic_dims(optimized, symbolic)
+    other = check_other_sizes(original_bytes, general.SerializeToString(), graph, symbolic,
+                              rtol=args.rtol, atol=args.atol)
+    report["other_sizes"] = other
+    if other["ok"]:
+        shapes = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in other["shapes"].items())
+        report["notes"].append(f"symbolic sizes kept open in the written model; it matches "
+                               f"the original at other sizes too ({shapes})")
+        return general
+    if other["ok"] is None:
+        why = "the original runs at none of the other sizes tried"
+    else:
+        shapes = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in other["shapes"].items())
+        why = (f"with them open it does not match the original at {shapes}"
+               + (f" ({other['error'][:160]})" if other.get("error") else ""))
+    report["notes"].append("written with the sizes it was optimized at, not symbolic: "
+                           + why)
+    return optimized
+
+
+def _write_json(path: str | None, report: dict) -> None:
+    from taso_jax._io import atomic_write
+
+    if path:
+        text = json.dumps(report, indent=1, default=str)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def _write_unproved(path: str, failed) -> None:
@@ -420,7 +494,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``taso-jax`` argument parser."""
     from taso_jax.report import ATOL, RTOL
-    from taso_jax.search.options import OptimizeOptions
+    from taso_jax.search.options import TARGETS, OptimizeOptions
 
     d = OptimizeOptions()  # the one set of defaults, shared with the API and the decorator
     p = argparse.ArgumentParser(prog="taso-jax", description=__doc__.strip(),
@@ -440,10 +514,16 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--budget", type=int, default=d.budget,
                    help=f"graphs expanded at most ({d.budget})")
     o.add_argument("--time-limit", type=float, default=d.time_limit,
-                   help=f"seconds for the search, kernel measurement included ({d.time_limit:g})")
+                   help="seconds for the whole run at most: import, kernel measurement, search "
+                        f"and end-to-end choice ({d.time_limit:g})")
     o.add_argument("--cost-model", choices=["measured", "analytic"], default=d.cost_model,
                    help=f"kernels timed on this device (cached), or FLOPs and bytes "
                         f"({d.cost_model})")
+    o.add_argument("--target", choices=list(TARGETS), default=d.target,
+                   help="the runtime the written model must be fast in: xla (jax.jit on this "
+                        "device) or onnxruntime (kernels and candidates timed in onnxruntime "
+                        "against the input file; the rewrites that pay under XLA often cost "
+                        f"there) ({d.target})")
     o.add_argument("--no-cost-cache", action="store_true",
                    help="measure kernels afresh, without the SQLite cache in the user cache dir")
     o.add_argument("--substitutions", help="substitution JSON file (default: shipped set)")
@@ -457,9 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed runs per graph (30)")
     o.add_argument("--no-time", action="store_true", help="skip the end-to-end timing")
     o.add_argument("--end-to-end", type=int, default=d.end_to_end, metavar="K",
-                   help="time the K cheapest graphs found and the input under jax.jit and "
-                        f"keep the fastest, so the result is never slower ({d.end_to_end}; "
-                        "0: off)")
+                   help="time the K cheapest graphs found and the input on the target (jax.jit, "
+                        "or onnxruntime against the input file) and keep the fastest, so the "
+                        f"result is never slower there ({d.end_to_end}; 0: off)")
     o.add_argument("--rtol", type=float, default=RTOL,
                    help=f"output check: relative tolerance ({RTOL})")
     o.add_argument("--atol", type=float, default=None,

@@ -11,27 +11,37 @@ from taso_jax.search.choose import device_name, time_graphs
 from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["measure_speed", "measure_onnxruntime", "compare_onnx", "check_onnx",
-           "reference_runs", "compare_outputs", "search_report", "format_report", "RTOL", "ATOL",
-           "CHECK_SCALES", "ONNXRUNTIME_WARN"]
+           "reference_runs", "compare_outputs", "other_bindings", "check_other_sizes",
+           "search_report", "format_report", "RTOL", "ATOL", "CHECK_SCALES",
+           "ONNXRUNTIME_WARN"]
 
 #: Outputs agree when ``|a - b| <= ATOL * max|b| + RTOL * |b|`` elementwise (float32 sums
 #: reassociate when convolutions are merged or batchnorm is folded).
 RTOL, ATOL = 1e-3, 1e-4
 
 
-def measure_speed(before: Graph, after: Graph, repeats: int = 30, seed: int = 0) -> dict:
+def measure_speed(before: Graph, after: Graph, repeats: int = 30, seed: int = 0,
+                  deadline: float | None = None) -> dict:
     """Median wall time in microseconds of both graphs under ``jax.jit``, same process.
 
     Runs are interleaved (before, after, before, ...) after warm-up so that machine noise
-    hits both alike. Returns ``{"before_us", "after_us", "speedup", "device", "repeats"}``.
+    hits both alike; fewer runs (at least 3) once ``deadline`` (``time.perf_counter()``) has
+    passed. Returns ``{"before_us", "after_us", "speedup", "device", "repeats"}``.
     """
-    ta, tb = time_graphs([before, after], repeats=repeats, warmup=2, seed=seed)
+    if after.key == before.key:  # the same graph: time it once
+        ta = tb = time_graphs([before], repeats=repeats, warmup=2, seed=seed,
+                              deadline=deadline)[0]
+    else:
+        ta, tb = time_graphs([before, after], repeats=repeats, warmup=2, seed=seed,
+                             deadline=deadline)
+    repeats = ta["repeats"]
     a, b = ta["median_us"], tb["median_us"]
     return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
             "device": device_name(), "repeats": repeats}
 
 
-def measure_onnxruntime(original, optimized, inputs: dict, repeats: int = 20) -> dict:
+def measure_onnxruntime(original, optimized, inputs: dict, repeats: int = 20,
+                        deadline: float | None = None) -> dict:
     """Median wall time in microseconds of both ONNX models in onnxruntime, same process.
 
     What a user of the ONNX file runs: CPU execution provider, onnxruntime's default
@@ -39,17 +49,10 @@ def measure_onnxruntime(original, optimized, inputs: dict, repeats: int = 20) ->
     onnxruntime (a grouped convolution made dense). Returns ``{"before_us", "after_us",
     "speedup", "repeats"}``.
     """
-    import time
+    from taso_jax.frontends.onnxruntime_target import time_onnx_models
 
-    sessions = [_session(original), _session(optimized)]
-    for sess in sessions * 2:
-        sess.run(None, inputs)
-    times: list[list[float]] = [[], []]
-    for _ in range(repeats):
-        for sess, ts in zip(sessions, times, strict=True):
-            t0 = time.perf_counter()
-            sess.run(None, inputs)
-            ts.append((time.perf_counter() - t0) * 1e6)
+    times = time_onnx_models([original, optimized], inputs, repeats=repeats, deadline=deadline)
+    repeats = len(times[0])
     a, b = float(np.median(times[0])), float(np.median(times[1]))
     return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
             "repeats": repeats}
@@ -60,11 +63,9 @@ ONNXRUNTIME_WARN = 0.95
 
 
 def _session(model):
-    import onnxruntime as ort
+    from taso_jax.frontends.onnxruntime_target import ort_session
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    return ort_session(model)
 
 
 def _reference(original, inputs: dict) -> list:
@@ -162,6 +163,69 @@ def check_onnx(original, optimized, graph: Graph, rtol: float = RTOL,
     return worst
 
 
+def other_bindings(graph: Graph, symbolic: dict) -> list[dict[str, tuple[int, ...]]]:
+    """Input shapes at sizes other than those ``graph`` was optimized at, to try in order.
+
+    ``symbolic`` is :func:`taso_jax.frontends.onnx_io.symbolic_dims` of the original model.
+    A batch-like symbol (bound to 1) becomes 2, any other one doubles; the trials change
+    every symbol, then the batch-like ones only, then the others only. Symbols with a name
+    move together; an unnamed open axis moves alone.
+    """
+    bound = {n.name: n.types[0].shape for n in graph.inputs if n.name in symbolic}
+    symbols: dict[str, tuple[int, bool]] = {}
+    for name, axes in symbolic.items():
+        for axis, sym in axes.items():
+            if name in bound:
+                v = bound[name][axis]
+                symbols.setdefault(sym or f"{name}[{axis}]", (v, v == 1))
+    trials = []
+    for which in ("all", "batch", "rest"):
+        new = {sym: (2 if v == 1 else 2 * v) if which == "all" or (which == "batch") == batch
+               else v for sym, (v, batch) in symbols.items()}
+        if new == {sym: v for sym, (v, _) in symbols.items()}:
+            continue
+        shapes = {}
+        for name, shape in bound.items():
+            dims = list(shape)
+            for axis, sym in symbolic[name].items():
+                dims[axis] = new[sym or f"{name}[{axis}]"]
+            shapes[name] = tuple(dims)
+        if shapes not in trials:
+            trials.append(shapes)
+    return trials
+
+
+def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
+                      rtol: float = RTOL, atol: float | None = None, seed: int = 2) -> dict:
+    """Check ``optimized``, its sizes left open, against ``original`` at other sizes.
+
+    The first binding of :func:`other_bindings` at which the original runs is used; inputs
+    are N(0, 1) (integers in ``[0, 8)``). Returns ``{"ok", "shapes", ...}`` with the
+    comparison (:func:`compare_outputs`), ``"ok": None`` when the original itself runs at
+    none of the trial sizes, and ``"error"`` when the optimized model does not run there.
+    """
+    rng = np.random.default_rng(seed)
+    static = {n.name: n.types[0] for n in graph.inputs}
+    for shapes in other_bindings(graph, symbolic):
+        feeds = {}
+        for name, t in static.items():
+            shape = shapes.get(name, t.shape)
+            if np.issubdtype(np.dtype(t.dtype), np.floating):
+                feeds[name] = rng.standard_normal(shape).astype(t.dtype)
+            elif t.dtype == "bool":
+                feeds[name] = rng.integers(0, 2, shape).astype(bool)
+            else:
+                feeds[name] = rng.integers(0, 8, shape).astype(t.dtype)
+        try:
+            reference = _session(original).run(None, feeds)
+        except Exception:
+            continue
+        actual, failed = _actual(optimized, [feeds], len(reference), rtol, atol)
+        r = failed or compare_outputs(actual[0], reference, rtol, atol)
+        return {**r, "shapes": {k: list(v) for k, v in shapes.items()}}
+    return {"ok": None, "shapes": None}
+
+
 def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = None) -> dict:
     """Compare output arrays with their references (same order).
 
@@ -212,7 +276,7 @@ def search_report(name: str, graph: Graph, result, options: OptimizeOptions, sub
     in microseconds.
     """
     return {
-        "model": name, "notes": list(notes),
+        "model": name, "notes": list(notes), "target": options.target,
         "operators_before": dict(graph.op_counts()),
         "operators_after": dict(result.graph.op_counts()),
         "cost": {"model": options.cost_model_name, "before_us": result.cost_before,
@@ -255,20 +319,27 @@ def format_report(r: dict) -> str:
         lines.append(f"onnxruntime time (CPU, median of {t['repeats']}): "
                      f"{t['before_us']:.1f} us -> {t['after_us']:.1f} us "
                      f"({t['speedup']:.2f}x)")
-        if t["speedup"] < ONNXRUNTIME_WARN:
+        if t["speedup"] < ONNXRUNTIME_WARN and r.get("target", "xla") == "xla":
             lines.append("WARNING: the written model runs slower than the original in "
                          "onnxruntime: the rewrites were chosen for XLA (jax.jit); if you run "
-                         "the file in onnxruntime, keep the original")
+                         "the file in onnxruntime, optimize it with --target onnxruntime")
     s = r["search"]
+    if r.get("wall_seconds") is not None:
+        lines.append(f"total time: {r['wall_seconds']:.1f} s (limit {r['time_limit']:g} s: "
+                     "import, search, kernel measurement and end-to-end choice)")
     lines.append(f"search: {s['seconds']:.1f} s, {s['iterations']} graphs expanded, "
                  f"{s['explored']} explored, stopped: {s['stopped']}, "
                  f"{s['substitutions']} substitutions")
     e = r.get("end_to_end") or {}
     if e:
-        verdict = ("kept the original: no candidate ran faster" if e["original_kept"] else
-                   "kept the fastest")
-        lines.append(f"end-to-end choice ({e['device']}, jax.jit, median of {e['repeats']}): "
-                     f"timed {e['measured']} graphs ("
+        ts, k = e["times_us"], e.get("chosen", 0)
+        verdict = ("kept the input: no candidate ran faster" if e["original_kept"] else
+                   f"kept candidate {k}, the fastest ({ts[k]:.0f} us vs {ts[0]:.0f} us for the "
+                   f"input, {ts[0] / max(ts[k], 1e-9):.2f}x)")
+        runtime = e.get("runtime", "jax.jit")
+        baseline = "the input file" if runtime == "onnxruntime" else "the input graph"
+        lines.append(f"end-to-end choice ({e['device']}, {runtime}, median of {e['repeats']}): "
+                     f"timed {baseline} and {e['measured'] - 1} candidates ("
                      + ", ".join(f"{t:.0f}" for t in e["times_us"]) + f" us); {verdict}")
     rules = r.get("rules") or {}
     if rules:
@@ -289,7 +360,9 @@ def format_report(r: dict) -> str:
                 lines.append(f"        {r['laws'][name]}")
     else:
         lines.append("substitutions applied: none (the input graph is returned unchanged)")
-    if r.get("check"):
+    if r.get("check", {}).get("identical"):
+        lines.append("output check: not needed, the input model is returned unchanged")
+    elif r.get("check"):
         k = r["check"]
         scales = (f", inputs N(0,1) x {' and x '.join(f'{x:g}' for x in k['scales'])}"
                   if k.get("scales") else "")
@@ -304,5 +377,7 @@ def format_report(r: dict) -> str:
                         if k.get("noise_floor") is not None else "")
                      + (f"; {k['error']}" if k.get("error") else ""))
     if r.get("written"):
-        lines.append(f"written: {r['written']}")
+        lines.append(f"written: {r['written']}" + (
+            " (a byte-for-byte copy of the input: no faster graph was found)"
+            if r.get("written_copy_of_input") else ""))
     return "\n".join(lines)

@@ -130,6 +130,10 @@ class OptimizedFunction:
         normalize_argnums(fn, None, (), weight_argnames, "weight")
         normalize_argnums(fn, None, (), static_argnames, "static")
         self.options = OptimizeOptions().replace(**options)
+        if self.options.target != "xla":
+            raise ValueError(f"taso_jax.optimize: target={self.options.target!r} applies to "
+                             "ONNX models and graphs; a decorated function runs under jax.jit "
+                             "(target='xla')")
         self.check = check
         self._cache: dict = {}
         self._positions: dict[int, tuple[set, set]] = {}

@@ -1,0 +1,253 @@
+"""onnxruntime as the target runtime: a cost model and an end-to-end choice timed in it.
+
+A rewrite that pays under XLA can cost in onnxruntime (a grouped convolution made dense,
+measured 0.43x-0.94x on eight CNNs, 2 cores). With ``target="onnxruntime"`` the search prices
+operators as one-node ONNX models run in onnxruntime (:class:`OnnxRuntimeCostModel`, cached
+in the same SQLite file as the XLA kernels, keyed by runtime), and the end-to-end choice
+(:func:`choose_fastest_onnxruntime`) times the exported candidates against the user's own
+ONNX file in onnxruntime, so the written model is never slower there beyond the noise.
+
+Sessions use onnxruntime's CPU execution provider with its default threads and graph
+optimizations: what a user of the ONNX file runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
+from taso_jax.search.choose import _measured_set, rank_correlation
+from taso_jax.search.cost import MeasuredCostModel
+from taso_jax.search.options import OptimizeOptions
+
+__all__ = ["TARGET_NOISE", "OnnxRuntimeCostModel", "ort_session", "time_onnx_models",
+           "choose_fastest_onnxruntime", "resolve_target"]
+
+#: A candidate replaces the user's model only when its median is below this fraction of the
+#: original's (identical graphs time up to ~10% apart; a 2% margin keeps ties with the input).
+TARGET_NOISE = 0.98
+
+
+def ort_session(model, spinning: bool = True):
+    """An onnxruntime ``InferenceSession`` of ``model`` (bytes or path) on the CPU provider.
+
+    ``spinning=False`` stops the intra-op threads from busy-waiting after a run. Timings of
+    several sessions interleaved need it: a session's spinning threads otherwise take the
+    cores from the next one (squeezenet, 2 cores: 7.5 ms per run interleaved with spinning,
+    4.9 ms without, and a 10% spread between identical models).
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4  # a model that fails is reported by the caller, in one line
+    if not spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def time_onnx_models(models: Sequence, inputs: dict, repeats: int = 20,
+                     warmup: int = 2, deadline: float | None = None) -> list[list[float]]:
+    """Wall times in microseconds of each ONNX model (bytes or path) on ``inputs``.
+
+    All sessions are created first (intra-op threads not spinning, see
+    :func:`ort_session`), warmed up, then run round robin ``repeats`` times, so that machine
+    noise hits every model alike. Inputs a model does not declare are left out of its feed.
+    Past ``deadline`` (a ``time.perf_counter()`` value) the rounds stop (at least 3 run).
+    """
+    sessions = [ort_session(m, spinning=False) for m in models]
+    feeds = [{i.name: inputs[i.name] for i in s.get_inputs()} for s in sessions]
+    for _ in range(warmup):
+        for s, f in zip(sessions, feeds, strict=True):
+            s.run(None, f)
+    times: list[list[float]] = [[] for _ in models]
+    for r in range(repeats):
+        if deadline is not None and r >= 3 and time.perf_counter() > deadline:
+            break
+        for s, f, ts in zip(sessions, feeds, times, strict=True):
+            t0 = time.perf_counter()
+            s.run(None, f)
+            ts.append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
+def _random(t, rng) -> np.ndarray:
+    if np.issubdtype(np.dtype(t.dtype), np.floating):
+        return rng.standard_normal(t.shape).astype(t.dtype)
+    if t.dtype == "bool":
+        return rng.integers(0, 2, t.shape).astype(bool)
+    return np.zeros(t.shape, t.dtype)
+
+
+def node_model(node: Node, opset: int = 17) -> tuple[bytes, dict]:
+    """A one-node ONNX model of ``node`` and random feeds for it.
+
+    Each distinct input tensor becomes a graph input, except weight-only ones, which become
+    initializers (onnxruntime pre-packs constant convolution and matmul weights, as it does
+    in the whole model). Returns ``(model bytes, feeds)``.
+    """
+    from taso_jax.frontends.onnx_io import export_onnx
+
+    rng = np.random.default_rng(0)
+    leaves: dict[Tensor, Tensor] = {}
+    inputs, weights, feeds = [], {}, {}
+    for t in node.inputs:
+        if t in leaves:
+            continue
+        name = f"x{len(leaves)}"
+        kind = "weight" if t.node.weight_only else "input"
+        leaf = leaf_node(kind, name, t.type)
+        leaves[t] = leaf.outputs[0]
+        value = _random(t.type, rng)
+        if kind == "weight":
+            weights[name] = value
+        else:
+            inputs.append(leaf)
+            feeds[name] = value
+    copy = intern_node(node.op, node.attrs, tuple(leaves[t] for t in node.inputs), node.types)
+    graph = Graph(tuple(inputs), copy.outputs, tuple(f"y{i}" for i in range(len(node.types))),
+                  weights, {"opset": opset})
+    return export_onnx(graph).SerializeToString(), feeds
+
+
+class OnnxRuntimeCostModel(MeasuredCostModel):
+    """Operator costs measured as one-node ONNX models in onnxruntime (CPU provider).
+
+    Every declared operator is timed, elementwise ones included (onnxruntime fuses far less
+    than XLA). A session run from Python costs a fixed overhead that the whole model pays
+    once; it is measured (a one-element ``Add``) and an operator is priced at its median
+    less that overhead, plus 1 microsecond. Costs are cached in the kernel cost cache under
+    the device ``"onnxruntime <version>:<cpu cores> cores"``. Weight-only nodes are free (the
+    exported model stores them as initializers); opaque nodes are priced analytically (they
+    are the same in every candidate).
+
+    Args:
+        cache_path, repeats, calibrate: as :class:`~taso_jax.search.cost.MeasuredCostModel`.
+        opset: the ONNX opset the one-node models are written at (the model's own).
+    """
+
+    name = "onnxruntime"
+    launch_us = 1.0
+
+    def __init__(self, cache_path=None, repeats: int = 15, calibrate: bool = True,
+                 opset: int = 17):
+        super().__init__(cache_path=cache_path, repeats=repeats, calibrate=calibrate)
+        import os
+
+        import onnxruntime as ort
+
+        self.device = f"onnxruntime {ort.__version__}:{os.cpu_count()} cores"
+        self.opset = max(int(opset), 13)
+
+    def _cost(self, node: Node) -> float:
+        if node.op == "opaque":
+            return self._analytic.node_cost(node)
+        key = repr((self.opset, *eval_key(node)))
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            if self._lookup(key) is None:
+                self.estimated += 1
+                return self._analytic.node_cost(node)
+        micros = self._cached(key, lambda: self._measure(node))
+        if not self.calibrate:
+            return micros
+        return max(micros - self.call_overhead_us, 0.0) + self.launch_us
+
+    def _measure_overhead(self) -> float:
+        from onnx import TensorProto, helper
+
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+        g = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "overhead", [x],
+                              [y])
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+        model.ir_version = 8
+        times = time_onnx_models([model.SerializeToString()],
+                                 {"x": np.zeros(1, np.float32)}, repeats=max(50, self.repeats),
+                                 warmup=3)[0]
+        return float(np.median(times))
+
+    def _measure(self, node: Node) -> float:
+        model, feeds = node_model(node, self.opset)
+        return float(np.median(time_onnx_models([model], feeds, self.repeats)[0]))
+
+
+def eval_key(node: Node) -> tuple:
+    """What a node's onnxruntime cost depends on.
+
+    Operator, attributes, input types, and which inputs are weights (initializers).
+    """
+    return (node.op, node.attrs, tuple(t.type for t in node.inputs),
+            tuple(t.node.weight_only for t in node.inputs))
+
+
+def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20,
+                               noise: float = TARGET_NOISE,
+                               deadline: float | None = None) -> dict:
+    """Time the search's candidates and the user's ONNX file in onnxruntime; keep the fastest.
+
+    ``result`` is a :class:`~taso_jax.search.backtracking.SearchResult` whose input graph
+    was imported from ``original`` (ONNX bytes or path); ``inputs`` feeds both. The
+    baseline is ``original`` itself, not its re-export, so the written model is never
+    slower in onnxruntime than the file the user runs today: a candidate is kept only if
+    its median is below ``noise`` times the original's; otherwise ``result.graph`` becomes
+    the input graph (``original_kept``). ``result`` is changed in place.
+
+    Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
+    "rank_correlation", "device", "repeats", "runtime"}`` (``times_us[0]`` is the original).
+    """
+    from taso_jax.frontends.onnx_io import export_onnx
+
+    graphs = _measured_set(result, 0)
+    if deadline is not None and time.perf_counter() > deadline:
+        graphs = graphs[:2]  # out of time: the input and the cheapest candidate only
+    models = [original] + [export_onnx(g).SerializeToString() for _, g, _ in graphs[1:]]
+    times = time_onnx_models(models, inputs, repeats=repeats, deadline=deadline)
+    repeats = len(times[0])
+    med = [float(np.median(t)) for t in times]
+    chosen = min(range(len(graphs)), key=lambda i: (med[i], i))
+    if med[chosen] >= noise * med[0]:
+        chosen = 0
+    cost, graph, path = graphs[chosen]
+    result.graph, result.cost_after, result.applied = graph, cost, Counter(path)
+    estimates = [c for c, _, _ in graphs]
+    rho = rank_correlation(estimates, med)
+    import onnxruntime as ort
+
+    return {"measured": len(graphs), "original_kept": chosen == 0, "chosen": chosen,
+            "times_us": med,
+            "estimates_us": estimates, "rank_correlation": None if rho != rho else rho,
+            "device": f"onnxruntime {ort.__version__} (CPU)", "repeats": repeats,
+            "runtime": "onnxruntime"}
+
+
+def resolve_target(options: OptimizeOptions, original=None, inputs: dict | None = None):
+    """The options and end-to-end chooser that ``options.target`` asks for.
+
+    For ``"xla"`` the options are returned as they are, with ``None`` (the default chooser,
+    :func:`~taso_jax.search.choose.choose_fastest`). For ``"onnxruntime"`` a ``"measured"``
+    cost model becomes :class:`OnnxRuntimeCostModel` (``"analytic"`` or an instance stays),
+    and the chooser times candidates against ``original`` (ONNX bytes or path; the input
+    graph's own export when ``None``) on ``inputs`` (random ones when ``None``).
+
+    Returns ``(options, chooser)``.
+    """
+    if options.target == "xla":
+        return options, None
+    if options.cost_model == "measured":
+        options = options.replace(cost_model=OnnxRuntimeCostModel())
+
+    def chooser(result, deadline: float | None = None):
+        from taso_jax.frontends.onnx_io import export_onnx
+        from taso_jax.ir.executor import random_inputs
+
+        graph = result.visited[0].graph
+        feeds = inputs if inputs is not None else dict(zip(
+            (n.name for n in graph.inputs), random_inputs(graph), strict=True))
+        model = original if original is not None else export_onnx(graph).SerializeToString()
+        return choose_fastest_onnxruntime(result, model, feeds, deadline=deadline)
+
+    return options, chooser
+

@@ -1,0 +1,127 @@
+"""``--target onnxruntime``: kernels and candidates timed in onnxruntime, never a slower file.
+
+The decision rules are checked with fixed timings (a timed assertion would be noise); the
+runs check that real measurements flow through and that a kept input is written back byte
+for byte.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import model_path
+from onnx import TensorProto, helper
+from taso_jax.search.options import OptimizeOptions
+from taso_jax.search.options import search_graph as layer_search_graph
+
+import taso_jax
+import taso_jax.frontends.onnxruntime_target as target
+from taso_jax.cli import main
+from taso_jax.frontends.onnx_io import export_onnx, load_onnx
+from taso_jax.ir.graph import GraphBuilder
+
+
+def _two_branch_graph():
+    """x @ a and x @ b from one input: the matmul-merge rules apply."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder()
+    x = b.new_input((4, 64), name="x")
+    wa = b.new_weight(data=rng.standard_normal((64, 64)).astype(np.float32), name="wa")
+    wb = b.new_weight(data=rng.standard_normal((64, 64)).astype(np.float32), name="wb")
+    b.relu(b.matmul(x, wa))
+    b.relu(b.matmul(x, wb))
+    return b.graph()
+
+
+def test_cost_model_measures_one_node_models_in_onnxruntime_and_caches_them(tmp_path):
+    cache = tmp_path / "costs.sqlite"
+    graph = _two_branch_graph()
+    cm = target.OnnxRuntimeCostModel(cache_path=str(cache), repeats=3)
+    assert cm.device.startswith("onnxruntime ")
+    cost = cm.graph_cost(graph)
+    assert cost > 0 and cm.measured >= 2  # the call overhead and at least one kernel
+    again = target.OnnxRuntimeCostModel(cache_path=str(cache), repeats=3)
+    assert again.graph_cost(graph) == pytest.approx(cost)
+    assert again.measured == 0  # every kernel came from the cache
+    import sqlite3
+
+    devices = {d for (d,) in sqlite3.connect(cache).execute("SELECT device FROM cost")}
+    assert devices and all(d.startswith("onnxruntime ") for d in devices)
+
+
+def test_a_one_node_model_keeps_weights_as_initializers():
+    graph = _two_branch_graph()
+    mm = next(n for n in graph.nodes if n.op == "matmul")
+    model_bytes, feeds = target.node_model(mm)
+    model = onnx.load_from_string(model_bytes)
+    assert [i.name for i in model.graph.input] == list(feeds) == ["x0"]
+    assert len(model.graph.initializer) == 1
+
+
+@pytest.mark.parametrize("times,kept,chosen", [
+    ([100.0, 99.0, 120.0], True, 0),  # 1% faster is within the noise: the input stays
+    ([100.0, 99.0, 50.0], False, 2),  # clearly faster: the fastest candidate is written
+])
+def test_the_choice_keeps_the_input_file_unless_a_candidate_beats_it(monkeypatch, times,
+                                                                     kept, chosen):
+    graph = _two_branch_graph()
+    result = layer_search_graph(graph, cost_model="analytic", budget=20, end_to_end=0)
+    result.candidates = [v for v in result.visited if v.graph.key != graph.key][:2]
+    assert len({c.graph.key for c in result.candidates}) == 2  # and the input: 3 timed
+    seen = {}
+
+    def fixed(models, inputs, repeats=20, warmup=2):
+        seen["models"] = models
+        return [[t] * repeats for t in times]
+
+    monkeypatch.setattr(target, "time_onnx_models", fixed)
+    original = export_onnx(graph).SerializeToString()
+    e = target.choose_fastest_onnxruntime(result, original, {"x": np.zeros((4, 64), "f")})
+    assert seen["models"][0] is original  # the baseline is the user's file itself
+    assert e["original_kept"] is kept and e["chosen"] == chosen
+    assert (result.graph.key == graph.key) is kept
+
+
+def test_cli_target_onnxruntime_writes_the_input_back_when_nothing_is_faster(tmp_path,
+                                                                            capsys):
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+    out = tmp_path / "m.ort.onnx"
+    args = ["optimize", str(src), "-o", str(out), "--target", "onnxruntime", "--budget", "10",
+            "-q", "--repeats", "3", "--cost-model", "analytic"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "end-to-end choice (onnxruntime" in text
+    if "kept the input" in text:
+        assert out.read_bytes() == src.read_bytes()
+        assert "byte-for-byte copy of the input" in text
+    else:  # a candidate was measured faster in onnxruntime: it is checked and written
+        assert "output check (onnxruntime" in text and "ok" in text
+        onnx.checker.check_model(onnx.load(out), full_check=True)
+
+
+def test_the_target_is_validated_and_refused_where_it_cannot_apply():
+    with pytest.raises(ValueError, match="target"):
+        OptimizeOptions(target="tensorrt")
+    with pytest.raises(ValueError, match="needs its cost model"):
+        layer_search_graph(_two_branch_graph(), target="onnxruntime")
+    with pytest.raises(ValueError, match="applies to ONNX models"):
+        taso_jax.optimize(target="onnxruntime")(lambda x: x)
+    # Through the public API the target is set up: measured in onnxruntime, input kept or
+    # beaten there.
+    result = taso_jax.search_graph(_two_branch_graph(), target="onnxruntime", budget=3,
+                                   cost_model="analytic")
+    assert result.end_to_end["runtime"] == "onnxruntime"
+
+
+def test_export_writes_non_negative_axes():
+    """onnxruntime's NCHWc pass keeps only axis-1 concats in its blocked layout."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])
+    g = helper.make_graph([helper.make_node("Concat", ["x", "x"], ["y"], axis=-3)], "c",
+                          [x], [y])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    out = export_onnx(load_onnx(model.SerializeToString()))
+    concat = next(n for n in out.graph.node if n.op_type == "Concat")
+    assert [a.i for a in concat.attribute if a.name == "axis"] == [1]
