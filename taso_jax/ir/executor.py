@@ -33,8 +33,8 @@ def as_jax_constant(value):
     (silero-vad). Saturating keeps such bounds meaning "to the end" (and ``INT64_MIN``
     "from the start").
     """
-    value = np.asarray(value)
-    if value.dtype in (np.int64, np.uint64) and not jax.config.jax_enable_x64:
+    if (isinstance(value, np.ndarray | np.generic) and value.dtype in (np.int64, np.uint64)
+            and not jax.config.jax_enable_x64):
         info = np.iinfo(np.int32)
         value = np.clip(value, info.min, info.max).astype(np.int32)
     return jnp.asarray(value)
