@@ -1,0 +1,185 @@
+"""Run ``taso-jax optimize`` on real ONNX files, as a user would, for each target.
+
+For each model and each ``--target`` (xla, onnxruntime), the command line runs in a
+subprocess with no shape flags (the point: real files load as they are, symbolic sizes
+bound by the importer, named in the report's notes), with a timeout, and writes into
+``--out-dir`` (a fresh temporary folder by default; never next to the inputs). From its JSON
+report the table shows: whether the model loaded with no flags (exit code 0), operators
+before -> after, the median time under ``jax.jit`` of the input graph vs the optimized one,
+the median time in onnxruntime (CPU) of the original file vs the written file, the wall
+time of the whole command, and a note (the first stderr line on failure). When the graph did
+not change the command writes the input back and times nothing in onnxruntime; this script
+then times both files itself, interleaved (``time_onnx_models``), on random inputs at the
+sizes the importer bound.
+
+    python benchmarks/real_onnx_models.py                          # ../shared/models, and
+                                                                   # /tmp/realmodels/in if any
+    python benchmarks/real_onnx_models.py a.onnx models/ --targets onnxruntime --time-limit 30
+
+Prints a markdown table and writes the rows to ``OUT_DIR/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import onnxruntime
+
+from taso_jax.frontends.onnx_io import load_onnx
+from taso_jax.frontends.onnxruntime_target import time_onnx_models
+from taso_jax.ir.executor import random_inputs
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DIRS = [REPO.parent / "shared" / "models", Path("/tmp/realmodels/in")]
+
+
+def model_paths(items: list[str]) -> list[Path]:
+    """The .onnx files named, or inside the folders named (default: ``DEFAULT_DIRS``)."""
+    found = []
+    for item in items or [str(d) for d in DEFAULT_DIRS if d.is_dir()]:
+        p = Path(item)
+        found += sorted(p.glob("*.onnx")) if p.is_dir() else [p]
+    return found
+
+
+def ort_times(original: Path, written: Path, repeats: int) -> dict:
+    """Median onnxruntime times of both files, interleaved, at the importer's bound sizes."""
+    graph = load_onnx(str(original))
+    inputs = dict(zip((n.name for n in graph.inputs), random_inputs(graph), strict=True))
+    times = time_onnx_models([str(original), str(written)], inputs, repeats=repeats)
+    a, b = float(np.median(times[0])), float(np.median(times[1]))
+    return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
+            "repeats": repeats, "measured_by": "benchmark"}
+
+
+def run_one(path: Path, target: str, out: Path, args) -> dict:
+    report_path = out.with_suffix(".json")
+    cmd = [sys.executable, "-m", "taso_jax.cli", "optimize", str(path), "-o", str(out),
+           "--target", target, "--json", str(report_path), "-q",
+           "--time-limit", str(args.time_limit)]
+    row = {"model": path.stem, "path": str(path), "target": target, "command": cmd}
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        row["exit_code"], stderr = p.returncode, p.stderr
+    except subprocess.TimeoutExpired as e:
+        row["exit_code"] = None
+        stderr = f"timed out after {args.timeout:g} s"
+        if e.stderr:
+            stderr += ": " + (e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr)
+    row["wall_s"] = time.perf_counter() - t0
+    row["loads_without_flags"] = row["exit_code"] == 0
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    row["error"] = None if row["exit_code"] == 0 else (lines[0] if lines else "no stderr")
+    if not report_path.exists():
+        return row
+    r = json.loads(report_path.read_text())
+    row["operators_before"] = sum(r["operators_before"].values())
+    row["operators_after"] = sum(r["operators_after"].values())
+    row["jax_jit"] = r.get("time")
+    row["onnxruntime"] = r.get("onnxruntime")
+    row["search_s"] = r["search"]["seconds"]
+    row["applied"] = r.get("applied", {})
+    row["notes"] = r.get("notes", [])
+    row["copy_of_input"] = bool(r.get("written_copy_of_input"))
+    row["original_kept"] = bool((r.get("end_to_end") or {}).get("original_kept"))
+    row["check"] = r.get("check")
+    if row["onnxruntime"] is None and row["exit_code"] == 0 and out.exists():
+        try:
+            row["onnxruntime"] = ort_times(path, out, args.repeats)
+        except Exception as e:  # noqa: BLE001 (a model onnxruntime cannot time is data)
+            row["ort_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return row
+
+
+def _ms(t: dict | None) -> str:
+    if not t:
+        return "-"
+    return (f"{t['before_us'] / 1e3:.2f} -> {t['after_us'] / 1e3:.2f} "
+            f"({t['speedup']:.2f}x)")
+
+
+def _short(note: str) -> str:
+    """A shape note as the binding it chose (``bound x=1,224``); others cut to 80 chars."""
+    m = re.search(r"--input-shape (\S+)\)$", note)
+    return f"bound {m.group(1)}" if m else note.replace("kept as opaque nodes", "opaque")[:80]
+
+
+def _note(row: dict) -> str:
+    if row["error"]:
+        return row["error"][:160].replace("|", "/")
+    parts = []
+    if row.get("copy_of_input"):
+        parts.append("unchanged, input copied")
+    elif row.get("original_kept"):
+        parts.append("input graph kept (end to end)")
+    if row.get("applied"):
+        parts.append(f"{sum(row['applied'].values())} rewrites")
+    if (row.get("onnxruntime") or {}).get("measured_by") == "benchmark":
+        parts.append("ort timed here")
+    if row.get("ort_error"):
+        parts.append("ort: " + row["ort_error"])
+    parts += [_short(n) for n in row.get("notes", [])]
+    return "; ".join(parts).replace("|", "/")
+
+
+def format_row(row: dict) -> str:
+    ops = (f"{row['operators_before']} -> {row['operators_after']}"
+           if "operators_before" in row else "-")
+    loads = "yes" if row["loads_without_flags"] else f"no (exit {row['exit_code']})"
+    return (f"| {row['model']} | {row['target']} | {loads} | {ops} | {_ms(row.get('jax_jit'))} "
+            f"| {_ms(row.get('onnxruntime'))} | {row['wall_s']:.1f} | {_note(row)} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("models", nargs="*", help="ONNX files or folders of them")
+    ap.add_argument("--targets", default="xla,onnxruntime")
+    ap.add_argument("--time-limit", type=float, default=60, help="search seconds (60)")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds per command at most (default 4 x time limit + 300)")
+    ap.add_argument("--repeats", type=int, default=20,
+                    help="onnxruntime runs when this script times an unchanged model (20)")
+    ap.add_argument("--out-dir", default=None, help="folder for outputs (a new temp folder)")
+    args = ap.parse_args()
+    args.timeout = args.timeout or 4 * args.time_limit + 300
+    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="taso_real_onnx_"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = model_paths(args.models)
+    inputs = {p.resolve() for p in paths}
+    print(f"date: {datetime.datetime.now():%Y-%m-%d %H:%M}; machine: {platform.platform()}, "
+          f"{os.cpu_count()} cores; jax {jax.__version__} ({jax.devices()[0].platform}); "
+          f"onnxruntime {onnxruntime.__version__}; search time limit {args.time_limit:g} s; "
+          f"outputs in {out_dir}", flush=True)
+    print("\n| model | target | loads w/o flags | ops before -> after "
+          "| jax.jit ms before -> after (x) | onnxruntime ms before -> after (x) | wall s "
+          "| note |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    rows, t0 = [], time.perf_counter()
+    for i, path in enumerate(paths):
+        for target in args.targets.split(","):
+            out = out_dir / f"{i:02d}_{path.stem}.{target}.onnx"
+            if out.resolve() in inputs:
+                raise SystemExit(f"{out} is an input model; choose another --out-dir")
+            rows.append(run_one(path, target, out, args))
+            print(format_row(rows[-1]), flush=True)
+            (out_dir / "results.json").write_text(json.dumps(rows, indent=1, default=str))
+    failed = [r for r in rows if not r["loads_without_flags"]]
+    print(f"\n{len(rows)} runs, {len(failed)} failed, {time.perf_counter() - t0:.0f} s in all; "
+          f"rows: {out_dir / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
