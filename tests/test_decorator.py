@@ -287,3 +287,39 @@ def test_the_optimized_function_must_beat_jax_jit_of_the_original_when_timed(mon
     np.testing.assert_allclose(cell(w, x), 8.0 * np.ones((3, 5)), rtol=1e-6)
     assert cell.original_kept.startswith("jax.jit of the original is as fast")
     assert cell.optimized_graph.op_counts() != cell.graph.op_counts()
+
+
+def test_a_kept_signature_dispatches_to_jax_jit_of_the_original(monkeypatch):
+    """No staging on the fast path: later calls go straight to jax.jit of the function."""
+    import taso_jax.frontends.decorator as decorator
+
+    monkeypatch.setattr(decorator, "NOISE", 1e9)  # the original is always kept
+
+    @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.ones((4, 5)), "b": jnp.ones((4, 5))}
+    x = jnp.ones((3, 4))
+    cell(w, x)
+    assert cell.original_kept
+    calls = []
+    original_execute = decorator.OptimizedFunction._execute
+    monkeypatch.setattr(decorator.OptimizedFunction, "_execute",
+                        lambda *a, **k: calls.append(1) or original_execute(*a, **k))
+    np.testing.assert_allclose(cell(w, x + 1.0), 16.0 * np.ones((3, 5)), rtol=1e-6)
+    assert calls == []  # the jitted original ran directly, without the wrapper's staging
+    # another shape misses the fast check and is optimized (and timed) for its own signature
+    np.testing.assert_allclose(cell(w, jnp.ones((2, 4))), 8.0 * np.ones((2, 5)), rtol=1e-6)
+    assert calls and cell.graph.inputs[0].types[0].shape == (2, 4)
+
+
+def test_nasrnn_on_one_dimensional_vectors_merges_its_matmuls():
+    """x @ W with x of shape (hidden,) imports as a (1, hidden) row, so the merges apply."""
+    fn, weights, (xs, h0) = jax_models.make_nasrnn(hidden=64, steps=2)
+    xs1, h1 = xs[:, 0, :], h0[0]
+    assert xs1.ndim == 2 and h1.ndim == 1
+    opt = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
+    _assert_close(opt(weights, xs1, h1), jax.jit(fn)(weights, xs1, h1))
+    assert opt.optimized_graph.op_counts()["matmul"] < opt.graph.op_counts()["matmul"]
+    assert any(name.startswith("merge-matmul-matmul") for name in opt._last.result.applied)
