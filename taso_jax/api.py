@@ -35,8 +35,8 @@ def optimize(graph=None, **options):
     equivalent graph found (TASO's ``taso.optimize``). The options are those of
     :class:`~taso_jax.search.options.OptimizeOptions` (``alpha=1.05, budget=100,
     time_limit=60.0, cost_model="measured", substitutions=None, allow_unverified=False,
-    end_to_end=4, trust_proofs=False, target="xla"``). The input graph is never modified, and it is
-    returned as is when nothing is faster.
+    end_to_end=4, trust_proofs=False, target="xla"``). The input graph is never modified,
+    and it is returned as is when nothing is faster.
 
     On a function, or with keyword options only, it is a decorator::
 
@@ -47,7 +47,9 @@ def optimize(graph=None, **options):
     (arguments whose array leaves are weights: weight-only subgraphs are computed once per
     distinct weight arrays), ``static_argnums`` / ``static_argnames`` and ``check`` (compare
     with ``jax.jit`` of the original at the first call of each signature); see
-    :class:`~taso_jax.frontends.decorator.OptimizedFunction`.
+    :class:`~taso_jax.frontends.decorator.OptimizedFunction`. Its search time limit
+    defaults to 10 s, and optimized graphs are kept in a cache on disk, so that another
+    process skips the search (:mod:`taso_jax.frontends.graph_cache`).
 
     Raises:
         ValueError: an option out of range, or (functions) a ``weight_argnames`` /

@@ -324,6 +324,11 @@ def format_report(r: dict) -> str:
                          "onnxruntime: the rewrites were chosen for XLA (jax.jit); if you run "
                          "the file in onnxruntime, optimize it with --target onnxruntime")
     s = r["search"]
+    if r.get("first_call"):
+        fc = dict(r["first_call"])
+        total = fc.pop("total", sum(fc.values()))
+        lines.append(f"first call: {total:.1f} s (" + ", ".join(
+            f"{k} {v:.2f} s" for k, v in fc.items()) + ")")
     if r.get("wall_seconds") is not None:
         lines.append(f"total time: {r['wall_seconds']:.1f} s (limit {r['time_limit']:g} s: "
                      "import, search, kernel measurement and end-to-end choice)")

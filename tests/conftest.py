@@ -18,6 +18,10 @@ try:  # keep onnxruntime's warnings about unused initializers out of the test lo
 except ImportError:  # pragma: no cover
     pass
 DATA = HERE / "data"
+# Tests never read or fill the user's cache of optimized graphs: a decision stored by one
+# test (some force the original to be kept) must not reach another. The cache's own tests
+# point it at a temporary folder.
+os.environ["TASO_JAX_GRAPH_CACHE"] = "off"
 
 
 def shared_models_dir() -> Path | None:

@@ -323,3 +323,59 @@ def test_nasrnn_on_one_dimensional_vectors_merges_its_matmuls():
     _assert_close(opt(weights, xs1, h1), jax.jit(fn)(weights, xs1, h1))
     assert opt.optimized_graph.op_counts()["matmul"] < opt.graph.op_counts()["matmul"]
     assert any(name.startswith("merge-matmul-matmul") for name in opt._last.result.applied)
+
+
+_CACHE_SCRIPT = """
+import sys, jax
+sys.path.insert(0, {examples!r})
+import jax_models, taso_jax
+fn, w, ins = jax_models.make_nasrnn(hidden=64, steps=2)
+opt = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", end_to_end=0)
+jax.block_until_ready(opt(w, *ins))
+e = opt._last
+print("HIT" if e.cache_hit else "MISS", sum(e.result.applied.values()), e.first_call["search"])
+"""
+
+
+def test_the_graph_cache_is_hit_in_a_second_process(tmp_path):
+    import subprocess
+
+    env = {**__import__("os").environ, "TASO_JAX_GRAPH_CACHE": str(tmp_path / "graphs")}
+    script = _CACHE_SCRIPT.format(examples=str(Path(__file__).parent.parent / "examples"))
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, timeout=300) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    first, second = (r.stdout.split() for r in runs)
+    assert first[0] == "MISS" and second[0] == "HIT"
+    assert first[1] == second[1] and int(first[1]) > 0  # the same rewrites, not searched again
+    assert len(list((tmp_path / "graphs").glob("*.json"))) == 1
+
+
+def test_the_graph_cache_rebuilds_the_graph_and_refuses_a_different_function(tmp_path,
+                                                                           monkeypatch):
+    from taso_jax.frontends import graph_cache
+
+    monkeypatch.setenv("TASO_JAX_GRAPH_CACHE", str(tmp_path))
+    fn, weights, inputs = jax_models.make_nasrnn(hidden=32, steps=1)
+    first = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
+    first(weights, *inputs)
+    again = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
+    _assert_close(again(weights, *inputs), jax.jit(fn)(weights, *inputs))
+    assert again._last.cache_hit
+    assert again.optimized_graph.key == first.optimized_graph.key  # hash-consed: identical
+    assert "graph cache" in again.report(time=False)
+
+    def other(w, xs, h):  # one operator differs: another key
+        return fn(w, xs, h) * 2.0
+
+    changed = taso_jax.optimize(other, weight_argnums=0, **OPTS)
+    _assert_close(changed(weights, *inputs), jax.jit(other)(weights, *inputs))
+    assert not changed._last.cache_hit
+    # a corrupt file is a miss, not an error
+    for f in tmp_path.glob("*.json"):
+        f.write_text("{not json")
+    broken = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
+    _assert_close(broken(weights, *inputs), jax.jit(fn)(weights, *inputs))
+    assert not broken._last.cache_hit
+    assert graph_cache.graph_cache_dir() == str(tmp_path)

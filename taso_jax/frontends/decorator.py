@@ -27,9 +27,11 @@ of the primal computation.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from taso_jax.frontends import graph_cache
 from taso_jax.frontends.jaxpr_io import (
     TracedFunction,
     _fn_name,
@@ -47,6 +50,7 @@ from taso_jax.frontends.jaxpr_io import (
 from taso_jax.ir.executor import StagedGraph, time_interleaved
 from taso_jax.ir.graph import Graph
 from taso_jax.report import compare_outputs, format_report, search_report
+from taso_jax.search.backtracking import SearchResult
 from taso_jax.search.choose import device_name
 from taso_jax.search.options import OptimizeOptions, search_graph
 from taso_jax.verify.runner import rules_for
@@ -56,8 +60,20 @@ __all__ = ["OptimizedFunction", "optimize_function"]
 #: The optimized function must beat ``jax.jit`` of the original by this factor (medians) to
 #: be used; identical graphs time up to ~10% apart on a loaded 2-core CPU.
 NOISE = 1.05
+#: The decorator's default search time limit in seconds (users of jax.jit expect a first
+#: call in seconds; the command line's default is the options record's 60 s).
+DECORATOR_TIME_LIMIT = 10.0
 #: Interleaved runs of each when the optimized function is timed against the original.
 BASELINE_REPEATS = 15
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("taso_jax")
+    except Exception:  # not installed as a distribution (a source checkout)
+        return "source"
 
 
 class _Fallback(Exception):
@@ -88,6 +104,8 @@ class _Entry:
     same_object: list = field(default_factory=list)  # leaf positions of weights and statics
     input_signature: list = field(default_factory=list)  # (position, signature) of inputs
     optimize_seconds: float = 0.0
+    first_call: dict = field(default_factory=dict)  # seconds per stage of the first call
+    cache_hit: bool = False  # the optimized graph came from the graph cache
 
 
 def _is_tracer(x) -> bool:
@@ -129,6 +147,7 @@ class OptimizedFunction:
         # Names are checked now; positions once the number of arguments is known.
         normalize_argnums(fn, None, (), weight_argnames, "weight")
         normalize_argnums(fn, None, (), static_argnames, "static")
+        options.setdefault("time_limit", DECORATOR_TIME_LIMIT)
         self.options = OptimizeOptions().replace(**options)
         if self.options.target != "xla":
             raise ValueError(f"taso_jax.optimize: target={self.options.target!r} applies to "
@@ -271,6 +290,7 @@ class OptimizedFunction:
 
     def _build(self, args, weight_pos, static_pos) -> _Entry:
         fn = self.fn
+        t_trace = time.perf_counter()
         try:
             traced = trace_function(fn, args, weight_pos, static_pos, non_arrays="static")
         except Exception as e:  # the user's function does not trace: jax.jit would fail too
@@ -278,6 +298,7 @@ class OptimizedFunction:
                        "flow on array values is not allowed (use jax.lax.cond / jnp.where, or "
                        "mark the argument with static_argnums)")
             raise
+        trace_s = time.perf_counter() - t_trace
         kinds, array_index = traced.kinds, traced.array_index
         entry = _Entry(out_tree=traced.out_tree, jit_original=jax.jit(traced.flat_fn),
                        kinds=kinds, array_index=array_index)
@@ -298,14 +319,37 @@ class OptimizedFunction:
                           f"of the original function ({entry.fallback})",
                           RuntimeWarning, stacklevel=3)
         entry.optimize_seconds = time.perf_counter() - t0
+        entry.first_call = {"trace": trace_s, **entry.first_call,
+                            "total": trace_s + entry.optimize_seconds}
         return entry
 
     def _optimize(self, entry, traced: TracedFunction, args, static_pos):
+        clock = time.perf_counter()
+        stages = entry.first_call
+
+        def lap(name):
+            nonlocal clock
+            now = time.perf_counter()
+            stages[name] = stages.get(name, 0.0) + now - clock
+            clock = now
+
         graph = traced.to_graph(_fn_name(self.fn))
         leaves, kinds, paths = traced.leaves, traced.kinds, traced.paths
         opts = self.options
         subs = rules_for(opts)
-        result = search_graph(graph, opts, substitutions=subs)
+        key = graph_cache.cache_key(graph, self._cache_parts(subs))
+        lap("import")
+        hit = graph_cache.load(key, graph)
+        if hit is not None:
+            optimized, info = hit
+            result = SearchResult(graph=optimized, cost_before=info.get("cost_before", 0.0),
+                                  cost_after=info.get("cost_after", 0.0),
+                                  applied=info.get("applied", Counter()), iterations=0,
+                                  explored=0, seconds=0.0, stopped="graph cache")
+            entry.cache_hit = True
+        else:
+            result = search_graph(graph, opts, substitutions=subs)
+        lap("search")
         staged = StagedGraph(result.graph)
         weight_index = {p: j for j, p in enumerate(
             p for p, k in zip(paths, kinds, strict=True) if k == "weight")}
@@ -318,7 +362,16 @@ class OptimizedFunction:
         if graph.meta.get("opaque"):
             notes.append("kept as opaque equations: " + ", ".join(
                 f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
+        if entry.cache_hit:
+            notes.append("optimized graph and decision read from the graph cache "
+                         f"({graph_cache.graph_cache_dir()}); no search was run")
         entry.report = search_report(_fn_name(self.fn), graph, result, opts, subs, notes)
+        if hit is not None and hit[1].get("original_kept"):
+            # Decided in an earlier process on this device: the original runs, so there is
+            # nothing to compile or check.
+            entry.original_kept = hit[1]["original_kept"] + " (decided earlier; graph cache)"
+            entry.report["original_kept"] = entry.original_kept
+            return
         if self.check:
             rng = np.random.default_rng(0)
             values = [rng.standard_normal(np.shape(x)).astype(jnp.result_type(x))
@@ -335,8 +388,27 @@ class OptimizedFunction:
                                 f"{check['max_abs_err']:.3g}); substitutions applied: "
                                 f"{sorted(result.applied)}")
             entry.folded_for = ()
-        entry.original_kept = self._keep_original(entry, traced, result, args, static_pos)
+        lap("compile and check")
+        if hit is not None:
+            entry.original_kept = None  # the earlier process measured the optimized faster
+        else:
+            entry.original_kept = self._keep_original(entry, traced, result, args, static_pos)
+            lap("timing against jax.jit")
+            timed = "baseline" in entry.report or self.options.end_to_end == 0
+            if timed:
+                graph_cache.store(key, result.graph, graph, {
+                    "cost_before": result.cost_before, "cost_after": result.cost_after,
+                    "applied": dict(result.applied), "original_kept": entry.original_kept})
         entry.report["original_kept"] = entry.original_kept
+
+    def _cache_parts(self, subs) -> list[str]:
+        """What besides the graph an optimized graph depends on (the graph cache's key)."""
+        o = self.options
+        rules = hashlib.sha256(" ".join(sorted(s.id for s in subs)).encode()).hexdigest()
+        settings = (f"alpha={o.alpha} budget={o.budget} time_limit={o.time_limit} "
+                    f"cost={o.cost_model_name} e2e={o.end_to_end} "
+                    f"unverified={o.allow_unverified} check={self.check}")
+        return [device_name(), jax.__version__, _package_version(), settings, rules]
 
     def _keep_original(self, entry: _Entry, traced: TracedFunction, result, args,
                        static_pos) -> str | None:
@@ -452,6 +524,7 @@ class OptimizedFunction:
             return (f"{_fn_name(self.fn)}: not optimized, running jax.jit of the original "
                     f"function ({e.fallback})")
         r = dict(e.report)
+        r["first_call"] = dict(e.first_call)
         if e.original_kept:
             r["notes"] = [*r.get("notes", []),
                           f"running jax.jit of the original function: {e.original_kept}"]
