@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     candidates, stats = generate([DOMAIN], max_ops=args.max_ops, workers=1)
     print(f"generated in {time.perf_counter() - t0:.1f} s: {stats.summary()}")
 
-    prover = Prover(timeout_ms=2000)
+    prover = Prover()
     proved = []
     for s in candidates:
         proof = prover.prove(s)

@@ -360,14 +360,15 @@ def _generate(args) -> int:
         from taso_jax.verify.runner import verify_substitutions
 
         vbar, vprogress = _verify_progress(len(subs), args.quiet)
-        stamped, vstats = verify_substitutions(subs, timeout_ms=args.timeout_ms,
+        stamped, vstats = verify_substitutions(subs, rlimit=args.rlimit,
+                                               timeout_ms=args.timeout_ms,
                                                workers=args.workers, progress=vprogress)
         vbar.close()
         c = vstats["counts"]
         proved = [s for s in stamped if s.proof_status == "proved"]
         failed = [s for s in stamped if s.proof_status != "proved"]
         per_instance = sum(1 for s in proved if s.proved_instances is not None)
-        print(f"verified against {vstats['axioms']} axioms (Z3, {args.timeout_ms} ms per "
+        print(f"verified against {vstats['axioms']} axioms (Z3, {_limits(args)} per "
               f"attempt): proved {c['proved']} ({per_instance} at their checked attribute "
               f"values only), not proved {c['unproved']}, unknown {c['unknown']}; "
               f"{vstats['seconds']:.1f} s")
@@ -376,7 +377,8 @@ def _generate(args) -> int:
             print(f"not proved, listed in: {args.report}"
                   + ("" if args.allow_unverified else " (left out of the output)"))
         subs = stamped if args.allow_unverified else proved
-        settings.update(timeout_ms=args.timeout_ms, axioms=vstats["axioms"],
+        settings.update(rlimit=args.rlimit, timeout_ms=args.timeout_ms,
+                        axioms=vstats["axioms"],
                         verify_seconds=vstats["seconds"], proved=c["proved"],
                         not_proved=c["unproved"] + c["unknown"])
     settings["seconds"] = round(time.perf_counter() - t0, 1)
@@ -384,6 +386,11 @@ def _generate(args) -> int:
     print(f"total: {settings['seconds']:.1f} s")
     print(f"written: {args.output} ({len(subs)} substitutions)")
     return 0
+
+
+def _limits(args) -> str:
+    text = f"rlimit {args.rlimit:,}"
+    return text + (f" and {args.timeout_ms} ms" if args.timeout_ms else "")
 
 
 def _verify(args) -> int:
@@ -399,14 +406,14 @@ def _verify(args) -> int:
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise UsageError(f"{args.file}: not a valid substitution file ({e})") from e
     bar, progress = _verify_progress(len(subs), args.quiet)
-    stamped, stats = verify_substitutions(subs, timeout_ms=args.timeout_ms,
+    stamped, stats = verify_substitutions(subs, rlimit=args.rlimit, timeout_ms=args.timeout_ms,
                                           workers=args.workers, progress=progress)
     bar.close()
     c = stats["counts"]
     print(f"substitutions: {len(subs)} ({args.file or 'shipped set'}); axioms: "
-          f"{stats['axioms']}; Z3 limit {args.timeout_ms} ms each")
+          f"{stats['axioms']}; Z3 limit {_limits(args)} each")
     print(f"proved: {c['proved']}; not proved: {c['unproved']} (the axioms allow the sides "
-          f"to differ); unknown: {c['unknown']} (no answer in time); {stats['seconds']} s")
+          f"to differ); unknown: {c['unknown']} (no answer within the limit); {stats['seconds']} s")
     failed = [s for s in stamped if s.proof_status != "proved"]
     if failed:
         _write_unproved(args.report, failed)
@@ -491,6 +498,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _limit_flags(p) -> None:
+    from taso_jax.verify.prover import DEFAULT_RLIMIT
+
+    p.add_argument("--rlimit", type=_positive_int, default=DEFAULT_RLIMIT,
+                   help="Z3 resource limit per proof attempt: solver steps, so a rule's status "
+                        f"is the same on any machine under any load ({DEFAULT_RLIMIT:,})")
+    p.add_argument("--timeout-ms", type=_positive_int, default=None,
+                   help="also a wall-clock limit per attempt, in ms (off: a status that "
+                        "depends on load is not repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``taso-jax`` argument parser."""
     from taso_jax.report import ATOL, RTOL
@@ -553,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("-o", "--output", help="write the set with proof stamps to this file")
     v.add_argument("--report", default="unproved.txt",
                    help="file listing the substitutions not proved (unproved.txt)")
-    v.add_argument("--timeout-ms", type=int, default=2000, help="Z3 limit per rule (2000)")
+    _limit_flags(v)
     v.add_argument("--workers", type=int, default=None, help="processes (one per core)")
     v.add_argument("-q", "--quiet", action="store_true")
     g = sub.add_parser("generate", parents=[common],
@@ -564,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated domain names (default: every domain in "
                         "taso_jax.verify.generator.DEFAULT_DOMAINS)")
     g.add_argument("-o", "--output", default="substitutions.json")
-    g.add_argument("--timeout-ms", type=int, default=1000, help="Z3 limit per proof (1000)")
+    _limit_flags(g)
     g.add_argument("--workers", type=int, default=None, help="processes (one per core)")
     g.add_argument("--report", default="unproved.txt",
                    help="file listing the candidates not proved (unproved.txt)")

@@ -56,7 +56,7 @@ def test_a_broken_axiom_is_caught():
 
 @pytest.fixture(scope="module")
 def prover():
-    return Prover(timeout_ms=5000)
+    return Prover()
 
 
 def _rule(rule_id):

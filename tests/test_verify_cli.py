@@ -63,7 +63,20 @@ def test_verification_runs_in_a_process_pool():
     from taso_jax.verify.runner import verify_substitutions
 
     subs = _rules(PROVABLE) * 3 + [WRONG]
-    stamped, stats = verify_substitutions(subs, timeout_ms=5000, workers=2)
+    stamped, stats = verify_substitutions(subs, workers=2)
     assert stats["counts"]["proved"] == 9
     assert stamped[-1].provenance["proof"]["status"] != "proved"
     assert [s.name for s in stamped] == [s.name for s in subs]
+
+
+def test_proofs_are_bounded_by_solver_steps_not_wall_clock():
+    """A rule's status depends on Z3's resource limit (steps), not on the machine's load."""
+    from taso_jax.verify.prover import DEFAULT_RLIMIT, Prover
+    from taso_jax.verify.runner import verify_substitutions
+
+    rule = _rules(PROVABLE[:1])[0]
+    assert Prover().prove(rule)["status"] == "proved"
+    assert Prover(rlimit=1).prove(rule)["status"] == "unknown"  # out of steps at once
+    stamped, _ = verify_substitutions([rule], workers=1)
+    proof = stamped[0].provenance["proof"]
+    assert proof["rlimit"] == DEFAULT_RLIMIT and "timeout_ms" not in proof

@@ -2,7 +2,9 @@
 
 Each worker process builds its own :class:`~taso_jax.verify.prover.Prover` (Z3 objects do not
 cross processes) and proves a chunk of substitutions. The result of each proof is written
-into ``provenance["proof"]``: ``{"status", "axioms", "seconds", "timeout_ms"}``.
+into ``provenance["proof"]``: ``{"status", "axioms", "seconds", "rlimit"}`` (and
+``"timeout_ms"`` when a wall-clock limit was set). Proofs are bounded by Z3's resource limit,
+so a rule's status does not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ __all__ = ["verify_substitutions", "load_proved_rules", "rules_for"]
 _PROVER = None
 
 
-def _init(timeout_ms: int) -> None:
+def _init(rlimit: int | None, timeout_ms: int | None) -> None:
     global _PROVER
     from taso_jax.verify.prover import Prover
 
-    _PROVER = Prover(timeout_ms=timeout_ms)
+    _PROVER = Prover(rlimit=rlimit, timeout_ms=timeout_ms)
 
 
 def _prove_json(job: tuple[int, dict]) -> tuple[int, dict]:
@@ -32,15 +34,17 @@ def _prove_json(job: tuple[int, dict]) -> tuple[int, dict]:
     return i, _PROVER.prove(Substitution.from_json(d))
 
 
-def verify_substitutions(subs: Sequence[Substitution], timeout_ms: int = 2000,
-                         workers: int | None = None,
+def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None,
+                         timeout_ms: int | None = None, workers: int | None = None,
                          progress: Callable[[int, Counter], None] | None = None
                          ) -> tuple[list[Substitution], dict]:
     """Prove every substitution from the operator axioms.
 
     Args:
         subs: the substitutions.
-        timeout_ms: Z3 limit per substitution, in milliseconds.
+        rlimit: Z3 resource limit per proof attempt (default
+            :data:`~taso_jax.verify.prover.DEFAULT_RLIMIT`).
+        timeout_ms: optional wall-clock limit per attempt, in milliseconds (off by default).
         workers: processes (default: one per core; 1 proves in this process).
         progress: called as ``progress(done, counts)`` after each substitution.
 
@@ -51,20 +55,22 @@ def verify_substitutions(subs: Sequence[Substitution], timeout_ms: int = 2000,
     import multiprocessing
 
     from taso_jax.verify.laws import all_axioms
+    from taso_jax.verify.prover import DEFAULT_RLIMIT
 
+    rlimit = DEFAULT_RLIMIT if rlimit is None else rlimit
     t0 = time.perf_counter()
     workers = workers or os.cpu_count() or 1
     counts: Counter = Counter()
     jobs = list(enumerate(s.to_json() for s in subs))
     if workers == 1 or len(jobs) < 8:
-        _init(timeout_ms)
+        _init(rlimit, timeout_ms)
         it = map(_prove_json, jobs)
         pool = None
     else:
         ctx = multiprocessing.get_context("spawn")  # JAX is threaded: never fork it
         # Z3 keeps memory across proofs in a process (gigabytes over a few thousand rules):
         # each worker is replaced after a bounded number of chunks.
-        pool = ctx.Pool(workers, initializer=_init, initargs=(timeout_ms,),
+        pool = ctx.Pool(workers, initializer=_init, initargs=(rlimit, timeout_ms),
                         maxtasksperchild=16)
         it = pool.imap_unordered(_prove_json, jobs, chunksize=4)
     results: list = [None] * len(jobs)
@@ -78,14 +84,15 @@ def verify_substitutions(subs: Sequence[Substitution], timeout_ms: int = 2000,
         if pool is not None:
             pool.close()
             pool.join()
-    stamped = [replace(s, provenance={**s.provenance, "proof": {**r, "timeout_ms": timeout_ms}})
+    limits = {"rlimit": rlimit, **({"timeout_ms": timeout_ms} if timeout_ms else {})}
+    stamped = [replace(s, provenance={**s.provenance, "proof": {**r, **limits}})
                for s, r in zip(subs, results, strict=True)]
     stats = {"counts": {k: counts.get(k, 0) for k in ("proved", "unproved", "unknown")},
              "seconds": round(time.perf_counter() - t0, 1), "axioms": len(all_axioms())}
     return stamped, stats
 
 
-def load_proved_rules(path, trust_proofs: bool = False, timeout_ms: int = 2000,
+def load_proved_rules(path, trust_proofs: bool = False, rlimit: int | None = None,
                       cache_dir: str | None = None) -> list[Substitution]:
     """Read a rule file and prove its rules again, unless told to trust their stamps.
 
@@ -104,7 +111,9 @@ def load_proved_rules(path, trust_proofs: bool = False, timeout_ms: int = 2000,
     from pathlib import Path
 
     from taso_jax.search.rules import load_substitutions, save_substitutions
+    from taso_jax.verify.prover import DEFAULT_RLIMIT
 
+    rlimit = DEFAULT_RLIMIT if rlimit is None else rlimit
     data = Path(path).read_bytes()
     subs = load_substitutions(path)
     if trust_proofs:
@@ -113,13 +122,13 @@ def load_proved_rules(path, trust_proofs: bool = False, timeout_ms: int = 2000,
         import platformdirs
 
         cache_dir = os.path.join(platformdirs.user_cache_dir("taso_jax"), "proofs")
-    cached = Path(cache_dir) / f"{hashlib.sha256(data).hexdigest()}-{timeout_ms}.json"
+    cached = Path(cache_dir) / f"{hashlib.sha256(data).hexdigest()}-r{rlimit}.json"
     if cached.is_file():
         try:
             return load_substitutions(cached)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged cache entry is proved again below
-    stamped, _ = verify_substitutions(subs, timeout_ms=timeout_ms)
+    stamped, _ = verify_substitutions(subs, rlimit=rlimit)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         save_substitutions(stamped, cached)
