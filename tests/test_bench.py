@@ -162,4 +162,7 @@ def test_search_graph_times_its_candidates_and_the_report_says_which_it_kept():
     assert kept == min(e["times_us"])  # the fastest measured graph is returned
     text = format_report(search_report("nasrnn", g, r,
                                        OptimizeOptions(cost_model="analytic", budget=5), subs))
-    assert "end-to-end choice" in text and f"timed {e['measured']} graphs" in text
+    assert "end-to-end choice" in text
+    assert f"timed the input graph and {e['measured'] - 1} candidates" in text
+    assert ("kept the input" in text) if e["original_kept"] else (
+        f"kept candidate {e['chosen']}, the fastest" in text)

@@ -339,7 +339,7 @@ def test_the_report_gives_onnxruntime_times_and_warns_when_the_file_is_slower_th
     assert "substitutions applied: none" not in text  # a rewrite was applied: it is timed
     assert "onnxruntime time (CPU" in text
 
-    def slower(original, optimized, inputs, repeats=20):
+    def slower(original, optimized, inputs, repeats=20, deadline=None):
         return {"before_us": 100.0, "after_us": 200.0, "speedup": 0.5, "repeats": repeats}
 
     monkeypatch.setattr(report, "measure_onnxruntime", slower)

@@ -71,7 +71,7 @@ def test_the_choice_keeps_the_input_file_unless_a_candidate_beats_it(monkeypatch
     assert len({c.graph.key for c in result.candidates}) == 2  # and the input: 3 timed
     seen = {}
 
-    def fixed(models, inputs, repeats=20, warmup=2):
+    def fixed(models, inputs, repeats=20, warmup=2, deadline=None):
         seen["models"] = models
         return [[t] * repeats for t in times]
 

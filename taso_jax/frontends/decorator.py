@@ -106,6 +106,7 @@ class _Entry:
     optimize_seconds: float = 0.0
     first_call: dict = field(default_factory=dict)  # seconds per stage of the first call
     cache_hit: bool = False  # the optimized graph came from the graph cache
+    all_arrays: bool = False  # every leaf of the traced arguments is an array (jax.jit-able)
 
 
 def _is_tracer(x) -> bool:
@@ -229,8 +230,8 @@ class OptimizedFunction:
         out = self._execute(entry, leaves, entry.kinds, concrete)
         self._fast = (entry, flat, [args[i] for i in sorted(static_pos)]) if concrete else None
         self._kept_fast = None
-        if concrete and not kwargs and (entry.fallback is not None
-                                        or entry.original_kept is not None):
+        if concrete and not kwargs and entry.all_arrays and (
+                entry.fallback is not None or entry.original_kept is not None):
             self._kept_fast = (tuple(
                 (False, (type(a), a.shape, a.dtype)) if isinstance(a, jax.Array)
                 and i not in static_pos else (True, a) for i, a in enumerate(args)),
@@ -302,6 +303,7 @@ class OptimizedFunction:
         kinds, array_index = traced.kinds, traced.array_index
         entry = _Entry(out_tree=traced.out_tree, jit_original=jax.jit(traced.flat_fn),
                        kinds=kinds, array_index=array_index)
+        entry.all_arrays = len(array_index) == traced.n_flat
         inputs_at = {i for i, k in zip(array_index, kinds, strict=True) if k == "input"}
         entry.same_object = [i for i in range(traced.n_flat) if i not in inputs_at]
         entry.input_signature = [(i, _leaf_signature(x)) for i, x, k in
@@ -429,11 +431,17 @@ class OptimizedFunction:
         if any(_is_tracer(x) for x in traced.leaves):
             return None  # called under a transformation: nothing concrete to time
         kinds = traced.kinds
-        user_jit = self._user_jit(static_pos)
         dyn = tuple(None if i in static_pos else a for i, a in enumerate(args))
+        if entry.all_arrays:  # what the user would run: jax.jit of the function itself
+            user_jit = self._user_jit(static_pos)
 
-        def original():
-            return user_jit(*args)
+            def original():
+                return user_jit(*args)
+        else:  # non-array leaves (a string in a config dict) are static, as we treat them
+            leaves = traced.leaves
+
+            def original():
+                return entry.jit_original(*leaves)
 
         def optimized():  # what a call that hits the signature cache does
             flat, _ = jax.tree_util.tree_flatten(dyn)
