@@ -112,11 +112,19 @@ def _import_sum(ctx, ins, **_):
     return [acc]
 
 
-def _unary(name, fn, onnx_type, doc, laws=()):
+def _unary(name, fn, onnx_type, doc, laws=(), to_onnx=None):
     declare(OpDef(name=name, ref=fn, shape=_same_shape, arity=1,
-                  to_onnx=_emit(onnx_type), fusible=True, layout="elementwise",
+                  to_onnx=to_onnx or _emit(onnx_type), fusible=True, layout="elementwise",
                   examples=(([TensorType(*_EX1[0][0])], {}),), axioms=laws, doc=doc))
-    onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
+    if onnx_type:
+        onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
+
+
+def _erfc_onnx(ctx, ins, outs, **_):
+    # ONNX has no Erfc: 1 - Erf(x) (it loses erfc's relative accuracy where erf(x) is
+    # within float rounding of 1, |x| > ~4, where erfc(x) < 2e-8)
+    one = ctx.scalar(1, ctx.dtype(ins[0]))
+    ctx.node("Sub", [one, ctx.tmp("Erf", ins)], outs)
 
 
 _unary("relu", jax.nn.relu, "Relu", "max(x, 0) (ONNX Relu)", _RELU_LAWS)
@@ -126,6 +134,12 @@ _unary("erf", jax.lax.erf, "Erf", "error function (ONNX Erf)")
 _unary("sqrt", jnp.sqrt, "Sqrt", "square root (ONNX Sqrt)")
 _unary("exp", jnp.exp, "Exp", "exponential (ONNX Exp)")
 _unary("neg", jnp.negative, "Neg", "-x (ONNX Neg)", _NEG_LAWS)
+_unary("sin", jnp.sin, "Sin", "sine (ONNX Sin)")
+_unary("cos", jnp.cos, "Cos", "cosine (ONNX Cos)")
+_unary("log", jnp.log, "Log", "natural logarithm (ONNX Log)")
+_unary("abs", jnp.abs, "Abs", "absolute value (ONNX Abs)")
+_unary("erfc", jax.lax.erfc, None, "complementary error function 1 - erf(x) (jax.lax.erfc; "
+       "written to ONNX as 1 - Erf)", to_onnx=_erfc_onnx)
 
 
 def _gelu(x, *, approximate="none"):
@@ -295,7 +309,8 @@ def _import_identity(ctx, ins, training_mode=None, **_):
 
 for _prim, _op in (("add", "ewadd"), ("mul", "ewmul"), ("pow", "pow"), ("tanh", "tanh"),
                    ("logistic", "sigmoid"), ("erf", "erf"), ("sqrt", "sqrt"), ("exp", "exp"),
-                   ("neg", "neg"), ("eq", "equal"), ("lt", "less")):
+                   ("neg", "neg"), ("eq", "equal"), ("lt", "less"), ("sin", "sin"),
+                   ("cos", "cos"), ("log", "log"), ("erfc", "erfc"), ("abs", "abs")):
     jaxpr_importer(_prim)(lambda ctx, ins, _op=_op, **_: [ctx.op(_op, ins)])
 
 

@@ -173,3 +173,26 @@ def test_side_effects_are_refused():
 
     with pytest.raises(taso_jax.ModelError, match="side effects"):
         from_jax(fn, _x(2))
+
+
+def test_common_primitives_are_declared_and_export_to_onnx():
+    """erfc (exact gelu), sin, cos, log and abs import as operators, not opaque nodes."""
+    import onnxruntime as ort
+
+    from taso_jax.frontends.onnx_io import export_onnx
+
+    def f(x, w):
+        h = x @ w
+        return (jax.nn.gelu(h, approximate=False) + jnp.sin(h) * jnp.cos(h)
+                + jnp.log(jnp.abs(h) + 1.0))
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    g = taso_jax.from_jax(f, x, w)
+    assert not g.meta.get("opaque") and "opaque" not in g.op_counts()
+    assert {"erfc", "sin", "cos", "log", "abs"} <= set(g.op_counts())
+    sess = ort.InferenceSession(export_onnx(g).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    got = sess.run(None, {n.name: v for n, v in zip(g.inputs, (x, w), strict=True)})[0]
+    np.testing.assert_allclose(got, np.asarray(f(x, w)), rtol=1e-5, atol=1e-5)
