@@ -379,3 +379,35 @@ def test_the_graph_cache_rebuilds_the_graph_and_refuses_a_different_function(tmp
     _assert_close(broken(weights, *inputs), jax.jit(fn)(weights, *inputs))
     assert not broken._last.cache_hit
     assert graph_cache.graph_cache_dir() == str(tmp_path)
+
+
+def test_a_numpy_weight_changed_in_place_is_folded_again():
+    """Weights are recognized by identity; a NumPy array can change under the same id."""
+
+    @taso_jax.optimize(weight_argnums=0, **OPTS)
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]  # folded ahead of time into x @ (a + b)
+
+    w = {"a": np.ones((4, 5), np.float32), "b": np.ones((4, 5), np.float32)}
+    x = jnp.ones((3, 4))
+    np.testing.assert_allclose(cell(w, x), 8.0, rtol=1e-6)
+    assert cell.original_kept is None and cell.fallback_reason is None
+    w["a"][:] = 10.0  # same object, new values
+    np.testing.assert_allclose(cell(w, x), jax.jit(cell.fn)(w, x), rtol=1e-6)
+    np.testing.assert_allclose(cell(w, x), 44.0, rtol=1e-6)
+
+
+def test_the_signature_cache_is_bounded(monkeypatch):
+    import taso_jax.frontends.decorator as decorator
+
+    monkeypatch.setattr(decorator, "SIGNATURE_CACHE", 3)
+
+    @taso_jax.optimize(**OPTS)
+    def f(x):
+        return jnp.tanh(x) * 2.0
+
+    for n in range(1, 6):
+        np.testing.assert_allclose(f(jnp.ones((n, 2))), 2.0 * np.tanh(1.0), rtol=1e-6)
+    assert len(f._cache) == 3
+    f(jnp.ones((5, 2)))  # the most recent signatures are kept
+    assert len(f._cache) == 3

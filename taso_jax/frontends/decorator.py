@@ -31,7 +31,7 @@ import hashlib
 import inspect
 import time
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -63,6 +63,9 @@ NOISE = 1.05
 #: The decorator's default search time limit in seconds (users of jax.jit expect a first
 #: call in seconds; the command line's default is the options record's 60 s).
 DECORATOR_TIME_LIMIT = 10.0
+#: Signatures (shapes, dtypes, static values) kept compiled per decorated function at most;
+#: the least recently called is dropped (60 shapes had held 413 MB against jax.jit's 176).
+SIGNATURE_CACHE = 32
 #: Interleaved runs of each when the optimized function is timed against the original.
 BASELINE_REPEATS = 15
 
@@ -96,7 +99,7 @@ class _Entry:
     fallback: str | None = None
     original_kept: str | None = None  # why jax.jit of the original runs (no fallback: a choice)
     report: dict = field(default_factory=dict)
-    folded_for: tuple = ()  # (weight leaves kept alive, folded values)
+    folded_for: tuple = ()  # (weight leaves kept alive, folded values, NumPy copies)
     last_call: tuple | None = None  # (arguments, array leaves) of the last concrete call
     kinds: list = field(default_factory=list)  # per array leaf: "weight" or "input"
     array_index: list = field(default_factory=list)  # array leaves' positions among all leaves
@@ -155,7 +158,7 @@ class OptimizedFunction:
                              "ONNX models and graphs; a decorated function runs under jax.jit "
                              "(target='xla')")
         self.check = check
-        self._cache: dict = {}
+        self._cache: OrderedDict = OrderedDict()  # signature -> _Entry, least recent first
         self._positions: dict[int, tuple[set, set]] = {}
         self._last: _Entry | None = None
         self._fast: tuple | None = None
@@ -218,10 +221,14 @@ class OptimizedFunction:
             sig = [_leaf_signature(x) if _is_array_leaf(x) else _static_key(x) for x in flat]
             key = (tree, tuple(_static_key(args[i]) for i in sorted(static_pos)), tuple(sig))
             entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
             if entry is None:
                 entry = self._build(args, weight_pos, static_pos)
                 entry.tree = tree
                 self._cache[key] = entry
+                while len(self._cache) > SIGNATURE_CACHE:
+                    self._cache.popitem(last=False)  # as jax.jit's cache, bounded
         self._last = entry
         leaves = [flat[i] for i in entry.array_index]
         concrete = not any(_is_tracer(x) for x in leaves)
@@ -277,14 +284,26 @@ class OptimizedFunction:
         return jax.tree_util.tree_unflatten(entry.out_tree, list(out))
 
     def _folded(self, entry: _Entry, weights, concrete: bool):
-        if concrete and entry.folded_for and len(entry.folded_for[0]) == len(weights) and all(
-                a is b for a, b in zip(entry.folded_for[0], weights, strict=True)):
-            return entry.folded_for[1]
+        """The folded weight-only values for these weights, computed once per weights.
+
+        JAX arrays are immutable, so the same objects mean the same values. A NumPy weight
+        can be changed in place: its values are compared with a copy taken when it was
+        folded (an O(size) comparison, as cheap as the transfer ``jax.jit`` makes of a
+        NumPy argument on every call), so a changed array is folded again, never served
+        stale.
+        """
+        cached = entry.folded_for
+        if concrete and cached and len(cached[0]) == len(weights) and all(
+                a is b for a, b in zip(cached[0], weights, strict=True)) and all(
+                np.array_equal(weights[i], copy) for i, copy in cached[2]):
+            return cached[1]
         values = [entry.constants[slot] if isinstance(slot, str) else weights[slot]
                   for slot in entry.weight_slots]
         folded = entry.fold(values)
         if concrete:
-            entry.folded_for = (list(weights), folded)  # keeps the arrays (and ids) alive
+            copies = [(i, np.array(w, copy=True)) for i, w in enumerate(weights)
+                      if isinstance(w, np.ndarray)]
+            entry.folded_for = (list(weights), folded, copies)  # keeps the arrays alive
         return folded
 
     # ---- optimizing ---------------------------------------------------------------------
