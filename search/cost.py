@@ -125,6 +125,11 @@ class AnalyticCostModel(CostModel):
         return max(flops / (self.gflops * 1e3), moved / (self.gbytes * 1e3)) + self.launch_us
 
 
+#: Timing rounds per kernel (see :meth:`MeasuredCostModel._robust_time`), and the spread
+#: (largest round median over smallest) above which a kernel is timed again.
+ROUNDS = 3
+WIDE_SPREAD = 1.25
+
 #: Environment variable naming the SQLite file of measured kernel costs, where it is set.
 COST_CACHE_ENV = "TASO_JAX_COST_CACHE"
 
@@ -235,43 +240,61 @@ class MeasuredCostModel(CostModel):
     def _cached(self, key: str, measure) -> float:
         """The cached raw median for ``key``, measured (and stored) on a miss.
 
-        A cache that fails while in use (a disk error, a file locked too long) is dropped
-        with a warning: costs are then measured without it, never lost or wrong.
+        ``measure()`` returns microseconds, or ``(microseconds, spread)`` (see
+        :meth:`_robust_time`); the spread is stored beside the time. A cache that fails
+        while in use (a disk error, a file locked too long) is dropped with a warning: costs
+        are then measured without it, never lost or wrong.
         """
         cached = self._lookup(key)
         if cached is not None:
             return cached
-        micros = measure()
+        measured = measure()
+        micros, spread = measured if isinstance(measured, tuple) else (measured, None)
         self.measured += 1
         if self._db is not None:
             try:
                 with self._lock:
-                    self._db.execute("INSERT OR REPLACE INTO cost VALUES (?, ?, ?)",
-                                     (self.device, key, micros))
+                    self._db.execute("INSERT OR REPLACE INTO cost (device, key, micros, spread) "
+                                     "VALUES (?, ?, ?, ?)", (self.device, key, micros, spread))
                     self._db.commit()
             except sqlite3.Error as e:
                 self._drop_cache(e)
         return micros
+
+    def _robust_time(self, run) -> tuple[float, float]:
+        """``(microseconds, spread)`` of ``run()``, robust to a loaded machine.
+
+        :data:`ROUNDS` rounds of ``repeats / ROUNDS`` runs each; a round's median is its time, and
+        the kernel's time is the smallest round's (load only ever adds time). The spread is
+        the largest round's over the smallest; above :data:`WIDE_SPREAD` the kernel is timed
+        :data:`ROUNDS` rounds more, and the smallest of all rounds is kept.
+        """
+        from taso_jax.ir.executor import time_function
+
+        per_round = max(3, self.repeats // ROUNDS)
+        medians = [float(np.median(time_function(run, repeats=per_round, warmup=2 if i == 0
+                                                 else 0))) for i in range(ROUNDS)]
+        if max(medians) > WIDE_SPREAD * min(medians):
+            medians += [float(np.median(time_function(run, repeats=per_round, warmup=0)))
+                        for _ in range(ROUNDS)]
+        return min(medians), max(medians) / max(min(medians), 1e-9)
 
     def _drop_cache(self, error: Exception) -> None:
         warnings.warn(f"kernel cost cache disabled for this run ({error}); costs are measured "
                       "without it", RuntimeWarning, stacklevel=4)
         self._db = None
 
-    def _measure_overhead(self) -> float:
+    def _measure_overhead(self) -> tuple[float, float]:
         import jax
-
-        from taso_jax.ir.executor import time_function
 
         x = jax.device_put(np.zeros((1,), np.float32))
         fn = jax.jit(lambda a: a + 1)
-        times = time_function(lambda: fn(x), repeats=max(50, self.repeats), warmup=3)
-        return float(np.median(times))
+        return self._robust_time(lambda: fn(x))
 
     def _measure(self, node: Node) -> float:
         import jax
 
-        from taso_jax.ir.executor import run_node, time_function
+        from taso_jax.ir.executor import run_node
 
         rng = np.random.default_rng(0)
         args = []
@@ -283,8 +306,7 @@ class MeasuredCostModel(CostModel):
             else:
                 args.append(jax.device_put(np.zeros(t.shape, t.dtype)))
         fn = jax.jit(lambda *a: run_node(node, a))
-        times = time_function(lambda: fn(*args), repeats=self.repeats, warmup=2)
-        return float(np.median(times))
+        return self._robust_time(lambda: fn(*args))
 
 
 def _open_cache(path: str) -> sqlite3.Connection | None:
@@ -307,6 +329,9 @@ def _open_cache(path: str) -> sqlite3.Connection | None:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("CREATE TABLE IF NOT EXISTS cost (device TEXT, key TEXT, "
                        "micros REAL, PRIMARY KEY (device, key))")
+            columns = {row[1] for row in db.execute("PRAGMA table_info(cost)")}
+            if "spread" not in columns:  # caches written before spreads were recorded
+                db.execute("ALTER TABLE cost ADD COLUMN spread REAL")
             db.execute("SELECT count(*) FROM cost").fetchone()
             db.commit()
             return db

@@ -277,3 +277,37 @@ def test_the_time_limit_bounds_kernel_measurement_too():
     r = backtracking_search(g, SUBS, cm, budget=5, time_limit=1e-6)
     assert cm.measured == 0 and cm.estimated > 0
     assert r.stopped == "time limit" and cm.deadline is None  # restored after the search
+
+
+def test_kernel_timing_keeps_the_fastest_round_and_retimes_a_wide_spread(tmp_path,
+                                                                        monkeypatch):
+    """Load only adds time: the smallest round median is kept, and a wide spread between
+    rounds (a load spike) makes the kernel be timed again; the spread is cached."""
+    import sqlite3
+
+    from taso_jax.search import cost
+
+    import taso_jax.ir.executor as executor
+
+    rounds = iter([[10.0] * 5, [30.0] * 5, [11.0] * 5, [9.0] * 5, [9.5] * 5, [12.0] * 5])
+    monkeypatch.setattr(executor, "time_function", lambda run, repeats, warmup: next(rounds))
+    cm = MeasuredCostModel(cache_path=str(tmp_path / "c.sqlite"), repeats=15)
+    micros, spread = cm._robust_time(lambda: None)
+    assert micros == 9.0 and spread == pytest.approx(30.0 / 9.0)  # six rounds were run
+    with pytest.raises(StopIteration):
+        next(rounds)
+    calm = iter([[10.0] * 5, [10.5] * 5, [11.0] * 5])
+    monkeypatch.setattr(executor, "time_function", lambda run, repeats, warmup: next(calm))
+    assert cm._robust_time(lambda: None) == (10.0, pytest.approx(1.1))  # three rounds only
+    assert cost.WIDE_SPREAD < 30.0 / 9.0
+    # the spread is stored beside the time, and an old cache gains the column
+    old = tmp_path / "old.sqlite"
+    db = sqlite3.connect(old)
+    db.execute("CREATE TABLE cost (device TEXT, key TEXT, micros REAL, "
+               "PRIMARY KEY (device, key))")
+    db.commit()
+    db.close()
+    cm2 = MeasuredCostModel(cache_path=str(old))
+    assert cm2._cached("k", lambda: (5.0, 1.5)) == 5.0
+    row = sqlite3.connect(old).execute("SELECT micros, spread FROM cost WHERE key='k'").fetchone()
+    assert row == (5.0, 1.5)

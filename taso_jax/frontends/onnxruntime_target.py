@@ -155,7 +155,7 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
             return micros
         return max(micros - self.call_overhead_us, 0.0) + self.launch_us
 
-    def _measure_overhead(self) -> float:
+    def _measure_overhead(self) -> tuple[float, float]:
         from onnx import TensorProto, helper
 
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
@@ -164,14 +164,14 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
                               [y])
         model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
         model.ir_version = 8
-        times = time_onnx_models([model.SerializeToString()],
-                                 {"x": np.zeros(1, np.float32)}, repeats=max(50, self.repeats),
-                                 warmup=3)[0]
-        return float(np.median(times))
+        sess = ort_session(model.SerializeToString(), spinning=False)
+        feeds = {"x": np.zeros(1, np.float32)}
+        return self._robust_time(lambda: sess.run(None, feeds))
 
-    def _measure(self, node: Node) -> float:
+    def _measure(self, node: Node) -> tuple[float, float]:
         model, feeds = node_model(node, self.opset)
-        return float(np.median(time_onnx_models([model], feeds, self.repeats)[0]))
+        sess = ort_session(model, spinning=False)
+        return self._robust_time(lambda: sess.run(None, feeds))
 
 
 def eval_key(node: Node) -> tuple:
