@@ -342,6 +342,11 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
     deadline = t0 + time_limit
     cost = cost_model.graph_cost(graph)
     applied: list[str] = []
+    reach = {id(sub): _reach(sub) for sub in substitutions}
+    by_id = {id(sub): sub for sub in substitutions}
+    # Matches per rule in the current graph, carried across each rewrite
+    # (:func:`_incremental_matches`) instead of found again over the whole graph.
+    table: dict[int, list] = {}
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
@@ -349,9 +354,17 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
             again = True
             while again and time.perf_counter() < deadline:
                 again = False
-                for _, g2, c2 in _cheaper(graph, cost, sub, cost_model, cost * (1 - 1e-9),
-                                          state):
+                matches = table.get(id(sub))
+                if matches is None:
+                    matches = table[id(sub)] = list(find_matches(sub, graph, state.matching))
+                for rw, _ in _prepared(graph, cost, sub, cost_model, cost * (1 - 1e-9), state,
+                                       matches=matches):
+                    rebuilt: dict = {}
+                    g2 = graph.replace(rw.mapping, rebuilt)
+                    c2 = cost_model.graph_cost(g2)
                     if c2 < cost * (1 - 1e-9):
+                        table = _carry_table(table, graph, g2, rw.mapping, rebuilt, reach, by_id,
+                                             state)
                         graph, cost = g2, c2
                         applied.append(sub.name)
                         again = improved = True
@@ -364,9 +377,35 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                 graph, cost = step[0], step[1]
                 applied += step[2]
                 improved = True
+                table = {}  # two rewrites away: found again when needed
                 if on_step:
                     on_step(cost, graph, tuple(applied))
     return graph, cost, applied
+
+
+def _carry_table(table: dict, old: Graph, new: Graph, mapping: dict, rebuilt: dict,
+                 reach: dict, by_id: dict, state: SearchState) -> dict:
+    """Each rule's matches moved from ``old`` to ``new``, one rewrite apart.
+
+    They come in the order :func:`~taso_jax.search.match.find_matches` would give them in
+    ``new`` (topological, first source node first), so the descent applies the same
+    rewrites in the same order as matching afresh would. Rules whose matches cannot be
+    found near a rewrite (``reach`` ``None``) are dropped from the table and found again
+    over the whole graph when next needed.
+    """
+    change = _Change(old, new, mapping, rebuilt)
+    near_cache: dict = {}
+    pos = new.positions
+    out = {}
+    for key, previous in table.items():
+        r = reach[key]
+        if r is None:
+            continue
+        found = _incremental_matches(new, by_id[key], r, previous, change, near_cache, state)
+        # find_matches yields matches in topological order of their nodes, first node first
+        found.sort(key=lambda m: tuple(pos[n] for n in m.nodes))
+        out[key] = found
+    return out
 
 
 @dataclass(order=True)
