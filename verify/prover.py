@@ -48,15 +48,18 @@ class Prover:
         max_instances: most attribute-value combinations proved one by one (see
             :meth:`prove`).
         max_quantifier_instances: Z3 quantifier instantiations per attempt at most
-            (``smt.qi.max_instances``); past it the attempt ends as ``unknown``.
+            (``smt.qi.max_instances``); past it the attempt ends as ``unknown``. At 50,000
+            one shipped rule (``fuse-concat-ewadd-split-2``) was proved or not depending on
+            what its process had proved before; at 200,000 it is proved in a fresh process,
+            and the resource limit bounds the attempts that fail.
     """
 
     def __init__(self, axioms=None, rlimit: int | None = None, timeout_ms: int | None = None,
-                 max_instances: int = 16, max_quantifier_instances: int = 50_000):
+                 max_instances: int = 16, max_quantifier_instances: int = 200_000):
         self.enc = Z3Encoding()
-        # Z3 does not always honour its time limit while instantiating quantifiers (a rule
-        # that needs an absent law ran 80 s under a 1 s limit); a cap on instantiations
-        # bounds every attempt. This is a process-wide Z3 setting.
+        # Z3 does not always honour a time limit while instantiating quantifiers (a rule that
+        # needs an absent law ran 80 s under a 1 s limit); the resource limit and a cap on
+        # instantiations bound every attempt. This is a process-wide Z3 setting.
         self.enc.z3.set_param("smt.qi.max_instances", max_quantifier_instances)
         self.rlimit = DEFAULT_RLIMIT if rlimit is None else int(rlimit)
         self.timeout_ms = timeout_ms
