@@ -330,6 +330,7 @@ def _verify_progress(total: int, quiet: bool):
 
 
 def _generate(args) -> int:
+    _check_cluster(args)
     from tqdm import tqdm
 
     from taso_jax.search.rules import save_substitutions
@@ -362,7 +363,9 @@ def _generate(args) -> int:
         vbar, vprogress = _verify_progress(len(subs), args.quiet)
         stamped, vstats = verify_substitutions(subs, rlimit=args.rlimit,
                                                timeout_ms=args.timeout_ms,
-                                               workers=args.workers, progress=vprogress)
+                                               workers=args.workers, progress=vprogress,
+                                               cluster=args.cluster,
+                                               checkpoint=args.checkpoint)
         vbar.close()
         c = vstats["counts"]
         proved = [s for s in stamped if s.proof_status == "proved"]
@@ -388,12 +391,20 @@ def _generate(args) -> int:
     return 0
 
 
+def _check_cluster(args) -> None:
+    import importlib.util
+
+    if args.cluster is not None and importlib.util.find_spec("distributed") is None:
+        raise UsageError("--cluster needs Dask: pip install 'taso_jax[cluster]'")
+
+
 def _limits(args) -> str:
     text = f"rlimit {args.rlimit:,}"
     return text + (f" and {args.timeout_ms} ms" if args.timeout_ms else "")
 
 
 def _verify(args) -> int:
+    _check_cluster(args)
     from taso_jax.search.rules import (
         default_substitutions,
         load_substitutions,
@@ -407,13 +418,16 @@ def _verify(args) -> int:
         raise UsageError(f"{args.file}: not a valid substitution file ({e})") from e
     bar, progress = _verify_progress(len(subs), args.quiet)
     stamped, stats = verify_substitutions(subs, rlimit=args.rlimit, timeout_ms=args.timeout_ms,
-                                          workers=args.workers, progress=progress)
+                                          workers=args.workers, progress=progress,
+                                          cluster=args.cluster, checkpoint=args.checkpoint)
     bar.close()
     c = stats["counts"]
     print(f"substitutions: {len(subs)} ({args.file or 'shipped set'}); axioms: "
           f"{stats['axioms']}; Z3 limit {_limits(args)} each")
     print(f"proved: {c['proved']}; not proved: {c['unproved']} (the axioms allow the sides "
-          f"to differ); unknown: {c['unknown']} (no answer within the limit); {stats['seconds']} s")
+          f"to differ); unknown: {c['unknown']} (no answer within the limit); {stats['seconds']} s"
+          f" ({stats['engine']}" + (f"; {stats['resumed']} from the checkpoint)"
+                                     if stats["resumed"] else ")"))
     failed = [s for s in stamped if s.proof_status != "proved"]
     if failed:
         _write_unproved(args.report, failed)
@@ -507,6 +521,13 @@ def _limit_flags(p) -> None:
     p.add_argument("--timeout-ms", type=_positive_int, default=None,
                    help="also a wall-clock limit per attempt, in ms (off: a status that "
                         "depends on load is not repeatable)")
+    p.add_argument("--cluster", metavar="local|ADDRESS", default=None,
+                   help="prove on a Dask cluster: 'local' starts one of --workers processes "
+                        "here, an address (tcp://host:8786) uses a running scheduler "
+                        "(default: a process pool here; needs taso_jax[cluster])")
+    p.add_argument("--checkpoint", metavar="FILE", default=None,
+                   help="record each finished proof in FILE (JSON lines); a rerun with the "
+                        "same FILE and limits skips the proofs already there")
 
 
 def build_parser() -> argparse.ArgumentParser:

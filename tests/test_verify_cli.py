@@ -80,3 +80,38 @@ def test_proofs_are_bounded_by_solver_steps_not_wall_clock():
     stamped, _ = verify_substitutions([rule], workers=1)
     proof = stamped[0].provenance["proof"]
     assert proof["rlimit"] == DEFAULT_RLIMIT and "timeout_ms" not in proof
+
+
+def test_a_local_dask_cluster_of_two_workers_proves_like_the_pool(tmp_path, capsys):
+    """The cluster engine (Dask LocalCluster, 2 worker processes) gives the same stamps."""
+    from taso_jax.verify.runner import verify_substitutions
+
+    subs = _rules(PROVABLE) * 3 + [WRONG]
+    stamped, stats = verify_substitutions(subs, workers=2, cluster="local")
+    assert stats["engine"] == "dask (local)" and stats["counts"]["proved"] == 9
+    assert stamped[-1].proof_status != "proved"
+    # the command line: same answer, and it says which engine ran
+    path = tmp_path / "rules.json"
+    save_substitutions(_rules(PROVABLE), path)
+    assert main(["verify", str(path), "-q", "--cluster", "local", "--workers", "2"]) == 0
+    assert "proved: 3" in capsys.readouterr().out
+
+
+def test_an_interrupted_verification_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    import taso_jax.verify.runner as runner
+
+    subs = _rules(PROVABLE)
+    ckpt = tmp_path / "proofs.jsonl"
+    calls = []
+    real = runner._prove_json
+    monkeypatch.setattr(runner, "_prove_json", lambda job: calls.append(job[0]) or real(job))
+    runner.verify_substitutions(subs[:2], workers=1, checkpoint=ckpt)  # "interrupted"
+    assert len(ckpt.read_text().splitlines()) == 2
+    calls.clear()
+    stamped, stats = runner.verify_substitutions(subs, workers=1, checkpoint=ckpt)
+    assert stats["resumed"] == 2 and calls == [2]  # only the third rule was proved now
+    assert [s.proof_status for s in stamped] == ["proved"] * 3
+    # a checkpoint made under other limits is not used
+    calls.clear()
+    _, other = runner.verify_substitutions(subs, workers=1, checkpoint=ckpt, rlimit=10**7)
+    assert other["resumed"] == 0 and len(calls) == 3

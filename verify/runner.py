@@ -1,18 +1,27 @@
 """Verify a set of substitutions in parallel and stamp the results into their provenance.
 
-Each worker process builds its own :class:`~taso_jax.verify.prover.Prover` (Z3 objects do not
-cross processes) and proves a chunk of substitutions. The result of each proof is written
-into ``provenance["proof"]``: ``{"status", "axioms", "seconds", "rlimit"}`` (and
-``"timeout_ms"`` when a wall-clock limit was set). Proofs are bounded by Z3's resource limit,
-so a rule's status does not depend on the machine's load.
+Proving is embarrassingly parallel: each worker process builds its own
+:class:`~taso_jax.verify.prover.Prover` (Z3 objects do not cross processes) and proves
+chunks of substitutions. Two engines run the workers: a ``multiprocessing`` pool on this
+machine (the default), or a Dask cluster (``cluster="local"`` for a ``LocalCluster`` of
+worker processes, or the address of a running scheduler, ``tcp://host:8786``). Dask rather
+than Ray: it installs as two pure-Python wheels, its local cluster starts in about two
+seconds on a 2-core machine, and a real cluster is one ``dask scheduler`` plus ``dask
+worker`` per machine. A ``checkpoint`` file (JSON lines, one finished proof per line, keyed
+by rule id and limits) lets an interrupted run resume where it stopped.
+
+The result of each proof is written into ``provenance["proof"]``: ``{"status", "axioms",
+"seconds", "rlimit"}`` (and ``"timeout_ms"`` when a wall-clock limit was set). Proofs are
+bounded by Z3's resource limit, so a rule's status does not depend on the machine's load.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from taso_jax.search.rules import Substitution
@@ -20,6 +29,7 @@ from taso_jax.search.rules import Substitution
 __all__ = ["verify_substitutions", "load_proved_rules", "rules_for"]
 
 _PROVER = None
+_PROVER_LIMITS: tuple | None = None
 
 
 def _init(rlimit: int | None, timeout_ms: int | None) -> None:
@@ -34,9 +44,71 @@ def _prove_json(job: tuple[int, dict]) -> tuple[int, dict]:
     return i, _PROVER.prove(Substitution.from_json(d))
 
 
+def _prove_chunk(chunk: list[tuple[int, dict]], rlimit: int, timeout_ms: int | None
+                 ) -> list[tuple[int, dict]]:
+    """A cluster task: prove a chunk of substitutions (JSON) in the worker's process.
+
+    Each worker process keeps one :class:`~taso_jax.verify.prover.Prover` per limits.
+    """
+    global _PROVER, _PROVER_LIMITS
+    if _PROVER is None or _PROVER_LIMITS != (rlimit, timeout_ms):
+        _init(rlimit, timeout_ms)
+        _PROVER_LIMITS = (rlimit, timeout_ms)
+    return [_prove_json(job) for job in chunk]
+
+
+def _cluster_results(jobs: list, cluster: str, workers: int, rlimit: int,
+                     timeout_ms: int | None, chunk: int = 8) -> Iterator[tuple[int, dict]]:
+    """Prove ``jobs`` as tasks on a Dask cluster; yield ``(index, result)`` as they finish.
+
+    ``cluster`` is ``"local"`` (a ``LocalCluster`` of ``workers`` processes, one thread
+    each, started and stopped here) or a scheduler address (``tcp://host:8786``) of a
+    running cluster whose workers have taso_jax installed.
+    """
+    try:
+        from dask.distributed import Client, LocalCluster, as_completed
+    except ImportError as e:
+        raise RuntimeError("a cluster needs Dask: pip install 'taso_jax[cluster]'") from e
+    local = None
+    if cluster == "local":
+        local = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                             dashboard_address=None)
+        client = Client(local)
+    else:
+        client = Client(cluster)
+    try:
+        chunks = [jobs[i:i + chunk] for i in range(0, len(jobs), chunk)]
+        futures = client.map(_prove_chunk, chunks, rlimit=rlimit, timeout_ms=timeout_ms,
+                             pure=False)
+        for future in as_completed(futures):
+            yield from future.result()
+    finally:
+        client.close()
+        if local is not None:
+            local.close()
+
+
+def _read_checkpoint(path, limits: dict) -> dict[str, dict]:
+    """Finished proofs in a checkpoint file made with the same limits: rule id -> result."""
+    done: dict[str, dict] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by the interruption
+                if rec.get("limits") == limits:
+                    done[rec["id"]] = rec["result"]
+    except FileNotFoundError:
+        pass
+    return done
+
+
 def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None,
                          timeout_ms: int | None = None, workers: int | None = None,
-                         progress: Callable[[int, Counter], None] | None = None
+                         progress: Callable[[int, Counter], None] | None = None,
+                         cluster: str | None = None, checkpoint=None
                          ) -> tuple[list[Substitution], dict]:
     """Prove every substitution from the operator axioms.
 
@@ -47,10 +119,18 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
         timeout_ms: optional wall-clock limit per attempt, in milliseconds (off by default).
         workers: processes (default: one per core; 1 proves in this process).
         progress: called as ``progress(done, counts)`` after each substitution.
+        cluster: ``None`` (a process pool here), ``"local"`` (a Dask ``LocalCluster`` of
+            ``workers`` processes) or a Dask scheduler address.
+        checkpoint: a file that records each finished proof as it arrives; proofs already
+            in it (same rule id, same limits) are not done again.
 
     Returns:
         ``(stamped, stats)``: the substitutions with ``provenance["proof"]`` set, and
-        ``{"counts": {"proved", "unproved", "unknown"}, "seconds", "axioms"}``.
+        ``{"counts": {"proved", "unproved", "unknown"}, "seconds", "axioms", "resumed",
+        "engine"}`` (``resumed``: proofs read from the checkpoint).
+
+    Raises:
+        RuntimeError: a cluster was asked for and Dask is not installed.
     """
     import multiprocessing
 
@@ -61,11 +141,22 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
     t0 = time.perf_counter()
     workers = workers or os.cpu_count() or 1
     counts: Counter = Counter()
-    jobs = list(enumerate(s.to_json() for s in subs))
-    if workers == 1 or len(jobs) < 8:
+    limits = {"rlimit": rlimit, **({"timeout_ms": timeout_ms} if timeout_ms else {})}
+    results: list = [None] * len(subs)
+    done_before = _read_checkpoint(checkpoint, limits) if checkpoint else {}
+    for i, sub in enumerate(subs):
+        if sub.id in done_before:
+            results[i] = done_before[sub.id]
+            counts[results[i]["status"]] += 1
+    jobs = [(i, s.to_json()) for i, s in enumerate(subs) if results[i] is None]
+    pool = None
+    if cluster is not None:
+        it = _cluster_results(jobs, cluster, workers, rlimit, timeout_ms)
+        engine = f"dask ({cluster})"
+    elif workers == 1 or len(jobs) < 8:
         _init(rlimit, timeout_ms)
         it = map(_prove_json, jobs)
-        pool = None
+        engine = "this process"
     else:
         ctx = multiprocessing.get_context("spawn")  # JAX is threaded: never fork it
         # Z3 keeps memory across proofs in a process (gigabytes over a few thousand rules):
@@ -73,22 +164,28 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
         pool = ctx.Pool(workers, initializer=_init, initargs=(rlimit, timeout_ms),
                         maxtasksperchild=16)
         it = pool.imap_unordered(_prove_json, jobs, chunksize=4)
-    results: list = [None] * len(jobs)
+        engine = f"process pool ({workers})"
+    log = open(checkpoint, "a") if checkpoint else None  # noqa: SIM115
     try:
-        for done, (i, r) in enumerate(it, 1):
+        for done, (i, r) in enumerate(it, len(subs) - len(jobs) + 1):
             results[i] = r
             counts[r["status"]] += 1
+            if log is not None:
+                log.write(json.dumps({"id": subs[i].id, "limits": limits, "result": r}) + "\n")
+                log.flush()
             if progress:
                 progress(done, counts)
     finally:
+        if log is not None:
+            log.close()
         if pool is not None:
             pool.close()
             pool.join()
-    limits = {"rlimit": rlimit, **({"timeout_ms": timeout_ms} if timeout_ms else {})}
     stamped = [replace(s, provenance={**s.provenance, "proof": {**r, **limits}})
                for s, r in zip(subs, results, strict=True)]
     stats = {"counts": {k: counts.get(k, 0) for k in ("proved", "unproved", "unknown")},
-             "seconds": round(time.perf_counter() - t0, 1), "axioms": len(all_axioms())}
+             "seconds": round(time.perf_counter() - t0, 1), "axioms": len(all_axioms()),
+             "resumed": len(subs) - len(jobs), "engine": engine}
     return stamped, stats
 
 
