@@ -411,3 +411,19 @@ def test_the_signature_cache_is_bounded(monkeypatch):
     assert len(f._cache) == 3
     f(jnp.ones((5, 2)))  # the most recent signatures are kept
     assert len(f._cache) == 3
+
+
+def test_keyword_only_arguments_are_traced_like_the_others():
+    @taso_jax.optimize(weight_argnames="w", static_argnames="act", **OPTS)
+    def cell(x, *, w, act="tanh", scale=2.0):
+        y = x @ w["a"] + x @ w["b"]
+        return (jnp.tanh(y) if act == "tanh" else jax.nn.relu(y)) * scale
+
+    w = {"a": jnp.ones((4, 5)), "b": jnp.ones((4, 5))}
+    x = jnp.ones((3, 4)) * 0.1
+    ref = jax.jit(cell.fn, static_argnames="act")
+    np.testing.assert_allclose(cell(x, w=w), ref(x, w=w), rtol=1e-6)
+    np.testing.assert_allclose(cell(x, w=w, act="relu", scale=3.0),
+                               ref(x, w=w, act="relu", scale=3.0), rtol=1e-6)
+    assert cell.fallback_reason is None
+    assert cell.optimized_graph.op_counts()["matmul"] == 1  # x@a + x@b merged: w is weights

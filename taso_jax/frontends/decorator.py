@@ -131,6 +131,34 @@ def _static_key(x):
         return ("id", id(x))
 
 
+def _positional(fn: Callable, signature) -> Callable:
+    """``fn``, taking its keyword-only parameters positionally.
+
+    When ``fn`` has keyword-only parameters, the result takes every parameter positionally
+    (keyword-only ones last, in order), so that tracing, ``weight_argnames`` and
+    ``static_argnames`` treat them like any other argument. Otherwise, and for functions
+    with ``*args`` or ``**kwargs``, ``fn`` is returned as it is.
+    """
+    if signature is None:
+        return fn
+    params = list(signature.parameters.values())
+    kinds = {p.kind for p in params}
+    kwonly = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    if not kwonly or inspect.Parameter.VAR_POSITIONAL in kinds or \
+            inspect.Parameter.VAR_KEYWORD in kinds:
+        return fn
+    n_pos = len(params) - len(kwonly)
+
+    def flat(*args):
+        return fn(*args[:n_pos], **dict(zip(kwonly, args[n_pos:], strict=True)))
+
+    flat.__signature__ = inspect.Signature(
+        [p.replace(kind=p.POSITIONAL_OR_KEYWORD, default=p.empty) for p in params])
+    flat.__name__ = getattr(fn, "__name__", "fn")
+    flat.__qualname__ = getattr(fn, "__qualname__", flat.__name__)
+    return flat
+
+
 class OptimizedFunction:
     """A JAX function wrapped by ``@taso_jax.optimize``; call it like the original.
 
@@ -169,21 +197,26 @@ class OptimizedFunction:
             self._signature = inspect.signature(fn)
         except (TypeError, ValueError):
             self._signature = None
+        self._flat_fn = _positional(fn, self._signature)
         functools.update_wrapper(self, fn)
 
     # ---- calling ------------------------------------------------------------------------
 
     def _bind(self, args, kwargs) -> list:
-        if not kwargs:
+        """The arguments in positional order (keyword-only ones after the positional)."""
+        if not kwargs and self._flat_fn is self.fn:
             return list(args)
         if self._signature is None:
             raise TypeError(f"{_fn_name(self.fn)}: keyword arguments need an inspectable "
                             "signature")
         bound = self._signature.bind(*args, **kwargs)
+        if self._flat_fn is not self.fn:  # keyword-only parameters: every one, in order
+            bound.apply_defaults()
+            return [bound.arguments[name] for name in self._flat_fn.__signature__.parameters]
         if bound.kwargs:
-            raise TypeError(f"{_fn_name(self.fn)}: keyword-only arguments "
-                            f"{sorted(bound.kwargs)} are not supported; pass them "
-                            "positionally or close over them")
+            raise TypeError(f"{_fn_name(self.fn)}: keyword arguments {sorted(bound.kwargs)} "
+                            "go to **kwargs, which is not supported; pass them by name as "
+                            "parameters, or close over them")
         return list(bound.args)
 
     def __call__(self, *args, **kwargs):
@@ -206,8 +239,8 @@ class OptimizedFunction:
         args = self._bind(args, kwargs)
         n = len(args)
         if n not in self._positions:
-            weight_pos = normalize_argnums(self.fn, n, *self._weight_spec, "weight")
-            static_pos = normalize_argnums(self.fn, n, *self._static_spec, "static")
+            weight_pos = normalize_argnums(self._flat_fn, n, *self._weight_spec, "weight")
+            static_pos = normalize_argnums(self._flat_fn, n, *self._static_spec, "static")
             if weight_pos & static_pos:
                 raise ValueError(f"{_fn_name(self.fn)}: argument(s) "
                                  f"{sorted(weight_pos & static_pos)} are marked both weight "
@@ -250,7 +283,7 @@ class OptimizedFunction:
         key = tuple(sorted(static_pos))
         fn = self._user_jits.get(key)
         if fn is None:
-            fn = self._user_jits[key] = jax.jit(self.fn, static_argnums=key)
+            fn = self._user_jits[key] = jax.jit(self._flat_fn, static_argnums=key)
         return fn
 
     def _fast_lookup(self, flat, tree, args, static_pos) -> _Entry | None:
@@ -309,7 +342,7 @@ class OptimizedFunction:
     # ---- optimizing ---------------------------------------------------------------------
 
     def _build(self, args, weight_pos, static_pos) -> _Entry:
-        fn = self.fn
+        fn = self._flat_fn
         t_trace = time.perf_counter()
         try:
             traced = trace_function(fn, args, weight_pos, static_pos, non_arrays="static")
