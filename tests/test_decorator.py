@@ -253,9 +253,24 @@ def test_jax_to_onnx_matches_onnxruntime(name, tmp_path):
     _assert_close(sess.run(None, feeds), jax.jit(fn)(weights, *inputs))
 
 
-def test_export_refuses_opaque_jax_primitives():
-    g = taso_jax.from_jax(lambda x: jnp.sort(x), jnp.ones(4))
-    with pytest.raises(ValueError, match="'sort' has no ONNX mapping"):
+def test_opaque_jax_primitives_export_through_jax2onnx_or_name_the_extra(monkeypatch):
+    import onnxruntime as ort
+
+    def f(x, w):
+        h = x @ w
+        return jnp.cumsum(h, axis=1) + jnp.sort(h, axis=-1)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    g = taso_jax.from_jax(f, x, w)
+    assert g.meta["opaque"] == {"cumsum": 1, "sort": 1}
+    model = taso_jax.export_onnx(g)  # the two opaque equations converted by jax2onnx
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"x": x, "w": w})[0]
+    np.testing.assert_allclose(got, np.asarray(f(x, w)), rtol=1e-5, atol=1e-5)
+    monkeypatch.setitem(sys.modules, "jax2onnx", None)  # the extra not installed
+    with pytest.raises(ValueError, match=r"'cumsum' .*pip install 'taso_jax\[onnx-export\]'"):
         taso_jax.export_onnx(g)
 
 

@@ -38,6 +38,8 @@ CASES = [
      + jnp.sqrt(x * x + 1) + lax.rsqrt(x * x + 1), (_x(2, 5),)),
     ("integer_pow", lambda x: x ** 2 + x ** 3 + x ** 5 + jnp.square(x), (_x(2, 5),)),
     ("pow", lambda x: jnp.power(jnp.abs(x) + 1.0, x), (_x(2, 5),)),
+    ("trig_log_erfc", lambda x: jnp.sin(x) * jnp.cos(x) + jnp.log(jnp.abs(x) + 1.0)
+     + lax.erfc(x), (_x(2, 5),)),
     ("select_compare", lambda x, y: jnp.where((x < y) & ~(x == y) | (x > 1.0), x, y),
      (_x(3, 4), _x(3, 4, seed=1))),
     ("convert", lambda x: x.astype(jnp.int32).astype(jnp.float32) + x, (_x(3, 4) * 4,)),

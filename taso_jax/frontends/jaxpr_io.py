@@ -79,12 +79,68 @@ class JaxEquation(OpaqueOp):
         return self(*args)
 
     def to_onnx(self, ctx, inputs: list[str], outputs: list[str]) -> None:
-        """``stop_gradient`` (its value is its input) as ONNX Identity; others raise."""
+        """The equation as ONNX nodes.
+
+        ``stop_gradient`` (its value is its input) is an ``Identity``. Any other primitive
+        is converted by ``jax2onnx`` (the ``onnx-export`` extra) at the export's opset, and
+        its nodes and initializers are spliced in, with its own tensors renamed apart.
+
+        Raises:
+            ValueError: ``jax2onnx`` is not installed, cannot convert the primitive, or gives
+                other element types than the graph's.
+        """
         if self.primitive in _FORWARD_IDENTITY:
             ctx.node("Identity", inputs, outputs)
             return
-        raise ValueError(f"JAX primitive {self.primitive!r} has no ONNX mapping (it was kept "
-                         "as an opaque node on import)")
+        try:
+            from jax2onnx import to_onnx as jax_to_onnx
+        except ImportError as e:
+            raise ValueError(f"JAX primitive {self.primitive!r} has no ONNX mapping of its own; "
+                             "install the extra that converts it with jax2onnx: pip install "
+                             "'taso_jax[onnx-export]'") from e
+        specs = [jax.ShapeDtypeStruct(ctx.shape(n), ctx.dtype(n)) for n in inputs]
+        try:
+            model = jax_to_onnx(lambda *a: self(*a), specs, opset=ctx.opset,
+                                model_name=self.primitive)
+        except Exception as e:  # jax2onnx has no plugin for it, or fails on it
+            raise ValueError(f"JAX primitive {self.primitive!r}: jax2onnx cannot convert it "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+        _splice(model, ctx, inputs, outputs, self.primitive)
+
+
+def _splice(model, ctx, inputs: list[str], outputs: list[str], what: str) -> None:
+    """Append a converted one-equation ONNX ``model`` to an export, renamed to fit.
+
+    Its graph inputs become ``inputs``, its outputs ``outputs``; every other tensor and
+    initializer gets a fresh name. Models with subgraphs or local functions are refused
+    (their inner references could not be renamed safely).
+    """
+    from onnx import AttributeProto, helper, numpy_helper
+
+    g = model.graph
+    if model.functions or any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS)
+                              for n in g.node for a in n.attribute) or any(
+            n.domain not in ("", "ai.onnx") for n in g.node):
+        raise ValueError(f"JAX primitive {what!r}: jax2onnx wrote subgraphs, functions or "
+                         "custom-domain nodes, which cannot be spliced into the export")
+    rename = dict(zip((i.name for i in g.input), inputs, strict=True))
+    rename.update(zip((o.name for o in g.output), outputs, strict=True))
+    for vi, name in [*zip(g.input, inputs, strict=True), *zip(g.output, outputs, strict=True)]:
+        want = np.dtype(ctx.types[name].dtype) if name in ctx.types else None
+        got = helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+        if want is not None and np.dtype(got) != want:
+            raise ValueError(f"JAX primitive {what!r}: jax2onnx wrote {vi.name} as {got}, "
+                             f"the graph has {want}")
+    for init in g.initializer:
+        value = numpy_helper.to_array(init)
+        rename[init.name] = ctx.const(value, ctx.fresh("j2o"))
+    for node in g.node:
+        for x in [*node.input, *node.output]:
+            if x and x not in rename:
+                rename[x] = ctx.fresh("j2o")
+        ctx.node(node.op_type, [rename[x] if x else "" for x in node.input],
+                 [rename[x] if x else "" for x in node.output],
+                 **{a.name: helper.get_attribute_value(a) for a in node.attribute})
 
 
 #: JAX primitives kept opaque for their derivative rules, whose value is their input.
