@@ -47,8 +47,9 @@ def optimize(graph=None, **options):
     (arguments whose array leaves are weights: weight-only subgraphs are computed once per
     distinct weight arrays), ``static_argnums`` / ``static_argnames`` and ``check`` (compare
     with ``jax.jit`` of the original at the first call of each signature); see
-    :class:`~taso_jax.frontends.decorator.OptimizedFunction`. Its search time limit
-    defaults to 10 s, and optimized graphs are kept in a cache on disk, so that another
+    :class:`~taso_jax.frontends.decorator.OptimizedFunction`, and ``mode="background"``
+    (first calls run ``jax.jit`` of the original while the optimization runs in a thread).
+    Its search time limit defaults to 10 s, and optimized graphs are kept in a cache on disk, so that another
     process skips the search (:mod:`taso_jax.frontends.graph_cache`).
 
     Raises:

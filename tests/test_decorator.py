@@ -442,3 +442,37 @@ def test_keyword_only_arguments_are_traced_like_the_others():
                                ref(x, w=w, act="relu", scale=3.0), rtol=1e-6)
     assert cell.fallback_reason is None
     assert cell.optimized_graph.op_counts()["matmul"] == 1  # x@a + x@b merged: w is weights
+
+
+def test_background_mode_runs_the_original_until_the_checked_result_is_ready():
+    fn, weights, inputs = jax_models.make_nasrnn(hidden=32, steps=1)
+    opt = taso_jax.optimize(fn, weight_argnums=0, mode="background", **OPTS)
+    ref = jax.jit(fn)(weights, *inputs)
+    _assert_close(opt(weights, *inputs), ref)  # at once: jax.jit of the original
+    assert opt._last is None or opt._last.result is None  # nothing optimized was used yet
+    opt.wait(timeout=300)
+    _assert_close(opt(weights, *inputs), ref)
+    e = opt._last
+    assert e is not None and e.report["check"]["ok"]  # checked before it was swapped in
+    assert opt.optimized_graph.op_counts()["matmul"] < opt.graph.op_counts()["matmul"]
+    with pytest.raises(ValueError, match="mode"):
+        taso_jax.optimize(fn, mode="eager")
+
+
+def test_background_mode_never_swaps_in_a_wrong_result(monkeypatch):
+    import taso_jax.frontends.decorator as decorator
+
+    real = decorator.compare_outputs
+
+    def always_differ(*a, **k):
+        r = real(*a, **k)
+        return {**r, "ok": False, "max_abs_err": 1.0}
+
+    monkeypatch.setattr(decorator, "compare_outputs", always_differ)
+    fn, weights, inputs = jax_models.make_nasrnn(hidden=32, steps=1)
+    opt = taso_jax.optimize(fn, weight_argnums=0, mode="background", **OPTS)
+    ref = jax.jit(fn)(weights, *inputs)
+    opt(weights, *inputs)
+    opt.wait(timeout=300)
+    _assert_close(opt(weights, *inputs), ref)
+    assert opt.fallback_reason and "differ" in opt.fallback_reason

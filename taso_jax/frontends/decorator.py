@@ -79,6 +79,10 @@ def _package_version() -> str:
         return "source"
 
 
+#: Marks a signature whose background trace failed (the function does not trace).
+_UNTRACEABLE = object()
+
+
 class _Fallback(Exception):
     """Internal: the optimized pipeline failed for this signature."""
 
@@ -170,7 +174,8 @@ class OptimizedFunction:
     """
 
     def __init__(self, fn: Callable, *, weight_argnums=(), weight_argnames=(),
-                 static_argnums=(), static_argnames=(), check: bool = True, **options):
+                 static_argnums=(), static_argnames=(), check: bool = True,
+                 mode: str = "sync", **options):
         if not callable(fn):
             raise TypeError(f"taso_jax.optimize: expected a function, got {type(fn).__name__}")
         self.fn = fn
@@ -185,7 +190,11 @@ class OptimizedFunction:
             raise ValueError(f"taso_jax.optimize: target={self.options.target!r} applies to "
                              "ONNX models and graphs; a decorated function runs under jax.jit "
                              "(target='xla')")
-        self.check = check
+        if mode not in ("sync", "background"):
+            raise ValueError(f"taso_jax.optimize: mode must be 'sync' or 'background', "
+                             f"got {mode!r}")
+        self.check, self.mode = check, mode
+        self._pending: dict = {}  # signature -> Future of its _Entry (mode="background")
         self._cache: OrderedDict = OrderedDict()  # signature -> _Entry, least recent first
         self._positions: dict[int, tuple[set, set]] = {}
         self._last: _Entry | None = None
@@ -256,12 +265,16 @@ class OptimizedFunction:
             entry = self._cache.get(key)
             if entry is not None:
                 self._cache.move_to_end(key)
+            if entry is None and self.mode == "background":
+                entry = self._background(key, args, flat, weight_pos, static_pos)
+                if entry is None:  # still optimizing: jax.jit of the original meanwhile
+                    return self._user_jit(static_pos)(*args)
+                entry.tree = tree
+                self._remember(key, entry)
             if entry is None:
                 entry = self._build(args, weight_pos, static_pos)
                 entry.tree = tree
-                self._cache[key] = entry
-                while len(self._cache) > SIGNATURE_CACHE:
-                    self._cache.popitem(last=False)  # as jax.jit's cache, bounded
+                self._remember(key, entry)
         self._last = entry
         leaves = [flat[i] for i in entry.array_index]
         concrete = not any(_is_tracer(x) for x in leaves)
@@ -277,6 +290,64 @@ class OptimizedFunction:
                 and i not in static_pos else (True, a) for i, a in enumerate(args)),
                 self._user_jit(static_pos))
         return out
+
+    def _remember(self, key, entry: _Entry) -> None:
+        self._cache[key] = entry
+        while len(self._cache) > SIGNATURE_CACHE:
+            self._cache.popitem(last=False)  # as jax.jit's cache, bounded
+
+    def _background(self, key, args, flat, weight_pos, static_pos) -> _Entry | None:
+        """``mode="background"``: the signature's entry once its optimization has finished.
+
+        The first call of a signature starts the optimization (trace, search, output check,
+        timing against jax.jit) in a background thread and returns ``None``: the caller runs
+        ``jax.jit`` of the original meanwhile. A later call gets the finished entry, which
+        is used only as the optimization decided: checked, and measured faster than the
+        original (else the original keeps running). Arguments with non-array leaves, or
+        traced ones, are optimized in the foreground.
+        """
+        future = self._pending.get(key)
+        if future is _UNTRACEABLE:
+            return None  # jax.jit of the original raises what the user needs to see
+        if future is None:
+            if any(_is_tracer(x) or not _is_array_leaf(x) for x in flat):
+                return self._build(args, weight_pos, static_pos)
+            from concurrent.futures import ThreadPoolExecutor
+
+            if getattr(self, "_executor", None) is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="taso_jax")
+            # NumPy arrays may change in place before the thread reads them: copies
+            copies = jax.tree_util.tree_map(
+                lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray) else x, args)
+            self._pending[key] = self._executor.submit(self._build_quietly, copies,
+                                                       weight_pos, static_pos)
+            return None
+        if not future.done():
+            return None
+        entry = future.result()
+        if entry.jit_original is None:
+            self._pending[key] = _UNTRACEABLE
+            return None
+        del self._pending[key]
+        return entry
+
+    def _build_quietly(self, args, weight_pos, static_pos) -> _Entry:
+        """``_build`` for a background thread: never raises (a failure is a fallback)."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # no warnings from a thread at random times
+                return self._build(args, weight_pos, static_pos)
+        except Exception as e:  # the function does not trace: jax.jit of it raised too
+            entry = _Entry(out_tree=None, jit_original=None)
+            entry.fallback = f"{type(e).__name__}: {e}"
+            entry.all_arrays = False
+            return entry
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the background optimizations started so far have finished."""
+        from concurrent.futures import wait
+
+        wait([f for f in self._pending.values() if f is not _UNTRACEABLE], timeout=timeout)
 
     def _user_jit(self, static_pos) -> Callable:
         """``jax.jit`` of the original function with these static positions (cached)."""
