@@ -49,8 +49,8 @@ def optimize(graph=None, **options):
     with ``jax.jit`` of the original at the first call of each signature); see
     :class:`~taso_jax.frontends.decorator.OptimizedFunction`, and ``mode="background"``
     (first calls run ``jax.jit`` of the original while the optimization runs in a thread).
-    Its search time limit defaults to 10 s, and optimized graphs are kept in a cache on disk, so that another
-    process skips the search (:mod:`taso_jax.frontends.graph_cache`).
+    Its search time limit defaults to 10 s, and optimized graphs are kept in a cache on
+    disk, so that another process skips the search (:mod:`taso_jax.frontends.graph_cache`).
 
     Raises:
         ValueError: an option out of range, or (functions) a ``weight_argnames`` /

@@ -288,3 +288,35 @@ def test_int64_sentinels_keep_their_meaning_through_jax():
     big = np.array([np.iinfo(np.int64).max, np.iinfo(np.int64).min, 5], np.int64)
     got = np.asarray(as_jax_constant(big))
     assert got[0] > 0 and got[1] < 0 and got[2] == 5
+
+
+def test_an_unnamed_state_batch_axis_is_bound_apart_from_the_sequence_length():
+    """silero-vad's shape: input [N, L] and state [2, B, 128], all unnamed; B must equal N
+    and L must be at least 16: every open size at one candidate fits nowhere."""
+    from onnx import TensorProto, helper
+
+    from taso_jax.frontends.onnx_io import load_onnx
+
+    def const(name, values):
+        return helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+
+    nodes = [
+        helper.make_node("Slice", ["x", "s0", "s16", "ax1"], ["xs"]),
+        helper.make_node("Reshape", ["xs", "shape16"], ["xr"]),  # needs L >= 16
+        helper.make_node("ReduceSum", ["xr", "ax1"], ["xsum"], keepdims=1),
+        helper.make_node("Unsqueeze", ["xsum", "ax1"], ["xe"]),
+        helper.make_node("Expand", ["xe", "e124"], ["xe2"]),
+        helper.make_node("Transpose", ["state"], ["st"], perm=[1, 0, 2]),
+        helper.make_node("Concat", ["st", "xe2"], ["y"], axis=1),  # needs B == N
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None])
+    state = helper.make_tensor_value_info("state", TensorProto.FLOAT, [2, None, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4, 4])
+    inits = [const("s0", [0]), const("s16", [16]), const("ax1", [1]),
+             const("shape16", [0, 16]), const("e124", [1, 2, 4])]
+    g = helper.make_graph(nodes, "state", [x, state], [y], initializer=inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    graph = load_onnx(model.SerializeToString())
+    shapes = {n.name: n.types[0].shape for n in graph.inputs}
+    assert shapes == {"x": (1, 32), "state": (2, 1, 4)}, shapes
+    assert len(graph.meta["shape_notes"]) == 2

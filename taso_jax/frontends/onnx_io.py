@@ -18,6 +18,7 @@ Source: ONNX IR and operator specifications (onnx.ai, opsets 9-20).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections.abc import Mapping
 
@@ -94,6 +95,8 @@ def _batch_like(axis: int, label: str) -> bool:
 #: the model accepts (ONNX shape inference, then one run in onnxruntime) is used. The sides
 #: of an image (axes 2 and 3 of a 4-D input) start at 224, other sizes (a sequence) at 1.
 SYMBOLIC_CANDIDATES = (1, 32, 224, 512)
+#: Open sizes (not batch-like) up to which mixes with some of them at 1 are tried too.
+MIXED_SIZES_AT_MOST = 4
 IMAGE_CANDIDATES = (224, 64, 32, 512)
 
 
@@ -196,13 +199,24 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
         len(next(x for x in model.graph.input if x.name == name).type.tensor_type.shape.dim)
         == 4 and axis >= 2 for name, axis, _ in open_dims[sym])}
     fitting = None
-    for k in range(len(SYMBOLIC_CANDIDATES) if rest else 1):
-        trial = {sym: v if v is not None else
-                 (IMAGE_CANDIDATES if sym in image else SYMBOLIC_CANDIDATES)[k]
-                 for sym, v in sizes.items()}
-        bind(trial)
-        if _shapes_fit(model):
-            fitting = trial
+    # Every open size at the k-th candidate together; then, for a few open sizes, the
+    # mixes where some of them are 1 instead (an unnamed batch axis of a state input,
+    # silero-vad's state[1], is not axis 0, so it looks like a sequence length).
+    masks = [(True,) * len(rest)]
+    if 1 < len(rest) <= MIXED_SIZES_AT_MOST:
+        masks += sorted((m for m in itertools.product((True, False), repeat=len(rest))
+                         if any(m) and not all(m)), key=lambda m: -sum(m))
+    for mask in masks if rest else [()]:
+        on = {sym for sym, keep in zip(rest, mask, strict=True) if keep}
+        for k in range(len(SYMBOLIC_CANDIDATES) if rest else 1):
+            trial = {sym: v if v is not None else 1 if sym not in on else
+                     (IMAGE_CANDIDATES if sym in image else SYMBOLIC_CANDIDATES)[k]
+                     for sym, v in sizes.items()}
+            bind(trial)
+            if _shapes_fit(model):
+                fitting = trial
+                break
+        if fitting is not None:
             break
     if fitting is None:
         described = ", ".join(f"{name!r} dimension {axis}" + (f" ({sym!r})" if sym in
