@@ -20,6 +20,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 __all__ = ["main"]
@@ -646,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
     from taso_jax.ir.graph import GraphError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # JAX runs in 32 bits: an ONNX int64 value is computed as int32 by design (weights are
+    # saturated, see taso_jax.ir.executor.as_jax_constant), so JAX's notice says nothing new
+    warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "optimize":
