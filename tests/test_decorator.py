@@ -476,3 +476,17 @@ def test_background_mode_never_swaps_in_a_wrong_result(monkeypatch):
     opt.wait(timeout=300)
     _assert_close(opt(weights, *inputs), ref)
     assert opt.fallback_reason and "differ" in opt.fallback_reason
+
+
+def test_lower_trace_and_jax_export_of_the_optimized_function():
+    @taso_jax.optimize(weight_argnums=0, **OPTS)
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.ones((4, 5)), "b": jnp.ones((4, 5))}
+    spec = jax.ShapeDtypeStruct((3, 4), jnp.float32)
+    lowered = cell.lower(w, spec)
+    assert lowered.as_text().count("dot_general") == 1  # the two matmuls were merged
+    assert type(cell.trace(w, spec)).__name__ == "Traced"
+    exported = jax.export.export(jax.jit(cell))(w, spec)
+    np.testing.assert_allclose(exported.call(w, jnp.ones((3, 4))), 8.0, rtol=1e-6)

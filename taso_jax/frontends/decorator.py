@@ -612,6 +612,20 @@ class OptimizedFunction:
         """Why the last call's signature runs ``jax.jit`` of the original (else ``None``)."""
         return self._entry().fallback
 
+    def lower(self, *args, **kwargs):
+        """Ahead-of-time lowering, as ``jax.jit(f).lower(*args)``: a ``jax.stages.Lowered``.
+
+        The wrapper is traced under ``jax.jit``, so what is lowered is what a call of that
+        signature runs: the optimized stages (the weight folding included, since the
+        weights are traced values here), or the original when it was kept. Arguments may be
+        arrays or ``jax.ShapeDtypeStruct``.
+        """
+        return jax.jit(self).lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        """Ahead-of-time tracing, as ``jax.jit(f).trace(*args)``: a ``jax.stages.Traced``."""
+        return jax.jit(self).trace(*args, **kwargs)
+
     def runtime_jaxpr(self):
         """The jaxpr of the runtime stage for the last signature (what runs on every call).
 
