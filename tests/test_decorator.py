@@ -490,3 +490,27 @@ def test_lower_trace_and_jax_export_of_the_optimized_function():
     assert type(cell.trace(w, spec)).__name__ == "Traced"
     exported = jax.export.export(jax.jit(cell))(w, spec)
     np.testing.assert_allclose(exported.call(w, jnp.ones((3, 4))), 8.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_donate_argnums_follows_jax_jit(monkeypatch, keep):
+    import taso_jax.frontends.decorator as decorator
+
+    if keep:
+        monkeypatch.setattr(decorator, "NOISE", 1e9)  # the original runs (fast path)
+
+    def f(w, x):
+        return x @ w["s"] + x @ w["t"]  # same shape as x: its buffer can be reused
+
+    w = {"s": jnp.full((4, 4), 0.5), "t": jnp.full((4, 4), 0.75)}
+    plain = jnp.ones((3, 4))
+    jax.jit(f, donate_argnums=1)(w, plain)
+    opt = taso_jax.optimize(f, weight_argnums=0, donate_argnums=1,
+                            **{**OPTS, "end_to_end": 2 if keep else 0})
+    for _ in range(2):  # the first call (optimizing) and a later one
+        x = jnp.ones((3, 4))
+        np.testing.assert_allclose(opt(w, x), 5.0, rtol=1e-6)
+        assert x.is_deleted() == plain.is_deleted()
+    assert bool(opt.original_kept) == keep
+    with pytest.raises(ValueError, match="donated"):
+        taso_jax.optimize(f, weight_argnums=0, donate_argnums=0)(w, jnp.ones((3, 4)))

@@ -98,6 +98,7 @@ class _Entry:
     staged: object = None
     fold: Callable | None = None
     run: Callable | None = None
+    run_donating: Callable | None = None  # run, donating the inputs the user donates
     weight_slots: list = field(default_factory=list)  # per weight name: leaf index or None
     constants: dict = field(default_factory=dict)
     fallback: str | None = None
@@ -174,16 +175,18 @@ class OptimizedFunction:
     """
 
     def __init__(self, fn: Callable, *, weight_argnums=(), weight_argnames=(),
-                 static_argnums=(), static_argnames=(), check: bool = True,
-                 mode: str = "sync", **options):
+                 static_argnums=(), static_argnames=(), donate_argnums=(),
+                 donate_argnames=(), check: bool = True, mode: str = "sync", **options):
         if not callable(fn):
             raise TypeError(f"taso_jax.optimize: expected a function, got {type(fn).__name__}")
         self.fn = fn
         self._weight_spec = (weight_argnums, weight_argnames)
         self._static_spec = (static_argnums, static_argnames)
+        self._donate_spec = (donate_argnums, donate_argnames)
         # Names are checked now; positions once the number of arguments is known.
         normalize_argnums(fn, None, (), weight_argnames, "weight")
         normalize_argnums(fn, None, (), static_argnames, "static")
+        normalize_argnums(fn, None, (), donate_argnames, "donate")
         options.setdefault("time_limit", DECORATOR_TIME_LIMIT)
         self.options = OptimizeOptions().replace(**options)
         if self.options.target != "xla":
@@ -254,8 +257,14 @@ class OptimizedFunction:
                 raise ValueError(f"{_fn_name(self.fn)}: argument(s) "
                                  f"{sorted(weight_pos & static_pos)} are marked both weight "
                                  "and static")
-            self._positions[n] = (weight_pos, static_pos)
-        weight_pos, static_pos = self._positions[n]
+            donate_pos = normalize_argnums(self._flat_fn, n, *self._donate_spec, "donate")
+            if donate_pos & (static_pos | weight_pos):
+                raise ValueError(f"{_fn_name(self.fn)}: argument(s) "
+                                 f"{sorted(donate_pos & (static_pos | weight_pos))} are marked "
+                                 "donated and static or weight (only runtime inputs can be "
+                                 "donated)")
+            self._positions[n] = (weight_pos, static_pos, donate_pos)
+        weight_pos, static_pos, donate_pos = self._positions[n]
         dyn = tuple(None if i in static_pos else a for i, a in enumerate(args))
         flat, tree = jax.tree_util.tree_flatten(dyn)
         entry = self._fast_lookup(flat, tree, args, static_pos)
@@ -268,7 +277,7 @@ class OptimizedFunction:
             if entry is None and self.mode == "background":
                 entry = self._background(key, args, flat, weight_pos, static_pos)
                 if entry is None:  # still optimizing: jax.jit of the original meanwhile
-                    return self._user_jit(static_pos)(*args)
+                    return self._user_jit(static_pos, donate_pos)(*args)
                 entry.tree = tree
                 self._remember(key, entry)
             if entry is None:
@@ -280,16 +289,20 @@ class OptimizedFunction:
         concrete = not any(_is_tracer(x) for x in leaves)
         if concrete:
             entry.last_call = (args, leaves)
-        out = self._execute(entry, leaves, entry.kinds, concrete)
         self._fast = (entry, flat, [args[i] for i in sorted(static_pos)]) if concrete else None
         self._kept_fast = None
-        if concrete and not kwargs and entry.all_arrays and (
-                entry.fallback is not None or entry.original_kept is not None):
-            self._kept_fast = (tuple(
-                (False, (type(a), a.shape, a.dtype)) if isinstance(a, jax.Array)
-                and i not in static_pos else (True, a) for i, a in enumerate(args)),
-                self._user_jit(static_pos))
-        return out
+        if concrete and entry.all_arrays and (entry.fallback is not None
+                                              or entry.original_kept is not None):
+            # jax.jit of the user's function itself (its donation included), and, for the
+            # next calls, the fast check that leads straight to it
+            user_jit = self._user_jit(static_pos, donate_pos)
+            if not kwargs:
+                self._kept_fast = (tuple(
+                    (False, (type(a), a.shape, a.dtype)) if isinstance(a, jax.Array)
+                    and i not in static_pos else (True, a) for i, a in enumerate(args)),
+                    user_jit)
+            return user_jit(*args)
+        return self._execute(entry, leaves, entry.kinds, concrete, donate=concrete)
 
     def _remember(self, key, entry: _Entry) -> None:
         self._cache[key] = entry
@@ -349,12 +362,13 @@ class OptimizedFunction:
 
         wait([f for f in self._pending.values() if f is not _UNTRACEABLE], timeout=timeout)
 
-    def _user_jit(self, static_pos) -> Callable:
-        """``jax.jit`` of the original function with these static positions (cached)."""
-        key = tuple(sorted(static_pos))
+    def _user_jit(self, static_pos, donate_pos=frozenset()) -> Callable:
+        """``jax.jit`` of the original function with these static and donated positions."""
+        key = (tuple(sorted(static_pos)), tuple(sorted(donate_pos)))
         fn = self._user_jits.get(key)
         if fn is None:
-            fn = self._user_jits[key] = jax.jit(self._flat_fn, static_argnums=key)
+            fn = self._user_jits[key] = jax.jit(self._flat_fn, static_argnums=key[0],
+                                                donate_argnums=key[1])
         return fn
 
     def _fast_lookup(self, flat, tree, args, static_pos) -> _Entry | None:
@@ -379,12 +393,14 @@ class OptimizedFunction:
                 return None
         return entry
 
-    def _execute(self, entry: _Entry, leaves, kinds, concrete: bool = False):
+    def _execute(self, entry: _Entry, leaves, kinds, concrete: bool = False,
+                 donate: bool = False):
         if entry.fallback is not None or entry.original_kept is not None:
             return entry.jit_original(*leaves)
         weights = [x for x, k in zip(leaves, kinds, strict=True) if k == "weight"]
         inputs = [x for x, k in zip(leaves, kinds, strict=True) if k == "input"]  # noqa
-        out = entry.run(self._folded(entry, weights, concrete), *inputs)
+        run = entry.run_donating if donate and entry.run_donating is not None else entry.run
+        out = run(self._folded(entry, weights, concrete), *inputs)
         return jax.tree_util.tree_unflatten(entry.out_tree, list(out))
 
     def _folded(self, entry: _Entry, weights, concrete: bool):
@@ -483,6 +499,9 @@ class OptimizedFunction:
                            if name not in weight_index}
         entry.graph, entry.result, entry.staged = graph, result, staged
         entry.fold, entry.run = jax.jit(staged.fold), jax.jit(staged.run)
+        donated = self._donated_inputs(traced, args, static_pos)
+        if donated:  # the user's calls donate; the check and the timing must not
+            entry.run_donating = jax.jit(staged.run, donate_argnums=donated)
         notes = []
         if graph.meta.get("opaque"):
             notes.append("kept as opaque equations: " + ", ".join(
@@ -525,6 +544,18 @@ class OptimizedFunction:
                     "cost_before": result.cost_before, "cost_after": result.cost_after,
                     "applied": dict(result.applied), "original_kept": entry.original_kept})
         entry.report["original_kept"] = entry.original_kept
+
+    def _donated_inputs(self, traced: TracedFunction, args, static_pos) -> tuple[int, ...]:
+        """Positions, among the runtime stage's arguments, of the donated input leaves."""
+        donate_pos = self._positions.get(len(args), (set(), set(), set()))[2]
+        if not donate_pos:
+            return ()
+        arg_of_flat = [i for i, a in enumerate(args) if i not in static_pos
+                       for _ in jax.tree_util.tree_leaves(a)]
+        inputs = [j for j, k in zip(traced.array_index, traced.kinds, strict=True)
+                  if k == "input"]
+        # run(consts, *inputs): input k is argument k + 1
+        return tuple(k + 1 for k, j in enumerate(inputs) if arg_of_flat[j] in donate_pos)
 
     def _cache_parts(self, subs) -> list[str]:
         """What besides the graph an optimized graph depends on (the graph cache's key)."""
