@@ -53,10 +53,13 @@ class TensorType(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        """Size in bytes."""
+        """Size in bytes (a JAX PRNG key element, ``key<fry>``, counts as 8)."""
         import numpy as np
 
-        return self.size * np.dtype(self.dtype).itemsize
+        try:
+            return self.size * np.dtype(self.dtype).itemsize
+        except TypeError:
+            return self.size * 8
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -514,3 +514,41 @@ def test_donate_argnums_follows_jax_jit(monkeypatch, keep):
     assert bool(opt.original_kept) == keep
     with pytest.raises(ValueError, match="donated"):
         taso_jax.optimize(f, weight_argnums=0, donate_argnums=0)(w, jnp.ones((3, 4)))
+
+
+def test_prng_keys_int_and_bf16_arguments_are_optimized_not_fallen_back():
+    @taso_jax.optimize(weight_argnums=0, **OPTS)
+    def noisy(w, key, x):
+        h = x @ w["a"] + x @ w["b"]  # merged
+        return h + 0.01 * jax.random.normal(key, h.shape)
+
+    w = {"a": jnp.ones((4, 5)), "b": jnp.ones((4, 5))}
+    for key in (jax.random.key(0), jax.random.PRNGKey(0)):  # typed and raw uint32 keys
+        x = jnp.ones((3, 4))
+        np.testing.assert_allclose(noisy(w, key, x), jax.jit(noisy.fn)(w, key, x),
+                                   rtol=1e-6)
+        assert noisy.fallback_reason is None
+        assert noisy.optimized_graph.op_counts()["matmul"] == 1
+    np.testing.assert_allclose(noisy(w, jax.random.key(1), jnp.ones((3, 4))),
+                               jax.jit(noisy.fn)(w, jax.random.key(1), jnp.ones((3, 4))),
+                               rtol=1e-6)  # another key value, same signature
+
+    @taso_jax.optimize(weight_argnums=0, **OPTS)
+    def emb(w, ids):
+        h = w["e"][ids]
+        return h @ w["a"] + h @ w["b"]
+
+    we = {"e": jnp.arange(40.0).reshape(10, 4), "a": jnp.ones((4, 4)),
+          "b": jnp.ones((4, 4))}
+    ids = jnp.array([1, 2, 3])
+    np.testing.assert_allclose(emb(we, ids), jax.jit(emb.fn)(we, ids), rtol=1e-6)
+    assert emb.fallback_reason is None
+
+    @taso_jax.optimize(weight_argnums=0, **OPTS)
+    def half(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    wb = {"a": jnp.ones((4, 4), jnp.bfloat16), "b": jnp.ones((4, 4), jnp.bfloat16)}
+    xb = jnp.ones((3, 4), jnp.bfloat16)
+    assert half(wb, xb).dtype == jnp.bfloat16 and half.fallback_reason is None
+    np.testing.assert_allclose(np.asarray(half(wb, xb), np.float32), 8.0)

@@ -44,6 +44,7 @@ from taso_jax.frontends.jaxpr_io import (
     TracedFunction,
     _fn_name,
     _is_array_leaf,
+    leaves_for_call,
     normalize_argnums,
     trace_function,
 )
@@ -115,6 +116,7 @@ class _Entry:
     first_call: dict = field(default_factory=dict)  # seconds per stage of the first call
     cache_hit: bool = False  # the optimized graph came from the graph cache
     all_arrays: bool = False  # every leaf of the traced arguments is an array (jax.jit-able)
+    key_leaves: dict = field(default_factory=dict)  # leaf index -> PRNG impl (typed keys)
 
 
 def _is_tracer(x) -> bool:
@@ -395,6 +397,7 @@ class OptimizedFunction:
 
     def _execute(self, entry: _Entry, leaves, kinds, concrete: bool = False,
                  donate: bool = False):
+        leaves = leaves_for_call(leaves, entry.key_leaves)
         if entry.fallback is not None or entry.original_kept is not None:
             return entry.jit_original(*leaves)
         weights = [x for x, k in zip(leaves, kinds, strict=True) if k == "weight"]
@@ -443,6 +446,7 @@ class OptimizedFunction:
         entry = _Entry(out_tree=traced.out_tree, jit_original=jax.jit(traced.flat_fn),
                        kinds=kinds, array_index=array_index)
         entry.all_arrays = len(array_index) == traced.n_flat
+        entry.key_leaves = traced.key_leaves
         inputs_at = {i for i, k in zip(array_index, kinds, strict=True) if k == "input"}
         entry.same_object = [i for i in range(traced.n_flat) if i not in inputs_at]
         entry.input_signature = [(i, _leaf_signature(x)) for i, x, k in

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -148,6 +148,10 @@ _FORWARD_IDENTITY = ("stop_gradient",)
 
 
 def _ttype(aval) -> TensorType:
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        # a typed PRNG key between random_wrap and random_bits: only opaque equations make
+        # or read it, so its type is kept by name
+        return TensorType(tuple(int(d) for d in aval.shape), str(aval.dtype))
     try:
         dtype = str(np.dtype(aval.dtype))
     except TypeError as e:
@@ -358,6 +362,10 @@ class TracedFunction:
         n_flat: how many leaves the non-static arguments flatten to (arrays or not).
         out_names: per output leaf, ``out`` and its pytree path (``out[0]``).
         out_tree: the output's pytree structure.
+        key_leaves: leaf index -> PRNG implementation, for typed PRNG key leaves: such a
+            leaf is passed as its ``jax.random.key_data`` (a uint32 array) and wrapped back
+            inside :attr:`flat_fn`, so the graph sees an ordinary array
+            (:func:`leaves_for_call` converts a call's keys).
     """
 
     closed: Any
@@ -369,6 +377,7 @@ class TracedFunction:
     n_flat: int
     out_names: list[str]
     out_tree: Any
+    key_leaves: dict = field(default_factory=dict)
 
     def weight_specs(self) -> list[tuple[str, bool, object]]:
         """``(path, is weight, value)`` per leaf, as :func:`import_jaxpr` takes them.
@@ -416,6 +425,7 @@ def trace_function(fn: Callable, args: Sequence, weight_pos: set[int],
     """
     names = argument_names(fn, len(args))
     leaves, kinds, paths, array_index = [], [], [], []
+    key_leaves: dict = {}
     flat_positions = []  # per argument: its static value, or how to rebuild its pytree
     offset = 0
     for a_i, a in enumerate(args):
@@ -432,6 +442,9 @@ def trace_function(fn: Callable, args: Sequence, weight_pos: set[int],
                                  f"{type(x).__name__}, not an array; pass only arrays "
                                  "(partition equinox modules with eqx.partition)")
             if m:
+                if _is_key(x):
+                    key_leaves[len(leaves)] = jax.random.key_impl(x)
+                    x = jax.random.key_data(x)
                 leaves.append(x)
                 kinds.append("weight" if a_i in weight_pos else "input")
                 paths.append(where)
@@ -440,6 +453,9 @@ def trace_function(fn: Callable, args: Sequence, weight_pos: set[int],
         flat_positions.append(("tree", tree, flat, mask, len(leaves) - sum(mask)))
 
     def flat_fn(*dyn):
+        if key_leaves:
+            dyn = [jax.random.wrap_key_data(v, impl=key_leaves[i]) if i in key_leaves else v
+                   for i, v in enumerate(dyn)]
         rebuilt = []
         for spec in flat_positions:
             if spec[0] == "static":
@@ -456,7 +472,20 @@ def trace_function(fn: Callable, args: Sequence, weight_pos: set[int],
         *[abstract_leaf(x) for x in leaves])
     out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     return TracedFunction(closed, flat_fn, leaves, kinds, paths, array_index, offset,
-                          [_path_name("out", p) for p, _ in out_paths], out_tree)
+                          [_path_name("out", p) for p, _ in out_paths], out_tree, key_leaves)
+
+
+def _is_key(x) -> bool:
+    """A typed PRNG key array (``jax.random.key``), not a raw uint32 one."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def leaves_for_call(leaves: list, key_leaves: dict) -> list:
+    """A call's array leaves as :attr:`TracedFunction.flat_fn` takes them (keys as data)."""
+    if not key_leaves:
+        return leaves
+    return [jax.random.key_data(x) if i in key_leaves else x for i, x in enumerate(leaves)]
 
 
 def from_jax(fn: Callable, *args, weight_argnums=(), weight_argnames=(),
