@@ -203,6 +203,9 @@ def _reshape_to_onnx(ctx, ins, outs, *, shape):
         in_shape = ()
     out = list(full)
     k = 0
+    if int(np.prod(full)) == 0:  # onnxruntime refuses -1 beside a size of 0
+        ctx.node("Reshape", [ins[0], ctx.const(_i64(out))], outs)
+        return
     while k < min(len(full), len(in_shape)) and full[k] == in_shape[k]:
         out[k] = 0
         k += 1

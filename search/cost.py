@@ -54,12 +54,16 @@ class CostModel:
         """Estimated run time of one node in microseconds."""
         c = self._memo.get(node)
         if c is None:
-            sig = (node.op, node.attrs, tuple(t.type for t in node.inputs), node.types)
+            sig = self.signature(node)
             c = self._by_signature.get(sig)
             if c is None:
                 c = self._by_signature[sig] = float(self._cost(node))
             self._memo[node] = c
         return c
+
+    def signature(self, node: Node) -> tuple:
+        """What a node's cost depends on: operator, attributes, input and output types."""
+        return (node.op, node.attrs, tuple(t.type for t in node.inputs), node.types)
 
     def _cost(self, node: Node) -> float:  # pragma: no cover - abstract
         raise NotImplementedError

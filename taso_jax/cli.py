@@ -183,7 +183,8 @@ def _optimize(args) -> int:
         from taso_jax.frontends.onnxruntime_target import resolve_target
 
         options, chooser = resolve_target(
-            options, original_bytes, references[0][1] if original_bytes is not None else None)
+            options, original_bytes, references[0][1] if original_bytes is not None else None,
+            opset=int(graph.meta.get("opset", 17)), cache=not args.no_cost_cache)
     # The time limit bounds the whole run: the search and its end-to-end choice get what
     # importing the model left of it.
     left = max(deadline - time.perf_counter(), 0.05 * args.time_limit)
@@ -393,10 +394,18 @@ def _generate(args) -> int:
 
 
 def _check_cluster(args) -> None:
+    """Check ``--cluster`` and ``--checkpoint`` before any work (exit 2 when bad)."""
     import importlib.util
 
     if args.cluster is not None and importlib.util.find_spec("distributed") is None:
         raise UsageError("--cluster needs Dask: pip install 'taso_jax[cluster]'")
+    if args.checkpoint:
+        # appended to, never replaced; but never one of the command's other files
+        protected = {os.path.realpath(p): what for p, what in (
+            (getattr(args, "file", None), "the input rule file"),
+            (getattr(args, "output", None), "the output file (-o)"),
+            (getattr(args, "report", None), "the report file (--report)")) if p}
+        check_output_path(args.checkpoint, "--checkpoint", protected)
 
 
 def _limits(args) -> str:

@@ -552,3 +552,21 @@ def test_prng_keys_int_and_bf16_arguments_are_optimized_not_fallen_back():
     xb = jnp.ones((3, 4), jnp.bfloat16)
     assert half(wb, xb).dtype == jnp.bfloat16 and half.fallback_reason is None
     np.testing.assert_allclose(np.asarray(half(wb, xb), np.float32), 8.0)
+
+
+def test_keyword_arguments_after_skipped_defaults_and_unhashable_statics_run():
+    @taso_jax.optimize(**OPTS)
+    def f(x, a=1.0, b=2.0):
+        return jnp.tanh(x) * a + b
+
+    x = jnp.ones(3)
+    np.testing.assert_allclose(f(x, b=3.0), np.tanh(1.0) + 3.0, rtol=1e-6)
+
+    @taso_jax.optimize(static_argnums=(1,), **{**OPTS, "end_to_end": 2})
+    def g(x, cfg):
+        return x * cfg[0] + 1.0
+
+    for _ in range(2):  # the first call and the fast path of a kept signature
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no fallback
+            np.testing.assert_allclose(g(x, [2.0]), 3.0, rtol=1e-6)

@@ -125,3 +125,42 @@ def test_export_writes_non_negative_axes():
     out = export_onnx(load_onnx(model.SerializeToString()))
     concat = next(n for n in out.graph.node if n.op_type == "Concat")
     assert [a.i for a in concat.attribute if a.name == "axis"] == [1]
+
+
+def test_a_measured_xla_cost_model_becomes_onnxruntime_at_the_model_opset(tmp_path):
+    from taso_jax.search.cost import MeasuredCostModel
+
+    opts = OptimizeOptions(target="onnxruntime",
+                           cost_model=MeasuredCostModel(cache_path=False))
+    resolved, chooser = target.resolve_target(opts, opset=13, cache=False)
+    cm = resolved.cost_model
+    assert isinstance(cm, target.OnnxRuntimeCostModel) and cm.opset == 13 and cm._db is None
+    assert chooser is not None
+    # matmul with a weight and with an input of one shape are priced apart
+    b = GraphBuilder()
+    x = b.new_input((4, 64), name="x")
+    y = b.new_input((64, 64), name="y")
+    w = b.new_weight(data=np.ones((64, 64), np.float32), name="w")
+    b.matmul(x, w)
+    b.matmul(x, y)
+    g = b.graph()
+    a, c = [n for n in g.nodes if n.op == "matmul"]
+    assert cm.signature(a) != cm.signature(c)
+
+
+def test_a_zero_size_reshape_exports_without_minus_one():
+    from taso_jax.ir.executor import compile_graph
+
+    b = GraphBuilder()
+    x = b.new_input((0, 3, 4), name="x")
+    b.reshape(x, shape=(0, 12))
+    g = b.graph()
+    model = export_onnx(g)
+    shape = next(i for i in model.graph.initializer)
+    assert -1 not in list(onnx.numpy_helper.to_array(shape))
+    import onnxruntime as ort
+
+    out = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(
+        None, {"x": np.zeros((0, 3, 4), np.float32)})[0]
+    assert out.shape == (0, 12) and compile_graph(g)(np.zeros((0, 3, 4), "f"))[0].shape == (0, 12)

@@ -98,7 +98,8 @@ def _read_checkpoint(path, limits: dict) -> dict[str, dict]:
                     rec = json.loads(line)
                 except ValueError:
                     continue  # a line cut short by the interruption
-                if rec.get("limits") == limits:
+                if (isinstance(rec, dict) and rec.get("limits") == limits
+                        and isinstance(rec.get("result"), dict) and "id" in rec):
                     done[rec["id"]] = rec["result"]
     except FileNotFoundError:
         pass
@@ -142,8 +143,13 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
     workers = workers or os.cpu_count() or 1
     counts: Counter = Counter()
     limits = {"rlimit": rlimit, **({"timeout_ms": timeout_ms} if timeout_ms else {})}
+    # a checkpoint is reused only under the same limits and the same axioms
+    import hashlib
+
+    axioms = hashlib.sha256("\n".join(f"{n}: {a.law}" for n, a in all_axioms()).encode())
+    checkpoint_limits = {**limits, "axioms": axioms.hexdigest()[:16]}
     results: list = [None] * len(subs)
-    done_before = _read_checkpoint(checkpoint, limits) if checkpoint else {}
+    done_before = _read_checkpoint(checkpoint, checkpoint_limits) if checkpoint else {}
     for i, sub in enumerate(subs):
         if sub.id in done_before:
             results[i] = done_before[sub.id]
@@ -171,7 +177,8 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
             results[i] = r
             counts[r["status"]] += 1
             if log is not None:
-                log.write(json.dumps({"id": subs[i].id, "limits": limits, "result": r}) + "\n")
+                log.write(json.dumps({"id": subs[i].id, "limits": checkpoint_limits,
+                                      "result": r}) + "\n")
                 log.flush()
             if progress:
                 progress(done, counts)

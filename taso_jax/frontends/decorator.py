@@ -26,9 +26,11 @@ of the primal computation.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import inspect
+import threading
 import time
 import warnings
 from collections import Counter, OrderedDict
@@ -80,6 +82,63 @@ def _package_version() -> str:
         return "source"
 
 
+class _BackgroundWorker:
+    """One daemon thread that runs background optimizations in turn.
+
+    At interpreter exit the optimizations not yet started are dropped and the one running
+    (bounded by its time limit) is waited for, so exiting never waits for a queue.
+    """
+
+    def __init__(self):
+        import queue
+
+        self._jobs: queue.Queue = queue.Queue()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="taso_jax-background",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self._stop)
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if self._stopping or not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                future.set_exception(e)
+
+    def _stop(self) -> None:
+        self._stopping = True
+        self._jobs.put(None)
+        self._thread.join(timeout=120)
+
+
+_WORKER: _BackgroundWorker | None = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _background_worker() -> _BackgroundWorker:
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None:
+            _WORKER = _BackgroundWorker()
+        return _WORKER
+
+
+#: Background optimizations queued per decorated function at most (``mode="background"``).
+MAX_PENDING = 8
 #: Marks a signature whose background trace failed (the function does not trace).
 _UNTRACEABLE = object()
 
@@ -128,6 +187,14 @@ def _leaf_signature(x) -> tuple:
     if type(x) in (bool, int, float, complex):
         return (type(x),)
     return (x.shape, x.dtype, getattr(x, "weak_type", False))
+
+
+def _hashable(x) -> bool:
+    try:
+        hash(x)
+        return True
+    except TypeError:
+        return False
 
 
 def _static_key(x):
@@ -227,6 +294,9 @@ class OptimizedFunction:
         if self._flat_fn is not self.fn:  # keyword-only parameters: every one, in order
             bound.apply_defaults()
             return [bound.arguments[name] for name in self._flat_fn.__signature__.parameters]
+        if bound.kwargs and not any(p.kind == p.VAR_KEYWORD
+                                    for p in self._signature.parameters.values()):
+            bound.apply_defaults()  # g(x, b=3.0) skipping a defaulted a: fill a in
         if bound.kwargs:
             raise TypeError(f"{_fn_name(self.fn)}: keyword arguments {sorted(bound.kwargs)} "
                             "go to **kwargs, which is not supported; pass them by name as "
@@ -278,8 +348,9 @@ class OptimizedFunction:
                 self._cache.move_to_end(key)
             if entry is None and self.mode == "background":
                 entry = self._background(key, args, flat, weight_pos, static_pos)
-                if entry is None:  # still optimizing: jax.jit of the original meanwhile
-                    return self._user_jit(static_pos, donate_pos)(*args)
+                if entry is None:  # still optimizing: jax.jit of the original meanwhile,
+                    # without donation (the optimization still reads these arrays)
+                    return self._user_jit(static_pos)(*args)
                 entry.tree = tree
                 self._remember(key, entry)
             if entry is None:
@@ -327,15 +398,13 @@ class OptimizedFunction:
         if future is None:
             if any(_is_tracer(x) or not _is_array_leaf(x) for x in flat):
                 return self._build(args, weight_pos, static_pos)
-            from concurrent.futures import ThreadPoolExecutor
-
-            if getattr(self, "_executor", None) is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="taso_jax")
+            if sum(f is not _UNTRACEABLE for f in self._pending.values()) >= MAX_PENDING:
+                return None  # enough queued: this signature is queued on a later call
             # NumPy arrays may change in place before the thread reads them: copies
             copies = jax.tree_util.tree_map(
                 lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray) else x, args)
-            self._pending[key] = self._executor.submit(self._build_quietly, copies,
-                                                       weight_pos, static_pos)
+            self._pending[key] = _background_worker().submit(self._build_quietly, copies,
+                                                             weight_pos, static_pos)
             return None
         if not future.done():
             return None
@@ -349,9 +418,7 @@ class OptimizedFunction:
     def _build_quietly(self, args, weight_pos, static_pos) -> _Entry:
         """``_build`` for a background thread: never raises (a failure is a fallback)."""
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # no warnings from a thread at random times
-                return self._build(args, weight_pos, static_pos)
+            return self._build(args, weight_pos, static_pos)
         except Exception as e:  # the function does not trace: jax.jit of it raised too
             entry = _Entry(out_tree=None, jit_original=None)
             entry.fallback = f"{type(e).__name__}: {e}"
@@ -362,7 +429,8 @@ class OptimizedFunction:
         """Block until the background optimizations started so far have finished."""
         from concurrent.futures import wait
 
-        wait([f for f in self._pending.values() if f is not _UNTRACEABLE], timeout=timeout)
+        wait([f for f in self._pending.values() if f is not _UNTRACEABLE and not f.cancelled()],
+             timeout=timeout)
 
     def _user_jit(self, static_pos, donate_pos=frozenset()) -> Callable:
         """``jax.jit`` of the original function with these static and donated positions."""
@@ -445,7 +513,10 @@ class OptimizedFunction:
         kinds, array_index = traced.kinds, traced.array_index
         entry = _Entry(out_tree=traced.out_tree, jit_original=jax.jit(traced.flat_fn),
                        kinds=kinds, array_index=array_index)
-        entry.all_arrays = len(array_index) == traced.n_flat
+        # jax.jit of the user's function can run it: every leaf an array, every static
+        # argument hashable (our own static handling also takes unhashable ones, by id)
+        entry.all_arrays = len(array_index) == traced.n_flat and all(
+            _hashable(args[i]) for i in static_pos)
         entry.key_leaves = traced.key_leaves
         inputs_at = {i for i, k in zip(array_index, kinds, strict=True) if k == "input"}
         entry.same_object = [i for i in range(traced.n_flat) if i not in inputs_at]

@@ -395,7 +395,8 @@ class OnnxNode(OpaqueOp):
 
         Tensors inside the region get fresh names. Subgraphs read enclosing names as they
         were in the original model; each such name that the export renamed is defined
-        again, by an ``Identity``.
+        again by an ``Identity``: before the region's nodes for a region input, right
+        after its producer for a tensor made inside the region.
         """
         rename = dict(zip(self.in_names, inputs, strict=True))
         rename.update(zip(self.out_names, outputs, strict=True))
@@ -404,20 +405,34 @@ class OnnxNode(OpaqueOp):
             for x in proto.output:
                 if x and x not in rename:
                     rename[x] = ctx.fresh("r")
-        for proto in protos:
-            for original in _outer_names(proto):
-                name = rename.get(original)
-                if name is not None and name != original and original not in ctx.types:
-                    ctx.node("Identity", [name], [original])
-                    ctx.types[original] = ctx.types.get(name) or TensorType((), "float32")
+        read_by_subgraphs = {x for proto in protos for x in _outer_names(proto)}
+        restored: set[str] = set()
+
+        def restore(original: str) -> None:
+            name = rename.get(original)
+            if (name is None or name == original or original in restored
+                    or original in ctx.types):
+                return
+            ctx.node("Identity", [name], [original])
+            restored.add(original)
+            if name in ctx.types:
+                ctx.types[original] = ctx.types[name]
+
+        for original in self.in_names:
+            if original in read_by_subgraphs:
+                restore(original)
         for proto in protos:
             new_in = [rename.get(x, x) if x else "" for x in proto.input]
             new_out = [rename[x] if x else "" for x in proto.output]
+            made = [x for x in proto.output if x]
             del proto.input[:]
             proto.input.extend(new_in)
             del proto.output[:]
             proto.output.extend(new_out)
             ctx.nodes.append(proto)
+            for original in made:
+                if original in read_by_subgraphs:
+                    restore(original)
 
 
 def _op_types(nodes: tuple[bytes, ...]) -> list[str]:
@@ -485,9 +500,11 @@ def merge_opaque_regions(graph: Graph) -> Graph:
 
     Nodes are visited in topological order; an opaque :class:`OnnxNode` joins the region of
     an opaque producer when no other input of it depends on that region through a node
-    outside it (the region stays convex, so the graph stays acyclic). A region's outputs
-    are the tensors read outside it or returned by the graph. Returns a new graph computing
-    the same values; ``meta["opaque_regions"]`` counts the regions.
+    outside it (the region stays convex) and every tensor it shares with the region has
+    one name. Regions that would read each other both ways are left unmerged (one session
+    per node), so the graph stays acyclic. A region's outputs are the tensors read outside
+    it or returned by the graph. Returns a new graph computing the same values;
+    ``meta["opaque_regions"]`` counts the regions merged.
     """
     from collections import deque
 
@@ -496,48 +513,65 @@ def merge_opaque_regions(graph: Graph) -> Graph:
 
     region: dict[Node, int] = {}
     members: list[list[Node]] = []
+    names: list[dict[Tensor, str]] = []  # per region: the name each of its tensors has
     upstream: dict[Node, frozenset] = {}  # regions a node depends on
     for n in graph.nodes:
         ups = frozenset().union(*(upstream[t.node] | ({region[t.node]} if t.node in region
                                                       else frozenset()) for t in n.inputs))
         if is_onnx(n):
+            call = n.attr("call")
             choice = None
             for t in n.inputs:
                 r = region.get(t.node)
                 if r is None or r == choice:
                     continue
+                # convex: no other input depends on the region through a node outside it;
+                # and one name per tensor (hash-consing can make one tensor of two names)
                 if all(region.get(u.node) == r or r not in upstream[u.node]
-                       for u in n.inputs):
+                       for u in n.inputs) and all(
+                        names[r].get(u, nm) == nm
+                        for u, nm in zip(n.inputs, call.in_names, strict=True)):
                     choice = r
                     break
             if choice is None:
                 choice = len(members)
                 members.append([])
+                names.append({})
             region[n] = choice
             members[choice].append(n)
+            names[choice].update(zip(n.inputs, call.in_names, strict=True))
+            names[choice].update(zip(n.outputs, call.out_names, strict=True))
         upstream[n] = ups
     if all(len(m) < 2 for m in members):
         return graph
-    # The condensed graph (a region is one unit) in Kahn order.
-    unit = {n: ("r", region[n]) if n in region and len(members[region[n]]) > 1 else n
-            for n in graph.nodes}
-    deps: dict = {u: set() for u in unit.values()}
-    users: dict = {u: set() for u in unit.values()}
-    for n in graph.nodes:
-        for t in n.inputs:
-            a, b = unit[t.node], unit[n]
-            if a != b:
-                deps[b].add(a)
-                users[a].add(b)
-    ready = deque(u for u, d in deps.items() if not d)
-    order = []
-    while ready:
-        u = ready.popleft()
-        order.append(u)
-        for v in users[u]:
-            deps[v].discard(u)
-            if not deps[v]:
-                ready.append(v)
+    # The condensed graph (a region is one unit) in Kahn order. Two regions that each read
+    # the other (each convex on its own) would make a cycle: their nodes are then left
+    # apart, one session each, and the order is made again.
+    merged_regions = {r for r, m in enumerate(members) if len(m) > 1}
+    while True:
+        unit = {n: ("r", region[n]) if region.get(n) in merged_regions else n
+                for n in graph.nodes}
+        deps: dict = {u: set() for u in unit.values()}
+        users: dict = {u: set() for u in unit.values()}
+        for n in graph.nodes:
+            for t in n.inputs:
+                a, b = unit[t.node], unit[n]
+                if a != b:
+                    deps[b].add(a)
+                    users[a].add(b)
+        ready = deque(u for u, d in deps.items() if not d)
+        order = []
+        while ready:
+            u = ready.popleft()
+            order.append(u)
+            for v in users[u]:
+                deps[v].discard(u)
+                if not deps[v]:
+                    ready.append(v)
+        if len(order) == len(deps):
+            break
+        placed = set(order)
+        merged_regions -= {u[1] for u in deps if isinstance(u, tuple) and u not in placed}
     consumers = graph.consumers
     outputs = graph.output_set
     env: dict[Tensor, Tensor] = {}

@@ -142,6 +142,14 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
         self.device = f"onnxruntime {ort.__version__}:{os.cpu_count()} cores"
         self.opset = max(int(opset), 13)
 
+    def signature(self, node: Node) -> tuple:
+        """As the base class's, plus which inputs are weights.
+
+        onnxruntime pre-packs initializers, so ``x @ W`` and ``x @ y`` of one shape cost
+        differently.
+        """
+        return (*super().signature(node), tuple(t.node.weight_only for t in node.inputs))
+
     def _cost(self, node: Node) -> float:
         if node.op == "opaque":
             return self._analytic.node_cost(node)
@@ -223,12 +231,15 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
             "runtime": "onnxruntime"}
 
 
-def resolve_target(options: OptimizeOptions, original=None, inputs: dict | None = None):
+def resolve_target(options: OptimizeOptions, original=None, inputs: dict | None = None,
+                   opset: int = 17, cache: bool = True):
     """The options and end-to-end chooser that ``options.target`` asks for.
 
     For ``"xla"`` the options are returned as they are, with ``None`` (the default chooser,
     :func:`~taso_jax.search.choose.choose_fastest`). For ``"onnxruntime"`` a ``"measured"``
-    cost model becomes :class:`OnnxRuntimeCostModel` (``"analytic"`` or an instance stays),
+    cost model (the name, or an XLA :class:`~taso_jax.search.cost.MeasuredCostModel`)
+    becomes :class:`OnnxRuntimeCostModel` at ``opset``, with the kernel cost cache unless
+    ``cache`` is false (``"analytic"`` or another instance stays),
     and the chooser times candidates against ``original`` (ONNX bytes or path; the input
     graph's own export when ``None``) on ``inputs`` (random ones when ``None``).
 
@@ -236,8 +247,11 @@ def resolve_target(options: OptimizeOptions, original=None, inputs: dict | None 
     """
     if options.target == "xla":
         return options, None
-    if options.cost_model == "measured":
-        options = options.replace(cost_model=OnnxRuntimeCostModel())
+    if options.cost_model == "measured" or isinstance(options.cost_model, MeasuredCostModel) \
+            and not isinstance(options.cost_model, OnnxRuntimeCostModel):
+        # a measured cost model times kernels where the result will run: in onnxruntime
+        options = options.replace(cost_model=OnnxRuntimeCostModel(
+            cache_path=None if cache else False, opset=opset))
 
     def chooser(result, deadline: float | None = None):
         from taso_jax.frontends.onnx_io import export_onnx
