@@ -44,9 +44,10 @@ def bench(name: str, repeats: int, budget: int, time_limit: float, cost_model: s
     for f in (orig, new, orig, new):
         jax.block_until_ready(f())
     ta, tb = [], []
-    for _ in range(repeats):
-        ta += time_function(orig, repeats=1, warmup=0)
-        tb += time_function(new, repeats=1, warmup=0)
+    for i in range(repeats):  # the order alternates: the second of a pair runs slower
+        pair = [(orig, ta), (new, tb)]
+        for f, ts in (pair if i % 2 == 0 else pair[::-1]):
+            ts += time_function(f, repeats=1, warmup=0)
     r = opt._last.result
     check = opt._last.report["check"]
     return {"model": name, "operators_before": sum(opt.graph.op_counts().values()),

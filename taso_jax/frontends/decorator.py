@@ -61,8 +61,9 @@ from taso_jax.verify.runner import rules_for
 __all__ = ["OptimizedFunction", "optimize_function"]
 
 #: The optimized function must beat ``jax.jit`` of the original by this factor (medians) to
-#: be used; identical graphs time up to ~10% apart on a loaded 2-core CPU.
-NOISE = 1.05
+#: be used. Identical functions time up to ~10% apart on a 2-core CPU: at 1.05 a flax BERT
+#: block with nothing rewritten was taken as faster in one run of three and ran 0.72x.
+NOISE = 1.10
 #: The decorator's default search time limit in seconds (users of jax.jit expect a first
 #: call in seconds; the command line's default is the options record's 60 s).
 DECORATOR_TIME_LIMIT = 10.0
@@ -70,7 +71,7 @@ DECORATOR_TIME_LIMIT = 10.0
 #: the least recently called is dropped (60 shapes had held 413 MB against jax.jit's 176).
 SIGNATURE_CACHE = 32
 #: Interleaved runs of each when the optimized function is timed against the original.
-BASELINE_REPEATS = 15
+BASELINE_REPEATS = 25
 
 
 def _package_version() -> str:

@@ -193,7 +193,8 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
     """Wall times in microseconds of each ``fn()``, run round robin ``repeats`` times.
 
     Each is warmed up first; interleaving makes machine noise hit all of them alike, so
-    their medians can be compared (a ratio taken in one loop). With a ``deadline`` (a
+    their medians can be compared (a ratio taken in one loop); the order is reversed every
+    other round, so no function always runs first. With a ``deadline`` (a
     ``time.perf_counter()`` value) the rounds stop once it has passed and at least
     :data:`MIN_ROUNDS` were run.
     """
@@ -201,10 +202,13 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
         for fn in fns:
             jax.block_until_ready(fn())
     times: list[list[float]] = [[] for _ in fns]
+    pairs = list(zip(fns, times, strict=True))
     for r in range(repeats):
         if deadline is not None and r >= MIN_ROUNDS and time.perf_counter() > deadline:
             break
-        for fn, ts in zip(fns, times, strict=True):
+        # every other round in reverse order: the function run second in a round measured
+        # 3-5% slower than the same function run first (flax BERT block, 2 cores)
+        for fn, ts in (pairs if r % 2 == 0 else reversed(pairs)):
             ts += time_function(fn, repeats=1, warmup=0)
     return times
 
