@@ -18,7 +18,8 @@ import numpy as np
 from taso_jax.ir.executor import compile_graph, random_inputs, time_interleaved
 from taso_jax.ir.graph import Graph
 
-__all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest"]
+__all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
+           "measured_set", "keep_fastest"]
 
 
 def device_name() -> str:
@@ -126,20 +127,41 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     cost model's estimates and the measured medians over the graphs timed (``None`` when
     fewer than three graphs were timed, or all estimates are equal).
     """
+    graphs = measured_set(result, sample, deadline)
+    times = time_graphs([g for _, g, _ in graphs], repeats=repeats, deadline=deadline)
+    return keep_fastest(result, graphs[:len(times)], [t["median_us"] for t in times],
+                        times[0]["repeats"], device_name())
+
+
+def measured_set(result, sample: int = 0, deadline: float | None = None) -> list[tuple]:
+    """What an end-to-end choice times: ``(cost, graph, path)``, the input first.
+
+    The input, the candidates, and up to ``sample`` visited graphs spread evenly by
+    estimated cost; past ``deadline`` (``time.perf_counter()``), the input and the
+    cheapest candidate only.
+    """
     graphs = _measured_set(result, sample)
     if deadline is not None and time.perf_counter() > deadline:
-        graphs = graphs[:2]  # out of time: the input and the cheapest candidate only
-    times = time_graphs([g for _, g, _ in graphs], repeats=repeats, deadline=deadline)
-    graphs, repeats = graphs[:len(times)], times[0]["repeats"]
-    med = [t["median_us"] for t in times]
-    chosen = min(range(len(graphs)), key=lambda i: (med[i], i))
-    if med[chosen] >= med[0]:  # graphs[0] is the input
+        graphs = graphs[:2]
+    return graphs
+
+
+def keep_fastest(result, graphs: list[tuple], medians: list[float], repeats: int,
+                 device: str, noise: float = 1.0, **extra) -> dict:
+    """Make ``result`` the fastest of ``graphs`` (input first) by median; the report dict.
+
+    A candidate replaces the input only if its median is below ``noise`` times the
+    input's. ``result.graph``, ``cost_after`` and ``applied`` follow the choice. Returns
+    the dict :func:`choose_fastest` documents, with ``extra`` entries added.
+    """
+    chosen = min(range(len(graphs)), key=lambda i: (medians[i], i))
+    if medians[chosen] >= noise * medians[0]:  # graphs[0] is the input
         chosen = 0
     cost, graph, path = graphs[chosen]
     result.graph, result.cost_after, result.applied = graph, cost, Counter(path)
     estimates = [c for c, _, _ in graphs]
-    rho = rank_correlation(estimates, med)
+    rho = rank_correlation(estimates, medians)
     return {"measured": len(graphs), "original_kept": chosen == 0, "chosen": chosen,
-            "times_us": med,
-            "estimates_us": estimates, "rank_correlation": None if rho != rho else rho,
-            "device": device_name(), "repeats": repeats}
+            "times_us": list(medians), "estimates_us": estimates,
+            "rank_correlation": None if rho != rho else rho, "device": device,
+            "repeats": repeats, **extra}

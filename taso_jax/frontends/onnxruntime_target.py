@@ -14,13 +14,12 @@ optimizations: what a user of the ONNX file runs.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
-from taso_jax.search.choose import _measured_set, rank_correlation
+from taso_jax.search.choose import keep_fastest, measured_set
 from taso_jax.search.cost import MeasuredCostModel
 from taso_jax.search.options import OptimizeOptions
 
@@ -206,29 +205,16 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
     "rank_correlation", "device", "repeats", "runtime"}`` (``times_us[0]`` is the original).
     """
-    from taso_jax.frontends.onnx_io import export_onnx
-
-    graphs = _measured_set(result, 0)
-    if deadline is not None and time.perf_counter() > deadline:
-        graphs = graphs[:2]  # out of time: the input and the cheapest candidate only
-    models = [original] + [export_onnx(g).SerializeToString() for _, g, _ in graphs[1:]]
-    times = time_onnx_models(models, inputs, repeats=repeats, deadline=deadline)
-    repeats = len(times[0])
-    med = [float(np.median(t)) for t in times]
-    chosen = min(range(len(graphs)), key=lambda i: (med[i], i))
-    if med[chosen] >= noise * med[0]:
-        chosen = 0
-    cost, graph, path = graphs[chosen]
-    result.graph, result.cost_after, result.applied = graph, cost, Counter(path)
-    estimates = [c for c, _, _ in graphs]
-    rho = rank_correlation(estimates, med)
     import onnxruntime as ort
 
-    return {"measured": len(graphs), "original_kept": chosen == 0, "chosen": chosen,
-            "times_us": med,
-            "estimates_us": estimates, "rank_correlation": None if rho != rho else rho,
-            "device": f"onnxruntime {ort.__version__} (CPU)", "repeats": repeats,
-            "runtime": "onnxruntime"}
+    from taso_jax.frontends.onnx_io import export_onnx
+
+    graphs = measured_set(result, 0, deadline)
+    models = [original] + [export_onnx(g).SerializeToString() for _, g, _ in graphs[1:]]
+    times = time_onnx_models(models, inputs, repeats=repeats, deadline=deadline)
+    return keep_fastest(result, graphs, [float(np.median(t)) for t in times], len(times[0]),
+                        f"onnxruntime {ort.__version__} (CPU)", noise=noise,
+                        runtime="onnxruntime")
 
 
 def resolve_target(options: OptimizeOptions, original=None, inputs: dict | None = None,
