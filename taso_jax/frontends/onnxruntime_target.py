@@ -152,7 +152,7 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
     def _cost(self, node: Node) -> float:
         if node.op == "opaque":
             return self._analytic.node_cost(node)
-        key = repr((self.opset, *eval_key(node)))
+        key = repr((self.opset, *self.signature(node)))
         if self.deadline is not None and time.perf_counter() > self.deadline:
             if self._lookup(key) is None:
                 self.estimated += 1
@@ -179,15 +179,6 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
         model, feeds = node_model(node, self.opset)
         sess = ort_session(model, spinning=False)
         return self._robust_time(lambda: sess.run(None, feeds))
-
-
-def eval_key(node: Node) -> tuple:
-    """What a node's onnxruntime cost depends on.
-
-    Operator, attributes, input types, and which inputs are weights (initializers).
-    """
-    return (node.op, node.attrs, tuple(t.type for t in node.inputs),
-            tuple(t.node.weight_only for t in node.inputs))
 
 
 def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20,
