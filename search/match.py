@@ -169,6 +169,51 @@ def find_matches(rule: Substitution, graph: Graph, state: MatchState | None = No
     search around a recent rewrite).
     """
     state = state if state is not None else MatchState()
+    order = _join_order(rule.source)
+    if order == tuple(range(len(rule.source))):
+        yield from _find_matches(rule, graph, state, near, order)
+        return
+    # Bound in another order than the pattern's: yield in the order the pattern's would.
+    pos = graph.positions
+    found = list(_find_matches(rule, graph, state, near, order))
+    found.sort(key=lambda m: tuple(pos[n] for n in m.nodes))
+    yield from found
+
+
+def _join_order(source: tuple[PNode, ...]) -> tuple[int, ...]:
+    """The order in which to bind ``source``'s nodes: each one next to one already bound.
+
+    A node is *anchored* when it reads a bound node or a bound variable (its host is among
+    the readers of that tensor) or when a bound node reads it (its host is the producer of
+    that input). The pattern's own order is kept while it is anchored; otherwise the first
+    anchored node comes next, so that two unrelated source nodes are never joined by trying
+    every pair (``conv2d(conv2d(x, w), ewadd(y, y))`` binds the outer convolution second and
+    finds the ``ewadd`` as the producer of its kernel).
+    """
+    order = [0]
+    bound_vars = {r.name for r in source[0].inputs if not isinstance(r, NodeRef)}
+    while len(order) < len(source):
+        def anchored(i):
+            if any(isinstance(r, NodeRef) and r.node in order or
+                   not isinstance(r, NodeRef) and r.name in bound_vars
+                   for r in source[i].inputs):
+                return True
+            return any(isinstance(r, NodeRef) and r.node == i
+                       for j in order for r in source[j].inputs)
+        rest = [i for i in range(len(source)) if i not in order]
+        nxt = next((i for i in rest if anchored(i)), rest[0])
+        order.append(nxt)
+        bound_vars |= {r.name for r in source[nxt].inputs if not isinstance(r, NodeRef)}
+    return tuple(order)
+
+
+def _pending(i: int, k: int | str) -> str:
+    """The key under which a bound reader records the host tensor of source node ``i``'s
+    output ``k`` before node ``i`` is bound (never a variable name)."""
+    return f"#{i}.{k}"
+
+
+def _find_matches(rule: Substitution, graph: Graph, state: MatchState, near, order):
     stats = state.rejected
     shapes = rule.variable_shapes
     source = rule.source
@@ -176,11 +221,14 @@ def find_matches(rule: Substitution, graph: Graph, state: MatchState | None = No
     bound: list[Node | None] = [None] * n_src
     allowed = rule.proved_instances
     first_cache = state.first_cache(rule)
+    natural = order == tuple(range(n_src))
 
     def host_of(ref: Ref, var: dict) -> Tensor | None:
         if isinstance(ref, NodeRef):
             node = bound[ref.node]
-            return None if node is None else Tensor(node, ref.output)
+            if node is None:  # read by a node bound before it: that tensor, if known
+                return var.get(_pending(ref.node, ref.output))
+            return Tensor(node, ref.output)
         return var.get(ref.name)
 
     def first_bindings(h: Node) -> list[tuple]:
@@ -192,31 +240,42 @@ def find_matches(rule: Substitution, graph: Graph, state: MatchState | None = No
                                                     stats)
         return found
 
-    def extend(i: int, var: dict, sym: dict) -> Iterator[Match]:
-        if i == n_src:
+    def extend(step: int, var: dict, sym: dict) -> Iterator[Match]:
+        if step == n_src:
             if allowed is not None and not any(all(sym.get(k) == v for k, v in a.items())
                                                for a in allowed):
                 stats["unproved_instance"] += 1  # proved only at other attribute values
                 return
+            if not natural:
+                var = {k: v for k, v in var.items() if not k.startswith("#")}
             yield Match(tuple(bound), var, sym)
             return
+        i = order[step]
         p = source[i]
-        anchors = [host_of(r, var) for r in p.inputs]
-        anchor = next((t for t in anchors if t is not None), None)
-        if anchor is not None:
-            cands = [n for n in graph.consumers.get(anchor, ()) if n.op == p.op]
+        prefix = _pending(i, "")
+        produced = [] if natural else [(k, t) for k, t in var.items() if k.startswith(prefix)]
+        if produced:
+            h = produced[0][1].node
+            if h.op != p.op or any(t != Tensor(h, int(k[len(prefix):])) for k, t in produced):
+                return
+            cands = [h]
         else:
-            cands = graph.by_op.get(p.op, [])
-            if near is not None:
-                cands = [n for n in cands if n in near]
+            anchors = [host_of(r, var) for r in p.inputs]
+            anchor = next((t for t in anchors if t is not None), None)
+            if anchor is not None:
+                cands = [n for n in graph.consumers.get(anchor, ()) if n.op == p.op]
+            else:
+                cands = graph.by_op.get(p.op, [])
+                if near is not None:
+                    cands = [n for n in cands if n in near]
         for h in dict.fromkeys(cands):
             if h in bound:
                 continue
-            found = (first_bindings(h) if i == 0 else
+            found = (first_bindings(h) if step == 0 else
                      _host_bindings(p, h, var, sym, host_of, shapes, stats))
             for var2, sym2 in found:
                 bound[i] = h
-                yield from extend(i + 1, var2, sym2)
+                yield from extend(step + 1, var2, sym2)
                 bound[i] = None
 
     yield from extend(0, {}, {})
@@ -255,6 +314,9 @@ def _bind_inputs(p: PNode, host_inputs, var: dict, sym: dict, host_of, shapes: d
         if want is not None:
             if want != t:
                 return None
+            continue
+        if isinstance(r, NodeRef):  # its producer is bound later: it must be t's producer
+            var[_pending(r.node, r.output)] = t
             continue
         if t.dtype not in FLOAT_DTYPES:
             return None
