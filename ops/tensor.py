@@ -65,8 +65,12 @@ _PERMS = ((1, 0), (0, 1))
 _CONCAT_LAWS = (
     axiom("concat(concat(a, b, axis=k), c, axis=k) = concat(a, concat(b, c, axis=k), axis=k)", _M, k=_AXES),
     axiom("relu(concat(a, b, axis=k)) = concat(relu(a), relu(b), axis=k)", _M, k=_AXES),
-    axiom("ewadd(concat(a, b, axis=k), concat(c, d, axis=k)) = concat(ewadd(a, c), ewadd(b, d), axis=k)", _M, k=_AXES),
-    axiom("ewmul(concat(a, b, axis=k), concat(c, d, axis=k)) = concat(ewmul(a, c), ewmul(b, d), axis=k)", _M, k=_AXES),
+    # the blocks must line up: a and c equally long on the axis (a per-channel bias may
+    # broadcast on the other axes)
+    axiom("ewadd(concat(a, b, axis=k), concat(c, d, axis=k)) = concat(ewadd(a, c), ewadd(b, d), axis=k)", _M,
+          where=("dim(a, k) == dim(c, k)",), k=_AXES),
+    axiom("ewmul(concat(a, b, axis=k), concat(c, d, axis=k)) = concat(ewmul(a, c), ewmul(b, d), axis=k)", _M,
+          where=("dim(a, k) == dim(c, k)",), k=_AXES),
     axiom("scalar_mul(concat(a, b, axis=k), scalar=s) = concat(scalar_mul(a, scalar=s), scalar_mul(b, scalar=s), axis=k)", _M, k=_AXES, s=(3.0,)),
     # interchange of concatenations on two different axes (the blocks line up)
     axiom("concat(concat(a, b, axis=i), concat(c, d, axis=i), axis=j) = concat(concat(a, c, axis=j), concat(b, d, axis=j), axis=i)",

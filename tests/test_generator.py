@@ -76,3 +76,37 @@ def test_grouped_convolution_rules_hold_for_any_number_of_groups():
                      "strides=?strides)")
     assert halve is not None, sorted(laws)
     assert halve.provenance["attribute_values"]["?groups"] == [4, 2, 8]
+
+
+def test_biased_matmul_branches_merge_by_slicing():
+    # Two dense layers of different widths, each with its own bias, sharing an input: the
+    # merged form's concatenation of both branches would need 5 operators; slicing finds it
+    # with 2 operators per branch (and the weight-only concatenations free).
+    from taso_jax.verify.generator import MATMUL_BRANCH_DOMAIN
+
+    subs, stats = generate((MATMUL_BRANCH_DOMAIN,), max_ops=4, workers=1)
+    laws = {s.law for s in subs}
+    assert ("ewadd(b1, matmul(x, w1, activation=?activation)), ewadd(b2, matmul(x, w2, "
+            "activation=?activation))  =>  split(ewadd(concat(b1, b2, axis=-1), matmul(x, "
+            "concat(w1, w2, axis=-1), activation=?activation)), axis=-1, sizes=['$N', '$P'])[0]"
+            in " ".join(laws))
+    assert all(s.provenance["derivation"] == "slice" for s in subs)
+    # only one of each merge and its output-swapped twin, no weight-only sources
+    assert stats.pruned["output_order"] > 0 and stats.pruned["weight_only_subexpression"] > 0
+    assert len(subs) == len({s.name.rstrip("-0123456789") for s in subs})
+
+
+def test_a_slice_merge_is_checked_on_other_sizes():
+    # Slicing at a size that is another symbol's value by coincidence (C + D == W) must not
+    # survive the re-check on the second instance.
+    conv = Domain("cb", {"x": ("input", ("N", "C", "H", "W")),
+                         "w1": ("weight", ("D", "C", 1, 1)), "w2": ("weight", ("E", "C", 1, 1))},
+                  ({"N": 2, "C": 3, "D": 4, "E": 5, "H": 6, "W": 7},
+                   {"N": 1, "C": 5, "D": 3, "E": 2, "H": 9, "W": 10}),
+                  (("conv2d", {}), ("concat", {"axis": -3}), ("concat", {"axis": -4})),
+                  split_axes=(-3,), max_ops=2, weight_ops=1, slice_merges=True,
+                  class_pairs=False)
+    subs, stats = generate((conv,), max_ops=2, workers=1)
+    laws = " ".join(s.law for s in subs)
+    assert "split(conv2d(x, concat(w1, w2, axis=-4)" in laws
+    assert "$W" not in laws and stats.pruned["failed_recheck"] > 0

@@ -53,6 +53,11 @@ def _shipped(source_ops: list[str], target_ops: list[str]) -> list[Substitution]
     (["matmul", "matmul", "ewadd"], ["ewadd", "matmul"]),             # x@a + x@b => x@(a+b)
     (["matmul", "matmul"], ["matmul", "matmul"]),                     # (x@a)@c => x@(a@c)
     (["ewadd", "ewmul"], ["ewmul", "ewmul", "ewadd"]),                # shift-then-scale fold
+    # two biased branches of any widths (4 operators a side, PyTorch's Conv with bias)
+    (["conv2d", "ewadd", "conv2d", "ewadd"], ["concat", "concat", "conv2d", "ewadd", "split"]),
+    (["conv2d", "ewadd", "conv2d", "ewadd"],
+     ["concat", "enlarge", "concat", "conv2d", "ewadd", "split"]),
+    (["matmul", "ewadd", "matmul", "ewadd"], ["concat", "concat", "matmul", "ewadd", "split"]),
 ])
 def test_the_rules_the_examples_need_are_proved(src, tgt):
     rules = _shipped(src, tgt)
@@ -207,3 +212,25 @@ def test_generate_proves_what_it_keeps_and_prints_counts(tmp_path, capsys):
         assert stage in text, stage
     rules = load_substitutions(out)
     assert rules and all(s.proof_status == "proved" for s in rules)
+
+
+def test_biased_branches_of_different_widths_merge_into_one_convolution():
+    # An inception module as exported: 1x1 convolutions of 8 and 5 channels on one input,
+    # each with its bias (Conv's third input); one convolution and one addition remain.
+    b = GraphBuilder()
+    x = b.new_input((1, 6, 9, 9), name="x")
+    outs = []
+    for width in (8, 5):
+        y = b.conv2d(x, b.new_weight((width, 6, 1, 1)), padding="same")
+        outs.append(b.relu(b.ewadd(y, b.new_weight((1, width, 1, 1)))))
+    b.mark_output(b.concat(*outs, axis=-3))
+    g = b.graph()
+    r = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0, budget=10)
+    assert any(name.startswith("merge-conv2d-ewadd-conv2d-ewadd") for name in r.applied)
+    counts = r.graph.op_counts()
+    assert counts["conv2d"] == 1 and counts["ewadd"] == 1
+    from taso_jax.ir.executor import evaluate
+
+    xs = taso_jax.random_inputs(g, seed=3)
+    np.testing.assert_allclose(np.asarray(evaluate(r.graph, xs)[0]),
+                               np.asarray(evaluate(g, xs)[0]), rtol=1e-5, atol=1e-5)

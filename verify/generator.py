@@ -65,6 +65,25 @@ class Domain:
         attribute_instances: further size maps used only when generalising attributes,
             for attribute values that need other shapes (a kernel of ``C / groups`` input
             channels for another number of groups).
+        max_ops: operators per side at most in this domain, whatever the run's bound
+            (``None``: the run's bound). The dense domains stop at 3: one operator more
+            multiplies their enumeration about 20 times.
+        weight_ops: when set, the operator bound counts only operators that read an input,
+            and each expression may hold up to this many weight-only operators more (they
+            are computed once, ahead of time: free at run time, as in TASO's cost model).
+            ``None``: every operator counts.
+        weight_only_ops: with ``weight_ops``, the operators that may build a weight-only
+            expression: those that lay weights out (concatenate, pad, transpose). Adding two
+            weights ahead of time is a variable of the rule already.
+        slice_merges: also derive two-output rules ``(a, b) => split(t)`` by slicing each
+            expression ``t`` and looking its parts up among the fingerprint classes, so
+            the concatenation of ``a`` and ``b`` need not be enumerated: two biased
+            branches ``conv(x, w1) + b1`` and ``conv(x, w2) + b2`` (4 operators) merge into
+            ``conv(x, concat(w1, w2)) + concat(b1, b2)`` (4 operators), where the
+            concatenation route would need 5.
+        class_pairs: derive rules from pairs of members of a fingerprint class (and
+            ``concat`` members). Off for domains that exist only for their slice merges:
+            their single-output rules repeat the dense domains' or chain bias additions.
     """
 
     name: str
@@ -73,6 +92,11 @@ class Domain:
     ops: tuple[tuple[str, dict], ...]
     split_axes: tuple[int, ...] = ()
     attribute_instances: tuple[dict, ...] = ()
+    max_ops: int | None = None
+    weight_ops: int | None = None
+    weight_only_ops: tuple[str, ...] = ("concat", "enlarge", "transpose")
+    slice_merges: bool = False
+    class_pairs: bool = True
 
 
 CONV_DOMAIN = Domain(
@@ -84,7 +108,7 @@ CONV_DOMAIN = Domain(
                {"N": 1, "C": 5, "D": 3, "H": 9, "W": 8, "K": 5}),
     ops=(("conv2d", {}), ("relu", {}), ("ewadd", {}), ("ewmul", {}), ("concat", {"axis": -3}),
          ("concat", {"axis": -4}), ("enlarge", {}), ("transpose", {"perm": (1, 0, 2, 3)})),
-    split_axes=(-3, -4))
+    split_axes=(-3, -4), max_ops=3)
 
 MATMUL_DOMAIN = Domain(
     "matmul",
@@ -95,7 +119,7 @@ MATMUL_DOMAIN = Domain(
                {"...": (2,), "M": 5, "K": 3, "N": 4, "P": 2}),
     ops=(("matmul", {}), ("matmul", {"activation": "relu"}), ("relu", {}), ("ewadd", {}),
          ("concat", {"axis": -1}), ("concat", {"axis": -2})),
-    split_axes=(-1, -2))
+    split_axes=(-1, -2), max_ops=3)
 
 #: Per-channel affine maps after a convolution, with two distinct per-channel weights (the
 #: shape in which flax and other NHWC front ends express batchnorm: (y - mean) * s + b),
@@ -107,7 +131,8 @@ AFFINE_DOMAIN = Domain(
                "a": ("weight", (1, "D", 1, 1)), "b": ("weight", (1, "D", 1, 1))},
     instances=({"N": 2, "C": 3, "D": 4, "H": 6, "W": 7, "K": 3},
                {"N": 1, "C": 5, "D": 3, "H": 9, "W": 8, "K": 5}),
-    ops=(("conv2d", {}), ("ewadd", {}), ("ewmul", {}), ("transpose", {"perm": (1, 0, 2, 3)})))
+    ops=(("conv2d", {}), ("ewadd", {}), ("ewmul", {}), ("transpose", {"perm": (1, 0, 2, 3)})),
+    max_ops=3)
 
 #: Grouped convolutions (ResNeXt, separable convolutions): a kernel of E = C / 4 input
 #: channels, so that the rewrites that change the number of groups (TASO's merge_gconv) and
@@ -123,9 +148,43 @@ GCONV_DOMAIN = Domain(
          ("merge_gconv", {"groups": 4, "count": 4}), ("merge_gconv", {"groups": 4, "count": 2}),
          ("relu", {}), ("ewmul", {}), ("transpose", {"perm": (1, 0, 2, 3)})),
     attribute_instances=({"N": 1, "C": 6, "E": 3, "D": 4, "H": 5, "W": 6, "K": 3},
-                         {"N": 1, "C": 16, "E": 2, "D": 8, "H": 4, "W": 5, "K": 3}))
+                         {"N": 1, "C": 16, "E": 2, "D": 8, "H": 4, "W": 5, "K": 3}),
+    max_ops=3)
 
-DEFAULT_DOMAINS = (CONV_DOMAIN, MATMUL_DOMAIN, AFFINE_DOMAIN, GCONV_DOMAIN)
+#: Parallel branches as exporters write them: convolutions of different widths (``D`` and
+#: ``E`` output channels) sharing an input, each with its own bias, and a 1x1 kernel next to
+#: a KxK one (inception modules, squeezenet's fire modules). Each branch has up to 2
+#: operators that read the input, so the merged sources have up to 4, with up to 3
+#: weight-only operators (concatenated kernels and biases, an enlarged kernel) on the
+#: merged side; slice merges find how two biased convolutions become one.
+CONV_BRANCH_DOMAIN = Domain(
+    "convbranch",
+    variables={"x": ("input", ("N", "C", "H", "W")),
+               "w1": ("weight", ("D", "C", "K", "K")), "w2": ("weight", ("E", "C", "K", "K")),
+               "w3": ("weight", ("E", "C", 1, 1)),
+               "b1": ("weight", (1, "D", 1, 1)), "b2": ("weight", (1, "E", 1, 1))},
+    # no size is the sum of two channel counts in both instances (a split of C + D
+    # channels must not be read as W)
+    instances=({"N": 2, "C": 6, "D": 4, "E": 5, "H": 13, "W": 14, "K": 3},
+               {"N": 1, "C": 5, "D": 3, "E": 2, "H": 9, "W": 10, "K": 5}),
+    ops=(("conv2d", {}), ("ewadd", {}), ("concat", {"axis": -3}), ("concat", {"axis": -4}),
+         ("enlarge", {})),
+    split_axes=(-3,), max_ops=2, weight_ops=3, slice_merges=True, class_pairs=False)
+
+#: Dense layers with biases sharing an input (the query, key and value projections of
+#: attention, Gemm with a bias in exported models), of different widths ``N`` and ``P``.
+MATMUL_BRANCH_DOMAIN = Domain(
+    "matmulbranch",
+    variables={"x": ("input", ("...", "M", "K")),
+               "w1": ("weight", ("K", "N")), "w2": ("weight", ("K", "P")),
+               "b1": ("weight", ("N",)), "b2": ("weight", ("P",))},
+    instances=({"...": (), "M": 3, "K": 4, "N": 5, "P": 6},
+               {"...": (2,), "M": 5, "K": 3, "N": 4, "P": 2}),
+    ops=(("matmul", {}), ("ewadd", {}), ("concat", {"axis": -1})),
+    split_axes=(-1,), max_ops=2, weight_ops=2, slice_merges=True, class_pairs=False)
+
+DEFAULT_DOMAINS = (CONV_DOMAIN, MATMUL_DOMAIN, AFFINE_DOMAIN, GCONV_DOMAIN, CONV_BRANCH_DOMAIN,
+                   MATMUL_BRANCH_DOMAIN)
 
 
 @dataclass
@@ -168,13 +227,18 @@ class _Fingerprinter:
         self._proj: dict[tuple, np.ndarray] = {}
 
     def key(self, t: Tensor) -> tuple:
-        v = self.values[t].reshape(-1)
-        if t.shape not in self._proj:
-            rng = np.random.default_rng([self.seed, *t.shape, 7919])
-            self._proj[t.shape] = rng.standard_normal((2, v.size))
-        p = self._proj[t.shape] @ v
+        return self.key_of(self.values[t], t.dtype)
+
+    def key_of(self, value: np.ndarray, dtype: str) -> tuple:
+        """The fingerprint of a value: its shape, dtype and two rounded projections."""
+        shape = tuple(value.shape)
+        v = value.reshape(-1)
+        if shape not in self._proj:
+            rng = np.random.default_rng([self.seed, *shape, 7919])
+            self._proj[shape] = rng.standard_normal((2, v.size))
+        p = self._proj[shape] @ v
         scale = max(float(np.sqrt(np.sum(v * v))), 1e-300) * 1e-9
-        return (t.shape, t.dtype) + tuple("0" if abs(x) < scale else f"{x:.9e}" for x in p)
+        return (shape, dtype) + tuple("0" if abs(x) < scale else f"{x:.9e}" for x in p)
 
 
 @dataclass
@@ -202,10 +266,20 @@ def _enumerate(domain: Domain, max_ops: int, seed: int, progress: Callable | Non
         reps.append(e)
     sym_values = {v: k for k, v in inst.items() if isinstance(v, int)}
 
+    inputs = {v for v, (kind, _) in domain.variables.items() if kind == "input"}
+    reads_input: dict[Node, bool] = {}
+
     def add(node: Node, ins: list[_Expr]) -> None:
         nodes = frozenset().union(*(e.nodes for e in ins)) | {node}
         if len(nodes) > size or any(t in exprs for t in node.outputs):
             return
+        if domain.weight_ops is not None:
+            reads_input[node] = any(e.vars & inputs for e in ins)
+            if not reads_input[node] and node.op not in domain.weight_only_ops:
+                return
+            runtime = sum(reads_input[n] for n in nodes)
+            if runtime > max_ops or len(nodes) - runtime > domain.weight_ops:
+                return
         vals = run_node(node, [fp.values[e.tensor] for e in ins])
         for t, v in zip(node.outputs, vals, strict=True):
             fp.values[t] = np.asarray(v)
@@ -216,7 +290,9 @@ def _enumerate(domain: Domain, max_ops: int, seed: int, progress: Callable | Non
             if len(cls) == 1:
                 new_reps.append(e)
 
-    for size in range(1, max_ops + 1):
+    if domain.max_ops is not None:
+        max_ops = min(max_ops, domain.max_ops)
+    for size in range(1, max_ops + (domain.weight_ops or 0) + 1):
         new_reps: list[_Expr] = []
         pool = [e for e in reps if len(e.nodes) < size]
         for op, attrs in domain.ops:
@@ -243,7 +319,7 @@ def _enumerate(domain: Domain, max_ops: int, seed: int, progress: Callable | Non
         reps.extend(new_reps)
         if progress:
             progress(f"{domain.name}: size {size}: {len(exprs)} expressions")
-    return leaves, exprs, classes, sym_values
+    return leaves, exprs, classes, sym_values, fp
 
 
 def _symbolize(v, sym_values: dict[int, str]):
@@ -626,6 +702,69 @@ def _candidates(domain, classes, sym_values, max_ops, seed, stats, monotone):
                     stats.pruned["symbolic_size"] += 1
 
 
+def _slice_merges(domain, classes, sym_values, fp, max_ops, seed, stats):
+    """Two-output rules ``(a, b) => split(t)`` found by slicing ``t`` (``Domain.slice_merges``).
+
+    Each class representative ``t`` that reads an input is cut in two along each split axis,
+    at every pair of symbol sizes; when both parts are values of enumerated classes, their
+    representatives ``a`` and ``b`` are a source that ``split(t)`` replaces. Kept only where
+    it merges work: ``t`` runs fewer operators than ``a`` and ``b`` together, reads no
+    variable they do not, and shares no operator with them. Sources with weight-only
+    operators are dropped (a variable of the rule matches such a subgraph already), and of
+    a merge and the same merge with its outputs swapped, only one is kept (the matcher
+    finds the branches in either order).
+    """
+    prov = {"method": "fingerprint", "derivation": "slice", "domain": domain.name,
+            "max_ops": max_ops, "seed": seed, "proof": None}
+    reps = [cls[0] for cls in classes.values()]
+    by_key = {k: cls[0] for k, cls in classes.items()}
+    inputs = {v for v, (kind, _) in domain.variables.items() if kind == "input"}
+    for t in reps:
+        if not t.nodes or not (t.vars & inputs):
+            continue
+        value = fp.values[t.tensor]
+        for axis in domain.split_axes:
+            shape = t.tensor.shape
+            if len(shape) < -axis:
+                continue
+            d = shape[axis]
+            for size in sorted(sym_values):
+                if not (0 < size < d and (d - size) in sym_values):
+                    continue
+                lo, hi = np.split(value, [size], axis=axis)
+                a = by_key.get(fp.key_of(lo, t.tensor.dtype))
+                b = by_key.get(fp.key_of(hi, t.tensor.dtype))
+                if a is None or b is None or a is b or not a.nodes or not b.nodes:
+                    continue
+                stats.candidates += 1
+                src_nodes = a.nodes | b.nodes
+                if not (a.vars & inputs and b.vars & inputs):
+                    why = "weight_only"
+                elif sorted(a.vars) > sorted(b.vars):
+                    why = "output_order"  # the same merge with the outputs swapped
+                elif _runtime_ops(src_nodes, domain) < len(src_nodes):
+                    why = "weight_only_subexpression"  # a variable matches it already
+                elif a.nodes & b.nodes or t.nodes & (a.nodes | b.nodes):
+                    why = "common_subgraph"
+                elif not t.vars <= a.vars | b.vars:
+                    why = "target_uses_new_variable"
+                elif _runtime_ops(t.nodes, domain) >= len(src_nodes):
+                    why = "split_gains_nothing"
+                else:
+                    why = None
+                if why:
+                    stats.pruned[why] += 1
+                    continue
+                try:
+                    split = make_node("split", [t.tensor], {"axis": axis,
+                                                           "sizes": (size, d - size)})
+                    yield _make_sub(domain, [a.tensor, b.tensor], a.nodes | b.nodes,
+                                    list(split.outputs), t.nodes | {split}, a.vars | b.vars,
+                                    sym_values, dict(prov))
+                except (ShapeError, ValueError):
+                    stats.pruned["symbolic_size"] += 1
+
+
 def generate(domains=None, max_ops: int = 3, seed: int = 0,
              progress: Callable[[str], None] | None = None, monotone: bool = True,
              workers: int | None = None) -> tuple[list[Substitution], GeneratorStats]:
@@ -654,13 +793,16 @@ def generate(domains=None, max_ops: int = 3, seed: int = 0,
         start = len(kept)
         t0 = time.perf_counter()
         with _enable_x64():
-            leaves, exprs, classes, sym_values = _enumerate(domain, max_ops, seed, progress)
+            leaves, exprs, classes, sym_values, fp = _enumerate(domain, max_ops, seed,
+                                                                progress)
         stats.expressions += len(exprs) - len(leaves)
         stats.classes += len(classes)
         t1 = time.perf_counter()
         stats.seconds[f"{domain.name}: enumerate"] = round(t1 - t0, 2)
-        cands = list(_candidates(domain, classes, sym_values, max_ops, seed, stats,
-                                 monotone))
+        cands = (list(_candidates(domain, classes, sym_values, max_ops, seed, stats, monotone))
+                 if domain.class_pairs else [])
+        if domain.slice_merges:
+            cands += _slice_merges(domain, classes, sym_values, fp, max_ops, seed, stats)
         for sub in cands:
             key = _canonical_key(sub, domain)
             if key in seen:
