@@ -72,6 +72,7 @@ _EWMUL_LAWS = (
 _RELU_LAWS = (
     axiom("relu(relu(x)) = relu(x)", _V),
     axiom("relu(ewadd(x, x)) = ewadd(relu(x), relu(x))", _V),  # positive homogeneity
+    axiom("dim(relu(x), k) = dim(x, k)", _V, k=(-1, -2)),
 )
 _NEG_LAWS = (axiom("neg(neg(x)) = x", _V),)
 _SCALAR_MUL_LAWS = (
