@@ -16,6 +16,7 @@ search owns one state, so no search depends on another.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -180,6 +181,7 @@ def find_matches(rule: Substitution, graph: Graph, state: MatchState | None = No
     yield from found
 
 
+@functools.lru_cache(maxsize=4096)
 def _join_order(source: tuple[PNode, ...]) -> tuple[int, ...]:
     """The order in which to bind ``source``'s nodes: each one next to one already bound.
 
