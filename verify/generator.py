@@ -98,6 +98,11 @@ class Domain:
     slice_merges: bool = False
     class_pairs: bool = True
 
+    @property
+    def input_names(self) -> frozenset[str]:
+        """The variables of kind ``"input"`` (the others are weights)."""
+        return frozenset(v for v, (kind, _) in self.variables.items() if kind == "input")
+
 
 CONV_DOMAIN = Domain(
     "conv",
@@ -266,7 +271,7 @@ def _enumerate(domain: Domain, max_ops: int, seed: int, progress: Callable | Non
         reps.append(e)
     sym_values = {v: k for k, v in inst.items() if isinstance(v, int)}
 
-    inputs = {v for v, (kind, _) in domain.variables.items() if kind == "input"}
+    inputs = domain.input_names
     reads_input: dict[Node, bool] = {}
 
     def add(node: Node, ins: list[_Expr]) -> None:
@@ -718,7 +723,7 @@ def _slice_merges(domain, classes, sym_values, fp, max_ops, seed, stats):
             "max_ops": max_ops, "seed": seed, "proof": None}
     reps = [cls[0] for cls in classes.values()]
     by_key = {k: cls[0] for k, cls in classes.items()}
-    inputs = {v for v, (kind, _) in domain.variables.items() if kind == "input"}
+    inputs = domain.input_names
     for t in reps:
         if not t.nodes or not (t.vars & inputs):
             continue
