@@ -2,16 +2,19 @@
 
 The cost model ranks graphs; the device decides. :func:`choose_fastest` times the input and
 the search's cheapest candidates under ``jax.jit`` on the current device, interleaved, and
-keeps the fastest by median, so the optimizer never returns a graph that runs slower than
-its input by more than the noise of the measurement. :func:`rank_correlation` says how well
-the cost model's order agreed with the measured one.
+keeps the fastest of those that :func:`paired_speedup` confirms faster than the input, so
+the optimizer never returns a graph that runs slower than its input by more than the noise
+of the measurement. :func:`rank_correlation` says how well the cost model's order agreed
+with the measured one.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -19,7 +22,43 @@ from taso_jax.ir.executor import compile_graph, random_inputs, time_interleaved
 from taso_jax.ir.graph import Graph
 
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
-           "measured_set", "keep_fastest"]
+           "measured_set", "keep_fastest", "paired_speedup", "sign_test_p"]
+
+#: A candidate replaces the baseline only if, round by round in one interleaved loop, it ran
+#: faster often enough that a one-sided sign test rejects "no faster" at this level...
+SIGN_TEST_LEVEL = 0.05
+#: ...and the median of its per-round speedups is at least this. Medians of separate loops
+#: spread up to ~10% on a loaded 2-core machine; per-round ratios share each round's load.
+MIN_SPEEDUP = 1.02
+
+
+def sign_test_p(wins: int, rounds: int) -> float:
+    """One-sided sign test: the chance of at least ``wins`` in ``rounds`` fair coin tosses."""
+    if rounds <= 0:
+        return 1.0
+    return sum(math.comb(rounds, k) for k in range(max(wins, 0), rounds + 1)) / 2.0 ** rounds
+
+
+def paired_speedup(baseline: Sequence[float], candidate: Sequence[float],
+                   min_speedup: float = MIN_SPEEDUP, level: float = SIGN_TEST_LEVEL) -> dict:
+    """Whether ``candidate`` ran faster than ``baseline``, round by round.
+
+    Both are wall times (any unit) from one interleaved loop (:func:`time_graphs`,
+    :func:`taso_jax.ir.executor.time_interleaved`): ``baseline[i]`` and ``candidate[i]``
+    ran in the same round, under the same machine load. Returns ``{"speedup", "wins",
+    "rounds", "p_value", "faster"}``: the median of ``baseline[i] / candidate[i]``, the
+    rounds the candidate won, the sign test's p-value (:func:`sign_test_p`), and whether
+    the speedup is at least ``min_speedup`` with ``p_value <= level``. With fewer than 5
+    rounds no p-value can reach 0.05, so a short loop keeps the baseline.
+    """
+    n = min(len(baseline), len(candidate))
+    pairs = zip(baseline[:n], candidate[:n], strict=True)
+    ratios = [b / c if c > 0 else math.inf for b, c in pairs]
+    wins = sum(r > 1.0 for r in ratios)
+    p = sign_test_p(wins, n)
+    speedup = float(np.median(ratios)) if ratios else 0.0
+    return {"speedup": speedup, "wins": wins, "rounds": n, "p_value": p,
+            "faster": bool(speedup >= min_speedup and p <= level)}
 
 
 def device_name() -> str:
@@ -40,7 +79,8 @@ def time_graphs(graphs: list[Graph], repeats: int = 50, warmup: int = 3,
     (weight-only subgraphs folded ahead of time, :func:`taso_jax.compile_graph`), warmed up,
     then run round robin ``repeats`` times, so that machine noise hits all of them alike
     (fewer once ``deadline``, a ``time.perf_counter()`` value, has passed; at least 3).
-    Returns ``{"median_us", "min_us", "max_us", "repeats"}`` per graph, in order; past the
+    Returns ``{"median_us", "min_us", "max_us", "repeats", "times_us"}`` per graph, in
+    order (``times_us``: each round's time, for :func:`paired_speedup`); past the
     deadline, graphs whose compilation would overrun it are left out of the list (the
     first two are always timed).
 
@@ -68,7 +108,8 @@ def time_graphs(graphs: list[Graph], repeats: int = 50, warmup: int = 3,
         fns.append(fn)
     times = time_interleaved([lambda f=f: f(*xs) for f in fns], repeats, warmup, deadline)
     return [{"median_us": float(np.median(ts)), "min_us": float(np.min(ts)),
-             "max_us": float(np.max(ts)), "repeats": len(ts)} for ts in times]
+             "max_us": float(np.max(ts)), "repeats": len(ts), "times_us": list(ts)}
+            for ts in times]
 
 
 def rank_correlation(x, y) -> float:
@@ -116,20 +157,22 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
 
     ``result`` is a :class:`taso_jax.search.SearchResult`. Its input graph, its
     ``candidates`` (the cheapest by estimate) and ``sample`` more of its ``visited`` graphs,
-    spread evenly over their estimated costs, are timed with :func:`time_graphs`. The fastest
-    by median replaces ``result.graph`` (``cost_after`` and ``applied`` follow it); when none
-    is faster than the input, the input is kept, so the result is never slower than the
-    input by more than the noise of this measurement. ``result`` is changed in place.
+    spread evenly over their estimated costs, are timed with :func:`time_graphs`. Of the
+    candidates that :func:`paired_speedup` confirms faster than the input, the fastest by
+    median replaces ``result.graph`` (``cost_after`` and ``applied`` follow it); when none
+    is, the input is kept, so the result is never slower than the input by more than the
+    noise of this measurement. ``result`` is changed in place.
     Past ``deadline`` (a ``time.perf_counter()`` value) fewer rounds are timed (at least 3).
 
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
-    "rank_correlation", "device", "repeats"}``: the rank correlation (Spearman) between the
-    cost model's estimates and the measured medians over the graphs timed (``None`` when
-    fewer than three graphs were timed, or all estimates are equal).
+    "rank_correlation", "device", "repeats", "paired"}``: medians in microseconds, the rank
+    correlation (Spearman) between the cost model's estimates and the measured medians over
+    the graphs timed (``None`` when fewer than three graphs were timed, or all estimates are
+    equal), and the paired test of the fastest candidate against the input.
     """
     graphs = measured_set(result, sample, deadline)
     times = time_graphs([g for _, g, _ in graphs], repeats=repeats, deadline=deadline)
-    return keep_fastest(result, graphs[:len(times)], [t["median_us"] for t in times],
+    return keep_fastest(result, graphs[:len(times)], [t["times_us"] for t in times],
                         times[0]["repeats"], device_name())
 
 
@@ -146,17 +189,21 @@ def measured_set(result, sample: int = 0, deadline: float | None = None) -> list
     return graphs
 
 
-def keep_fastest(result, graphs: list[tuple], medians: list[float], repeats: int,
-                 device: str, noise: float = 1.0, **extra) -> dict:
-    """Make ``result`` the fastest of ``graphs`` (input first) by median; the report dict.
+def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repeats: int,
+                 device: str, **extra) -> dict:
+    """Make ``result`` the fastest of ``graphs`` (input first) confirmed faster; the report.
 
-    A candidate replaces the input only if its median is below ``noise`` times the
-    input's. ``result.graph``, ``cost_after`` and ``applied`` follow the choice. Returns
-    the dict :func:`choose_fastest` documents, with ``extra`` entries added.
+    ``times[i]`` are graph ``i``'s round times from one interleaved loop. A candidate
+    replaces the input only if :func:`paired_speedup` confirms it faster than the input;
+    of those, the one with the smallest median is kept. ``result.graph``, ``cost_after`` and
+    ``applied`` follow the choice. Returns the dict :func:`choose_fastest` documents, with
+    ``extra`` entries added.
     """
-    chosen = min(range(len(graphs)), key=lambda i: (medians[i], i))
-    if medians[chosen] >= noise * medians[0]:  # graphs[0] is the input
-        chosen = 0
+    medians = [float(np.median(t)) for t in times]
+    tests = [None] + [paired_speedup(times[0], t) for t in times[1:]]
+    confirmed = [i for i in range(1, len(graphs)) if tests[i]["faster"]]
+    chosen = min(confirmed, key=lambda i: (medians[i], i)) if confirmed else 0
+    best = chosen or min(range(1, len(graphs)), key=lambda i: (medians[i], i), default=0)
     cost, graph, path = graphs[chosen]
     result.graph, result.cost_after, result.applied = graph, cost, Counter(path)
     estimates = [c for c, _, _ in graphs]
@@ -164,4 +211,4 @@ def keep_fastest(result, graphs: list[tuple], medians: list[float], repeats: int
     return {"measured": len(graphs), "original_kept": chosen == 0, "chosen": chosen,
             "times_us": list(medians), "estimates_us": estimates,
             "rank_correlation": None if rho != rho else rho, "device": device,
-            "repeats": repeats, **extra}
+            "repeats": repeats, "paired": tests[best], **extra}

@@ -194,14 +194,16 @@ def _join_order(source: tuple[PNode, ...]) -> tuple[int, ...]:
     """
     order = [0]
     bound_vars = {r.name for r in source[0].inputs if not isinstance(r, NodeRef)}
+
+    def anchored(i):
+        if any(isinstance(r, NodeRef) and r.node in order or
+               not isinstance(r, NodeRef) and r.name in bound_vars
+               for r in source[i].inputs):
+            return True
+        return any(isinstance(r, NodeRef) and r.node == i
+                   for j in order for r in source[j].inputs)
+
     while len(order) < len(source):
-        def anchored(i):
-            if any(isinstance(r, NodeRef) and r.node in order or
-                   not isinstance(r, NodeRef) and r.name in bound_vars
-                   for r in source[i].inputs):
-                return True
-            return any(isinstance(r, NodeRef) and r.node == i
-                       for j in order for r in source[j].inputs)
         rest = [i for i in range(len(source)) if i not in order]
         nxt = next((i for i in rest if anchored(i)), rest[0])
         order.append(nxt)
@@ -210,8 +212,10 @@ def _join_order(source: tuple[PNode, ...]) -> tuple[int, ...]:
 
 
 def _pending(i: int, k: int | str) -> str:
-    """The key under which a bound reader records the host tensor of source node ``i``'s
-    output ``k`` before node ``i`` is bound (never a variable name)."""
+    """Where a bound reader records the host tensor of source node ``i``'s output ``k``.
+
+    The key is used before node ``i`` is bound and is never a variable name.
+    """
     return f"#{i}.{k}"
 
 

@@ -337,10 +337,13 @@ def format_report(r: dict) -> str:
                  f"{s['substitutions']} substitutions")
     e = r.get("end_to_end") or {}
     if e:
-        ts, k = e["times_us"], e.get("chosen", 0)
-        verdict = ("kept the input: no candidate ran faster" if e["original_kept"] else
-                   f"kept candidate {k}, the fastest ({ts[k]:.0f} us vs {ts[0]:.0f} us for the "
-                   f"input, {ts[0] / max(ts[k], 1e-9):.2f}x)")
+        ts, k, p = e["times_us"], e.get("chosen", 0), e.get("paired")
+        rounds = (f"; it won {p['wins']} of {p['rounds']} rounds, median ratio "
+                  f"{p['speedup']:.2f}x" if p else "")
+        verdict = (f"kept the input: no candidate ran faster in a paired test{rounds}"
+                   if e["original_kept"] else
+                   f"kept candidate {k}, the fastest confirmed faster ({ts[k]:.0f} us vs "
+                   f"{ts[0]:.0f} us for the input, {ts[0] / max(ts[k], 1e-9):.2f}x{rounds})")
         runtime = e.get("runtime", "jax.jit")
         baseline = "the input file" if runtime == "onnxruntime" else "the input graph"
         lines.append(f"end-to-end choice ({e['device']}, {runtime}, median of {e['repeats']}): "

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 from taso_jax.search import SearchResult
 from taso_jax.search.backtracking import Candidate
-from taso_jax.search.choose import choose_fastest, device_name, rank_correlation
+from taso_jax.search.choose import (
+    choose_fastest,
+    device_name,
+    paired_speedup,
+    rank_correlation,
+    sign_test_p,
+)
 
 import taso_jax
 from taso_jax.bench import merge_rows, read_results, results_path
@@ -158,11 +164,34 @@ def test_search_graph_times_its_candidates_and_the_report_says_which_it_kept():
                               end_to_end=3)
     e = r.end_to_end
     assert e["measured"] >= 2 and len(e["times_us"]) == e["measured"]
-    kept = e["times_us"][0] if e["original_kept"] else min(e["times_us"])
-    assert kept == min(e["times_us"])  # the fastest measured graph is returned
+    if not e["original_kept"]:  # a candidate is returned only when confirmed faster
+        p = e["paired"]
+        assert p["faster"] and p["speedup"] >= 1.02 and p["p_value"] <= 0.05
+        assert e["times_us"][e["chosen"]] < e["times_us"][0]
     text = format_report(search_report("nasrnn", g, r,
                                        OptimizeOptions(cost_model="analytic", budget=5), subs))
     assert "end-to-end choice" in text
     assert f"timed the input graph and {e['measured'] - 1} candidates" in text
     assert ("kept the input" in text) if e["original_kept"] else (
-        f"kept candidate {e['chosen']}, the fastest" in text)
+        f"kept candidate {e['chosen']}, the fastest confirmed" in text)
+
+
+def test_sign_test_p():
+    assert sign_test_p(5, 5) == 1 / 32
+    assert sign_test_p(0, 10) == 1.0
+    assert abs(sign_test_p(15, 20) - 0.0207) < 1e-4
+    assert sign_test_p(3, 0) == 1.0
+
+
+def test_paired_speedup_sees_through_load_that_hits_both():
+    rng = np.random.default_rng(0)
+    load = np.exp(rng.normal(0, 0.3, 40))  # each round's load: +-30%, shared by both
+    base = 100 * load * np.exp(rng.normal(0, 0.02, 40))
+    same = 100 * load * np.exp(rng.normal(0, 0.02, 40))
+    faster = 90 * load * np.exp(rng.normal(0, 0.02, 40))
+    assert paired_speedup(base, faster)["faster"]  # 1.11x, found through 30% load swings
+    t = paired_speedup(base, same)
+    assert not t["faster"] and 0.95 < t["speedup"] < 1.05
+    assert not paired_speedup(base, 0.99 * base)["faster"]  # wins every round, but by 1%
+    assert not paired_speedup(base[:4], faster[:4])["faster"]  # 4 rounds decide nothing
+    assert not paired_speedup(faster, base)["faster"]

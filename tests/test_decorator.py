@@ -292,7 +292,7 @@ def test_the_optimized_function_must_beat_jax_jit_of_the_original_when_timed(mon
 
     # with timing on, a function the search did change is still measured against jax.jit
     # of the original; here the optimized run is made to look slow, so the original runs
-    monkeypatch.setattr(decorator, "NOISE", 1e9)
+    monkeypatch.setattr(decorator, "MIN_SPEEDUP", 1e9)
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
     def cell(w, x):
@@ -309,7 +309,7 @@ def test_a_kept_signature_dispatches_to_jax_jit_of_the_original(monkeypatch):
     """No staging on the fast path: later calls go straight to jax.jit of the function."""
     import taso_jax.frontends.decorator as decorator
 
-    monkeypatch.setattr(decorator, "NOISE", 1e9)  # the original is always kept
+    monkeypatch.setattr(decorator, "MIN_SPEEDUP", 1e9)  # the original is always kept
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
     def cell(w, x):
@@ -498,7 +498,7 @@ def test_donate_argnums_follows_jax_jit(monkeypatch, keep):
     import taso_jax.frontends.decorator as decorator
 
     if keep:
-        monkeypatch.setattr(decorator, "NOISE", 1e9)  # the original runs (fast path)
+        monkeypatch.setattr(decorator, "MIN_SPEEDUP", 1e9)  # the original runs (fast path)
 
     def f(w, x):
         return x @ w["s"] + x @ w["t"]  # same shape as x: its buffer can be reused

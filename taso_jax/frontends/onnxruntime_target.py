@@ -23,13 +23,8 @@ from taso_jax.search.choose import keep_fastest, measured_set
 from taso_jax.search.cost import MeasuredCostModel
 from taso_jax.search.options import OptimizeOptions
 
-__all__ = ["TARGET_NOISE", "OnnxRuntimeCostModel", "ort_session", "time_onnx_models",
+__all__ = ["OnnxRuntimeCostModel", "ort_session", "time_onnx_models",
            "choose_fastest_onnxruntime", "resolve_target"]
-
-#: A candidate replaces the user's model only when its median is below this fraction of the
-#: original's (identical graphs time up to ~10% apart; a 2% margin keeps ties with the input).
-TARGET_NOISE = 0.98
-
 
 def ort_session(model, spinning: bool = True):
     """An onnxruntime ``InferenceSession`` of ``model`` (bytes or path) on the CPU provider.
@@ -54,8 +49,9 @@ def time_onnx_models(models: Sequence, inputs: dict, repeats: int = 20,
 
     All sessions are created first (intra-op threads not spinning, see
     :func:`ort_session`), warmed up, then run round robin ``repeats`` times, so that machine
-    noise hits every model alike. Inputs a model does not declare are left out of its feed.
-    Past ``deadline`` (a ``time.perf_counter()`` value) the rounds stop (at least 3 run).
+    noise hits every model alike (the order is reversed every other round, so no model
+    always runs first). Inputs a model does not declare are left out of its feed. Past
+    ``deadline`` (a ``time.perf_counter()`` value) the rounds stop (at least 3 run).
     """
     sessions = [ort_session(m, spinning=False) for m in models]
     feeds = [{i.name: inputs[i.name] for i in s.get_inputs()} for s in sessions]
@@ -63,10 +59,11 @@ def time_onnx_models(models: Sequence, inputs: dict, repeats: int = 20,
         for s, f in zip(sessions, feeds, strict=True):
             s.run(None, f)
     times: list[list[float]] = [[] for _ in models]
+    runs = list(zip(sessions, feeds, times, strict=True))
     for r in range(repeats):
         if deadline is not None and r >= 3 and time.perf_counter() > deadline:
             break
-        for s, f, ts in zip(sessions, feeds, times, strict=True):
+        for s, f, ts in (runs if r % 2 == 0 else reversed(runs)):
             t0 = time.perf_counter()
             s.run(None, f)
             ts.append((time.perf_counter() - t0) * 1e6)
@@ -182,7 +179,6 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
 
 
 def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20,
-                               noise: float = TARGET_NOISE,
                                deadline: float | None = None) -> dict:
     """Time the search's candidates and the user's ONNX file in onnxruntime; keep the fastest.
 
@@ -190,11 +186,13 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     was imported from ``original`` (ONNX bytes or path); ``inputs`` feeds both. The
     baseline is ``original`` itself, not its re-export, so the written model is never
     slower in onnxruntime than the file the user runs today: a candidate is kept only if
-    its median is below ``noise`` times the original's; otherwise ``result.graph`` becomes
-    the input graph (``original_kept``). ``result`` is changed in place.
+    :func:`~taso_jax.search.choose.paired_speedup` confirms it faster than the original
+    over the interleaved rounds; otherwise ``result.graph`` becomes the input graph
+    (``original_kept``). ``result`` is changed in place.
 
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
-    "rank_correlation", "device", "repeats", "runtime"}`` (``times_us[0]`` is the original).
+    "rank_correlation", "device", "repeats", "paired", "runtime"}`` (medians in
+    microseconds; ``times_us[0]`` is the original).
     """
     import onnxruntime as ort
 
@@ -203,9 +201,8 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     graphs = measured_set(result, 0, deadline)
     models = [original] + [export_onnx(g).SerializeToString() for _, g, _ in graphs[1:]]
     times = time_onnx_models(models, inputs, repeats=repeats, deadline=deadline)
-    return keep_fastest(result, graphs, [float(np.median(t)) for t in times], len(times[0]),
-                        f"onnxruntime {ort.__version__} (CPU)", noise=noise,
-                        runtime="onnxruntime")
+    return keep_fastest(result, graphs, times, len(times[0]),
+                        f"onnxruntime {ort.__version__} (CPU)", runtime="onnxruntime")
 
 
 def resolve_target(options: OptimizeOptions, original=None, inputs: dict | None = None,
