@@ -5,7 +5,8 @@
   GELU feed-forward);
 * equinox: an MLP and a small conv net (NCHW, per-example, vmapped over the batch);
 * plain JAX: a NasRNN-style recurrent cell (Pham et al., ENAS, 2018; the cell TASO evaluates):
-  eight pairs of matmuls on the input and on the hidden state, combined elementwise.
+  eight pairs of matmuls on the input and on the hidden state, combined elementwise, on
+  ``[batch, hidden]`` rows or on 1-D vectors; and a tiny single-head attention function.
 
 Each ``make_*`` returns ``(fn, weights, inputs)``: call ``fn(weights, *inputs)``; weights are
 random (``jax.random`` with a fixed key).
@@ -162,5 +163,28 @@ def make_nasrnn(batch: int = 1, hidden: int = 512, steps: int = 4):
     return fn, weights, (xs, h0)
 
 
+def make_nasrnn_1d(hidden: int = 512, steps: int = 2):
+    """The NasRNN cell of :func:`make_nasrnn` on 1-D vectors: ``x`` and ``h`` of shape
+    ``(hidden,)``, so every matmul is ``vector @ matrix``."""
+    fn, weights, (xs, h0) = make_nasrnn(batch=1, hidden=hidden, steps=steps)
+    return fn, weights, (xs[:, 0, :], h0[0])
+
+
+def make_tiny_attention(batch: int = 2, seq: int = 5, dim: int = 3):
+    """Single-head attention on ``[batch, seq, dim]``: a function of a few microseconds, where
+    only the decorator's own per-call work can show."""
+    keys = jax.random.split(jax.random.key(2), 4)
+    weights = {k: jax.random.normal(kk, (dim, dim)) for k, kk in zip("qkv", keys[:3], strict=True)}
+    x = jax.random.normal(keys[3], (batch, seq, dim))
+
+    def fn(w, x):
+        q, k, v = x @ w["q"], x @ w["k"], x @ w["v"]
+        a = jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) * dim ** -0.5, axis=-1)
+        return a @ v
+
+    return fn, weights, (x,)
+
+
 MODELS = {"flax_resnet50": make_flax_resnet50, "flax_bert_block": make_flax_bert_block,
-          "eqx_mlp": make_eqx_mlp, "eqx_convnet": make_eqx_convnet, "nasrnn": make_nasrnn}
+          "eqx_mlp": make_eqx_mlp, "eqx_convnet": make_eqx_convnet, "nasrnn": make_nasrnn,
+          "nasrnn_1d": make_nasrnn_1d, "tiny_attention": make_tiny_attention}
