@@ -101,6 +101,9 @@ class MatchState:
 
     rejected: Counter = field(default_factory=Counter)
     _first: dict = field(default_factory=dict, repr=False)
+    # (rule id, bound variables' types, symbols) whose target the shape rules rejected: a
+    # single-node source such as expand-conv2d matches every convolution in every graph
+    _bad_targets: set = field(default_factory=set, repr=False)
 
     def first_cache(self, rule: Substitution) -> dict:
         """Host node -> bindings of ``rule``'s first source node there (one dict per rule)."""
@@ -272,7 +275,12 @@ def _find_matches(rule: Substitution, graph: Graph, state: MatchState, near, ord
                 cands = [n for n in graph.consumers.get(anchor, ()) if n.op == p.op]
             else:
                 cands = graph.by_op.get(p.op, [])
-                if near is not None:
+                if near is not None and len(near) < len(cands):
+                    # the few nodes near a rewrite, in the same (topological) order
+                    pos = graph.positions
+                    cands = sorted((n for n in near if n.op == p.op and n in pos),
+                                   key=pos.__getitem__)
+                elif near is not None:
                     cands = [n for n in cands if n in near]
         for h in dict.fromkeys(cands):
             if h in bound:
@@ -341,9 +349,19 @@ def prepare(rule: Substitution, graph: Graph, match: Match,
     Returns a :class:`Rewrite`, or a falsy :class:`NoMatch` with the reason (also counted
     in ``state.rejected`` when a state is given).
     """
-    result = _prepare(rule, graph, match)
-    if not result and state is not None:
+    if state is None:
+        return _prepare(rule, graph, match)
+    try:  # the target's shapes depend on the bound types alone, not on the graph
+        key = (id(rule), tuple((k, t.type) for k, t in match.vars.items()),
+               tuple(match.sym.items()))
+        known_bad = key in state._bad_targets
+    except TypeError:  # an unhashable attribute value: not remembered
+        key, known_bad = None, False
+    result = NoMatch("target_shape") if known_bad else _prepare(rule, graph, match)
+    if not result:
         state.rejected[result.reason] += 1
+        if result.reason == "target_shape" and key is not None:
+            state._bad_targets.add(key)
     return result
 
 
