@@ -20,9 +20,14 @@ import numpy as np
 
 from taso_jax.ir.executor import compile_graph, random_inputs, time_interleaved
 from taso_jax.ir.graph import Graph
+from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
-           "measured_set", "keep_fastest", "paired_speedup", "sign_test_p"]
+           "measured_set", "keep_fastest", "paired_speedup", "sign_test_p", "with_layouts",
+           "NHWC_LAYOUT"]
+
+#: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
+NHWC_LAYOUT = "layout:nhwc"
 
 #: A candidate replaces the baseline only if, round by round in one interleaved loop, it ran
 #: faster often enough that a one-sided sign test rejects "no faster" at this level...
@@ -151,8 +156,26 @@ def _measured_set(result, sample: int) -> list[tuple]:
     return list(chosen.values())
 
 
+def with_layouts(graphs: list[tuple]) -> list[tuple]:
+    """``graphs`` (``(cost, graph, path)``, the input first) and NHWC forms of the first two.
+
+    The input and the cheapest candidate, where they run convolutions in NCHW, are added in
+    NHWC (:func:`taso_jax.ir.layout.to_nhwc`), with the estimate of the graph they came from
+    and :data:`NHWC_LAYOUT` appended to their path. Layout is then chosen like any rewrite:
+    by timing.
+    """
+    out, seen = list(graphs), {g.key for _, g, _ in graphs}
+    for cost, g, path in graphs[:2]:
+        if has_nchw_convolutions(g):
+            g2 = to_nhwc(g)
+            if g2.key not in seen:
+                seen.add(g2.key)
+                out.append((cost, g2, (*path, NHWC_LAYOUT)))
+    return out
+
+
 def choose_fastest(result, repeats: int = 20, sample: int = 0,
-                   deadline: float | None = None) -> dict:
+                   deadline: float | None = None, layouts: bool = False) -> dict:
     """Time a search's candidate graphs end to end and make ``result`` the fastest.
 
     ``result`` is a :class:`taso_jax.search.SearchResult`. Its input graph, its
@@ -163,6 +186,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     is, the input is kept, so the result is never slower than the input by more than the
     noise of this measurement. ``result`` is changed in place.
     Past ``deadline`` (a ``time.perf_counter()`` value) fewer rounds are timed (at least 3).
+    With ``layouts``, the NHWC forms of the input and of the cheapest candidate are timed
+    too (:func:`with_layouts`).
 
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
     "rank_correlation", "device", "repeats", "paired"}``: medians in microseconds, the rank
@@ -171,6 +196,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     equal), and the paired test of the fastest candidate against the input.
     """
     graphs = measured_set(result, sample, deadline)
+    if layouts:
+        graphs = with_layouts(graphs)
     times = time_graphs([g for _, g, _ in graphs], repeats=repeats, deadline=deadline)
     return keep_fastest(result, graphs[:len(times)], [t["times_us"] for t in times],
                         times[0]["repeats"], device_name())

@@ -35,8 +35,8 @@ def optimize(graph=None, **options):
     equivalent graph found (TASO's ``taso.optimize``). The options are those of
     :class:`~taso_jax.search.options.OptimizeOptions` (``alpha=1.05, budget=100,
     time_limit=60.0, cost_model="measured", substitutions=None, allow_unverified=False,
-    end_to_end=4, trust_proofs=False, target="xla"``). The input graph is never modified,
-    and it is returned as is when nothing is faster.
+    end_to_end=4, trust_proofs=False, target="xla", layout_candidates=True``). The input
+    graph is never modified, and it is returned as is when nothing is faster.
 
     On a function, or with keyword options only, it is a decorator::
 

@@ -160,7 +160,9 @@ def _optimize(args) -> int:
         options = OptimizeOptions(alpha=args.alpha, budget=args.budget,
                                   time_limit=args.time_limit, cost_model=cost_model,
                                   allow_unverified=args.allow_unverified,
-                                  end_to_end=args.end_to_end, target=args.target)
+                                  end_to_end=args.end_to_end, target=args.target,
+                                  # the written ONNX file is NCHW whatever the choice
+                                  layout_candidates=False)
     except ValueError as e:
         raise UsageError("--" + str(e).replace("_", "-")) from e
     try:

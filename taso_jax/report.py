@@ -7,7 +7,7 @@ import numpy as np
 from taso_jax.frontends.onnx_io import ModelError
 from taso_jax.ir.executor import random_inputs
 from taso_jax.ir.graph import Graph
-from taso_jax.search.choose import device_name, time_graphs
+from taso_jax.search.choose import NHWC_LAYOUT, device_name, time_graphs
 from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["measure_speed", "measure_onnxruntime", "compare_onnx", "check_onnx",
@@ -366,6 +366,9 @@ def format_report(r: dict) -> str:
                          + ("" if status == "proved" else f"  [NOT PROVED: {status}]"))
             if name in r.get("laws", {}):
                 lines.append(f"        {r['laws'][name]}")
+            elif name == NHWC_LAYOUT:
+                lines.append("        convolutions in NHWC (conv2d_nhwc, HWIO kernels), "
+                             "activations carried in NHWC between them")
     else:
         lines.append("substitutions applied: none (the input graph is returned unchanged)")
     if r.get("check", {}).get("identical"):

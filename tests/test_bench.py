@@ -195,3 +195,40 @@ def test_paired_speedup_sees_through_load_that_hits_both():
     assert not paired_speedup(base, 0.99 * base)["faster"]  # wins every round, but by 1%
     assert not paired_speedup(base[:4], faster[:4])["faster"]  # 4 rounds decide nothing
     assert not paired_speedup(faster, base)["faster"]
+
+
+def _conv_chain():
+    b = taso_jax.GraphBuilder()
+    x = b.new_input((1, 8, 12, 12))
+    y = b.relu(b.conv2d(x, b.new_weight((8, 8, 3, 3))))
+    b.mark_output(b.conv2d(y, b.new_weight((8, 8, 3, 3))), "y")
+    return b.graph()
+
+
+@pytest.mark.parametrize("layouts", [True, False])
+def test_the_nhwc_form_is_a_candidate_timed_like_any_other(monkeypatch, layouts):
+    import taso_jax.search.choose as choose
+    from taso_jax.search.choose import NHWC_LAYOUT
+
+    timed = []
+
+    def fake(graphs, repeats=20, deadline=None, **_):
+        timed.extend(graphs)  # every graph but the NHWC forms takes 100 us, those 50 us
+        return [{"median_us": t, "min_us": t, "max_us": t, "repeats": repeats,
+                 "times_us": [t] * repeats}
+                for g in graphs for t in [50.0 if "conv2d_nhwc" in g.op_counts() else 100.0]]
+
+    monkeypatch.setattr(choose, "time_graphs", fake)
+    g = _conv_chain()
+    r = taso_jax.search_graph(g, cost_model="analytic", budget=3, end_to_end=2,
+                              layout_candidates=layouts)
+    nhwc = [h for h in timed if "conv2d_nhwc" in h.op_counts()]
+    if layouts:  # timed even though the search found nothing cheaper; faster, so kept
+        assert nhwc and r.end_to_end["chosen"] == len(timed) - len(nhwc)
+        assert r.graph.op_counts()["conv2d_nhwc"] == 2 and r.applied[NHWC_LAYOUT] == 1
+        x = np.random.default_rng(0).standard_normal((1, 8, 12, 12)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(taso_jax.compile_graph(r.graph)(x)[0]),
+                                   np.asarray(taso_jax.compile_graph(g)(x)[0]),
+                                   rtol=1e-4, atol=1e-4)
+    else:
+        assert not nhwc and "conv2d_nhwc" not in r.graph.op_counts()

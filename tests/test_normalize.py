@@ -13,8 +13,8 @@ from jax import lax
 
 from taso_jax.frontends.canonical import normalize_affine
 from taso_jax.frontends.jaxpr_io import from_jax
-from taso_jax.frontends.layout import sink_transposes
 from taso_jax.ir.executor import compile_graph
+from taso_jax.ir.layout import sink_transposes
 
 
 def _x(*shape, seed=0):
@@ -93,3 +93,52 @@ def test_affine_normalization_leaves_shared_intermediates_alone():
     g = from_jax(fn, *args, weight_argnums=0)
     assert normalize_affine(g).key == g.key
     _same(g, fn, args, args[1:])
+
+
+def test_nhwc_law_holds_numerically():
+    from taso_jax.ops.conv import NHWC_LAW
+    from taso_jax.verify.laws import check_axiom
+
+    r = check_axiom(NHWC_LAW, "NHWC_LAW")
+    assert r["checked"] > 0 and not r["failures"]
+
+
+def _nchw_block(x, w1, w2, w3, b, s):
+    """A residual NCHW block: conv, bias and scale, relu, conv, pool, a 1x1 branch, concat."""
+    dn = ("NCHW", "OIHW", "NCHW")
+    y = lax.conv_general_dilated(x, w1, (1, 1), "SAME", dimension_numbers=dn)
+    y = jax.nn.relu(y * s + b)
+    z = lax.conv_general_dilated(y, w2, (1, 1), "SAME", dimension_numbers=dn) + x
+    p = lax.reduce_window(z, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+    q = lax.conv_general_dilated(p, w3, (1, 1), "VALID", dimension_numbers=dn)
+    return jnp.concatenate([jnp.tanh(q), p], axis=1).sum(axis=(2, 3))
+
+
+def test_to_nhwc_moves_every_convolution_and_cancels_the_transposes_between_them():
+    from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
+
+    args = (_x(2, 8, 6, 6), _x(8, 8, 3, 3, seed=1), _x(8, 8, 3, 3, seed=2),
+            _x(4, 8, 1, 1, seed=3), _x(1, 8, 1, 1, seed=4), _x(1, 8, 1, 1, seed=5))
+    g = from_jax(_nchw_block, *args, weight_argnums=(1, 2, 3, 4, 5))
+    assert g.op_counts()["conv2d"] == 3 and has_nchw_convolutions(g)
+    h = to_nhwc(g)
+    counts = h.op_counts()
+    assert "conv2d" not in counts and counts["conv2d_nhwc"] == 3
+    assert not has_nchw_convolutions(h)
+    # into NHWC once, around the NCHW-only pooling, and back for the NCHW concat and sum
+    assert counts["transpose"] <= 4, counts
+    _same(h, _nchw_block, args, args[:1])
+    assert to_nhwc(h) is h  # nothing left to move
+
+
+def test_with_layouts_adds_the_nhwc_forms_of_the_input_and_the_cheapest_candidate():
+    from taso_jax.search.choose import NHWC_LAYOUT, with_layouts
+
+    args = (_x(2, 8, 6, 6), _x(8, 8, 3, 3, seed=1), _x(8, 8, 3, 3, seed=2),
+            _x(4, 8, 1, 1, seed=3), _x(1, 8, 1, 1, seed=4), _x(1, 8, 1, 1, seed=5))
+    g = from_jax(_nchw_block, *args, weight_argnums=(1, 2, 3, 4, 5))
+    out = with_layouts([(10.0, g, ())])
+    assert len(out) == 2 and out[1][0] == 10.0 and out[1][2] == (NHWC_LAYOUT,)
+    assert out[1][1].op_counts()["conv2d_nhwc"] == 3
+    dense = from_jax(lambda x, w: jnp.tanh(x @ w), _x(2, 4), _x(4, 3, seed=1), weight_argnums=1)
+    assert with_layouts([(1.0, dense, ())]) == [(1.0, dense, ())]  # no convolution: as is

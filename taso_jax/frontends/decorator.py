@@ -640,7 +640,7 @@ class OptimizedFunction:
         o = self.options
         rules = hashlib.sha256(" ".join(sorted(s.id for s in subs)).encode()).hexdigest()
         settings = (f"alpha={o.alpha} budget={o.budget} time_limit={o.time_limit} "
-                    f"cost={o.cost_model_name} e2e={o.end_to_end} "
+                    f"cost={o.cost_model_name} e2e={o.end_to_end} layouts={o.layout_candidates} "
                     f"unverified={o.allow_unverified} check={self.check}")
         return [device_name(), jax.__version__, _package_version(), settings, rules]
 

@@ -14,7 +14,7 @@ subgraphs are precomputed); all other array leaves become runtime inputs, named 
 pytree path (``x``, ``params['dense']['kernel']``). Literals and closed-over constants
 become weights too.
 
-After import, :func:`taso_jax.frontends.layout.sink_transposes` removes the layout transposes
+After import, :func:`taso_jax.ir.layout.sink_transposes` removes the layout transposes
 that an NHWC program (flax, ``jax.lax.conv`` with ``("NHWC", "HWIO", "NHWC")``) puts around each
 convolution, so the search sees NCHW convolutions followed by their elementwise consumers,
 and :func:`taso_jax.frontends.canonical.normalize_affine` writes per-channel affine chains as
@@ -237,14 +237,14 @@ def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_name
             weight's array (ignored for runtime inputs).
         out_names: one name per jaxpr output.
         name: graph name (``graph.meta["name"]``).
-        sink_layout: run :func:`taso_jax.frontends.layout.sink_transposes` after import.
+        sink_layout: run :func:`taso_jax.ir.layout.sink_transposes` after import.
 
     Raises:
         ModelError: a jaxpr with side effects (``jax.debug.print``, ``io_callback``) or an
             element type that is not a NumPy dtype (PRNG keys).
     """
     from taso_jax.frontends.canonical import normalize_affine
-    from taso_jax.frontends.layout import sink_transposes
+    from taso_jax.ir.layout import sink_transposes
 
     if closed.effects:
         effects = sorted(map(str, closed.effects))

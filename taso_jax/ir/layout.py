@@ -24,7 +24,7 @@ from __future__ import annotations
 from taso_jax.ir.graph import Graph, Node, Tensor, make_node, rebuild_node
 from taso_jax.ops import OPS
 
-__all__ = ["sink_transposes"]
+__all__ = ["sink_transposes", "to_nhwc", "has_nchw_convolutions"]
 
 Perm = tuple[int, ...] | None  # None: identity
 
@@ -159,3 +159,46 @@ def sink_transposes(graph: Graph) -> Graph:
     Shapes and layouts of inputs and outputs are unchanged; weights are shared, not copied.
     """
     return _Sinker(graph).run()
+
+
+def has_nchw_convolutions(graph: Graph) -> bool:
+    """Whether ``graph`` runs any ``conv2d`` (NCHW) at run time."""
+    return any(n.op == "conv2d" and not n.weight_only for n in graph.nodes)
+
+
+def to_nhwc(graph: Graph) -> Graph:
+    """The same computation with every runtime convolution in NHWC (``conv2d_nhwc``).
+
+    Each ``conv2d(x, w)`` (NCHW x OIHW) becomes ``transpose(conv2d_nhwc(transpose(x),
+    transpose(w)))``; then :func:`sink_transposes` carries activations in NHWC from one
+    convolution to the next through elementwise, reduction and axis operators, so that only
+    the graph's inputs and outputs, and operators with a fixed layout (pooling), keep a
+    transpose. Kernel transposes are weight-only and folded ahead of time. Inputs, outputs
+    and values are unchanged: XLA:CPU runs NHWC convolutions up to ~2x faster, other
+    backends may not, so the end-to-end choice times the result
+    (:func:`taso_jax.search.choose.choose_fastest`).
+    """
+    from taso_jax.ops.conv import HWIO_TO_OIHW, NCHW_TO_NHWC, NHWC_TO_NCHW, OIHW_TO_HWIO
+
+    del HWIO_TO_OIHW  # the inverse, documented beside the others
+    env: dict[Tensor, Tensor] = {}
+    changed = False
+    for n in graph.nodes:
+        if not n.inputs:
+            continue
+        ins = [env.get(t, t) for t in n.inputs]
+        if n.op == "conv2d" and not n.weight_only:
+            xt = make_node("transpose", [ins[0]], {"perm": NCHW_TO_NHWC}).outputs[0]
+            wt = make_node("transpose", [ins[1]], {"perm": OIHW_TO_HWIO}).outputs[0]
+            y = make_node("conv2d_nhwc", [xt, wt], n.attr_dict).outputs[0]
+            env[n.outputs[0]] = make_node("transpose", [y], {"perm": NHWC_TO_NCHW}).outputs[0]
+            changed = True
+            continue
+        new = rebuild_node(n, ins)
+        for t, nt in zip(n.outputs, new.outputs, strict=True):
+            env[t] = nt
+    if not changed:
+        return graph
+    outs = tuple(env.get(t, t) for t in graph.outputs)
+    return sink_transposes(Graph(graph.inputs, outs, graph.output_names, graph.weights,
+                                 graph.meta))
