@@ -490,7 +490,7 @@ def _bench(args) -> int:
     print(f"device: {device_name()}; cost model: {args.cost_model}; "
           f"{'small' if args.small else 'full-size'} models", flush=True)
     settings = {k: getattr(args, k) for k in ("cost_model", "budget", "time_limit", "repeats",
-                                              "candidates", "sample", "small")}
+                                              "candidates", "sample", "small", "no_layouts")}
     cost_model = get_cost_model(args.cost_model,
                                 **({"cache_path": args.cost_cache} if args.cost_cache else {}))
     rows = []
@@ -499,7 +499,8 @@ def _bench(args) -> int:
         graph = m.build(**m.SMALL) if args.small else m.build()
         row = bench_graph(name, graph, cost_model=cost_model, budget=args.budget,
                           time_limit=args.time_limit, repeats=args.repeats,
-                          candidates=args.candidates, sample=args.sample)
+                          candidates=args.candidates, sample=args.sample,
+                          layouts=not args.no_layouts)
         e = row["end_to_end"]
         print(f"{name}: {row['original_us']['median_us'] / 1e3:.2f} ms -> "
               f"{row['optimized_us']['median_us'] / 1e3:.2f} ms ({row['speedup']:.2f}x); "
@@ -649,6 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fresh", action="store_true",
                    help="drop the rows of models not run now from the device's results file "
                         "(default: keep them, so the suite can run in pieces)")
+    b.add_argument("--no-layouts", action="store_true",
+                   help="do not time the NHWC forms of the graphs with convolutions "
+                        "(default: timed as candidates, see layout_candidates)")
     return p
 
 
