@@ -24,7 +24,7 @@ from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
            "measured_set", "keep_fastest", "paired_speedup", "sign_test_p", "with_layouts",
-           "NHWC_LAYOUT"]
+           "compiled_runs", "NHWC_LAYOUT"]
 
 #: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
 NHWC_LAYOUT = "layout:nhwc"
@@ -92,10 +92,31 @@ def time_graphs(graphs: list[Graph], repeats: int = 50, warmup: int = 3,
     Raises:
         ValueError: ``repeats < 1`` or graphs whose inputs differ.
     """
-    import jax
-
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    runs = compiled_runs(graphs, seed, deadline)
+    return _summaries(time_interleaved(runs, repeats, warmup, deadline))
+
+
+def _summaries(times: list[list[float]]) -> list[dict]:
+    return [{"median_us": float(np.median(ts)), "min_us": float(np.min(ts)),
+             "max_us": float(np.max(ts)), "repeats": len(ts), "times_us": list(ts)}
+            for ts in times]
+
+
+def compiled_runs(graphs: list[Graph], seed: int = 0,
+                  deadline: float | None = None) -> list:
+    """One call each of ``graphs``, compiled (:func:`taso_jax.compile_graph`) and run once.
+
+    The calls take no arguments: all run on the same random inputs (``seed``). Past
+    ``deadline``, graphs whose compilation would overrun it are left out (the first two
+    always compile).
+
+    Raises:
+        ValueError: graphs whose runtime inputs differ.
+    """
+    import jax
+
     sig = [(n.name, n.types[0]) for n in graphs[0].inputs]
     for g in graphs[1:]:
         if [(n.name, n.types[0]) for n in g.inputs] != sig:
@@ -111,10 +132,7 @@ def time_graphs(graphs: list[Graph], repeats: int = 50, warmup: int = 3,
         jax.block_until_ready(fn(*xs))  # jax.jit compiles on the first call
         slowest = max(slowest, time.perf_counter() - t0)
         fns.append(fn)
-    times = time_interleaved([lambda f=f: f(*xs) for f in fns], repeats, warmup, deadline)
-    return [{"median_us": float(np.median(ts)), "min_us": float(np.min(ts)),
-             "max_us": float(np.max(ts)), "repeats": len(ts), "times_us": list(ts)}
-            for ts in times]
+    return [lambda f=f: f(*xs) for f in fns]
 
 
 def rank_correlation(x, y) -> float:
@@ -180,11 +198,14 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
 
     ``result`` is a :class:`taso_jax.search.SearchResult`. Its input graph, its
     ``candidates`` (the cheapest by estimate) and ``sample`` more of its ``visited`` graphs,
-    spread evenly over their estimated costs, are timed with :func:`time_graphs`. Of the
-    candidates that :func:`paired_speedup` confirms faster than the input, the fastest by
-    median replaces ``result.graph`` (``cost_after`` and ``applied`` follow it); when none
-    is, the input is kept, so the result is never slower than the input by more than the
-    noise of this measurement. ``result`` is changed in place.
+    spread evenly over their estimated costs, are timed as :func:`time_graphs` does
+    (screening). The fastest candidate by median is then timed against the input alone in
+    a fresh loop of ``repeats`` rounds (confirmation), and it replaces ``result.graph``
+    (``cost_after`` and ``applied`` follow it) only if :func:`paired_speedup` says it ran
+    faster there; otherwise the input is kept, so the result is never slower than the input
+    by more than the noise of this measurement. Testing only the one candidate picked, on
+    rounds that did not pick it, keeps "the best of ten looked faster by chance" out.
+    ``result`` is changed in place.
     Past ``deadline`` (a ``time.perf_counter()`` value) fewer rounds are timed (at least 3).
     With ``layouts``, the NHWC forms of the input and of the cheapest candidate are timed
     too (:func:`with_layouts`).
@@ -193,14 +214,20 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     "rank_correlation", "device", "repeats", "paired"}``: medians in microseconds, the rank
     correlation (Spearman) between the cost model's estimates and the measured medians over
     the graphs timed (``None`` when fewer than three graphs were timed, or all estimates are
-    equal), and the paired test of the fastest candidate against the input.
+    equal), and the confirmation's :func:`paired_speedup` (``None`` when no candidate's
+    median was below the input's).
     """
     graphs = measured_set(result, sample, deadline)
     if layouts:
         graphs = with_layouts(graphs)
-    times = time_graphs([g for _, g, _ in graphs], repeats=repeats, deadline=deadline)
-    return keep_fastest(result, graphs[:len(times)], [t["times_us"] for t in times],
-                        times[0]["repeats"], device_name())
+    runs = compiled_runs([g for _, g, _ in graphs], deadline=deadline)
+    times = time_interleaved(runs, repeats, 2, deadline)
+
+    def confirm(i):
+        return time_interleaved([runs[0], runs[i]], repeats, 1, deadline)
+
+    return keep_fastest(result, graphs[:len(times)], times, len(times[0]), device_name(),
+                        confirm=confirm)
 
 
 def measured_set(result, sample: int = 0, deadline: float | None = None) -> list[tuple]:
@@ -217,20 +244,26 @@ def measured_set(result, sample: int = 0, deadline: float | None = None) -> list
 
 
 def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repeats: int,
-                 device: str, **extra) -> dict:
-    """Make ``result`` the fastest of ``graphs`` (input first) confirmed faster; the report.
+                 device: str, confirm=None, **extra) -> dict:
+    """Make ``result`` the fastest of ``graphs`` (input first) if confirmed; the report.
 
-    ``times[i]`` are graph ``i``'s round times from one interleaved loop. A candidate
-    replaces the input only if :func:`paired_speedup` confirms it faster than the input;
-    of those, the one with the smallest median is kept. ``result.graph``, ``cost_after`` and
-    ``applied`` follow the choice. Returns the dict :func:`choose_fastest` documents, with
-    ``extra`` entries added.
+    ``times[i]`` are graph ``i``'s round times from one interleaved loop (screening). The
+    candidate with the smallest median, if below the input's, is tested with
+    :func:`paired_speedup` on ``confirm(i) -> (input times, candidate times)``, a fresh
+    head-to-head loop (on the screening rounds when ``confirm`` is ``None`` or its loop
+    ran fewer than 5 rounds), and replaces the input only if it ran faster.
+    ``result.graph``, ``cost_after`` and ``applied`` follow the choice. Returns the dict
+    :func:`choose_fastest` documents, with ``extra`` entries added.
     """
     medians = [float(np.median(t)) for t in times]
-    tests = [None] + [paired_speedup(times[0], t) for t in times[1:]]
-    confirmed = [i for i in range(1, len(graphs)) if tests[i]["faster"]]
-    chosen = min(confirmed, key=lambda i: (medians[i], i)) if confirmed else 0
-    best = chosen or min(range(1, len(graphs)), key=lambda i: (medians[i], i), default=0)
+    best = min(range(1, len(graphs)), key=lambda i: (medians[i], i), default=0)
+    test, chosen = None, 0
+    if best and medians[best] < medians[0]:
+        base, cand = confirm(best) if confirm is not None else (times[0], times[best])
+        if len(base) < 5:  # cut short by the deadline: the screening rounds decide
+            base, cand = times[0], times[best]
+        test = paired_speedup(base, cand)
+        chosen = best if test["faster"] else 0
     cost, graph, path = graphs[chosen]
     result.graph, result.cost_after, result.applied = graph, cost, Counter(path)
     estimates = [c for c, _, _ in graphs]
@@ -238,4 +271,4 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     return {"measured": len(graphs), "original_kept": chosen == 0, "chosen": chosen,
             "times_us": list(medians), "estimates_us": estimates,
             "rank_correlation": None if rho != rho else rho, "device": device,
-            "repeats": repeats, "paired": tests[best], **extra}
+            "repeats": repeats, "paired": test, **extra}

@@ -185,9 +185,10 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     ``result`` is a :class:`~taso_jax.search.backtracking.SearchResult` whose input graph
     was imported from ``original`` (ONNX bytes or path); ``inputs`` feeds both. The
     baseline is ``original`` itself, not its re-export, so the written model is never
-    slower in onnxruntime than the file the user runs today: a candidate is kept only if
-    :func:`~taso_jax.search.choose.paired_speedup` confirms it faster than the original
-    over the interleaved rounds; otherwise ``result.graph`` becomes the input graph
+    slower in onnxruntime than the file the user runs today: the fastest candidate by
+    median is kept only if :func:`~taso_jax.search.choose.paired_speedup` confirms it
+    faster than the original in a fresh head-to-head loop; otherwise ``result.graph``
+    becomes the input graph
     (``original_kept``). ``result`` is changed in place.
 
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
@@ -201,8 +202,14 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     graphs = measured_set(result, 0, deadline)
     models = [original] + [export_onnx(g).SerializeToString() for _, g, _ in graphs[1:]]
     times = time_onnx_models(models, inputs, repeats=repeats, deadline=deadline)
+
+    def confirm(i):
+        return time_onnx_models([models[0], models[i]], inputs, repeats=repeats,
+                                deadline=deadline)
+
     return keep_fastest(result, graphs, times, len(times[0]),
-                        f"onnxruntime {ort.__version__} (CPU)", runtime="onnxruntime")
+                        f"onnxruntime {ort.__version__} (CPU)", confirm=confirm,
+                        runtime="onnxruntime")
 
 
 def resolve_target(options: OptimizeOptions, original=None, inputs: dict | None = None,
