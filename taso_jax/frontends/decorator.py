@@ -61,10 +61,11 @@ from taso_jax.verify.runner import rules_for
 __all__ = ["OptimizedFunction", "optimize_function"]
 
 #: The optimized function must beat ``jax.jit`` of the original by this factor (median of
-#: the per-round ratios) and win a sign test (:func:`taso_jax.search.choose.paired_speedup`)
-#: to be used. Medians of two functions compared as a whole spread up to ~10% on a 2-core
-#: CPU (a flax BERT block with nothing rewritten was once taken as 1.05x faster and ran
-#: 0.72x); the paired test sees each round's load on both.
+#: the per-round ratios) and pass a signed-rank test
+#: (:func:`taso_jax.search.choose.paired_speedup`) to be used. Medians of two functions
+#: compared as a whole spread up to ~10% on a 2-core CPU (a flax BERT block with nothing
+#: rewritten was once taken as 1.05x faster and ran 0.72x); the paired test sees each
+#: round's load on both.
 MIN_SPEEDUP = 1.03
 #: The decorator's default search time limit in seconds (users of jax.jit expect a first
 #: call in seconds; the command line's default is the options record's 60 s).

@@ -9,6 +9,7 @@ depends on runtime inputs. Opaque nodes run the computation their front door gav
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -189,18 +190,25 @@ def time_function(fn: Callable[[], object], repeats: int = 20, warmup: int = 2) 
 
 
 def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
-                     warmup: int = 2, deadline: float | None = None) -> list[list[float]]:
-    """Wall times in microseconds of each ``fn()``, run round robin ``repeats`` times.
+                     warmup: int = 2, deadline: float | None = None,
+                     min_sample_us: float | None = None) -> list[list[float]]:
+    """Microseconds per call of each ``fn()``, sampled round robin ``repeats`` times.
 
     Each is warmed up first; interleaving makes machine noise hit all of them alike, so
     their medians can be compared (a ratio taken in one loop); the order is reversed every
-    other round, so no function always runs first. With a ``deadline`` (a
-    ``time.perf_counter()`` value) the rounds stop once it has passed and at least
-    :data:`MIN_ROUNDS` were run.
+    other round, so no function always runs first. A sample is the mean of enough calls
+    (each one blocked on) that the fastest function's sample lasts ``min_sample_us``
+    (default :data:`MIN_SAMPLE_US`): one call of a 2 ms function on 2 shared cores varies
+    by +-50% from call to call, and a round's verdict then says little. With a
+    ``deadline`` (a ``time.perf_counter()`` value) the rounds stop once it has passed and at
+    least :data:`MIN_ROUNDS` were run.
     """
     for _ in range(warmup):
         for fn in fns:
             jax.block_until_ready(fn())
+    once = [time_function(fn, repeats=1, warmup=0)[0] for fn in fns]
+    want = MIN_SAMPLE_US if min_sample_us is None else min_sample_us
+    calls = max(1, min(MAX_CALLS, math.ceil(want / max(min(once), 1.0))))
     times: list[list[float]] = [[] for _ in fns]
     pairs = list(zip(fns, times, strict=True))
     for r in range(repeats):
@@ -209,10 +217,17 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
         # every other round in reverse order: the function run second in a round measured
         # 3-5% slower than the same function run first (flax BERT block, 2 cores)
         for fn, ts in (pairs if r % 2 == 0 else reversed(pairs)):
-            ts += time_function(fn, repeats=1, warmup=0)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                jax.block_until_ready(fn())
+            ts.append((time.perf_counter() - t0) * 1e6 / calls)
     return times
 
 
+#: Microseconds a timing sample lasts at least (see :func:`time_interleaved`).
+MIN_SAMPLE_US = 5000.0
+#: Calls a timing sample averages at most.
+MAX_CALLS = 1000
 #: Rounds a deadline-bounded timing runs at least (a median of fewer says little).
 MIN_ROUNDS = 3
 
