@@ -268,20 +268,23 @@ class MeasuredCostModel(CostModel):
     def _robust_time(self, run) -> tuple[float, float]:
         """``(microseconds, spread)`` of ``run()``, robust to a loaded machine.
 
-        :data:`ROUNDS` rounds of ``repeats / ROUNDS`` runs each; a round's median is its time, and
-        the kernel's time is the smallest round's (load only ever adds time). The spread is
-        the largest round's over the smallest; above :data:`WIDE_SPREAD` the kernel is timed
-        :data:`ROUNDS` rounds more, and the smallest of all rounds is kept.
+        :data:`ROUNDS` rounds of ``repeats / ROUNDS`` runs each. Load only ever adds time, so
+        the kernel's time is the fastest single run of all (the fastest round's median, used
+        before 2026-11-24, let a loaded machine price a 512x1536 matmul at 202 us, more than
+        a 512x4096 one). The spread is the slowest round's median over the fastest's; above
+        :data:`WIDE_SPREAD` the kernel is timed :data:`ROUNDS` rounds more.
         """
         from taso_jax.ir.executor import time_function
 
         per_round = max(3, self.repeats // ROUNDS)
-        medians = [float(np.median(time_function(run, repeats=per_round, warmup=2 if i == 0
-                                                 else 0))) for i in range(ROUNDS)]
+        rounds = [time_function(run, repeats=per_round, warmup=2 if i == 0 else 0)
+                  for i in range(ROUNDS)]
+        medians = [float(np.median(r)) for r in rounds]
         if max(medians) > WIDE_SPREAD * min(medians):
-            medians += [float(np.median(time_function(run, repeats=per_round, warmup=0)))
-                        for _ in range(ROUNDS)]
-        return min(medians), max(medians) / max(min(medians), 1e-9)
+            rounds += [time_function(run, repeats=per_round, warmup=0) for _ in range(ROUNDS)]
+            medians = [float(np.median(r)) for r in rounds]
+        fastest = float(min(min(r) for r in rounds))
+        return fastest, max(medians) / max(min(medians), 1e-9)
 
     def _drop_cache(self, error: Exception) -> None:
         warnings.warn(f"kernel cost cache disabled for this run ({error}); costs are measured "
