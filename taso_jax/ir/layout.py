@@ -17,6 +17,10 @@ transpose is emitted only where an operator needs its input in a given layout:
 The result computes exactly the same values (a transpose only moves elements). Runtime
 operands other than the leading one are transposed only when all operands already agree;
 otherwise the operator's inputs are materialized in their original layout.
+
+:func:`to_nhwc` uses the same pass the other way: it puts a finished graph's convolutions in
+NHWC (``conv2d_nhwc``) and lets the transposes between them cancel, a layout candidate for
+the end-to-end choice.
 """
 
 from __future__ import annotations
@@ -178,9 +182,8 @@ def to_nhwc(graph: Graph) -> Graph:
     backends may not, so the end-to-end choice times the result
     (:func:`taso_jax.search.choose.choose_fastest`).
     """
-    from taso_jax.ops.conv import HWIO_TO_OIHW, NCHW_TO_NHWC, NHWC_TO_NCHW, OIHW_TO_HWIO
+    from taso_jax.ops.conv import NCHW_TO_NHWC, NHWC_TO_NCHW, OIHW_TO_HWIO
 
-    del HWIO_TO_OIHW  # the inverse, documented beside the others
     env: dict[Tensor, Tensor] = {}
     changed = False
     for n in graph.nodes:
