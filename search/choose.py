@@ -4,8 +4,8 @@ The cost model ranks graphs; the device decides. :func:`choose_fastest` times th
 the search's cheapest candidates under ``jax.jit`` on the current device, interleaved, and
 keeps the fastest by median only if a head-to-head loop against the input confirms it faster
 (:func:`paired_speedup`), so the optimizer never returns a graph that runs slower than its
-input by more than the noise of the measurement. :func:`rank_correlation` says how well the cost model's order agreed
-with the measured one.
+input by more than the noise of the measurement. :func:`rank_correlation` says how well the
+cost model's order agreed with the measured one.
 """
 
 from __future__ import annotations
