@@ -281,20 +281,15 @@ def _conv2d_nhwc_flops(ins, outs, **_):
 
 
 def _conv2d_nhwc_onnx(ctx, ins, outs, *, strides, padding, dilations, groups, activation):
-    # ONNX Conv is NCHW/OIHW only: transpose in, convolve, transpose out
-    x, w = ctx.fresh(), ctx.fresh()
-    ctx.node("Transpose", [ins[0]], [x], perm=list(NHWC_TO_NCHW))
-    ctx.node("Transpose", [ins[1]], [w], perm=list(HWIO_TO_OIHW))
-    kh, kw = ctx.shape(ins[1])[:2]
-    t, lf, b, r = explicit_pads(padding, (kh, kw), dilations)
-    y, z = ctx.fresh(), ctx.fresh()
-    ctx.node("Conv", [x, w], [y], strides=list(strides), pads=[t, lf, b, r],
-             dilations=list(dilations), group=groups, kernel_shape=[kh, kw])
-    if activation == "none":
-        z = y
-    else:
-        ctx.node(_ACT_ONNX[activation], [y], [z])
-    ctx.node("Transpose", [z], outs, perm=list(NCHW_TO_NHWC))
+    # ONNX Conv is NCHW/OIHW only: transpose in, conv2d's own export, transpose out
+    x = ctx.tmp("Transpose", [ins[0]], perm=list(NHWC_TO_NCHW))
+    w = ctx.tmp("Transpose", [ins[1]], perm=list(HWIO_TO_OIHW))
+    hwio = ctx.types[ins[1]]
+    ctx.types[w] = TensorType(tuple(hwio.shape[i] for i in HWIO_TO_OIHW), hwio.dtype)
+    y = ctx.fresh()
+    _conv2d_onnx(ctx, [x, w], [y], strides=strides, padding=padding, dilations=dilations,
+                 groups=groups, activation=activation)
+    ctx.node("Transpose", [y], outs, perm=list(NCHW_TO_NHWC))
 
 
 declare(OpDef(

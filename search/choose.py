@@ -22,7 +22,7 @@ from taso_jax.ir.graph import Graph
 from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
-           "measured_set", "keep_fastest", "paired_speedup", "with_layouts",
+           "measured_set", "keep_fastest", "paired_speedup", "confirm_faster", "with_layouts",
            "compiled_runs", "NHWC_LAYOUT"]
 
 #: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
@@ -69,6 +69,25 @@ def paired_speedup(baseline: Sequence[float], candidate: Sequence[float],
     speedup = float(np.exp(np.median(logs))) if n else 0.0
     return {"speedup": speedup, "wins": wins, "rounds": n, "p_value": p,
             "faster": bool(speedup >= min_speedup and p <= level)}
+
+
+def confirm_faster(loop, first: tuple | None = None,
+                   min_speedup: float = MIN_SPEEDUP) -> tuple[dict, list, list]:
+    """:func:`paired_speedup` on ``loop() -> (baseline times, candidate times)``.
+
+    ``first`` is the first loop's result when it has already run. When the candidate is
+    ahead but the test undecided, ``loop`` runs once more and the test is taken on both
+    loops' rounds. Returns ``(test, baseline times, candidate times)``; a second loop cut
+    short (fewer than 5 rounds, past a deadline) is not added.
+    """
+    base, cand = first if first is not None else loop()
+    test = paired_speedup(base, cand, min_speedup)
+    if not test["faster"] and test["speedup"] > 1.0:  # ahead but undecided: look again
+        more_base, more_cand = loop()
+        if len(more_base) >= 5:
+            base, cand = [*base, *more_base], [*cand, *more_cand]
+            test = paired_speedup(base, cand, min_speedup)
+    return test, base, cand
 
 
 def device_name() -> str:
@@ -265,14 +284,11 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     best = min(range(1, len(graphs)), key=lambda i: (medians[i], i), default=0)
     test, chosen = None, 0
     if best and medians[best] < medians[0]:
-        base, cand = confirm(best) if confirm is not None else (times[0], times[best])
-        if len(base) < 5:  # cut short by the deadline: the screening rounds decide
-            base, cand = times[0], times[best]
-        test = paired_speedup(base, cand)
-        if not test["faster"] and test["speedup"] > 1.0 and confirm is not None:
-            more = confirm(best)  # ahead but undecided: as many rounds again, once
-            if len(more[0]) >= 5:
-                test = paired_speedup([*base, *more[0]], [*cand, *more[1]])
+        first = confirm(best) if confirm is not None else None
+        if first is None or len(first[0]) < 5:  # no loop, or one cut short by the deadline
+            test = paired_speedup(times[0], times[best])
+        else:
+            test = confirm_faster(lambda: confirm(best), first)[0]
         chosen = best if test["faster"] else 0
     cost, graph, path = graphs[chosen]
     result.graph, result.cost_after, result.applied = graph, cost, Counter(path)

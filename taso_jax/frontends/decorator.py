@@ -54,7 +54,7 @@ from taso_jax.ir.executor import StagedGraph, time_interleaved
 from taso_jax.ir.graph import Graph
 from taso_jax.report import compare_outputs, format_report, search_report
 from taso_jax.search.backtracking import SearchResult
-from taso_jax.search.choose import device_name, paired_speedup
+from taso_jax.search.choose import confirm_faster, device_name
 from taso_jax.search.options import OptimizeOptions, search_graph
 from taso_jax.verify.runner import rules_for
 
@@ -682,12 +682,9 @@ class OptimizedFunction:
             flat, _ = jax.tree_util.tree_flatten(dyn)
             return self._execute(entry, [flat[i] for i in entry.array_index], kinds, True)
 
-        ta, tb = time_interleaved([original, optimized], BASELINE_REPEATS)
-        test = paired_speedup(ta, tb, MIN_SPEEDUP)
-        if not test["faster"] and test["speedup"] > 1.0:  # ahead but undecided: look again
-            ta2, tb2 = time_interleaved([original, optimized], BASELINE_REPEATS, warmup=0)
-            ta, tb = ta + ta2, tb + tb2
-            test = paired_speedup(ta, tb, MIN_SPEEDUP)
+        test, ta, tb = confirm_faster(
+            lambda: time_interleaved([original, optimized], BASELINE_REPEATS),
+            min_speedup=MIN_SPEEDUP)
         a, b = float(np.median(ta)), float(np.median(tb))
         entry.report["baseline"] = {"jit_us": a, "optimized_us": b, "repeats": len(ta),
                                     "paired": test, "device": device_name()}
