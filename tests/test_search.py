@@ -310,5 +310,46 @@ def test_kernel_timing_keeps_the_fastest_run_and_retimes_a_wide_spread(tmp_path,
     db.close()
     cm2 = MeasuredCostModel(cache_path=str(old))
     assert cm2._cached("k", lambda: (5.0, 1.5)) == 5.0
-    row = sqlite3.connect(old).execute("SELECT micros, spread FROM cost WHERE key='k'").fetchone()
-    assert row == (5.0, 1.5)
+    row = sqlite3.connect(old).execute("SELECT micros, spread, method FROM cost "
+                                       "WHERE key='k'").fetchone()
+    assert row == (5.0, 1.5, cost.MEASURE_METHOD)
+    # a time recorded by another (or no) timing method is measured again, then replaced
+    db = sqlite3.connect(old)
+    db.execute("INSERT INTO cost (device, key, micros) VALUES (?, 'stale', 100.0)",
+               (cm2.device,))
+    db.commit()
+    db.close()
+    cm3 = MeasuredCostModel(cache_path=str(old))
+    assert cm3._lookup("stale") is None
+    assert cm3._cached("stale", lambda: (29.0, 1.1)) == 29.0
+    assert MeasuredCostModel(cache_path=str(old))._lookup("stale") == 29.0
+
+
+def test_a_kernel_priced_above_a_larger_one_of_its_family_is_timed_again(tmp_path,
+                                                                        monkeypatch):
+    """A 1x512 by 512x512 matmul priced (under a lasting load) above a 512x1024 one is timed
+    again beside it, and both cached times are replaced; kernels that agree are not."""
+    import taso_jax.ir.executor as executor
+    from taso_jax.ir.graph import new_graph
+    from taso_jax.search import cost
+
+    def matmul(n):
+        b = new_graph()
+        b.mark_output(b.matmul(b.new_input((1, 512)), b.new_weight((512, n))))
+        return next(m for m in b.graph().nodes if m.op == "matmul")
+
+    small, large, larger = matmul(512), matmul(1024), matmul(2048)
+    first = {512: 60.0, 1024: 48.0, 2048: 90.0}  # the first timings: 512 under a load
+    calm = {512: 29.0, 1024: 47.0, 2048: 90.0}  # timed again side by side
+    cm = MeasuredCostModel(cache_path=str(tmp_path / "c.sqlite"), calibrate=False)
+    monkeypatch.setattr(cm, "_measure", lambda n: (first[n.inputs[1].shape[1]], 1.0))
+    monkeypatch.setattr(cm, "_runner", lambda n: n.inputs[1].shape[1])
+    monkeypatch.setattr(executor, "time_function",
+                        lambda run, repeats, warmup: [calm[run], calm[run] + 1])
+    assert cm.node_cost(small) == 60.0
+    assert cm.node_cost(larger) == 90.0 and cm.retimed == 0  # no contradiction
+    assert cm.node_cost(large) == 47.0 and cm.retimed == 1
+    assert cm.node_cost(small) == 29.0  # the price handed out before is replaced
+    again = MeasuredCostModel(cache_path=str(tmp_path / "c.sqlite"), calibrate=False)
+    assert again._lookup(cm.key(small)) == 29.0 and again._lookup(cm.key(large)) == 47.0
+    assert cost.CONTRADICTION * 47.0 < 60.0

@@ -154,7 +154,7 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
             if self._lookup(key) is None:
                 self.estimated += 1
                 return self._analytic.node_cost(node)
-        micros = self._cached(key, lambda: self._measure(node))
+        micros = self._consistent(node, key, self._cached(key, lambda: self._measure(node)))
         if not self.calibrate:
             return micros
         return max(micros - self.call_overhead_us, 0.0) + self.launch_us
@@ -172,10 +172,10 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
         feeds = {"x": np.zeros(1, np.float32)}
         return self._robust_time(lambda: sess.run(None, feeds))
 
-    def _measure(self, node: Node) -> tuple[float, float]:
+    def _runner(self, node: Node):
         model, feeds = node_model(node, self.opset)
         sess = ort_session(model, spinning=False)
-        return self._robust_time(lambda: sess.run(None, feeds))
+        return lambda: sess.run(None, feeds)
 
 
 def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20,
