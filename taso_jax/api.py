@@ -46,7 +46,9 @@ def optimize(graph=None, **options):
     The decorator takes the same options plus ``weight_argnums`` / ``weight_argnames``
     (arguments whose array leaves are weights: weight-only subgraphs are computed once per
     distinct weight arrays), ``static_argnums`` / ``static_argnames`` and ``check`` (compare
-    with ``jax.jit`` of the original at the first call of each signature); see
+    with ``jax.jit`` of the original at the first call of each signature; a graph read from
+    the graph cache was checked by the process that stored it, and ``check="always"``
+    checks it again); see
     :class:`~taso_jax.frontends.decorator.OptimizedFunction`, and ``mode="background"``
     (first calls run ``jax.jit`` of the original while the optimization runs in a thread).
     Its search time limit defaults to 10 s, and optimized graphs are kept in a cache on

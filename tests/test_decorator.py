@@ -7,6 +7,7 @@ they are never asserted.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import warnings
@@ -571,3 +572,31 @@ def test_keyword_arguments_after_skipped_defaults_and_unhashable_statics_run():
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # no fallback
             np.testing.assert_allclose(g(x, [2.0]), 3.0, rtol=1e-6)
+
+
+def test_a_graph_cache_hit_skips_the_check_unless_always(tmp_path, monkeypatch):
+    """The stored graph was checked by the process that stored it: a hit does not compile
+    the original again to repeat the check, unless ``check="always"``; a file whose graph
+    records were damaged is a miss."""
+    monkeypatch.setenv("TASO_JAX_GRAPH_CACHE", str(tmp_path))
+    fn, weights, inputs = jax_models.make_nasrnn(hidden=32, steps=1)
+    first = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
+    first(weights, *inputs)
+    assert first._last.report["check"]["ok"] and not first._last.cache_hit
+    hit = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
+    _assert_close(hit(weights, *inputs), jax.jit(fn)(weights, *inputs))
+    assert hit._last.cache_hit
+    assert "process that stored" in hit._last.report["check"]["reference"]
+    again = taso_jax.optimize(fn, weight_argnums=0, check="always", **OPTS)
+    again(weights, *inputs)
+    assert again._last.cache_hit
+    assert again._last.report["check"]["reference"] == "jax.jit of the original function"
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    data["nodes"][-1][1] = "ewmul" if data["nodes"][-1][1] != "ewmul" else "ewadd"
+    path.write_text(json.dumps(data))
+    damaged = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
+    _assert_close(damaged(weights, *inputs), jax.jit(fn)(weights, *inputs))
+    assert not damaged._last.cache_hit
+    with pytest.raises(ValueError, match="check must be"):
+        taso_jax.optimize(fn, check="sometimes")

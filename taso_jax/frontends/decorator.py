@@ -193,6 +193,14 @@ def _leaf_signature(x) -> tuple:
     return (x.shape, x.dtype, getattr(x, "weak_type", False))
 
 
+def _stored_check(check: dict | None) -> dict | None:
+    """The JSON-able part of an output check's result, for the graph cache."""
+    if check is None:
+        return None
+    return {k: v for k, v in check.items() if k != "reference"
+            and isinstance(v, bool | int | float | str | type(None))}
+
+
 def _hashable(x) -> bool:
     try:
         hash(x)
@@ -249,7 +257,8 @@ class OptimizedFunction:
 
     def __init__(self, fn: Callable, *, weight_argnums=(), weight_argnames=(),
                  static_argnums=(), static_argnames=(), donate_argnums=(),
-                 donate_argnames=(), check: bool = True, mode: str = "sync", **options):
+                 donate_argnames=(), check: bool | str = True, mode: str = "sync",
+                 **options):
         if not callable(fn):
             raise TypeError(f"taso_jax.optimize: expected a function, got {type(fn).__name__}")
         self.fn = fn
@@ -266,6 +275,9 @@ class OptimizedFunction:
             raise ValueError(f"taso_jax.optimize: target={self.options.target!r} applies to "
                              "ONNX models and graphs; a decorated function runs under jax.jit "
                              "(target='xla')")
+        if check not in (True, False, "always"):
+            raise ValueError(f"taso_jax.optimize: check must be True, False or 'always', "
+                             f"got {check!r}")
         if mode not in ("sync", "background"):
             raise ValueError(f"taso_jax.optimize: mode must be 'sync' or 'background', "
                              f"got {mode!r}")
@@ -595,7 +607,17 @@ class OptimizedFunction:
             entry.original_kept = hit[1]["original_kept"] + " (decided earlier; graph cache)"
             entry.report["original_kept"] = entry.original_kept
             return
-        if self.check:
+        checked_before = (hit is not None and self.check is True
+                          and hit[1].get("check", {}).get("ok") is True)
+        if checked_before:
+            # The process that stored this graph compared it with jax.jit of the same
+            # function (the key covers the jaxpr) and stored it only because it matched;
+            # compiling the original again to repeat that is what check="always" is for.
+            entry.report["check"] = {**hit[1]["check"],
+                                     "reference": "jax.jit of the original function, in the "
+                                                  "process that stored the graph cache entry"}
+            entry.folded_for = ()
+        elif self.check:
             rng = np.random.default_rng(0)
             values = [rng.standard_normal(np.shape(x)).astype(jnp.result_type(x))
                       if _is_tracer(x) else x for x in leaves]
@@ -621,7 +643,8 @@ class OptimizedFunction:
             if timed:
                 graph_cache.store(key, result.graph, graph, {
                     "cost_before": result.cost_before, "cost_after": result.cost_after,
-                    "applied": dict(result.applied), "original_kept": entry.original_kept})
+                    "applied": dict(result.applied), "original_kept": entry.original_kept,
+                    "check": _stored_check(entry.report.get("check"))})
         entry.report["original_kept"] = entry.original_kept
 
     def _donated_inputs(self, traced: TracedFunction, args, static_pos) -> tuple[int, ...]:
@@ -642,7 +665,7 @@ class OptimizedFunction:
         rules = hashlib.sha256(" ".join(sorted(s.id for s in subs)).encode()).hexdigest()
         settings = (f"alpha={o.alpha} budget={o.budget} time_limit={o.time_limit} "
                     f"cost={o.cost_model_name} e2e={o.end_to_end} layouts={o.layout_candidates} "
-                    f"unverified={o.allow_unverified} check={self.check}")
+                    f"unverified={o.allow_unverified} check={bool(self.check)}")
         return [device_name(), jax.__version__, _package_version(), settings, rules]
 
     def _keep_original(self, entry: _Entry, traced: TracedFunction, result, args,

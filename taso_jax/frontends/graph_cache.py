@@ -10,7 +10,10 @@ The key (SHA-256) covers everything the result depends on: the imported graph's 
 the options of the search, the rule set (the ids of the rules used), and the versions of
 ``taso_jax`` and ``jax``. Weight values are not part of it (the rewrites do not depend on
 them): the graph is stored by reference to the imported graph's inputs, weights and opaque
-nodes, and rebuilt on them. The output check against ``jax.jit`` still runs on a hit.
+nodes, and rebuilt on them. Each file carries a SHA-256 digest of its graph records, so a
+file damaged on disk is a miss rather than a different graph. The decorator stores a graph
+only once its outputs matched ``jax.jit`` of the original, and records that check, so a hit
+does not compile the original to check it again (``check="always"`` does).
 
 Files are JSON, one per key, written atomically, in ``$TASO_JAX_GRAPH_CACHE`` or else
 ``<user cache dir>/taso_jax/graphs``; set the variable to ``off`` to disable the cache. A
@@ -34,7 +37,7 @@ __all__ = ["GRAPH_CACHE_ENV", "graph_cache_dir", "cache_key", "store", "load"]
 
 #: Environment variable naming the graph cache folder (``off`` disables the cache).
 GRAPH_CACHE_ENV = "TASO_JAX_GRAPH_CACHE"
-_FORMAT = 1
+_FORMAT = 2  # 2: with the digest of the graph records
 
 
 def graph_cache_dir() -> str | None:
@@ -142,6 +145,10 @@ def _decode(data: dict, source: Graph) -> Graph:
     return Graph(source.inputs, outputs, source.output_names, source.weights, source.meta)
 
 
+def _digest(records: dict) -> str:
+    return hashlib.sha256(json.dumps([records["nodes"], records["outputs"]]).encode()).hexdigest()
+
+
 def store(key: str, optimized: Graph, source: Graph, info: dict) -> bool:
     """Write the optimized graph and ``info`` (JSON-able) under ``key``; ``True`` if stored.
 
@@ -153,7 +160,9 @@ def store(key: str, optimized: Graph, source: Graph, info: dict) -> bool:
     if folder is None:
         return False
     try:
-        data = {"format": _FORMAT, "key": key, **_encode(optimized, source), "info": info}
+        records = _encode(optimized, source)
+        data = {"format": _FORMAT, "key": key, **records, "digest": _digest(records),
+                "info": info}
         text = json.dumps(data)
         os.makedirs(folder, exist_ok=True)
         atomic_write(os.path.join(folder, key + ".json"),
@@ -176,7 +185,8 @@ def load(key: str, source: Graph) -> tuple[Graph, dict] | None:
     try:
         with open(path) as f:
             data = json.load(f)
-        if data.get("format") != _FORMAT or data.get("key") != key:
+        if data.get("format") != _FORMAT or data.get("key") != key or data.get(
+                "digest") != _digest({"nodes": data["nodes"], "outputs": data["outputs"]}):
             return None
         graph = _decode(data, source)
     except (OSError, ValueError, KeyError, IndexError, TypeError):
