@@ -326,9 +326,18 @@ def test_a_kept_signature_dispatches_to_jax_jit_of_the_original(monkeypatch):
                         lambda *a, **k: calls.append(1) or original_execute(*a, **k))
     np.testing.assert_allclose(cell(w, x + 1.0), 16.0 * np.ones((3, 5)), rtol=1e-6)
     assert calls == []  # the jitted original ran directly, without the wrapper's staging
-    # another shape misses the fast check and is optimized (and timed) for its own signature
+    # another shape: jax.jit of the original compiles it (its cache grows), and the same
+    # call goes on to optimize (and time) it for its own signature
     np.testing.assert_allclose(cell(w, jnp.ones((2, 4))), 8.0 * np.ones((2, 5)), rtol=1e-6)
     assert calls and cell.graph.inputs[0].types[0].shape == (2, 4)
+    assert cell._kept_fast is not None and not cell._kept_undecided  # kept too: fast again
+
+    @jax.jit
+    def outer(w, x):  # under a transformation, the full path traces the optimized stages
+        return cell(w, x)
+
+    calls.clear()
+    np.testing.assert_allclose(outer(w, x), 8.0 * np.ones((3, 5)), rtol=1e-6)
 
 
 def test_nasrnn_on_one_dimensional_vectors_merges_its_matmuls():
@@ -600,3 +609,29 @@ def test_a_graph_cache_hit_skips_the_check_unless_always(tmp_path, monkeypatch):
     assert not damaged._last.cache_hit
     with pytest.raises(ValueError, match="check must be"):
         taso_jax.optimize(fn, check="sometimes")
+
+
+def test_the_fast_path_never_serves_the_original_for_an_optimized_signature(monkeypatch):
+    """Signatures alternate between one that runs the original and one that runs optimized:
+    the optimized one is never answered by the fast path's jax.jit of the original."""
+    import taso_jax.frontends.decorator as decorator
+
+    monkeypatch.setattr(decorator.OptimizedFunction, "_keep_original",
+                        lambda self, entry, traced, result, args, static_pos:
+                        "kept for the test" if args[1].shape[0] == 3 else None)
+
+    @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.ones((4, 5)), "b": jnp.ones((4, 5))}
+    kept, optimized = jnp.ones((3, 4)), jnp.ones((2, 4))
+    calls = []
+    original_execute = decorator.OptimizedFunction._execute
+    monkeypatch.setattr(decorator.OptimizedFunction, "_execute",
+                        lambda *a, **k: calls.append(a[2][-1].shape) or original_execute(*a, **k))
+    for _ in range(3):
+        for x in (kept, optimized):
+            calls.clear()
+            np.testing.assert_allclose(cell(w, x), 8.0 * np.ones((x.shape[0], 5)), rtol=1e-6)
+            assert (calls[-1:] == [(2, 4)]) if x is optimized else (calls == []), (_, x.shape, calls)

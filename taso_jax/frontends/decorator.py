@@ -193,6 +193,18 @@ def _leaf_signature(x) -> tuple:
     return (x.shape, x.dtype, getattr(x, "weak_type", False))
 
 
+def _top_level() -> bool:
+    """No JAX transformation is tracing (a call under jax.jit/grad/vmap takes the full
+    path, which traces the optimized stages). ``False`` when JAX does not say."""
+    return _TRACE_STATE_CLEAN is not None and _TRACE_STATE_CLEAN()
+
+
+try:  # the fast path's only private JAX function; without it every call takes the full path
+    from jax._src.core import trace_state_clean as _TRACE_STATE_CLEAN
+except ImportError:  # pragma: no cover - another JAX version
+    _TRACE_STATE_CLEAN = None
+
+
 def _stored_check(check: dict | None) -> dict | None:
     """The JSON-able part of an output check's result, for the graph cache."""
     if check is None:
@@ -287,9 +299,13 @@ class OptimizedFunction:
         self._positions: dict[int, tuple[set, set]] = {}
         self._last: _Entry | None = None
         self._fast: tuple | None = None
-        # (per-argument check, jitted original) while the last signature runs the original
+        # (jax.jit of the original, its cache size, number of arguments) while the last
+        # signature runs the original; that jitted function has compiled only signatures
+        # that run the original (see __call__)
         self._kept_fast: tuple | None = None
         self._user_jits: dict[tuple, Callable] = {}
+        self._kept_jits: dict[tuple, Callable] = {}
+        self._kept_undecided = False
         try:
             self._signature = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -322,20 +338,21 @@ class OptimizedFunction:
     def __call__(self, *args, **kwargs):
         """Run the optimized function (optimizing it first for a new signature)."""
         kept = self._kept_fast
-        if kept is not None and not kwargs and len(args) == len(kept[0]):
-            # The last signature runs jax.jit of the original: when each array argument has
-            # the same type, shape and dtype and every other argument is the same object,
-            # call that jitted function directly (jax.jit flattens and checks the rest).
-            # Calling the original is always right; at worst a new signature is not
-            # optimized until a call that misses this check.
-            for a, (same, want) in zip(args, kept[0], strict=True):
-                if same:
-                    if a is not want:
-                        break
-                elif type(a) is not want[0] or a.shape != want[1] or a.dtype != want[2]:
-                    break
-            else:
-                return kept[1](*args)
+        if kept is not None and not kwargs and len(args) == kept[2] and _top_level():
+            # The last signature runs jax.jit of the original: call it directly, and let
+            # jax.jit's own C++ dispatch recognize the signature (0.05 us to read its cache
+            # size, where comparing each argument's type, shape and dtype in Python cost
+            # about 3 us a call). That jitted function keeps only signatures that run the
+            # original, so a call that grows its cache has a signature it had not seen (or
+            # an array now committed to a device): that call goes on through the full path,
+            # which decides it, and drops that jitted function if the signature runs
+            # optimized. The original's result is then computed twice, once per signature.
+            jitted, size, _ = kept
+            out = jitted(*args)
+            if jitted._cache_size() == size:
+                return out
+            self._kept_fast = None
+            self._kept_undecided = True
         args = self._bind(args, kwargs)
         n = len(args)
         if n not in self._positions:
@@ -383,14 +400,16 @@ class OptimizedFunction:
         if concrete and entry.all_arrays and (entry.fallback is not None
                                               or entry.original_kept is not None):
             # jax.jit of the user's function itself (its donation included), and, for the
-            # next calls, the fast check that leads straight to it
-            user_jit = self._user_jit(static_pos, donate_pos)
+            # next calls, the fast path straight to it
+            kept_jit = self._kept_jit(static_pos, donate_pos)
+            out = kept_jit(*args)
             if not kwargs:
-                self._kept_fast = (tuple(
-                    (False, (type(a), a.shape, a.dtype)) if isinstance(a, jax.Array)
-                    and i not in static_pos else (True, a) for i, a in enumerate(args)),
-                    user_jit)
-            return user_jit(*args)
+                self._kept_fast = (kept_jit, kept_jit._cache_size(), len(args))
+            self._kept_undecided = False  # what reached it through the fast path runs the
+            return out  # original too
+        if self._kept_undecided:  # this signature, which the fast path's jax.jit compiled,
+            self._kept_jits.clear()  # runs optimized: start that one afresh
+            self._kept_undecided = False
         return self._execute(entry, leaves, entry.kinds, concrete, donate=concrete)
 
     def _remember(self, key, entry: _Entry) -> None:
@@ -454,6 +473,28 @@ class OptimizedFunction:
         fn = self._user_jits.get(key)
         if fn is None:
             fn = self._user_jits[key] = jax.jit(self._flat_fn, static_argnums=key[0],
+                                                donate_argnums=key[1])
+        return fn
+
+    def _kept_jit(self, static_pos, donate_pos) -> Callable:
+        """``jax.jit`` of the original for the fast path, called only with signatures that
+        run the original.
+
+        It wraps its own function object: ``jax.jit`` shares compiled signatures between
+        jitted functions of one Python function, and :meth:`_user_jit` (which the timing
+        against the original also calls, on signatures that then run optimized) must not
+        fill this one's cache.
+        """
+        key = (tuple(sorted(static_pos)), tuple(sorted(donate_pos)))
+        fn = self._kept_jits.get(key)
+        if fn is None:
+            flat_fn = self._flat_fn
+
+            def original(*args):
+                return flat_fn(*args)
+
+            original.__name__ = original.__qualname__ = _fn_name(self.fn)
+            fn = self._kept_jits[key] = jax.jit(original, static_argnums=key[0],
                                                 donate_argnums=key[1])
         return fn
 
