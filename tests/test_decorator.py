@@ -523,6 +523,11 @@ def test_donate_argnums_follows_jax_jit(monkeypatch, keep):
         np.testing.assert_allclose(opt(w, x), 5.0, rtol=1e-6)
         assert x.is_deleted() == plain.is_deleted()
     assert bool(opt.original_kept) == keep
+    for _ in range(2):  # a new shape: on the fast path its donated input is gone after the
+        x = jnp.ones((2, 4))  # first try, so that call returns the original's result
+        np.testing.assert_allclose(opt(w, x), 5.0, rtol=1e-6)
+        assert x.is_deleted() == plain.is_deleted()
+    assert opt.graph.inputs[0].types[0].shape == (2, 4)  # optimized by the second call
     with pytest.raises(ValueError, match="donated"):
         taso_jax.optimize(f, weight_argnums=0, donate_argnums=0)(w, jnp.ones((3, 4)))
 

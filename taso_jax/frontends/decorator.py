@@ -299,9 +299,9 @@ class OptimizedFunction:
         self._positions: dict[int, tuple[set, set]] = {}
         self._last: _Entry | None = None
         self._fast: tuple | None = None
-        # (jax.jit of the original, its cache size, number of arguments) while the last
-        # signature runs the original; that jitted function has compiled only signatures
-        # that run the original (see __call__)
+        # (jax.jit of the original, its cache size, number of arguments, whether it donates)
+        # while the last signature runs the original; that jitted function has compiled
+        # only signatures that run the original (see __call__)
         self._kept_fast: tuple | None = None
         self._user_jits: dict[tuple, Callable] = {}
         self._kept_jits: dict[tuple, Callable] = {}
@@ -347,11 +347,16 @@ class OptimizedFunction:
             # an array now committed to a device): that call goes on through the full path,
             # which decides it, and drops that jitted function if the signature runs
             # optimized. The original's result is then computed twice, once per signature.
-            jitted, size, _ = kept
+            # Where the call donated its inputs they are gone: it returns the original's
+            # result, drops that jitted function, and the next call decides the signature.
+            jitted, size, _, donates = kept
             out = jitted(*args)
             if jitted._cache_size() == size:
                 return out
             self._kept_fast = None
+            if donates:
+                self._kept_jits.clear()
+                return out
             self._kept_undecided = True
         args = self._bind(args, kwargs)
         n = len(args)
@@ -404,7 +409,8 @@ class OptimizedFunction:
             kept_jit = self._kept_jit(static_pos, donate_pos)
             out = kept_jit(*args)
             if not kwargs:
-                self._kept_fast = (kept_jit, kept_jit._cache_size(), len(args))
+                self._kept_fast = (kept_jit, kept_jit._cache_size(), len(args),
+                                   bool(donate_pos))
             self._kept_undecided = False  # what reached it through the fast path runs the
             return out  # original too
         if self._kept_undecided:  # this signature, which the fast path's jax.jit compiled,
