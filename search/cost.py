@@ -208,8 +208,7 @@ class MeasuredCostModel(CostModel):
         self.measured = 0
         self.estimated = 0  # kernels priced analytically because the deadline had passed
         self.retimed = 0  # pairs of contradicting kernels timed again (see _consistent)
-        self._raw: dict[str, float] = {}  # key -> raw time (us) of kernels priced here
-        self._families: dict[tuple, dict] = {}  # family -> {input shapes: (node, key)}
+        self._families: dict[tuple, dict] = {}  # family -> {input shapes: (node, raw us)}
         self._db = None
         self._lock = threading.Lock()
         if cache_path is not False:
@@ -342,40 +341,42 @@ class MeasuredCostModel(CostModel):
         return self._robust_time(self._runner(node))
 
     def _consistent(self, node: Node, key: str, micros: float) -> float:
-        """``micros`` for ``node``, timed again beside a kernel it contradicts.
+        """``micros`` for ``node``, or its time relative to a kernel it contradicts.
 
         Kernels of one family (operator, attributes, input ranks and dtypes) are priced
         alone, at different moments, often in different processes. Under a load that lasts
         the whole of one measurement, every run of it is slow, and the fastest run does not
         undo that: a 1x512 by 512x512 matmul was priced above a 512x1024 one, which stopped
-        a NasRNN's matmul merges halfway. So when a kernel costs more than
-        :data:`CONTRADICTION` times a kernel of its family whose input shapes are all at
-        least as large (or less than 1/CONTRADICTION times one at most as large), both are
-        timed again in alternating rounds, under the same load, and both times are replaced.
-        At most :data:`MAX_RETIMED` pairs per cost model.
+        a NasRNN's matmul merges at pairs. So when ``node`` costs more than
+        :data:`CONTRADICTION` times a kernel of its family already priced here whose input
+        shapes are all at least as large (or less than 1/CONTRADICTION times one at most as
+        large), the two are timed again in alternating rounds, under the same load, and
+        ``node`` is priced at the other's price times the ratio of the two. Prices already
+        handed out never change (the search adds and subtracts them), so the pair stays in
+        proportion whichever of the two the load had distorted. At most
+        :data:`MAX_RETIMED` pairs per cost model.
         """
         family = (node.op, node.attrs, tuple((len(t.shape), t.dtype) for t in node.inputs))
         shapes = tuple(t.shape for t in node.inputs)
         members = self._families.setdefault(family, {})
-        self._raw[key] = micros
-        for other_shapes, (other, other_key) in list(members.items()):
+        if shapes in members:
+            return micros
+        for other_shapes, (other, other_micros) in members.items():
             if self.retimed >= MAX_RETIMED:
                 break
-            o = self._raw[other_key]
             le = all(a <= b for sa, sb in zip(shapes, other_shapes, strict=True)
                      for a, b in zip(sa, sb, strict=True))
             ge = all(a >= b for sa, sb in zip(shapes, other_shapes, strict=True)
                      for a, b in zip(sa, sb, strict=True))
-            if not ((le and micros > CONTRADICTION * o) or (ge and o > CONTRADICTION * micros)):
+            if not ((le and micros > CONTRADICTION * other_micros)
+                    or (ge and other_micros > CONTRADICTION * micros)):
                 continue
             self.retimed += 1
-            micros, o = self._retime_pair(node, other)
-            for k, v in ((key, micros), (other_key, o)):
-                self._raw[k] = v
-                self._store(k, v, None)
-            self._by_signature.pop(self.signature(other), None)
-            self._memo.clear()  # costs already handed out for ``other`` are stale
-        members[shapes] = (node, key)
+            mine, theirs = self._retime_pair(node, other)
+            micros = other_micros * mine / max(theirs, 1e-9)
+            self._store(key, micros, None)
+            break
+        members[shapes] = (node, micros)
         return micros
 
     def _retime_pair(self, a: Node, b: Node) -> tuple[float, float]:

@@ -325,10 +325,12 @@ def test_kernel_timing_keeps_the_fastest_run_and_retimes_a_wide_spread(tmp_path,
     assert MeasuredCostModel(cache_path=str(old))._lookup("stale") == 29.0
 
 
-def test_a_kernel_priced_above_a_larger_one_of_its_family_is_timed_again(tmp_path,
-                                                                        monkeypatch):
-    """A 1x512 by 512x512 matmul priced (under a lasting load) above a 512x1024 one is timed
-    again beside it, and both cached times are replaced; kernels that agree are not."""
+def test_a_kernel_priced_below_a_smaller_one_of_its_family_is_priced_relative_to_it(
+        tmp_path, monkeypatch):
+    """A 512x1024 matmul measured below a 512x512 one priced earlier (under a lasting load)
+    is timed again beside it and priced at the ratio of the two; the price handed out
+    before does not change (the search adds and subtracts prices), and the new one is
+    cached; kernels that agree are not timed again."""
     import taso_jax.ir.executor as executor
     from taso_jax.ir.graph import new_graph
     from taso_jax.search import cost
@@ -339,17 +341,17 @@ def test_a_kernel_priced_above_a_larger_one_of_its_family_is_timed_again(tmp_pat
         return next(m for m in b.graph().nodes if m.op == "matmul")
 
     small, large, larger = matmul(512), matmul(1024), matmul(2048)
-    first = {512: 60.0, 1024: 48.0, 2048: 90.0}  # the first timings: 512 under a load
-    calm = {512: 29.0, 1024: 47.0, 2048: 90.0}  # timed again side by side
+    first = {512: 60.0, 1024: 48.0, 2048: 200.0}  # the first timings: 512 under a load
+    calm = {512: 30.0, 1024: 45.0}  # timed again side by side
     cm = MeasuredCostModel(cache_path=str(tmp_path / "c.sqlite"), calibrate=False)
     monkeypatch.setattr(cm, "_measure", lambda n: (first[n.inputs[1].shape[1]], 1.0))
     monkeypatch.setattr(cm, "_runner", lambda n: n.inputs[1].shape[1])
     monkeypatch.setattr(executor, "time_function",
                         lambda run, repeats, warmup: [calm[run], calm[run] + 1])
     assert cm.node_cost(small) == 60.0
-    assert cm.node_cost(larger) == 90.0 and cm.retimed == 0  # no contradiction
-    assert cm.node_cost(large) == 47.0 and cm.retimed == 1
-    assert cm.node_cost(small) == 29.0  # the price handed out before is replaced
+    assert cm.node_cost(large) == pytest.approx(60.0 * 45.0 / 30.0) and cm.retimed == 1
+    assert cm.node_cost(small) == 60.0  # unchanged
+    assert cm.node_cost(larger) == 200.0 and cm.retimed == 1  # no contradiction
     again = MeasuredCostModel(cache_path=str(tmp_path / "c.sqlite"), calibrate=False)
-    assert again._lookup(cm.key(small)) == 29.0 and again._lookup(cm.key(large)) == 47.0
-    assert cost.CONTRADICTION * 47.0 < 60.0
+    assert again._lookup(cm.key(large)) == pytest.approx(90.0)
+    assert cost.CONTRADICTION * 48.0 < 60.0
