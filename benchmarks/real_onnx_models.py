@@ -7,7 +7,9 @@ bound by the importer, named in the report's notes), with a timeout, and writes 
 report the table shows: whether the model loaded with no flags (exit code 0), operators
 before -> after, the median time under ``jax.jit`` of the input graph vs the optimized one,
 the median time in onnxruntime (CPU) of the original file vs the written file, the wall
-time of the whole command, and a note (the first stderr line on failure). When the graph did
+time of the whole command, the peak memory (resident set) of the command against that of a
+process that only runs the original file once in an onnxruntime session, and a note (the
+first stderr line on failure). When the graph did
 not change the command writes the input back and times nothing in onnxruntime; this script
 then times both files itself, interleaved (``time_onnx_models``), on random inputs at the
 sizes the importer bound.
@@ -64,6 +66,54 @@ def ort_times(original: Path, written: Path, repeats: int) -> dict:
             "repeats": repeats, "measured_by": "benchmark"}
 
 
+def run_measured(cmd: list[str], timeout: float | None) -> tuple[int | None, str, float]:
+    """``(exit code or None on timeout, stderr, peak resident memory in MB)`` of ``cmd``.
+
+    The peak is the child's own ``ru_maxrss`` (``os.wait4``), not the largest of all
+    children so far as ``RUSAGE_CHILDREN`` would give.
+    """
+    import threading
+
+    with tempfile.TemporaryFile() as err:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        timer = threading.Timer(timeout, p.kill) if timeout else None
+        if timer:
+            timer.start()
+        _, status, usage = os.wait4(p.pid, 0)
+        if timer:
+            timer.cancel()
+        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+    killed = timer is not None and not timer.is_alive() and p.returncode < 0
+    return (None if killed else p.returncode), stderr, usage.ru_maxrss / 1024.0
+
+
+_ORT_PEAK = """
+import sys, numpy as np, onnxruntime as ort
+feeds = dict(np.load(sys.argv[2]))
+opts = ort.SessionOptions()
+opts.intra_op_num_threads = 2
+sess = ort.InferenceSession(sys.argv[1], opts, providers=["CPUExecutionProvider"])
+sess.run(None, feeds)
+"""
+
+
+def ort_session_peak_mb(path: Path, out_dir: Path) -> float | None:
+    """Peak resident MB of a process that runs ``path`` once in onnxruntime (CPU), on
+    random inputs at the importer's bound sizes; ``None`` if that fails."""
+    try:
+        graph = load_onnx(str(path))
+        feeds = out_dir / (path.stem + ".inputs.npz")
+        np.savez(feeds, **dict(zip((n.name for n in graph.inputs), random_inputs(graph),
+                                   strict=True)))
+        code, _, peak = run_measured([sys.executable, "-c", _ORT_PEAK, str(path), str(feeds)],
+                                     600)
+        return peak if code == 0 else None
+    except Exception:  # noqa: BLE001 (a model that does not load here has no figure)
+        return None
+
+
 def run_one(path: Path, target: str, out: Path, args) -> dict:
     report_path = out.with_suffix(".json")
     cmd = [sys.executable, "-m", "taso_jax.cli", "optimize", str(path), "-o", str(out),
@@ -71,14 +121,9 @@ def run_one(path: Path, target: str, out: Path, args) -> dict:
            "--time-limit", str(args.time_limit)]
     row = {"model": path.stem, "path": str(path), "target": target, "command": cmd}
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        row["exit_code"], stderr = p.returncode, p.stderr
-    except subprocess.TimeoutExpired as e:
-        row["exit_code"] = None
-        stderr = f"timed out after {args.timeout:g} s"
-        if e.stderr:
-            stderr += ": " + (e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr)
+    row["exit_code"], stderr, row["peak_mb"] = run_measured(cmd, args.timeout)
+    if row["exit_code"] is None:
+        stderr = f"timed out after {args.timeout:g} s: " + stderr
     row["wall_s"] = time.perf_counter() - t0
     row["loads_without_flags"] = row["exit_code"] == 0
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
@@ -139,8 +184,11 @@ def format_row(row: dict) -> str:
     ops = (f"{row['operators_before']} -> {row['operators_after']}"
            if "operators_before" in row else "-")
     loads = "yes" if row["loads_without_flags"] else f"no (exit {row['exit_code']})"
+    ort_mb = row.get("ort_session_peak_mb")
+    memory = f"{row['peak_mb']:.0f} / {ort_mb:.0f}" if ort_mb else f"{row['peak_mb']:.0f} / -"
     return (f"| {row['model']} | {row['target']} | {loads} | {ops} | {_ms(row.get('jax_jit'))} "
-            f"| {_ms(row.get('onnxruntime'))} | {row['wall_s']:.1f} | {_note(row)} |")
+            f"| {_ms(row.get('onnxruntime'))} | {row['wall_s']:.1f} | {memory} "
+            f"| {_note(row)} |")
 
 
 def main():
@@ -163,17 +211,24 @@ def main():
           f"{os.cpu_count()} cores; jax {jax.__version__} ({jax.devices()[0].platform}); "
           f"onnxruntime {onnxruntime.__version__}; search time limit {args.time_limit:g} s; "
           f"outputs in {out_dir}", flush=True)
+    _, _, ours = run_measured([sys.executable, "-c", "import jax, onnxruntime, taso_jax.cli; "
+                               "jax.numpy.zeros(1).block_until_ready()"], 300)
+    _, _, theirs = run_measured([sys.executable, "-c", "import numpy, onnxruntime"], 300)
+    print(f"peak memory of the imports alone: taso_jax with jax and onnxruntime {ours:.0f} MB; "
+          f"onnxruntime {theirs:.0f} MB", flush=True)
     print("\n| model | target | loads w/o flags | ops before -> after "
           "| jax.jit ms before -> after (x) | onnxruntime ms before -> after (x) | wall s "
-          "| note |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+          "| peak MB: command / onnxruntime session | note |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     rows, t0 = [], time.perf_counter()
     for i, path in enumerate(paths):
+        ort_mb = ort_session_peak_mb(path, out_dir)
         for target in args.targets.split(","):
             out = out_dir / f"{i:02d}_{path.stem}.{target}.onnx"
             if out.resolve() in inputs:
                 raise SystemExit(f"{out} is an input model; choose another --out-dir")
             rows.append(run_one(path, target, out, args))
+            rows[-1]["ort_session_peak_mb"] = ort_mb
             print(format_row(rows[-1]), flush=True)
             (out_dir / "results.json").write_text(json.dumps(rows, indent=1, default=str))
     failed = [r for r in rows if not r["loads_without_flags"]]

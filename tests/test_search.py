@@ -331,9 +331,10 @@ def test_a_kernel_priced_below_a_smaller_one_of_its_family_is_priced_relative_to
     is timed again beside it and priced at the ratio of the two; the price handed out
     before does not change (the search adds and subtracts prices), and the new one is
     cached; kernels that agree are not timed again."""
+    from taso_jax.search import cost
+
     import taso_jax.ir.executor as executor
     from taso_jax.ir.graph import new_graph
-    from taso_jax.search import cost
 
     def matmul(n):
         b = new_graph()

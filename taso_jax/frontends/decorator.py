@@ -194,8 +194,11 @@ def _leaf_signature(x) -> tuple:
 
 
 def _top_level() -> bool:
-    """No JAX transformation is tracing (a call under jax.jit/grad/vmap takes the full
-    path, which traces the optimized stages). ``False`` when JAX does not say."""
+    """Whether no JAX transformation is tracing; ``False`` when JAX does not say.
+
+    A call under jax.jit, grad or vmap takes the full path, which traces the optimized
+    stages.
+    """
     return _TRACE_STATE_CLEAN is not None and _TRACE_STATE_CLEAN()
 
 
@@ -483,13 +486,12 @@ class OptimizedFunction:
         return fn
 
     def _kept_jit(self, static_pos, donate_pos) -> Callable:
-        """``jax.jit`` of the original for the fast path, called only with signatures that
-        run the original.
+        """``jax.jit`` of the original for the fast path.
 
-        It wraps its own function object: ``jax.jit`` shares compiled signatures between
-        jitted functions of one Python function, and :meth:`_user_jit` (which the timing
-        against the original also calls, on signatures that then run optimized) must not
-        fill this one's cache.
+        It is called only with signatures that run the original. It wraps its own
+        function object: ``jax.jit`` shares compiled signatures between jitted functions of
+        one Python function, and :meth:`_user_jit` (which the timing against the original
+        also calls, on signatures that then run optimized) must not fill this one's cache.
         """
         key = (tuple(sorted(static_pos)), tuple(sorted(donate_pos)))
         fn = self._kept_jits.get(key)
