@@ -117,16 +117,22 @@ class AnalyticCostModel(CostModel):
         return cls.gpu() if jax.default_backend() == "gpu" else cls()
 
     def _cost(self, node: Node) -> float:
-        ins = [t.type for t in node.inputs]
         opdef = OPS.get(node.op)
         if opdef is not None and opdef.fusible:
             return fused_cost(node, self.gflops)
-        if opdef is None:
-            flops = float(sum(t.size for t in node.types))
-        else:
-            flops = opdef.cost_flops(ins, list(node.types), dict(node.attrs))
-        moved = _bytes(ins) + _bytes(node.types)
+        flops, moved = _work(node)
         return max(flops / (self.gflops * 1e3), moved / (self.gbytes * 1e3)) + self.launch_us
+
+
+def _work(node: Node) -> tuple[float, float]:
+    """``(flops, bytes moved)`` of one operator (its inputs read, its outputs written)."""
+    ins = [t.type for t in node.inputs]
+    opdef = OPS.get(node.op)
+    if opdef is None:
+        flops = float(sum(t.size for t in node.types))
+    else:
+        flops = float(opdef.cost_flops(ins, list(node.types), dict(node.attrs)))
+    return flops, _bytes(ins) + _bytes(node.types)
 
 
 #: Timing rounds per kernel (see :meth:`MeasuredCostModel._robust_time`), and the spread
@@ -135,15 +141,16 @@ ROUNDS = 3
 WIDE_SPREAD = 1.25
 
 #: Version of the way a kernel is timed, stored with every cached time. A cached time taken
-#: by another method is measured again: 2 is the fastest single run of :data:`ROUNDS` rounds
-#: (2026-11-24); times of method 1 (the fastest round's median) or older, unversioned ones,
-#: were found priced as much as 3x too high for a load spike (a 1x512 by 512x512 matmul at
-#: 100 us against 29 us measured again), enough to stop a NasRNN's matmul merges halfway.
-MEASURE_METHOD = 2
+#: by another method is measured again. 3: the fastest single run of :data:`ROUNDS` rounds,
+#: each on its own copy of the inputs (2026-11-24); 2: the same on one copy; 1 (the fastest
+#: round's median) and older, unversioned times were found as much as 3x too high (a 1x512
+#: by 512x512 matmul at 100 us against 29 us measured again), enough to stop a NasRNN's
+#: matmul merges halfway.
+MEASURE_METHOD = 3
 
-#: How far a kernel may cost more than a kernel of its family with inputs at least as large
-#: before both are timed again side by side (:meth:`MeasuredCostModel._consistent`), and
-#: how many such pairs one cost model times again.
+#: How far a kernel's price may stray from a kernel of its family with inputs at least (or
+#: at most) as large, before both are timed again side by side
+#: (:meth:`MeasuredCostModel._consistent`), and how many such pairs one cost model times.
 CONTRADICTION = 1.1
 MAX_RETIMED = 32
 
@@ -208,7 +215,8 @@ class MeasuredCostModel(CostModel):
         self.measured = 0
         self.estimated = 0  # kernels priced analytically because the deadline had passed
         self.retimed = 0  # pairs of contradicting kernels timed again (see _consistent)
-        self._families: dict[tuple, dict] = {}  # family -> {input shapes: (node, raw us)}
+        # family -> {input shapes: (node, raw us, (flops, bytes))}
+        self._families: dict[tuple, dict] = {}
         self._db = None
         self._lock = threading.Lock()
         if cache_path is not False:
@@ -293,16 +301,20 @@ class MeasuredCostModel(CostModel):
         the kernel's time is the fastest single run of all (the fastest round's median, used
         before 2026-11-24, let a loaded machine price a 512x1536 matmul at 202 us, more than
         a 512x4096 one). The spread is the slowest round's median over the fastest's; above
-        :data:`WIDE_SPREAD` the kernel is timed :data:`ROUNDS` rounds more.
+        :data:`WIDE_SPREAD` the kernel is timed :data:`ROUNDS` rounds more. ``run`` may be a
+        list of calls, used in turn, one per round: the same kernel on inputs allocated
+        apart (see :meth:`_runner`).
         """
         from taso_jax.ir.executor import time_function
 
+        runs = run if isinstance(run, list) else [run]
         per_round = max(3, self.repeats // ROUNDS)
-        rounds = [time_function(run, repeats=per_round, warmup=2 if i == 0 else 0)
-                  for i in range(ROUNDS)]
+        rounds = [time_function(runs[i % len(runs)], repeats=per_round,
+                                warmup=2 if i < len(runs) else 0) for i in range(ROUNDS)]
         medians = [float(np.median(r)) for r in rounds]
         if max(medians) > WIDE_SPREAD * min(medians):
-            rounds += [time_function(run, repeats=per_round, warmup=0) for _ in range(ROUNDS)]
+            rounds += [time_function(runs[i % len(runs)], repeats=per_round, warmup=0)
+                       for i in range(ROUNDS)]
             medians = [float(np.median(r)) for r in rounds]
         fastest = float(min(min(r) for r in rounds))
         return fastest, max(medians) / max(min(medians), 1e-9)
@@ -319,23 +331,31 @@ class MeasuredCostModel(CostModel):
         fn = jax.jit(lambda a: a + 1)
         return self._robust_time(lambda: fn(x))
 
-    def _runner(self, node: Node):
-        """A call that runs ``node`` once as a jitted kernel on seeded random inputs."""
+    def _runner(self, node: Node) -> list:
+        """:data:`ROUNDS` calls, each running ``node`` once as a jitted kernel.
+
+        All use the same seeded random values, in buffers allocated apart. One buffer can
+        time a kernel slow for a whole measurement: on this project's 2-core CPU, a 1x512
+        by 512x512 matmul took 30 us on some weight buffers and 61 us on others, steadily
+        over 15 runs. A round per buffer lets the fastest run find a fast one.
+        """
         import jax
 
         from taso_jax.ir.executor import run_node
 
         rng = np.random.default_rng(0)
-        args = []
+        values = []
         for t in node.inputs:
             if np.issubdtype(np.dtype(t.dtype), np.floating):
-                args.append(jax.device_put(rng.standard_normal(t.shape).astype(t.dtype)))
+                values.append(rng.standard_normal(t.shape).astype(t.dtype))
             elif t.dtype == "bool":
-                args.append(jax.device_put(rng.integers(0, 2, t.shape).astype(bool)))
+                values.append(rng.integers(0, 2, t.shape).astype(bool))
             else:
-                args.append(jax.device_put(np.zeros(t.shape, t.dtype)))
+                values.append(np.zeros(t.shape, t.dtype))
         fn = jax.jit(lambda *a: run_node(node, a))
-        return lambda: fn(*args)
+        copies = [[jax.device_put(np.array(v, copy=True)) for v in values]
+                  for _ in range(ROUNDS)]
+        return [lambda args=args: fn(*args) for args in copies]
 
     def _measure(self, node: Node) -> tuple[float, float]:
         return self._robust_time(self._runner(node))
@@ -344,39 +364,49 @@ class MeasuredCostModel(CostModel):
         """``micros`` for ``node``, or its time relative to a kernel it contradicts.
 
         Kernels of one family (operator, attributes, input ranks and dtypes) are priced
-        alone, at different moments, often in different processes. Under a load that lasts
-        the whole of one measurement, every run of it is slow, and the fastest run does not
-        undo that: a 1x512 by 512x512 matmul was priced above a 512x1024 one, which stopped
-        a NasRNN's matmul merges at pairs. So when ``node`` costs more than
-        :data:`CONTRADICTION` times a kernel of its family already priced here whose input
-        shapes are all at least as large (or less than 1/CONTRADICTION times one at most as
-        large), the two are timed again in alternating rounds, under the same load, and
-        ``node`` is priced at the other's price times the ratio of the two. Prices already
-        handed out never change (the search adds and subtracts them), so the pair stays in
-        proportion whichever of the two the load had distorted. At most
-        :data:`MAX_RETIMED` pairs per cost model.
+        alone, at different moments, often in different processes, on a machine whose speed
+        drifts (2 shared cores: a 1x512 by 512x1024 matmul timed 48 us in one process and
+        111 us, steadily, in another). A pair of prices taken in different states can
+        invert a decision: with the 512x512 one at 35 us and the 512x1024 one at 111 us, no
+        matmul merge of a NasRNN paid. So ``node``'s price is checked against each kernel of
+        its family already priced here whose input shapes are all at least as large, or all
+        at most as large. It contradicts one when it is :data:`CONTRADICTION` times dearer
+        than a larger kernel (or cheaper than a smaller one), or when the larger of the two
+        costs more than :data:`CONTRADICTION` times the smaller's price scaled by their
+        ratio of work (the larger of the FLOP and byte ratios). Then the two are timed again
+        in alternating rounds, under the same conditions, and ``node`` is priced at the
+        other's price times the ratio of the two. Prices already handed out never change
+        (the search adds and subtracts them). At most :data:`MAX_RETIMED` pairs per cost
+        model.
         """
         family = (node.op, node.attrs, tuple((len(t.shape), t.dtype) for t in node.inputs))
         shapes = tuple(t.shape for t in node.inputs)
         members = self._families.setdefault(family, {})
         if shapes in members:
             return micros
-        for other_shapes, (other, other_micros) in members.items():
+        work = _work(node)
+        for other_shapes, (other, other_micros, other_work) in members.items():
             if self.retimed >= MAX_RETIMED:
                 break
             le = all(a <= b for sa, sb in zip(shapes, other_shapes, strict=True)
                      for a, b in zip(sa, sb, strict=True))
             ge = all(a >= b for sa, sb in zip(shapes, other_shapes, strict=True)
                      for a, b in zip(sa, sb, strict=True))
-            if not ((le and micros > CONTRADICTION * other_micros)
-                    or (ge and other_micros > CONTRADICTION * micros)):
+            if not (le or ge):
+                continue
+            (small, small_work), (large, large_work) = (
+                ((micros, work), (other_micros, other_work)) if le
+                else ((other_micros, other_work), (micros, work)))
+            scale = max(large_work[0] / max(small_work[0], 1.0),
+                        large_work[1] / max(small_work[1], 1.0), 1.0)
+            if small <= CONTRADICTION * large and large <= CONTRADICTION * small * scale:
                 continue
             self.retimed += 1
             mine, theirs = self._retime_pair(node, other)
             micros = other_micros * mine / max(theirs, 1e-9)
             self._store(key, micros, None)
             break
-        members[shapes] = (node, micros)
+        members[shapes] = (node, micros, work)
         return micros
 
     def _retime_pair(self, a: Node, b: Node) -> tuple[float, float]:
@@ -384,12 +414,15 @@ class MeasuredCostModel(CostModel):
         from taso_jax.ir.executor import time_function
 
         runs = [self._runner(a), self._runner(b)]
+        runs = [r if isinstance(r, list) else [r] for r in runs]
         per_round = max(3, self.repeats // ROUNDS)
         best = [float("inf"), float("inf")]
         for r in range(2 * ROUNDS):
             order = (0, 1) if r % 2 == 0 else (1, 0)
             for i in order:
-                t = time_function(runs[i], repeats=per_round, warmup=2 if r < 2 else 0)
+                run = runs[i][r % len(runs[i])]
+                t = time_function(run, repeats=per_round, warmup=2 if r < 2 * len(runs[i])
+                                  else 0)
                 best[i] = min(best[i], float(min(t)))
         return best[0], best[1]
 

@@ -342,17 +342,42 @@ def test_a_kernel_priced_below_a_smaller_one_of_its_family_is_priced_relative_to
         return next(m for m in b.graph().nodes if m.op == "matmul")
 
     small, large, larger = matmul(512), matmul(1024), matmul(2048)
-    first = {512: 60.0, 1024: 48.0, 2048: 200.0}  # the first timings: 512 under a load
+    first = {512: 60.0, 1024: 48.0, 2048: 190.0}  # the first timings: 512 under a load
     calm = {512: 30.0, 1024: 45.0}  # timed again side by side
     cm = MeasuredCostModel(cache_path=str(tmp_path / "c.sqlite"), calibrate=False)
     monkeypatch.setattr(cm, "_measure", lambda n: (first[n.inputs[1].shape[1]], 1.0))
-    monkeypatch.setattr(cm, "_runner", lambda n: n.inputs[1].shape[1])
+    monkeypatch.setattr(cm, "_runner", lambda n: [n.inputs[1].shape[1]] * 3)
     monkeypatch.setattr(executor, "time_function",
                         lambda run, repeats, warmup: [calm[run], calm[run] + 1])
     assert cm.node_cost(small) == 60.0
     assert cm.node_cost(large) == pytest.approx(60.0 * 45.0 / 30.0) and cm.retimed == 1
     assert cm.node_cost(small) == 60.0  # unchanged
-    assert cm.node_cost(larger) == 200.0 and cm.retimed == 1  # no contradiction
+    assert cm.node_cost(larger) == 190.0 and cm.retimed == 1  # no contradiction
     again = MeasuredCostModel(cache_path=str(tmp_path / "c.sqlite"), calibrate=False)
     assert again._lookup(cm.key(large)) == pytest.approx(90.0)
     assert cost.CONTRADICTION * 48.0 < 60.0
+
+
+def test_a_kernel_dearer_than_its_work_explains_is_priced_relative_to_a_smaller_one(
+        tmp_path, monkeypatch):
+    """A 512x1024 matmul measured at 111 us in a slow phase, against 35 us for the
+    512x512 one (twice the work for three times the price), is timed again beside it."""
+    import taso_jax.ir.executor as executor
+    from taso_jax.ir.graph import new_graph
+
+    def matmul(n):
+        b = new_graph()
+        b.mark_output(b.matmul(b.new_input((1, 512)), b.new_weight((512, n))))
+        return next(m for m in b.graph().nodes if m.op == "matmul")
+
+    first = {512: 35.0, 1024: 111.0, 2048: 110.0}
+    calm = {512: 30.0, 1024: 48.0}
+    cm = MeasuredCostModel(cache_path=False, calibrate=False)
+    monkeypatch.setattr(cm, "_measure", lambda n: (first[n.inputs[1].shape[1]], 1.0))
+    monkeypatch.setattr(cm, "_runner", lambda n: [n.inputs[1].shape[1]] * 3)
+    monkeypatch.setattr(executor, "time_function",
+                        lambda run, repeats, warmup: [calm[run], calm[run] + 1])
+    assert cm.node_cost(matmul(512)) == 35.0
+    assert cm.node_cost(matmul(1024)) == pytest.approx(35.0 * 48.0 / 30.0)
+    assert cm.retimed == 1
+    assert cm.node_cost(matmul(2048)) == 110.0 and cm.retimed == 1  # within 1.1 x 2 x 56

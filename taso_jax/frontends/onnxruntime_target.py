@@ -172,10 +172,13 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
         feeds = {"x": np.zeros(1, np.float32)}
         return self._robust_time(lambda: sess.run(None, feeds))
 
-    def _runner(self, node: Node):
+    def _runner(self, node: Node) -> list:
+        from taso_jax.search.cost import ROUNDS
+
         model, feeds = node_model(node, self.opset)
         sess = ort_session(model, spinning=False)
-        return lambda: sess.run(None, feeds)
+        copies = [{k: np.array(v, copy=True) for k, v in feeds.items()} for _ in range(ROUNDS)]
+        return [lambda f=f: sess.run(None, f) for f in copies]
 
 
 def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20,
