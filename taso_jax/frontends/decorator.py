@@ -657,7 +657,7 @@ class OptimizedFunction:
             entry.report["original_kept"] = entry.original_kept
             return
         checked_before = (hit is not None and self.check is True
-                          and hit[1].get("check", {}).get("ok") is True)
+                          and (hit[1].get("check") or {}).get("ok") is True)
         if checked_before:
             # The process that stored this graph compared it with jax.jit of the same
             # function (the key covers the jaxpr) and stored it only because it matched;
