@@ -7,10 +7,10 @@ bound by the importer, named in the report's notes), with a timeout, and writes 
 report the table shows: whether the model loaded with no flags (exit code 0), operators
 before -> after, the median time under ``jax.jit`` of the input graph vs the optimized one,
 the median time in onnxruntime (CPU) of the original file vs the written file, the wall
-time of the whole command, the peak memory (resident set) of the command against that of a
-process that only runs the original file once in an onnxruntime session, and a note (the
-first stderr line on failure). When the graph did
-not change the command writes the input back and times nothing in onnxruntime; this script
+time of the whole command, the peak memory (resident set, ``VmHWM``) of the command
+against that of a process that only runs the original file once in an onnxruntime
+session, and a note (the first stderr line on failure). When the graph did not change
+the command writes the input back and times nothing in onnxruntime; this script
 then times both files itself, interleaved (``time_onnx_models``), on random inputs at the
 sizes the importer bound.
 
@@ -69,24 +69,33 @@ def ort_times(original: Path, written: Path, repeats: int) -> dict:
 def run_measured(cmd: list[str], timeout: float | None) -> tuple[int | None, str, float]:
     """``(exit code or None on timeout, stderr, peak resident memory in MB)`` of ``cmd``.
 
-    The peak is the child's own ``ru_maxrss`` (``os.wait4``), not the largest of all
-    children so far as ``RUSAGE_CHILDREN`` would give.
+    The peak is the child's ``VmHWM`` (``/proc/PID/status``), read every 20 ms until it
+    exits. Not ``ru_maxrss``: Linux carries a process's high-water mark across ``exec``,
+    so a child forked from this (large) process would report at least this one's size.
     """
-    import threading
-
     with tempfile.TemporaryFile() as err:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-        timer = threading.Timer(timeout, p.kill) if timeout else None
-        if timer:
-            timer.start()
-        _, status, usage = os.wait4(p.pid, 0)
-        if timer:
-            timer.cancel()
-        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        start, peak_kb, killed = time.perf_counter(), 0, False
+        while True:
+            try:
+                with open(f"/proc/{p.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmHWM:"):
+                            peak_kb = max(peak_kb, int(line.split()[1]))
+            except (OSError, ValueError):
+                pass
+            try:
+                p.wait(timeout=0.02)
+                break
+            except subprocess.TimeoutExpired:
+                if timeout and time.perf_counter() - start > timeout:
+                    p.kill()
+                    p.wait()
+                    killed = True
+                    break
         err.seek(0)
         stderr = err.read().decode(errors="replace")
-    killed = timer is not None and not timer.is_alive() and p.returncode < 0
-    return (None if killed else p.returncode), stderr, usage.ru_maxrss / 1024.0
+    return (None if killed else p.returncode), stderr, peak_kb / 1024.0
 
 
 _ORT_PEAK = """
