@@ -385,7 +385,7 @@ class MeasuredCostModel(CostModel):
         if shapes in members:
             return micros
         work = _work(node)
-        for other_shapes, (other, other_micros, other_work) in members.items():
+        for other_shapes, (other, other_micros, other_work) in list(members.items()):
             if self.retimed >= MAX_RETIMED:
                 break
             le = all(a <= b for sa, sb in zip(shapes, other_shapes, strict=True)
