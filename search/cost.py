@@ -414,7 +414,6 @@ class MeasuredCostModel(CostModel):
         from taso_jax.ir.executor import time_function
 
         runs = [self._runner(a), self._runner(b)]
-        runs = [r if isinstance(r, list) else [r] for r in runs]
         per_round = max(3, self.repeats // ROUNDS)
         best = [float("inf"), float("inf")]
         for r in range(2 * ROUNDS):

@@ -478,12 +478,7 @@ class OptimizedFunction:
 
     def _user_jit(self, static_pos, donate_pos=frozenset()) -> Callable:
         """``jax.jit`` of the original function with these static and donated positions."""
-        key = (tuple(sorted(static_pos)), tuple(sorted(donate_pos)))
-        fn = self._user_jits.get(key)
-        if fn is None:
-            fn = self._user_jits[key] = jax.jit(self._flat_fn, static_argnums=key[0],
-                                                donate_argnums=key[1])
-        return fn
+        return self._jit_original(self._user_jits, self._flat_fn, static_pos, donate_pos)
 
     def _kept_jit(self, static_pos, donate_pos) -> Callable:
         """``jax.jit`` of the original for the fast path.
@@ -493,18 +488,22 @@ class OptimizedFunction:
         one Python function, and :meth:`_user_jit` (which the timing against the original
         also calls, on signatures that then run optimized) must not fill this one's cache.
         """
+        flat_fn = self._flat_fn
+
+        def original(*args):
+            return flat_fn(*args)
+
+        original.__name__ = original.__qualname__ = _fn_name(self.fn)
+        return self._jit_original(self._kept_jits, original, static_pos, donate_pos)
+
+    @staticmethod
+    def _jit_original(jits: dict, fn: Callable, static_pos, donate_pos) -> Callable:
+        """``jits``' ``jax.jit`` of ``fn`` for these positions, made on first use."""
         key = (tuple(sorted(static_pos)), tuple(sorted(donate_pos)))
-        fn = self._kept_jits.get(key)
-        if fn is None:
-            flat_fn = self._flat_fn
-
-            def original(*args):
-                return flat_fn(*args)
-
-            original.__name__ = original.__qualname__ = _fn_name(self.fn)
-            fn = self._kept_jits[key] = jax.jit(original, static_argnums=key[0],
-                                                donate_argnums=key[1])
-        return fn
+        jitted = jits.get(key)
+        if jitted is None:
+            jitted = jits[key] = jax.jit(fn, static_argnums=key[0], donate_argnums=key[1])
+        return jitted
 
     def _fast_lookup(self, flat, tree, args, static_pos) -> _Entry | None:
         """The last call's entry when only the runtime inputs' values changed.
