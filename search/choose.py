@@ -17,13 +17,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from taso_jax.ir.executor import compile_graph, random_inputs, time_interleaved
+from taso_jax.ir.executor import (
+    compile_graph,
+    discard_compiled,
+    random_inputs,
+    release_memory,
+    time_interleaved,
+)
 from taso_jax.ir.graph import Graph
 from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
            "measured_set", "keep_fastest", "paired_speedup", "confirm_faster", "with_layouts",
-           "compiled_runs", "NHWC_LAYOUT"]
+           "compiled_runs", "compiled_run", "screen_in_pairs", "NHWC_LAYOUT"]
 
 #: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
 NHWC_LAYOUT = "layout:nhwc"
@@ -139,24 +145,45 @@ def compiled_runs(graphs: list[Graph], seed: int = 0,
     Raises:
         ValueError: graphs whose runtime inputs differ.
     """
-    import jax
-
     sig = [(n.name, n.types[0]) for n in graphs[0].inputs]
     for g in graphs[1:]:
         if [(n.name, n.types[0]) for n in g.inputs] != sig:
             raise ValueError("time_graphs: the graphs do not have the same runtime inputs")
-    xs = [jax.device_put(x) for x in random_inputs(graphs[0], seed)]
-    fns, slowest = [], 0.0
+    xs = _inputs_for(graphs[0], seed)
+    runs, slowest = [], 0.0
     for g in graphs:
-        if (deadline is not None and len(fns) >= 2
+        if (deadline is not None and len(runs) >= 2
                 and time.perf_counter() + slowest > deadline):
             break  # compiling one more would run past the deadline
         t0 = time.perf_counter()
-        fn = compile_graph(g)
-        jax.block_until_ready(fn(*xs))  # jax.jit compiles on the first call
+        runs.append(compiled_run(g, xs))
         slowest = max(slowest, time.perf_counter() - t0)
-        fns.append(fn)
-    return [lambda f=f: f(*xs) for f in fns]
+        release_memory()  # the compiler's scratch memory, before the next one compiles
+    return runs
+
+
+def _inputs_for(graph: Graph, seed: int = 0) -> list:
+    import jax
+
+    return [jax.device_put(x) for x in random_inputs(graph, seed)]
+
+
+def compiled_run(graph: Graph, xs: Sequence):
+    """A call with no arguments that runs ``graph``, compiled, on the arrays ``xs``.
+
+    The graph is compiled (:func:`taso_jax.compile_graph`) and run once here, so that
+    timing the call times no compilation.
+
+    Raises:
+        ValueError: ``xs`` do not fit the graph's runtime inputs.
+    """
+    import jax
+
+    if [tuple(x.shape) for x in xs] != [n.types[0].shape for n in graph.inputs]:
+        raise ValueError("compiled_run: the inputs do not fit the graph's runtime inputs")
+    fn = compile_graph(graph)
+    jax.block_until_ready(fn(*xs))  # jax.jit compiles on the first call
+    return lambda: fn(*xs)
 
 
 def rank_correlation(x, y) -> float:
@@ -222,8 +249,10 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
 
     ``result`` is a :class:`taso_jax.search.SearchResult`. Its input graph, its
     ``candidates`` (the cheapest by estimate) and ``sample`` more of its ``visited`` graphs,
-    spread evenly over their estimated costs, are timed as :func:`time_graphs` does
-    (screening). The fastest candidate by median is then timed against the input alone in
+    spread evenly over their estimated costs, are compiled and timed against the input
+    one at a time, each in its own interleaved loop (screening, :func:`screen_in_pairs`:
+    two compiled graphs are held at once, not all of them). The fastest candidate by
+    median is then timed against the input alone in
     a fresh loop of ``repeats`` rounds (confirmation), and it replaces ``result.graph``
     (``cost_after`` and ``applied`` follow it) only if :func:`paired_speedup` says it ran
     faster there; otherwise the input is kept, so the result is never slower than the input
@@ -244,14 +273,76 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     graphs = measured_set(result, sample, deadline)
     if layouts:
         graphs = with_layouts(graphs)
-    runs = compiled_runs([g for _, g, _ in graphs], deadline=deadline)
-    times = time_interleaved(runs, repeats, 2, deadline)
+    xs = _inputs_for(graphs[0][1])
+    base = compiled_run(graphs[0][1], xs)
+
+    def loop(a, b):
+        return time_interleaved([a, b], repeats, 2, deadline)
+
+    def make(g):
+        return compiled_run(g, xs)
+
+    times, best, best_run = screen_in_pairs(graphs, base, make, loop, deadline,
+                                            discard=discard_compiled)
 
     def confirm(i):
-        return time_interleaved([runs[0], runs[i]], repeats, 1, deadline)
+        run = best_run if i == best else make(graphs[i][1])
+        return time_interleaved([base, run], repeats, 1, deadline)
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]), device_name(),
                         confirm=confirm)
+
+
+def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | None = None,
+                    discard=None) -> tuple[list[list[float]], int, object]:
+    """Screen candidates against the input one at a time, holding two graphs at once.
+
+    ``graphs`` are ``(cost, graph, path)``, the input first; ``base`` runs the input;
+    ``make(graph)`` returns something that runs a candidate (a compiled graph, an
+    onnxruntime session); ``loop(base, run)`` times both in one interleaved loop and
+    returns ``(base times, candidate times)``. Each candidate is made, timed against the
+    input, and dropped unless it is the best so far (``discard(graph)``, if given, is then
+    called to free what ``make`` cached). Timing every candidate in one loop held all of
+    them at once: five compiled ResNet-50 candidates, or five onnxruntime sessions, each
+    with its own weights (about 650 MB). Past ``deadline`` no more candidates are made
+    once making the slowest one so far would overrun it (at least one is).
+
+    Returns ``(times, best, run)``: ``times[0]`` are the input's times from the best
+    candidate's loop and ``times[best]`` that candidate's; every other candidate's times
+    are scaled by the ratio of the input's medians in the best loop and in its own, so
+    that medians compare across loops. ``best`` is 0 when there was no candidate (then
+    ``times`` has the input's times from a loop of its own); ``run`` is what runs it.
+    """
+    loops: list[tuple[list[float], list[float]]] = []
+    best, best_run, slowest = 0, None, 0.0
+    for i, (_, g, _) in enumerate(graphs[1:], 1):
+        if deadline is not None and loops and time.perf_counter() + slowest > deadline:
+            break  # making one more would run past the deadline
+        t0 = time.perf_counter()
+        run = make(g)
+        slowest = max(slowest, time.perf_counter() - t0)
+        base_times, times = loop(base, run)
+        loops.append((list(base_times), list(times)))
+        if not best or _relative(*loops[-1]) < _relative(*loops[best - 1]):
+            if best and discard is not None:
+                discard(graphs[best][1])
+            best, best_run = i, run
+        elif discard is not None:
+            discard(g)
+        del run
+        release_memory()
+    if not best:
+        return [loop(base, base)[0]], 0, None
+    ref = loops[best - 1][0]
+    scale = float(np.median(ref))
+    times = [ref] + [[t * scale / float(np.median(b)) for t in c] for b, c in loops]
+    times[best] = loops[best - 1][1]
+    return times, best, best_run
+
+
+def _relative(base: Sequence[float], candidate: Sequence[float]) -> float:
+    """A candidate's median time over the input's median, both from one loop."""
+    return float(np.median(candidate)) / float(np.median(base))
 
 
 def measured_set(result, sample: int = 0, deadline: float | None = None) -> list[tuple]:

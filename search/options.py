@@ -21,6 +21,7 @@ from taso_jax.search.choose import choose_fastest
 from taso_jax.search.cost import COST_MODEL_NAMES, CostModel, get_cost_model
 from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
 
+from taso_jax.ir.executor import forget_compiled
 from taso_jax.ir.graph import Graph, GraphBuilder
 from taso_jax.ir.layout import has_nchw_convolutions
 
@@ -208,5 +209,7 @@ def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = 
         if chooser is None:
             chooser = partial(choose_fastest, layouts=opts.layout_candidates)
         result.end_to_end = chooser(result, deadline=deadline)
+        # the candidates that lost are not run again: free their executables and weights
+        forget_compiled(keep=(graph, result.graph))
     result.rules = counts
     return result

@@ -84,3 +84,40 @@ def test_executor_folds_weights_and_matches_reference():
                              groups=1, activation="relu")
     np.testing.assert_allclose(np.asarray(cg(*xs)[0]), np.asarray(want), rtol=1e-5)
     assert y.shape == (1, 8, 8, 8)
+
+
+def test_graphs_share_device_copies_of_read_only_weights_only():
+    from taso_jax.ir.executor import StagedGraph
+
+    rng = np.random.default_rng(0)
+    frozen = rng.standard_normal((64, 32, 3, 3)).astype(np.float32)
+    mutable = rng.standard_normal((64, 32, 3, 3)).astype(np.float32)
+    two, three = np.full((64, 1, 1, 1), 2.0, np.float32), np.full((64, 1, 1, 1), 3.0, np.float32)
+    for a in (frozen, two, three):
+        a.flags.writeable = False  # as the ONNX importer leaves its initializers
+
+    def graph(w1, w2, scale):
+        g = new_graph()
+        x = g.new_input((1, 32, 8, 8), name="x")
+        a = g.new_weight(data=w1, name="a")
+        b = g.new_weight(data=w2, name="b")
+        s = g.new_weight(data=scale, name="s")
+        g.mark_output(g.conv2d(x, g.ewmul(a, s)), "y")  # a * s is folded
+        g.mark_output(g.conv2d(x, b), "z")
+        return g.graph()
+
+    g1, g2 = graph(frozen, mutable, two), graph(frozen, mutable, two)
+    s1, s2 = StagedGraph(g1), StagedGraph(g2)
+    f1, f2 = s1.fold(s1.weights_of()), s2.fold(s2.weights_of())
+    assert len(f1) == 2 and f1[0] is f2[0]  # one folded kernel for both graphs
+    assert f1[1] is not f2[1]  # a writable weight is copied afresh: it may change
+    mutable[...] = 0  # ...and a change is seen by the next fold
+    assert float(np.abs(np.asarray(s1.fold(s1.weights_of())[1])).max()) == 0.0
+    g3 = graph(frozen, mutable, three)  # another scale: another folded kernel
+    s3 = StagedGraph(g3)
+    f3 = s3.fold(s3.weights_of())
+    assert f3[0] is not f1[0]
+    np.testing.assert_allclose(np.asarray(f3[0]), frozen * 3.0, rtol=1e-6)
+    # an export wants host arrays: a weight read as it is is not copied to the device
+    host = s1.fold(s1.weights_of(), host_weights=True)
+    assert host[1] is mutable and host[0] is f1[0]

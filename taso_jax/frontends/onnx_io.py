@@ -678,6 +678,9 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     env: dict[str, Tensor] = {}
     for init in g.initializer:
         arr = numpy_helper.to_array(init)
+        # read-only: a graph's weights never change, and compiled candidate graphs then
+        # share one device copy of each (taso_jax.ir.executor.device_constant)
+        arr.flags.writeable = False
         weights[init.name] = arr
         env[init.name] = leaf_node("weight", init.name,
                                    TensorType(arr.shape, str(arr.dtype))).outputs[0]
@@ -741,6 +744,7 @@ def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tens
     if node.domain in ("", "ai.onnx"):
         value = _constant_value(node, ctx, ins)
         if value is not None:
+            value.flags.writeable = False  # a fresh array; shared when folded, as above
             return [ctx.weight(value, node.output[0] or "const")]
         importer = ONNX_IMPORTERS.get(node.op_type)
         if importer is not None and all(t is not None for t in out_types):
@@ -805,11 +809,10 @@ class _ExportContext:
         return out
 
     def const(self, array, name: str | None = None) -> str:
-        from onnx import numpy_helper
-
         array = np.asarray(array)
         name = name or self.fresh("c")
-        self.initializers.append(numpy_helper.from_array(array, name))
+        # the array itself; it becomes a TensorProto only inside the graph (export_onnx)
+        self.initializers.append((name, array))
         self.types[name] = TensorType(array.shape, str(array.dtype))
         return name
 
@@ -833,13 +836,13 @@ def export_onnx(graph: Graph, opset: int | None = None):
         ValueError: an operator without an ONNX mapping, or an opaque JAX primitive (from
             :func:`taso_jax.from_jax`) that has none.
     """
-    from onnx import helper
+    from onnx import helper, numpy_helper
 
-    from taso_jax.ir.executor import compile_graph
+    from taso_jax.ir.executor import folded_values
 
     opset = opset or max(int(graph.meta.get("opset", 17)), 13)
     ctx = _ExportContext(opset)
-    compiled = compile_graph(graph)
+    const_keys, folded = folded_values(graph)
     names: dict[Tensor, str] = {}
     for n in graph.inputs:
         names[n.outputs[0]] = n.name
@@ -847,9 +850,10 @@ def export_onnx(graph: Graph, opset: int | None = None):
     out_name = {}
     for t, nm in zip(graph.outputs, graph.output_names, strict=True):
         out_name.setdefault(t, nm)
-    for t, value in zip(compiled._const_keys, compiled.folded, strict=True):
+    for t, value in zip(const_keys, folded, strict=True):
         nm = t.node.name if t.node.op == "weight" else ctx.fresh("folded")
-        names[t] = ctx.const(np.asarray(value).astype(t.dtype), nm)
+        names[t] = ctx.const(np.asarray(value).astype(t.dtype, copy=False), nm)
+    del folded
     for n in graph.nodes:
         if n.op in ("input", "weight") or n in graph.weight_only:
             continue
@@ -875,8 +879,13 @@ def export_onnx(graph: Graph, opset: int | None = None):
     inputs = [helper.make_tensor_value_info(
         n.name, helper.np_dtype_to_tensor_dtype(np.dtype(n.types[0].dtype)),
         list(n.types[0].shape)) for n in graph.inputs]
-    g = helper.make_graph(ctx.nodes, str(graph.meta.get("name", "graph")), inputs, outputs,
-                          initializer=ctx.initializers)
+    g = helper.make_graph(ctx.nodes, str(graph.meta.get("name", "graph")), inputs, outputs)
+    # Each weight is written into the graph's own field, one at a time: a list of
+    # TensorProtos handed to make_graph was copied in whole, holding the weights twice.
+    while ctx.initializers:
+        name, array = ctx.initializers.pop(0)
+        g.initializer.add().CopyFrom(numpy_helper.from_array(array, name))
+        del array
     opsets = dict(graph.meta.get("opsets", ()))
     opsets[""] = opset
     opsets.pop("ai.onnx", None)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
-from taso_jax.search.choose import keep_fastest, measured_set
+from taso_jax.search.choose import keep_fastest, measured_set, screen_in_pairs
 from taso_jax.search.cost import MeasuredCostModel
 from taso_jax.search.options import OptimizeOptions
 
@@ -45,15 +45,16 @@ def ort_session(model, spinning: bool = True):
 
 def time_onnx_models(models: Sequence, inputs: dict, repeats: int = 20,
                      warmup: int = 2, deadline: float | None = None) -> list[list[float]]:
-    """Wall times in microseconds of each ONNX model (bytes or path) on ``inputs``.
+    """Wall times in microseconds of each ONNX model (bytes, path or session) on ``inputs``.
 
     All sessions are created first (intra-op threads not spinning, see
-    :func:`ort_session`), warmed up, then run round robin ``repeats`` times, so that machine
+    :func:`ort_session`; a model given as an ``InferenceSession`` is used as it is),
+    warmed up, then run round robin ``repeats`` times, so that machine
     noise hits every model alike (the order is reversed every other round, so no model
     always runs first). Inputs a model does not declare are left out of its feed. Past
     ``deadline`` (a ``time.perf_counter()`` value) the rounds stop (at least 3 run).
     """
-    sessions = [ort_session(m, spinning=False) for m in models]
+    sessions = [m if hasattr(m, "run") else ort_session(m, spinning=False) for m in models]
     feeds = [{i.name: inputs[i.name] for i in s.get_inputs()} for s in sessions]
     for _ in range(warmup):
         for s, f in zip(sessions, feeds, strict=True):
@@ -188,11 +189,14 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     ``result`` is a :class:`~taso_jax.search.backtracking.SearchResult` whose input graph
     was imported from ``original`` (ONNX bytes or path); ``inputs`` feeds both. The
     baseline is ``original`` itself, not its re-export, so the written model is never
-    slower in onnxruntime than the file the user runs today: the fastest candidate by
+    slower in onnxruntime than the file the user runs today.
+
+    Screening holds two sessions at a time (:func:`~taso_jax.search.choose.screen_in_pairs`):
+    each candidate is exported and timed against the original in its own interleaved loop
+    of ``repeats`` rounds, and only the best one so far is kept. The best candidate by
     median is kept only if :func:`~taso_jax.search.choose.paired_speedup` confirms it
     faster than the original in a fresh head-to-head loop; otherwise ``result.graph``
-    becomes the input graph
-    (``original_kept``). ``result`` is changed in place.
+    becomes the input graph (``original_kept``). ``result`` is changed in place.
 
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
     "rank_correlation", "device", "repeats", "paired", "runtime"}`` (medians in
@@ -203,14 +207,20 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     from taso_jax.frontends.onnx_io import export_onnx
 
     graphs = measured_set(result, 0, deadline)
-    models = [original] + [export_onnx(g).SerializeToString() for _, g, _ in graphs[1:]]
-    times = time_onnx_models(models, inputs, repeats=repeats, deadline=deadline)
+    base = ort_session(original, spinning=False)
+
+    def make(g):
+        return ort_session(export_onnx(g).SerializeToString(), spinning=False)
+
+    def loop(a, b):
+        return time_onnx_models([a, b], inputs, repeats=repeats, deadline=deadline)
+
+    times, best, best_session = screen_in_pairs(graphs, base, make, loop, deadline)
 
     def confirm(i):
-        return time_onnx_models([models[0], models[i]], inputs, repeats=repeats,
-                                deadline=deadline)
+        return loop(base, best_session if i == best else make(graphs[i][1]))
 
-    return keep_fastest(result, graphs, times, len(times[0]),
+    return keep_fastest(result, graphs[:len(times)], times, len(times[0]),
                         f"onnxruntime {ort.__version__} (CPU)", confirm=confirm,
                         runtime="onnxruntime")
 
