@@ -160,14 +160,18 @@ def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostMode
 
 
 def _cheaper(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
-             limit: float, state: SearchState, near: set | None = None):
-    """Yield ``(rewrite, new_graph, new_cost)`` for rewrites estimated below ``limit``.
+             limit: float, state: SearchState, near: set | None = None,
+             matches: list | None = None):
+    """Yield ``(rewrite, new_graph, new_cost, rebuilt)`` for rewrites estimated cheap.
 
-    Each yielded graph is built and priced exactly.
+    Rewrites whose estimate is below ``limit`` are built and priced exactly; ``rebuilt``
+    maps the old nodes that the rewrite rebuilt to their new versions
+    (:meth:`Graph.replace`). ``matches`` are the rule's matches in ``graph`` when known.
     """
-    for rw, _ in _prepared(graph, cost, sub, cost_model, limit, state, near):
-        g2 = graph.replace(rw.mapping)
-        yield rw, g2, cost_model.graph_cost(g2)
+    for rw, _ in _prepared(graph, cost, sub, cost_model, limit, state, near, matches):
+        rebuilt: dict = {}
+        g2 = graph.replace(rw.mapping, rebuilt)
+        yield rw, g2, cost_model.graph_cost(g2), rebuilt
 
 
 def _reach(sub: Substitution) -> int | None:
@@ -258,9 +262,13 @@ def _incremental_matches(graph: Graph, sub: Substitution, reach: int, previous: 
     """
     nodes = graph.node_set
     kept = [c for c in (change.carry(m, nodes) for m in previous) if c is not None]
-    near = near_cache.get(reach)
-    if near is None:
-        near = near_cache[reach] = _near(graph, change.unstable, reach)
+    hit = near_cache.get(reach)
+    if hit is None:
+        near = _near(graph, change.unstable, reach)
+        hit = near_cache[reach] = (near, {n.op for n in near})
+    near, near_ops = hit
+    if sub.source[0].op not in near_ops:  # its first source node has no host near: none new
+        return kept
     unstable = change.unstable
     fresh = [m for m in find_matches(sub, graph, state.matching, near=near)
              if any(n in unstable for n in m.nodes)]
@@ -283,14 +291,17 @@ def _near(graph: Graph, nodes: set, radius: int) -> set:
 
 
 def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: SearchState,
-               max_tries: int = 64):
+               max_tries: int = 64, table: dict | None = None):
     """One sideways rewrite (cost within ``alpha``) that enables a strictly cheaper one.
 
     The second rewrite is looked for only near the nodes the first one created, so a try
     costs little. This is what folds a shift-then-scale (``(y + a) * b``, as flax writes
     batchnorm) into a convolution: distributing is cost-neutral, the fold that follows is
     not. At most ``max_tries`` sideways rewrites are tried (pairs that worked earlier in
-    this search come first). Returns ``(graph, cost, [name1, name2])`` or ``None``.
+    this search come first); ``table`` holds each rule's matches in ``graph`` where known
+    (by ``id`` of the rule, as :func:`greedy_descent` keeps them). Returns ``(graph, cost,
+    [name1, name2], steps)`` or ``None``; ``steps`` are the two rewrites as
+    ``(graph before, graph after, mapping, rebuilt)``, for carrying matches across them.
     """
     tries = 0
     old = graph.node_set
@@ -298,9 +309,11 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
     hits = state.pair_hits
     first = _relevant(substitutions, graph)
     first.sort(key=lambda s: -hits[s.name])
+    table = table or {}
     for sub in first:
-        for rw, g1, c1 in _cheaper(graph, cost, sub, cost_model, alpha * cost * (1 + 1e-9),
-                                   state):
+        for rw, g1, c1, rebuilt1 in _cheaper(graph, cost, sub, cost_model,
+                                             alpha * cost * (1 + 1e-9), state,
+                                             matches=table.get(id(sub))):
             tries += 1
             if time.perf_counter() > deadline or tries > max_tries:
                 return None
@@ -311,15 +324,19 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
                 continue
             near = _near(g1, new, radius=4)
             new_ops = {n.op for n in new}
+            near_ops = {n.op for n in near}
+            # matched near the new nodes: a rule's first source node is bound among them
             second = [s for s in _relevant(substitutions, g1)
-                      if any(p.op in new_ops for p in s.source)]
+                      if s.source[0].op in near_ops and any(p.op in new_ops for p in s.source)]
             second.sort(key=lambda s: -hits[s.name])
             for sub2 in second:
-                for rw2, g2, c2 in _cheaper(g1, c1, sub2, cost_model, target, state, near):
+                for rw2, g2, c2, rebuilt2 in _cheaper(g1, c1, sub2, cost_model, target, state,
+                                                      near):
                     if new & set(rw2.match.nodes) and c2 < target:
                         hits[sub.name] += 1
                         hits[sub2.name] += 1
-                        return g2, c2, [sub.name, sub2.name]
+                        return g2, c2, [sub.name, sub2.name], [
+                            (graph, g1, rw.mapping, rebuilt1), (g1, g2, rw2.mapping, rebuilt2)]
     return None
 
 
@@ -372,12 +389,15 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                             on_step(cost, graph, tuple(applied))
                         break
         if not improved:
-            step = _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state)
+            step = _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state,
+                              table=table)
             if step is not None:
                 graph, cost = step[0], step[1]
                 applied += step[2]
                 improved = True
-                table = {}  # two rewrites away: found again when needed
+                for before, after, mapping, rebuilt in step[3]:  # matches, two rewrites on
+                    table = _carry_table(table, before, after, mapping, rebuilt, reach, by_id,
+                                         state)
                 if on_step:
                     on_step(cost, graph, tuple(applied))
     return graph, cost, applied
