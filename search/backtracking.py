@@ -262,14 +262,19 @@ def _incremental_matches(graph: Graph, sub: Substitution, reach: int, previous: 
     """
     nodes = graph.node_set
     kept = [c for c in (change.carry(m, nodes) for m in previous) if c is not None]
+    unstable = change.unstable
+    unstable_ops = near_cache.get("ops")
+    if unstable_ops is None:
+        unstable_ops = near_cache["ops"] = {n.op for n in unstable}
+    if not any(p.op in unstable_ops for p in sub.source):
+        return kept  # a new match holds an unstable node, so some source node has its op
     hit = near_cache.get(reach)
     if hit is None:
-        near = _near(graph, change.unstable, reach)
+        near = _near(graph, unstable, reach)
         hit = near_cache[reach] = (near, {n.op for n in near})
     near, near_ops = hit
     if sub.source[0].op not in near_ops:  # its first source node has no host near: none new
         return kept
-    unstable = change.unstable
     fresh = [m for m in find_matches(sub, graph, state.matching, near=near)
              if any(n in unstable for n in m.nodes)]
     return kept + fresh
