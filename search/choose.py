@@ -290,7 +290,7 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
         return time_interleaved([base, run], repeats, 1, deadline)
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]), device_name(),
-                        confirm=confirm)
+                        confirm=confirm, best=best)
 
 
 def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | None = None,
@@ -305,7 +305,7 @@ def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | Non
     called to free what ``make`` cached). Timing every candidate in one loop held all of
     them at once: five compiled ResNet-50 candidates, or five onnxruntime sessions, each
     with its own weights (about 650 MB). Past ``deadline`` no more candidates are made
-    once making the slowest one so far would overrun it (at least one is).
+    once making and timing the slowest one so far would overrun it (at least one is).
 
     Returns ``(times, best, run)``: ``times[0]`` are the input's times from the best
     candidate's loop and ``times[best]`` that candidate's; every other candidate's times
@@ -320,8 +320,8 @@ def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | Non
             break  # making one more would run past the deadline
         t0 = time.perf_counter()
         run = make(g)
-        slowest = max(slowest, time.perf_counter() - t0)
         base_times, times = loop(base, run)
+        slowest = max(slowest, time.perf_counter() - t0)  # making and timing one
         loops.append((list(base_times), list(times)))
         if not best or _relative(*loops[-1]) < _relative(*loops[best - 1]):
             if best and discard is not None:
@@ -359,11 +359,13 @@ def measured_set(result, sample: int = 0, deadline: float | None = None) -> list
 
 
 def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repeats: int,
-                 device: str, confirm=None, **extra) -> dict:
+                 device: str, confirm=None, best: int | None = None, **extra) -> dict:
     """Make ``result`` the fastest of ``graphs`` (input first) if confirmed; the report.
 
-    ``times[i]`` are graph ``i``'s round times from one interleaved loop (screening). The
-    candidate with the smallest median, if below the input's, is tested with
+    ``times[i]`` are graph ``i``'s round times from screening (as :func:`screen_in_pairs`
+    gives them: ``times[0]`` and ``times[best]`` from one loop, the others scaled to it).
+    The candidate ``best`` (default: the smallest median), if its median is below the
+    input's, is tested with
     :func:`paired_speedup` on ``confirm(i) -> (input times, candidate times)``, a fresh
     head-to-head loop (on the screening rounds when ``confirm`` is ``None`` or its loop
     ran fewer than 5 rounds; a second loop is added, once, when the candidate is ahead but
@@ -372,7 +374,8 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     :func:`choose_fastest` documents, with ``extra`` entries added.
     """
     medians = [float(np.median(t)) for t in times]
-    best = min(range(1, len(graphs)), key=lambda i: (medians[i], i), default=0)
+    if best is None:
+        best = min(range(1, len(graphs)), key=lambda i: (medians[i], i), default=0)
     test, chosen = None, 0
     if best and medians[best] < medians[0]:
         first = confirm(best) if confirm is not None else None

@@ -121,3 +121,24 @@ def test_graphs_share_device_copies_of_read_only_weights_only():
     # an export wants host arrays: a weight read as it is is not copied to the device
     host = s1.fold(s1.weights_of(), host_weights=True)
     assert host[1] is mutable and host[0] is f1[0]
+
+
+def test_a_shared_fold_is_keyed_by_which_weight_holds_which_array():
+    from taso_jax.ir.executor import StagedGraph, _frozen
+
+    one, ten = np.ones((4,), np.float32), np.full((4,), 10.0, np.float32)
+    for a in (one, ten):
+        a.flags.writeable = False
+
+    def graph(c):  # (a + b) + c: the same nodes, c bound to either array
+        g = new_graph()
+        x = g.new_input((4,), name="x")
+        a, b = g.new_weight(data=one, name="a"), g.new_weight(data=ten, name="b")
+        g.mark_output(g.ewadd(x, g.ewadd(g.ewadd(a, b), g.new_weight(data=c, name="c"))), "y")
+        return g.graph()
+
+    folds = [StagedGraph(g).fold(StagedGraph(g).weights_of()) for g in (graph(one), graph(ten))]
+    assert [float(np.asarray(f[0])[0]) for f in folds] == [12.0, 21.0]
+    view = np.ones(4, np.float32)[:]  # read-only view of a writable array: it can change
+    view.flags.writeable = False
+    assert not _frozen(view) and _frozen(one)

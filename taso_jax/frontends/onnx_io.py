@@ -882,8 +882,9 @@ def export_onnx(graph: Graph, opset: int | None = None):
     g = helper.make_graph(ctx.nodes, str(graph.meta.get("name", "graph")), inputs, outputs)
     # Each weight is written into the graph's own field, one at a time: a list of
     # TensorProtos handed to make_graph was copied in whole, holding the weights twice.
+    ctx.initializers.reverse()
     while ctx.initializers:
-        name, array = ctx.initializers.pop(0)
+        name, array = ctx.initializers.pop()
         g.initializer.add().CopyFrom(numpy_helper.from_array(array, name))
         del array
     opsets = dict(graph.meta.get("opsets", ()))

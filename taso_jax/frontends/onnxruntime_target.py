@@ -221,7 +221,7 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
         return loop(base, best_session if i == best else make(graphs[i][1]))
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]),
-                        f"onnxruntime {ort.__version__} (CPU)", confirm=confirm,
+                        f"onnxruntime {ort.__version__} (CPU)", confirm=confirm, best=best,
                         runtime="onnxruntime")
 
 

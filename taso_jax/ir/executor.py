@@ -49,8 +49,9 @@ class _SharedValues:
 
     An entry is ``key -> (sources, values)``: weak references to the objects the values
     were computed from, checked on lookup (an ``id`` can be reused once its object is
-    gone), and weak references to the values, so an entry keeps nothing alive. Dead entries
-    are swept when the table has doubled since the last sweep.
+    gone), and weak references to the values, so an entry keeps neither alive (only the
+    nodes in its key, until swept). Dead entries are swept when the table has doubled since
+    the last sweep. Traced values are never stored.
     """
 
     def __init__(self):
@@ -67,6 +68,8 @@ class _SharedValues:
         return values if all(v is not None for v in values) else None
 
     def put(self, key, sources: Sequence, values: Sequence) -> None:
+        if any(isinstance(v, jax.core.Tracer) for v in values):
+            return  # made under a trace: it must not leave it
         try:
             entry = (tuple(map(weakref.ref, sources)), tuple(map(weakref.ref, values)))
         except TypeError:  # something that takes no weak reference: not shared
@@ -85,13 +88,14 @@ _SHARED = _SharedValues()
 def device_constant(value):
     """:func:`as_jax_constant`, shared by every graph that holds the same read-only array.
 
-    A NumPy array that cannot be written to (the ONNX importer marks its initializers so)
+    A NumPy array that cannot be written to, down to its base (the ONNX importer marks its
+    initializers so; :func:`_frozen`)
     is copied to the device once, however many candidate graphs of a search fold it: each
     compiled candidate of a 100 MB ResNet-50 used to hold its own device copy of every
     weight. The copy lives only while some compiled graph still holds it. Writable arrays
     (a user's NumPy weights, which may change in place) are copied afresh every time.
     """
-    if not (isinstance(value, np.ndarray) and not value.flags.writeable):
+    if not (isinstance(value, np.ndarray) and _frozen(value)):
         return as_jax_constant(value)
     hit = _SHARED.get(("weight", id(value)), (value,))
     if hit is not None:
@@ -102,24 +106,37 @@ def device_constant(value):
 
 
 def _frozen(value) -> bool:
-    """Whether ``value`` cannot change: a read-only NumPy array, or a concrete JAX array."""
+    """Whether ``value`` cannot change.
+
+    A concrete JAX array, or a NumPy array read-only all the way down to its buffer (a
+    read-only view of a writable array can still change).
+    """
     if isinstance(value, np.ndarray):
-        return not value.flags.writeable
+        a = value
+        while isinstance(a, np.ndarray):
+            if a.flags.writeable:
+                return False
+            a = a.base
+        return a is None or isinstance(a, bytes)
     return isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
 
 
 def _cone(inputs: Sequence, cones: dict) -> tuple | None:
-    """The frozen weight arrays a value is computed from (``None``: some can change)."""
+    """The ``(weight node, frozen array)`` pairs a value is computed from.
+
+    ``None`` when some array can change, or when the value reads no weight (nothing to key
+    it by).
+    """
     out, seen = [], set()
     for t in inputs:
         c = cones[t]
         if c is None:
             return None
-        for a in c:
-            if id(a) not in seen:
-                seen.add(id(a))
-                out.append(a)
-    return tuple(out)
+        for w, a in c:
+            if w not in seen:
+                seen.add(w)
+                out.append((w, a))
+    return tuple(out) or None
 
 
 def run_node(node: Node, args: Sequence) -> tuple:
@@ -166,10 +183,10 @@ class StagedGraph:
         A value computed from frozen weight arrays only (read-only NumPy arrays, concrete
         JAX arrays) is shared with every other graph that folds the same node from the same
         arrays: the IR is hash-consed, so two candidates that fold one batchnorm into one
-        kernel hold the same node. It is looked up by the node and the identity of those
-        arrays, and computed and held once (weakly: it lives while some graph holds it). With ``host_weights``, a weight that
-        the runtime stage reads as it is comes back as given, not copied to the device
-        (what an export to ONNX wants).
+        kernel hold the same node. It is looked up by the node and which weight holds which
+        array, and computed and held once (weakly: it lives while some graph holds it).
+        With ``host_weights``, a weight that the runtime stage reads as it is comes back as
+        given, not copied to the device (what an export to ONNX wants).
         """
         by_name = dict(zip(self.weight_names, weights, strict=True))
         env, cones = {}, {}
@@ -177,21 +194,24 @@ class StagedGraph:
             if n.op == "weight":
                 t, value = n.outputs[0], by_name[n.name]
                 env[t] = value  # copied to the device when read
-                cones[t] = (value,) if _frozen(value) else None
+                cones[t] = ((n, value),) if _frozen(value) else None
 
         def device(t):
             return device_constant(env[t]) if t.node.op == "weight" else env[t]
 
         for n in self._fold_nodes:
-            sources = _cone(n.inputs, cones)
-            key = None if sources is None else (n, *map(id, sources))
-            values = None if key is None else _SHARED.get(key, sources)
+            cone = _cone(n.inputs, cones)
+            # keyed by which weight holds which array: one array under two names is not
+            # the same input twice
+            key = None if cone is None else (n, *((w, id(a)) for w, a in cone))
+            arrays = None if cone is None else [a for _, a in cone]
+            values = None if key is None else _SHARED.get(key, arrays)
             if values is None:
                 values = run_node(n, [device(t) for t in n.inputs])
                 if key is not None:
-                    _SHARED.put(key, sources, values)
+                    _SHARED.put(key, arrays, values)
             for t, v in zip(n.outputs, values, strict=True):
-                env[t], cones[t] = v, sources
+                env[t], cones[t] = v, cone
         return [env[t] if host_weights and t.node.op == "weight" else device(t)
                 for t in self.const_keys]
 
