@@ -285,9 +285,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     times, best, best_run = screen_in_pairs(graphs, base, make, loop, deadline,
                                             discard=discard_compiled)
 
-    def confirm(i):
-        run = best_run if i == best else make(graphs[i][1])
-        return time_interleaved([base, run], repeats, 1, deadline)
+    def confirm(i):  # keep_fastest confirms ``best``, whose compiled graph was kept
+        return time_interleaved([base, best_run], repeats, 1, deadline)
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]), device_name(),
                         confirm=confirm, best=best)

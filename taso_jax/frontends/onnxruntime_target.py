@@ -217,8 +217,8 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
 
     times, best, best_session = screen_in_pairs(graphs, base, make, loop, deadline)
 
-    def confirm(i):
-        return loop(base, best_session if i == best else make(graphs[i][1]))
+    def confirm(i):  # keep_fastest confirms ``best``, whose session was kept
+        return loop(base, best_session)
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]),
                         f"onnxruntime {ort.__version__} (CPU)", confirm=confirm, best=best,
