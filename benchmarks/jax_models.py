@@ -40,7 +40,6 @@ import jax_models  # noqa: E402
 
 import taso_jax  # noqa: E402
 from taso_jax._io import atomic_write  # noqa: E402
-from taso_jax.bench import rule_family  # noqa: E402
 from taso_jax.frontends.graph_cache import GRAPH_CACHE_ENV  # noqa: E402
 from taso_jax.ir.executor import time_interleaved  # noqa: E402
 
@@ -147,7 +146,7 @@ def main(argv=None) -> int:
           "first call | of which search | second process | substitutions applied |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ap = ", ".join(f"{rule_family(k)} x{v}" for k, v in
+        ap = ", ".join(f"{k} x{v}" for k, v in
                        sorted(r["applied"].items(), key=lambda kv: -kv[1])[:3]) or "none"
         j, o = r["jit_us"], r["optimized_us"]
         sp = r.get("second_process")

@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from conftest import light_models, randomize_weights, shared_models_dir  # noqa: E402
 
 import taso_jax  # noqa: E402
-from taso_jax.bench import rule_family  # noqa: E402
 from taso_jax.report import measure_speed  # noqa: E402
 
 
@@ -48,7 +47,7 @@ def main():
                                   time_limit=args.time_limit, substitutions=subs)
         t = measure_speed(g, r.graph, repeats=args.repeats)
         ops0, ops1 = sum(g.op_counts().values()), sum(r.graph.op_counts().values())
-        applied = ", ".join(f"{rule_family(n)} x{c}" for n, c in
+        applied = ", ".join(f"{n} x{c}" for n, c in
                             sorted(r.applied.items(), key=lambda kv: -kv[1])) or "none"
         print(f"| {name} | {ops0} -> {ops1} | {r.cost_before:.0f} -> {r.cost_after:.0f} us "
               f"({r.cost_before / r.cost_after:.3f}x) | {t['before_us']:.0f} -> "

@@ -51,6 +51,7 @@ _ACTS = ("none", "relu", "sigmoid", "tanh")
 _MATMUL_LAWS = (
     axiom("matmul(matmul(x, a), c) = matmul(x, matmul(a, c))", _X),
     axiom("dim(matmul(x, a, activation=f), -1) = dim(a, -1)", _X, f=("none", "relu")),
+    axiom("dim(matmul(x, a, activation=f), -2) = dim(x, -2)", _X, f=("none", "relu")),
     axiom("matmul(x, ewadd(a, b)) = ewadd(matmul(x, a), matmul(x, b))", _X),
     axiom("matmul(ewadd(x, y), a) = ewadd(matmul(x, a), matmul(y, a))", _X),
     axiom("matmul(x, concat(a, b, axis=-1), activation=f) = concat(matmul(x, a, activation=f), matmul(x, b, activation=f), axis=-1)", _X, f=_ACTS),

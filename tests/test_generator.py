@@ -96,6 +96,22 @@ def test_biased_matmul_branches_merge_by_slicing():
     assert len(subs) == len({s.name.rstrip("-0123456789") for s in subs})
 
 
+def test_rows_of_two_inputs_through_one_weight_merge_by_slicing():
+    # The same weight applied to two inputs: slicing the matmul of their concatenated rows
+    # finds the merge; merges that only concatenate elementwise work are not kept.
+    from taso_jax.verify.generator import MATMUL_ROWS_DOMAIN
+
+    subs, stats = generate((MATMUL_ROWS_DOMAIN,), max_ops=4, workers=1)
+    laws = [s.law for s in subs]
+    assert ("matmul(x, w, activation=?activation), matmul(y, w, activation=?activation)  =>  "
+            "split(matmul(concat(x, y, axis=-2), w, activation=?activation), axis=-2, "
+            "sizes=['$M', '$L'])[0]") in " ".join(laws)
+    # each kept merge reads its weight once where the source read it twice
+    assert all(sum(n.op == "matmul" for n in s.source) == 2
+               and sum(n.op == "matmul" for n in s.target) == 1 for s in subs), laws
+    assert stats.pruned["split_gains_nothing"] > 0
+
+
 def test_a_slice_merge_is_checked_on_other_sizes():
     # Slicing at a size that is another symbol's value by coincidence (C + D == W) must not
     # survive the re-check on the second instance.

@@ -234,3 +234,26 @@ def test_biased_branches_of_different_widths_merge_into_one_convolution():
     xs = taso_jax.random_inputs(g, seed=3)
     np.testing.assert_allclose(np.asarray(evaluate(r.graph, xs)[0]),
                                np.asarray(evaluate(g, xs)[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_two_inputs_through_one_weight_merge_their_rows():
+    # One dense layer applied to two inputs (an RNN's input projection at two time steps):
+    # their rows are concatenated and the weight is read once.
+    b = GraphBuilder()
+    w = b.new_weight((16, 32))
+    x, y = b.new_input((3, 16), name="x"), b.new_input((5, 16), name="y")
+    b.mark_output(b.relu(b.matmul(x, w)))
+    b.mark_output(b.matmul(y, w))
+    g = b.graph()
+    rule = next(s for s in default_substitutions() if s.name == "merge-matmul-matmul-3")
+    assert rule.provenance["proof"]["status"] == "proved"
+    assert Prover().prove(rule)["status"] == "proved"
+    r = taso_jax.search_graph(g, substitutions=[rule], cost_model="analytic", end_to_end=0,
+                              budget=5)
+    assert r.applied == {"merge-matmul-matmul-3": 1}
+    assert r.graph.op_counts()["matmul"] == 1 and r.graph.op_counts()["concat"] == 1
+    from taso_jax.ir.executor import evaluate
+
+    xs = taso_jax.random_inputs(g, seed=5)
+    for got, ref in zip(evaluate(r.graph, xs), evaluate(g, xs), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)

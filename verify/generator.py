@@ -84,6 +84,10 @@ class Domain:
         class_pairs: derive rules from pairs of members of a fingerprint class (and
             ``concat`` members). Off for domains that exist only for their slice merges:
             their single-output rules repeat the dense domains' or chain bias additions.
+        merged_ops: when set, a slice merge is kept where its merged side runs fewer of
+            these operators than its source, whatever it adds around them (a concatenation
+            of two inputs): ``matmul(x, w), matmul(y, w) => split(matmul(concat(x, y), w))``
+            reads the weight once for two. ``()``: fewer runtime operators of any kind.
     """
 
     name: str
@@ -97,6 +101,7 @@ class Domain:
     weight_only_ops: tuple[str, ...] = ("concat", "enlarge", "transpose")
     slice_merges: bool = False
     class_pairs: bool = True
+    merged_ops: tuple[str, ...] = ()
 
     @property
     def input_names(self) -> frozenset[str]:
@@ -188,8 +193,23 @@ MATMUL_BRANCH_DOMAIN = Domain(
     ops=(("matmul", {}), ("ewadd", {}), ("concat", {"axis": -1})),
     split_axes=(-1,), max_ops=2, weight_ops=2, slice_merges=True, class_pairs=False)
 
+#: Dense layers applied to two inputs with the same weight (an RNN's input projection at
+#: each time step, a layer shared by two towers): the rows of ``x [..., M, K]`` and
+#: ``y [..., L, K]`` go through one matmul, whose weight is then read once. With a bias,
+#: the source has 4 operators.
+MATMUL_ROWS_DOMAIN = Domain(
+    "matmulrows",
+    variables={"x": ("input", ("...", "M", "K")), "y": ("input", ("...", "L", "K")),
+               "w": ("weight", ("K", "N")), "b": ("weight", ("N",))},
+    # M + L is no other symbol's size in either instance
+    instances=({"...": (), "M": 3, "L": 2, "K": 4, "N": 7},
+               {"...": (2,), "M": 2, "L": 5, "K": 3, "N": 4}),
+    ops=(("matmul", {}), ("ewadd", {}), ("concat", {"axis": -2})),
+    split_axes=(-2,), max_ops=3, weight_ops=0, slice_merges=True, class_pairs=False,
+    merged_ops=("matmul",))
+
 DEFAULT_DOMAINS = (CONV_DOMAIN, MATMUL_DOMAIN, AFFINE_DOMAIN, GCONV_DOMAIN, CONV_BRANCH_DOMAIN,
-                   MATMUL_BRANCH_DOMAIN)
+                   MATMUL_BRANCH_DOMAIN, MATMUL_ROWS_DOMAIN)
 
 
 @dataclass
@@ -753,7 +773,10 @@ def _slice_merges(domain, classes, sym_values, fp, max_ops, seed, stats):
                     why = "common_subgraph"
                 elif not t.vars <= a.vars | b.vars:
                     why = "target_uses_new_variable"
-                elif _runtime_ops(t.nodes, domain) >= len(src_nodes):
+                elif (sum(n.op in domain.merged_ops for n in t.nodes)
+                      >= sum(n.op in domain.merged_ops for n in src_nodes)
+                      if domain.merged_ops else
+                      _runtime_ops(t.nodes, domain) >= len(src_nodes)):
                     why = "split_gains_nothing"
                 else:
                     why = None
