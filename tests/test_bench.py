@@ -184,6 +184,36 @@ def test_paired_speedup_sees_through_load_that_hits_both():
     assert not paired_speedup(faster, base)["faster"]
 
 
+def test_a_faster_verdict_must_hold_in_a_second_loop():
+    from taso_jax.search.choose import confirm_faster
+
+    rng = np.random.default_rng(1)
+
+    def loop_of(*loops):  # successive loops: (true speedup, rounds) each
+        runs = iter(loops)
+
+        def loop():
+            speedup, rounds = next(runs)
+            load = np.exp(rng.normal(0, 0.2, rounds))
+            base = 100 * load * np.exp(rng.normal(0, 0.01, rounds))
+            return list(base), list(base / speedup)
+        return loop
+
+    # ahead in the first loop, behind in the next (the machine's state drifted): not kept
+    test, base, _ = confirm_faster(loop_of((1.10, 25), (0.97, 25)))
+    assert not test["faster"] and test["loops"] == 2 and test["check_speedup"] < 1.0
+    assert len(base) == 50  # the verdict is on both loops' rounds
+    # faster in both: kept
+    test, _, _ = confirm_faster(loop_of((1.10, 25), (1.08, 25)))
+    assert test["faster"] and test["loops"] == 2
+    # a check loop cut short by a deadline decides nothing: not kept
+    test, base, _ = confirm_faster(loop_of((1.10, 25), (1.10, 3)))
+    assert not test["faster"] and len(base) == 25
+    # slower: one loop, no check
+    test, _, _ = confirm_faster(loop_of((0.9, 25)))
+    assert not test["faster"] and test["loops"] == 1
+
+
 def _conv_chain():
     b = taso_jax.GraphBuilder()
     x = b.new_input((1, 8, 12, 12))

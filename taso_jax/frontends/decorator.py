@@ -724,8 +724,9 @@ class OptimizedFunction:
         ``end_to_end > 0`` it and the optimized function, with this wrapper's own per-call
         work (flattening the arguments, recognizing the weights), are timed in one loop,
         interleaved, on the call's arguments, and the optimized one must be confirmed faster
-        by :func:`~taso_jax.search.choose.paired_speedup` (at least :data:`MIN_SPEEDUP`; an
-        undecided first loop with the optimized ahead is extended by as many rounds once);
+        by :func:`~taso_jax.search.choose.confirm_faster` (at least :data:`MIN_SPEEDUP`; an
+        undecided first loop with the optimized ahead is extended by as many rounds once, and
+        a "faster" verdict must hold in one more loop);
         with ``end_to_end=0``, a graph that the search left
         unchanged and that has no weight-only work to fold runs the original.
         """
