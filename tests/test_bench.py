@@ -214,6 +214,27 @@ def test_a_faster_verdict_must_hold_in_a_second_loop():
     assert not test["faster"] and test["loops"] == 1
 
 
+def test_screening_then_times_what_the_best_suggests():
+    from taso_jax.search.choose import screen_in_pairs
+
+    speed = {"input": 100.0, "a": 90.0, "b": 80.0, "b-nhwc": 70.0, "a-nhwc": 60.0}
+    seen = []
+
+    def loop(base, run):
+        return [speed[base]] * 7, [speed[run]] * 7
+
+    def then(best):
+        seen.append(best[1])
+        return [(best[0], f"{best[1]}-nhwc", (*best[2], "nhwc"))]
+
+    graphs = [(0, "input", ()), (5, "a", ("r1",)), (6, "b", ("r2",))]
+    times, best, run = screen_in_pairs(graphs, "input", lambda g: g, loop, then=then)
+    # "a" was the cheapest estimate, "b" screened fastest: b's NHWC form is timed, not a's
+    assert seen == ["b"] and [g for _, g, _ in graphs] == ["input", "a", "b", "b-nhwc"]
+    assert best == 3 and run == "b-nhwc" and len(times) == 4
+    assert np.median(times[1]) == 90.0 and np.median(times[3]) == 70.0
+
+
 def _conv_chain():
     b = taso_jax.GraphBuilder()
     x = b.new_input((1, 8, 12, 12))
