@@ -41,7 +41,7 @@ from taso_jax.search.match import Match, MatchState, Rewrite, find_matches, prep
 from taso_jax.search.pattern import NodeRef
 from taso_jax.search.rules import Substitution
 
-from taso_jax.ir.graph import LEAF_OPS, Graph, Tensor
+from taso_jax.ir.graph import Graph, Tensor
 
 __all__ = ["SearchResult", "SearchState", "Candidate", "backtracking_search", "greedy_descent"]
 
@@ -345,19 +345,6 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
     return None
 
 
-def _margin(cost_model: CostModel, rw) -> float:
-    """Microseconds a rewrite must save to be taken.
-
-    That is ``cost_model.decision_margin`` of the cost of the operators it replaces (0 for an
-    exact cost model).
-    """
-    if not cost_model.decision_margin:
-        return 0.0
-    return cost_model.decision_margin * sum(
-        cost_model.node_cost(n) for n in rw.match.nodes
-        if not n.weight_only and n.op not in LEAF_OPS)
-
-
 def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
                    time_limit: float, state: SearchState | None = None, alpha: float = 1.05,
                    on_step: Callable[[float, Graph, tuple], None] | None = None,
@@ -397,7 +384,7 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                     rebuilt: dict = {}
                     g2 = graph.replace(rw.mapping, rebuilt)
                     c2 = cost_model.graph_cost(g2)
-                    if c2 < cost * (1 - 1e-9) - _margin(cost_model, rw):
+                    if c2 < cost * (1 - 1e-9):
                         table = _carry_table(table, graph, g2, rw.mapping, rebuilt, reach, by_id,
                                              state)
                         graph, cost = g2, c2

@@ -45,10 +45,6 @@ class CostModel:
     """
 
     name = "base"
-    #: A rewrite is worth taking only when it saves more than this fraction of the cost of
-    #: the operators it replaces (see :func:`taso_jax.search.backtracking.greedy_descent`):
-    #: 0 for an exact model; a measured one prices kernels only to within a few percent.
-    decision_margin: float = 0.0
 
     def __init__(self):
         self._memo: dict[Node, float] = {}
@@ -201,10 +197,6 @@ class MeasuredCostModel(CostModel):
     """
 
     name = "measured"
-    #: Kernel times taken alone vary by a few percent from measurement to measurement;
-    #: a rewrite that saves less than this fraction of what it replaces is a coin flip on
-    #: those prices, and taking it or not changed from one cold-cache run to the next.
-    decision_margin = 0.05
     #: ``time.perf_counter()`` after which a kernel not in the cache is priced by the
     #: analytic model instead of measured (``None``: always measure). A search sets it, so
     #: that measuring a large model's kernels cannot run past the search's time limit.

@@ -89,8 +89,8 @@ def device_constant(value):
     """:func:`as_jax_constant`, shared by every graph that holds the same read-only array.
 
     A NumPy array that cannot be written to, down to its base (the ONNX importer marks its
-    initializers so; :func:`_frozen`)
-    is copied to the device once, however many candidate graphs of a search fold it: each
+    initializers so; :func:`_frozen`), is copied to the device once, however many candidate
+    graphs of a search fold it: each
     compiled candidate of a 100 MB ResNet-50 used to hold its own device copy of every
     weight. The copy lives only while some compiled graph still holds it. Writable arrays
     (a user's NumPy weights, which may change in place) are copied afresh every time.
