@@ -51,10 +51,21 @@ def _prove_chunk(chunk: list[tuple[int, dict]], rlimit: int, timeout_ms: int | N
     Each worker process keeps one :class:`~taso_jax.verify.prover.Prover` per limits.
     """
     global _PROVER, _PROVER_LIMITS
-    if _PROVER is None or _PROVER_LIMITS != (rlimit, timeout_ms):
-        _init(rlimit, timeout_ms)
-        _PROVER_LIMITS = (rlimit, timeout_ms)
-    return [_prove_json(job) for job in chunk]
+    import gc
+
+    # Z3's Python objects free their solver state in __del__. A Dask worker's event-loop
+    # thread can run the cyclic garbage collector while this task's thread is inside Z3,
+    # and Z3 is not thread-safe: workers died of signal 11 or raised "Sort mismatch"
+    # errors. Collect only here, in the task's thread.
+    gc.disable()
+    try:
+        if _PROVER is None or _PROVER_LIMITS != (rlimit, timeout_ms):
+            _init(rlimit, timeout_ms)
+            _PROVER_LIMITS = (rlimit, timeout_ms)
+        return [_prove_json(job) for job in chunk]
+    finally:
+        gc.collect()
+        gc.enable()
 
 
 def _cluster_results(jobs: list, cluster: str, workers: int, rlimit: int,
