@@ -86,8 +86,8 @@ def confirm_faster(loop, first: tuple | None = None,
     loops' rounds. A verdict of "faster" from one loop is then checked in one more loop:
     the candidate must be ahead there too (median per-round speedup above 1), and the test
     holds on all rounds. One loop covers a fraction of a second, and the machine's state
-    drifts over seconds: on 2 shared cores an equinox conv net's NHWC graph won 25 of 25
-    rounds (1.10x, p < 0.001) and ran 0.97-0.98x in the loops that followed. Returns
+    drifts over seconds: on 2 shared cores an equinox conv net's NHWC graph won 18 of 25
+    rounds (1.04x, p = 0.001) and ran 0.97x in the two loops that followed. Returns
     ``(test, baseline times, candidate times)``, ``test["loops"]`` counting the loops; a
     loop cut short (fewer than 5 rounds, past a deadline) is not added, and a check loop
     cut short leaves the verdict "not faster".
