@@ -17,6 +17,7 @@ bounded by Z3's resource limit, so a rule's status does not depend on the machin
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -51,8 +52,6 @@ def _prove_chunk(chunk: list[tuple[int, dict]], rlimit: int, timeout_ms: int | N
     Each worker process keeps one :class:`~taso_jax.verify.prover.Prover` per limits.
     """
     global _PROVER, _PROVER_LIMITS
-    import gc
-
     # Z3's Python objects free their solver state in __del__. A Dask worker's event-loop
     # thread can run the cyclic garbage collector while this task's thread is inside Z3,
     # and Z3 is not thread-safe: workers died of signal 11 or raised "Sort mismatch"
