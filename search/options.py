@@ -16,9 +16,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from taso_jax.search.backtracking import SearchResult, backtracking_search
+from taso_jax.search.backtracking import (
+    SearchResult,
+    add_analytic_candidate,
+    backtracking_search,
+)
 from taso_jax.search.choose import choose_fastest
-from taso_jax.search.cost import COST_MODEL_NAMES, CostModel, get_cost_model
+from taso_jax.search.cost import COST_MODEL_NAMES, AnalyticCostModel, CostModel, get_cost_model
 from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
 
 from taso_jax.ir.executor import forget_compiled
@@ -30,6 +34,11 @@ __all__ = ["OptimizeOptions", "search_graph", "usable_rules", "TARGETS"]
 #: Share of ``time_limit`` that the backtracking search may use; the end-to-end choice
 #: (compiling and timing the candidates) has the rest.
 SEARCH_SHARE = 0.7
+
+#: Share of ``time_limit``, out of :data:`SEARCH_SHARE`, that a second search under the
+#: analytic cost model may use when the measured one is searched with an end-to-end choice
+#: (:func:`taso_jax.search.backtracking.add_analytic_candidate`).
+ANALYTIC_SHARE = 0.1
 
 #: The runtimes a result can be made fast in.
 TARGETS = ("xla", "onnxruntime")
@@ -121,8 +130,17 @@ class OptimizeOptions:
         return cm if isinstance(cm, str) else getattr(cm, "name", type(cm).__name__)
 
     def make_cost_model(self) -> CostModel:
-        """The cost model these options name (a given instance is returned as is)."""
+        """The cost model these options name (a given instance is returned as is).
+
+        ``"measured"`` on XLA:CPU with ``layout_candidates`` prices convolutions in NHWC
+        (``MeasuredCostModel(nhwc_convolutions=True)``): the end-to-end choice times NHWC
+        forms and on a CPU keeps them, so the search ranks graphs by what they will run.
+        """
         cm = self.cost_model
+        if cm == "measured" and self.target == "xla" and self.layout_candidates:
+            import jax
+
+            return get_cost_model(cm, nhwc_convolutions=jax.default_backend() == "cpu")
         return get_cost_model(cm) if isinstance(cm, str) else cm
 
     def load_rules(self) -> list[Substitution]:
@@ -199,11 +217,17 @@ def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = 
         graph = graph.graph()
     subs, counts = usable_rules(opts.load_rules(), opts.allow_unverified)
     deadline = time.perf_counter() + opts.time_limit
-    result = backtracking_search(graph, subs, opts.make_cost_model(), alpha=opts.alpha,
-                                 budget=opts.budget,
-                                 time_limit=opts.time_limit * (
-                                     SEARCH_SHARE if opts.end_to_end > 0 else 1.0),
+    cost_model = opts.make_cost_model()
+    second = (opts.end_to_end > 0 and opts.target == "xla"
+              and not isinstance(cost_model, AnalyticCostModel))
+    share = (SEARCH_SHARE - (ANALYTIC_SHARE if second else 0.0)
+             if opts.end_to_end > 0 else 1.0)
+    result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
+                                 budget=opts.budget, time_limit=opts.time_limit * share,
                                  progress=progress, keep=max(1, opts.end_to_end))
+    if second:
+        add_analytic_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
+                               budget=opts.budget, time_limit=opts.time_limit * ANALYTIC_SHARE)
     layouts = chooser is None and opts.layout_candidates and has_nchw_convolutions(graph)
     if opts.end_to_end > 0 and (len(result.candidates) > 1 or layouts):
         if chooser is None:

@@ -20,9 +20,9 @@ import numpy as np
 
 from taso_jax._io import atomic_write
 from taso_jax.ir.graph import Graph
-from taso_jax.search.backtracking import backtracking_search
+from taso_jax.search.backtracking import add_analytic_candidate, backtracking_search
 from taso_jax.search.choose import choose_fastest, device_name, paired_speedup, time_graphs
-from taso_jax.search.options import OptimizeOptions, usable_rules
+from taso_jax.search.options import ANALYTIC_SHARE, OptimizeOptions, usable_rules
 
 __all__ = ["bench_graph", "rule_family", "merge_rows", "read_results", "results_path",
            "write_results", "format_table"]
@@ -33,10 +33,12 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
                 sample: int = 8, substitutions=None, layouts: bool = True) -> dict:
     """Optimize ``graph`` and time it against the original, for one row of the benchmark.
 
-    The search keeps its ``candidates`` cheapest graphs; they and ``sample`` more of the graphs
-    it visited, with the NHWC forms of the input and of the cheapest (``layouts``), are timed
-    end to end and the fastest confirmed faster is kept (:func:`choose_fastest`, which also
-    gives the cost model's rank correlation), then the original and the chosen graph are
+    The search keeps its ``candidates`` cheapest graphs; they, the best graph of a second
+    search under the analytic cost model (:func:`add_analytic_candidate`, measured cost
+    models only), ``sample`` more of the graphs it visited, and the NHWC forms of the
+    input and of the cheapest (``layouts``) are timed end to end and the fastest confirmed
+    faster is kept (:func:`choose_fastest`, which also gives the cost model's rank
+    correlation), then the original and the chosen graph are
     timed again, interleaved, ``repeats`` rounds (the input alone when it is kept: the
     speedup is then exactly 1). Times are microseconds of one call of the
     ``jax.jit``-compiled graph on the current device.
@@ -48,12 +50,15 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
     :func:`choose_fastest` measured, with the rank correlation).
     """
     opts = OptimizeOptions(budget=budget, time_limit=time_limit, cost_model=cost_model,
-                           substitutions=substitutions)
+                           substitutions=substitutions, layout_candidates=layouts)
     subs, _ = usable_rules(opts.load_rules(), allow_unverified=False)
     t0 = time.perf_counter()
-    r = backtracking_search(graph, subs, opts.make_cost_model(), budget=budget,
+    cost_model = opts.make_cost_model()
+    r = backtracking_search(graph, subs, cost_model, budget=budget,
                             time_limit=time_limit, keep=max(1, candidates))
     search_seconds = time.perf_counter() - t0
+    add_analytic_candidate(r, graph, subs, cost_model, budget=budget,
+                           time_limit=time_limit * ANALYTIC_SHARE)
     e2e = choose_fastest(r, repeats=max(5, repeats // 5), sample=sample, layouts=layouts)
     if r.graph.key == graph.key:  # the input is returned as is: one graph, one measurement
         before = after = time_graphs([graph], repeats=repeats)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+import jax
 import numpy as np
 import onnx
 import pytest
@@ -76,6 +77,53 @@ def test_search_never_returns_costlier_graph():
         assert Pessimist().graph_cost(r.graph) == r.cost_after
 
 
+def test_the_analytic_search_adds_its_best_graph_as_a_candidate(monkeypatch):
+    """A cost model that finds nothing worth doing (every split priced 1e9) keeps the input;
+    the analytic model's best graph (the two convolutions merged) is then added to the
+    candidates, priced by the first model, for the end-to-end choice to time."""
+    from taso_jax.search.backtracking import add_analytic_candidate
+    from taso_jax.search.cost import CostModel
+    from taso_jax.search import options as options_module
+    from taso_jax.search.options import search_graph
+
+    class SplitHater(CostModel):
+        name = "split-hater"
+
+        def _cost(self, node):
+            return 1.0 if node.op != "split" else 1e9
+
+    g = resnet_module(channels=8, size=8)
+    model = SplitHater()
+    r = backtracking_search(g, SUBS, model, budget=20, keep=2)
+    assert r.graph.key == g.key and len(r.candidates) == 1
+    added = add_analytic_candidate(r, g, SUBS, model, budget=20)
+    assert added is not None and r.candidates[-1] is added
+    assert added.graph.key != g.key and added.cost == model.graph_cost(added.graph)
+    assert added.cost >= 1e9  # priced by the model given, not the analytic one
+    assert any(name.startswith("merge-conv2d") for name in added.path)
+    assert r.graph.key == g.key  # the result itself is not changed
+    assert add_analytic_candidate(r, g, SUBS, model, budget=20) is None  # already there
+    r2 = backtracking_search(g, SUBS, AnalyticCostModel(), budget=20)
+    assert add_analytic_candidate(r2, g, SUBS, AnalyticCostModel(), budget=20) is None
+
+    seen = []
+
+    def chooser(result, deadline):
+        seen.extend(c.graph.key for c in result.candidates)
+        return {}
+
+    search_graph(g, cost_model=SplitHater(), substitutions=SUBS, budget=20, end_to_end=2,
+                 chooser=chooser)
+    assert added.graph.key in seen
+    calls = []
+    monkeypatch.setattr(options_module, "add_analytic_candidate",
+                        lambda *a, **k: calls.append(a[3]))
+    for cost_model, end_to_end in ((AnalyticCostModel(), 2), (SplitHater(), 0)):
+        search_graph(g, cost_model=cost_model, substitutions=SUBS, budget=20,
+                     end_to_end=end_to_end, chooser=chooser)
+    assert calls == []  # analytic already, or no end-to-end choice to time it
+
+
 def test_search_validates_arguments():
     with pytest.raises(ValueError, match="alpha"):
         backtracking_search(resnet_module(8, 8), SUBS, alpha=0.5)
@@ -99,6 +147,34 @@ def test_measured_cost_model_caches_in_sqlite(tmp_path):
     for n in convs:
         expect = max(raw.node_cost(n) - m2.call_overhead_us, 0) + m2._analytic.launch_us
         assert m2.node_cost(n) == pytest.approx(expect)
+
+
+def test_convolutions_priced_in_nhwc_are_timed_as_conv2d_nhwc(tmp_path):
+    """With nhwc_convolutions, a conv2d is measured as the conv2d_nhwc that to_nhwc would run
+    in its place (its own cache row), and the options turn it on only where the end-to-end
+    choice has NHWC candidates."""
+    import sqlite3
+
+    from taso_jax.ir.layout import to_nhwc
+    from taso_jax.search.cost import nhwc_form
+    from taso_jax.search.options import OptimizeOptions
+
+    g = resnet_module(channels=8, size=8)
+    conv = next(n for n in g.nodes if n.op == "conv2d")
+    form = nhwc_form(conv)
+    nhwc_convs = [n for n in to_nhwc(g).nodes if n.op == "conv2d_nhwc"]
+    assert form.op == "conv2d_nhwc" and form.attrs == conv.attrs
+    assert any([t.type for t in n.inputs] == [t.type for t in form.inputs]
+               and n.types == form.types for n in nhwc_convs)
+    path = str(tmp_path / "costs.sqlite")
+    m = MeasuredCostModel(cache_path=path, repeats=3, nhwc_convolutions=True)
+    assert m.node_cost(conv) > 0
+    keys = [k for (k,) in sqlite3.connect(path).execute("SELECT key FROM cost")]
+    assert any(k.startswith("('conv2d_nhwc'") for k in keys)
+    assert not any(k.startswith("('conv2d'") for k in keys)
+    on_cpu = jax.default_backend() == "cpu"  # XLA:GPU lays convolutions out itself
+    assert OptimizeOptions().make_cost_model().nhwc_convolutions is on_cpu
+    assert OptimizeOptions(layout_candidates=False).make_cost_model().nhwc_convolutions is False
 
 
 def _optimize_and_check(name, model_bytes, graph, budget=10):
