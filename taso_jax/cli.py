@@ -359,7 +359,8 @@ def _generate(args) -> int:
 
     t0 = time.perf_counter()
     subs, stats = generate([by_name[n] for n in names], max_ops=args.max_ops,
-                           seed=args.seed, progress=progress, workers=args.workers)
+                           seed=args.seed, progress=progress, workers=args.workers,
+                           cluster=args.cluster)
     bar.close()
     print(stats.summary())
     for stage, sec in stats.seconds.items():
@@ -539,9 +540,10 @@ def _limit_flags(p) -> None:
                    help="also a wall-clock limit per attempt, in ms (off: a status that "
                         "depends on load is not repeatable)")
     p.add_argument("--cluster", metavar="local|ADDRESS", default=None,
-                   help="prove on a Dask cluster: 'local' starts one of --workers processes "
-                        "here, an address (tcp://host:8786) uses a running scheduler "
-                        "(default: a process pool here; needs taso_jax[cluster])")
+                   help="run on a Dask cluster (proofs as tasks; generate also runs each "
+                        "domain as a task): 'local' starts one of --workers processes here, "
+                        "an address (tcp://host:8786) uses a running scheduler (default: a "
+                        "process pool here; needs taso_jax[cluster])")
     p.add_argument("--checkpoint", metavar="FILE", default=None,
                    help="record each finished proof in FILE (JSON lines); a rerun with the "
                         "same FILE and limits skips the proofs already there")

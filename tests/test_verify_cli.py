@@ -97,6 +97,25 @@ def test_a_local_dask_cluster_of_two_workers_proves_like_the_pool(tmp_path, caps
     assert "proved: 3" in capsys.readouterr().out
 
 
+def test_generate_on_a_local_dask_cluster_gives_the_rules_of_one_process(tmp_path):
+    """`taso-jax generate --cluster local` runs each domain as a task on the cluster and
+    writes the same rules, in the same order, as generation in this process."""
+    from taso_jax.search.rules import load_substitutions
+    from taso_jax.verify.generator import DEFAULT_DOMAINS, generate
+
+    names = ["matmulrows", "matmulbranch"]
+    by_name = {d.name: d for d in DEFAULT_DOMAINS}
+    here, _ = generate([by_name[n] for n in names], max_ops=3, workers=1)
+    out = tmp_path / "rules.json"
+    assert main(["generate", "--max-ops", "3", "--domains", ",".join(names), "--no-verify",
+                 "--allow-unverified", "--cluster", "local", "--workers", "2", "-q",
+                 "-o", str(out)]) == 0
+    there = load_substitutions(out)
+    assert len(here) > 0
+    assert [s.id for s in there] == [s.id for s in here]
+    assert [s.name for s in there] == [s.name for s in here]
+
+
 def test_an_interrupted_verification_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     import taso_jax.verify.runner as runner
 

@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -793,9 +794,88 @@ def _slice_merges(domain, classes, sym_values, fp, max_ops, seed, stats):
                     stats.pruned["symbolic_size"] += 1
 
 
+def _domain_run(domain: Domain, max_ops: int, seed: int, progress: Callable | None,
+                monotone: bool, workers: int | None
+                ) -> tuple[list[tuple[str, Substitution | None]], GeneratorStats]:
+    """One domain's generation: enumerate, pair, prune, re-check, generalise attributes.
+
+    Returns ``(records, stats)``: a record per candidate that is not a renaming of an
+    earlier one of this domain, in order, as ``(canonical key, substitution)``; the
+    substitution is ``None`` when it failed the re-check on the domain's instances, and
+    has its attributes generalised otherwise. Renamings across domains are left to the
+    caller (:func:`generate`), which sees the domains in order.
+    """
+    stats = GeneratorStats()
+    t0 = time.perf_counter()
+    with _enable_x64():
+        leaves, exprs, classes, sym_values, fp = _enumerate(domain, max_ops, seed, progress)
+    stats.expressions += len(exprs) - len(leaves)
+    stats.classes += len(classes)
+    t1 = time.perf_counter()
+    stats.seconds[f"{domain.name}: enumerate"] = round(t1 - t0, 2)
+    cands = (list(_candidates(domain, classes, sym_values, max_ops, seed, stats, monotone))
+             if domain.class_pairs else [])
+    if domain.slice_merges:
+        cands += _slice_merges(domain, classes, sym_values, fp, max_ops, seed, stats)
+    records: list[tuple[str, Substitution | None]] = []
+    seen: set[str] = set()
+    for sub in cands:
+        key = _canonical_key(sub, domain)
+        if key in seen:
+            stats.pruned["renaming_duplicate"] += 1
+            continue
+        seen.add(key)
+        if not all(check_substitution(sub, domain, inst, seed + i + 1)
+                   for i, inst in enumerate(domain.instances)):  # None fails too
+            records.append((key, None))
+            continue
+        sub.provenance["checked_instances"] = [
+            {k: list(v) if isinstance(v, tuple) else v for k, v in inst.items()}
+            for inst in domain.instances]
+        records.append((key, sub))
+    stats.seconds[f"{domain.name}: pair+prune+check"] = round(time.perf_counter() - t1, 2)
+    t2 = time.perf_counter()
+    passed = [i for i, (_, sub) in enumerate(records) if sub is not None]
+    general = _generalize_all([records[i][1] for i in passed], domain, seed, workers)
+    for i, sub in zip(passed, general, strict=True):
+        records[i] = (records[i][0], sub)
+    stats.seconds[f"{domain.name}: generalize attributes"] = round(time.perf_counter() - t2, 2)
+    return records, stats
+
+
+def _domain_task(domain: Domain, max_ops: int, seed: int, monotone: bool
+                 ) -> tuple[list[tuple[str, dict | None]], GeneratorStats]:
+    """A cluster task: :func:`_domain_run` in a worker, substitutions as JSON."""
+    records, stats = _domain_run(domain, max_ops, seed, None, monotone, workers=1)
+    return [(key, None if sub is None else sub.to_json()) for key, sub in records], stats
+
+
+def _cluster_domains(domains, max_ops: int, seed: int, monotone: bool, cluster: str,
+                     workers: int | None, progress: Callable | None):
+    """Yield ``(domain index, records, stats)`` as each domain's task finishes on Dask."""
+    from taso_jax.verify.runner import dask_client
+
+    with dask_client(cluster, workers or os.cpu_count() or 1) as client:
+        # the largest domains first, so that no worker starts one last
+        order = sorted(range(len(domains)), key=lambda i: -len(domains[i].ops) * (
+            1 + len(domains[i].variables)) * domains[i].max_ops)
+        futures = {client.submit(_domain_task, domains[i], max_ops, seed, monotone,
+                                 pure=False): i for i in order}
+        from dask.distributed import as_completed
+
+        for future in as_completed(list(futures)):
+            i = futures[future]
+            records, stats = future.result()
+            if progress:
+                progress(f"{domains[i].name}: done on the cluster")
+            yield i, [(key, None if d is None else Substitution.from_json(d))
+                      for key, d in records], stats
+
+
 def generate(domains=None, max_ops: int = 3, seed: int = 0,
              progress: Callable[[str], None] | None = None, monotone: bool = True,
-             workers: int | None = None) -> tuple[list[Substitution], GeneratorStats]:
+             workers: int | None = None, cluster: str | None = None
+             ) -> tuple[list[Substitution], GeneratorStats]:
     """Generate substitutions over ``domains`` with expressions of up to ``max_ops`` operators.
 
     Args:
@@ -808,49 +888,45 @@ def generate(domains=None, max_ops: int = 3, seed: int = 0,
             source (weight-only operators are free); the search's alpha relaxation then
             explores sideways moves, and the rule set stays small enough to match quickly.
         workers: processes for attribute generalisation (default: one per core; 1 runs
-            in this process).
+            in this process); with ``cluster="local"``, the cluster's worker processes.
+        cluster: ``None`` (domains one after another, here), ``"local"`` (a Dask
+            ``LocalCluster``) or a scheduler address (``tcp://host:8786``): each domain
+            is then generated as one task on a worker (enumeration, fingerprints,
+            pruning, re-check and attribute generalisation in one process). The result
+            is the same as without a cluster: renamings across domains are pruned here,
+            in domain order.
 
     Returns:
         The kept substitutions and the per-stage counts.
+
+    Raises:
+        RuntimeError: a cluster was asked for and Dask is not installed.
     """
-    domains = DEFAULT_DOMAINS if domains is None else domains
+    domains = DEFAULT_DOMAINS if domains is None else tuple(domains)
     stats = GeneratorStats()
+    if cluster is None:
+        runs = (_domain_run(d, max_ops, seed, progress, monotone, workers) for d in domains)
+    else:
+        done = {i: (records, st) for i, records, st in _cluster_domains(
+            domains, max_ops, seed, monotone, cluster, workers, progress)}
+        runs = (done[i] for i in range(len(domains)))
     kept: list[Substitution] = []
     seen: set[str] = set()
-    for domain in domains:
-        start = len(kept)
-        t0 = time.perf_counter()
-        with _enable_x64():
-            leaves, exprs, classes, sym_values, fp = _enumerate(domain, max_ops, seed,
-                                                                progress)
-        stats.expressions += len(exprs) - len(leaves)
-        stats.classes += len(classes)
-        t1 = time.perf_counter()
-        stats.seconds[f"{domain.name}: enumerate"] = round(t1 - t0, 2)
-        cands = (list(_candidates(domain, classes, sym_values, max_ops, seed, stats, monotone))
-                 if domain.class_pairs else [])
-        if domain.slice_merges:
-            cands += _slice_merges(domain, classes, sym_values, fp, max_ops, seed, stats)
-        for sub in cands:
-            key = _canonical_key(sub, domain)
+    for domain, (records, st) in zip(domains, runs, strict=True):
+        stats.expressions += st.expressions
+        stats.classes += st.classes
+        stats.candidates += st.candidates
+        stats.pruned.update(st.pruned)
+        stats.seconds.update(st.seconds)
+        for key, sub in records:
             if key in seen:
                 stats.pruned["renaming_duplicate"] += 1
-                continue
-            seen.add(key)
-            if not all(check_substitution(sub, domain, inst, seed + i + 1)
-                       for i, inst in enumerate(domain.instances)):  # None fails too
+            elif sub is None:
                 stats.pruned["failed_recheck"] += 1
-                continue
-            sub.provenance["checked_instances"] = [
-                {k: list(v) if isinstance(v, tuple) else v for k, v in inst.items()}
-                for inst in domain.instances]
-            kept.append(sub)
-        stats.seconds[f"{domain.name}: pair+prune+check"] = round(time.perf_counter() - t1, 2)
-        t2 = time.perf_counter()
-        kept[start:] = _generalize_all(kept[start:], domain, seed, workers)
-        stats.seconds[f"{domain.name}: generalize attributes"] = round(
-            time.perf_counter() - t2, 2)
-        if progress:
+            else:
+                kept.append(sub)
+            seen.add(key)
+        if progress and cluster is None:
             progress(f"{domain.name}: {len(kept)} kept so far")
     # Generalising attributes can make two candidates one rule (found with activation=none
     # and with relu, both become ?activation): keep the first of each content id.

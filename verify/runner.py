@@ -17,6 +17,7 @@ bounded by Z3's resource limit, so a rule's status does not depend on the machin
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -75,8 +76,28 @@ def _cluster_results(jobs: list, cluster: str, workers: int, rlimit: int,
     each, started and stopped here) or a scheduler address (``tcp://host:8786``) of a
     running cluster whose workers have taso_jax installed.
     """
+    from dask.distributed import as_completed
+
+    with dask_client(cluster, workers) as client:
+        chunks = [jobs[i:i + chunk] for i in range(0, len(jobs), chunk)]
+        futures = client.map(_prove_chunk, chunks, rlimit=rlimit, timeout_ms=timeout_ms,
+                             pure=False)
+        for future in as_completed(futures):
+            yield from future.result()
+
+
+@contextlib.contextmanager
+def dask_client(cluster: str, workers: int):
+    """A Dask ``Client`` for ``cluster``, closed (with the cluster it started) on exit.
+
+    ``cluster`` is ``"local"`` (a ``LocalCluster`` of ``workers`` processes, one thread
+    each) or the address of a running scheduler (``tcp://host:8786``).
+
+    Raises:
+        RuntimeError: Dask is not installed (``pip install 'taso_jax[cluster]'``).
+    """
     try:
-        from dask.distributed import Client, LocalCluster, as_completed
+        from dask.distributed import Client, LocalCluster
     except ImportError as e:
         raise RuntimeError("a cluster needs Dask: pip install 'taso_jax[cluster]'") from e
     local = None
@@ -87,11 +108,7 @@ def _cluster_results(jobs: list, cluster: str, workers: int, rlimit: int,
     else:
         client = Client(cluster)
     try:
-        chunks = [jobs[i:i + chunk] for i in range(0, len(jobs), chunk)]
-        futures = client.map(_prove_chunk, chunks, rlimit=rlimit, timeout_ms=timeout_ms,
-                             pure=False)
-        for future in as_completed(futures):
-            yield from future.result()
+        yield client
     finally:
         client.close()
         if local is not None:
