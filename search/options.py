@@ -40,6 +40,11 @@ SEARCH_SHARE = 0.7
 #: (:func:`taso_jax.search.backtracking.add_analytic_candidate`).
 ANALYTIC_SHARE = 0.1
 
+#: Changes when the same options and rules can give another graph (kept graphs are cached on
+#: disk under it: :mod:`taso_jax.frontends.graph_cache`). 2: convolutions priced in NHWC on
+#: XLA:CPU, and the analytic search's best graph among the candidates.
+SEARCH_REVISION = 2
+
 #: The runtimes a result can be made fast in.
 TARGETS = ("xla", "onnxruntime")
 

@@ -55,7 +55,7 @@ from taso_jax.ir.graph import Graph
 from taso_jax.report import compare_outputs, format_report, search_report
 from taso_jax.search.backtracking import SearchResult
 from taso_jax.search.choose import confirm_faster, device_name
-from taso_jax.search.options import OptimizeOptions, search_graph
+from taso_jax.search.options import SEARCH_REVISION, OptimizeOptions, search_graph
 from taso_jax.verify.runner import rules_for
 
 __all__ = ["OptimizedFunction", "optimize_function"]
@@ -713,7 +713,8 @@ class OptimizedFunction:
         rules = hashlib.sha256(" ".join(sorted(s.id for s in subs)).encode()).hexdigest()
         settings = (f"alpha={o.alpha} budget={o.budget} time_limit={o.time_limit} "
                     f"cost={o.cost_model_name} e2e={o.end_to_end} layouts={o.layout_candidates} "
-                    f"unverified={o.allow_unverified} check={bool(self.check)}")
+                    f"unverified={o.allow_unverified} check={bool(self.check)} "
+                    f"search_revision={SEARCH_REVISION}")
         return [device_name(), jax.__version__, _package_version(), settings, rules]
 
     def _keep_original(self, entry: _Entry, traced: TracedFunction, result, args,
