@@ -445,9 +445,10 @@ def nhwc_form(node: Node) -> Node:
     ``x'`` NHWC and ``w'`` HWIO, same attributes: what :func:`taso_jax.ir.layout.to_nhwc`
     runs in its place. Used to price a convolution in the layout it will run in.
     """
-    from taso_jax.ir.graph import leaf_node
-    from taso_jax.ops.conv import NCHW_TO_NHWC, OIHW_TO_HWIO
     from taso_jax.ops import TensorType
+    from taso_jax.ops.conv import NCHW_TO_NHWC, OIHW_TO_HWIO
+
+    from taso_jax.ir.graph import leaf_node
 
     x, w = node.inputs[:2]
     leaves = [leaf_node(kind, name, TensorType(tuple(t.shape[i] for i in perm), t.dtype))

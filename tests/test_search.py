@@ -81,9 +81,9 @@ def test_the_analytic_search_adds_its_best_graph_as_a_candidate(monkeypatch):
     """A cost model that finds nothing worth doing (every split priced 1e9) keeps the input;
     the analytic model's best graph (the two convolutions merged) is then added to the
     candidates, priced by the first model, for the end-to-end choice to time."""
+    from taso_jax.search import options as options_module
     from taso_jax.search.backtracking import add_analytic_candidate
     from taso_jax.search.cost import CostModel
-    from taso_jax.search import options as options_module
     from taso_jax.search.options import search_graph
 
     class SplitHater(CostModel):
@@ -155,9 +155,10 @@ def test_convolutions_priced_in_nhwc_are_timed_as_conv2d_nhwc(tmp_path):
     choice has NHWC candidates."""
     import sqlite3
 
-    from taso_jax.ir.layout import to_nhwc
     from taso_jax.search.cost import nhwc_form
     from taso_jax.search.options import OptimizeOptions
+
+    from taso_jax.ir.layout import to_nhwc
 
     g = resnet_module(channels=8, size=8)
     conv = next(n for n in g.nodes if n.op == "conv2d")
