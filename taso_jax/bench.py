@@ -48,7 +48,7 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
     ``min_us``, ``max_us``), ``speedup`` (the median of the per-round ratios, which a
     machine's drifting load does not bias), ``speedup_of_medians``, ``end_to_end`` (what
     :func:`choose_fastest` measured, with the rank correlation). ``search_seconds`` covers
-    both searches (before 2026-11-25 it covered the measured one only).
+    both searches (results written before this, on 2026-11-24, cover the measured one only).
     """
     opts = OptimizeOptions(budget=budget, time_limit=time_limit, cost_model=cost_model,
                            substitutions=substitutions, layout_candidates=layouts)
