@@ -30,7 +30,7 @@ from collections.abc import Iterable
 import numpy as np
 from taso_jax.ops import OPS
 
-from taso_jax.ir.graph import LEAF_OPS, Graph, Node, make_node
+from taso_jax.ir.graph import LEAF_OPS, Graph, Node
 
 __all__ = ["CostModel", "AnalyticCostModel", "fused_cost", "MeasuredCostModel", "graph_cost",
            "get_cost_model"]
@@ -246,6 +246,8 @@ class MeasuredCostModel(CostModel):
             # under jax.jit it is fused into its neighbour, so only its arithmetic counts.
             return fused_cost(node, self._analytic.gflops)
         if self.nhwc_convolutions and node.op == "conv2d":
+            from taso_jax.ir.layout import nhwc_form
+
             node = nhwc_form(node)
         key = self.key(node)
         if self.deadline is not None and time.perf_counter() > self.deadline:
@@ -436,25 +438,6 @@ class MeasuredCostModel(CostModel):
                                   else 0)
                 best[i] = min(best[i], float(min(t)))
         return best[0], best[1]
-
-
-def nhwc_form(node: Node) -> Node:
-    """The ``conv2d_nhwc`` node of a ``conv2d`` node's sizes, on placeholder leaves.
-
-    ``conv2d(x, w)`` with ``x`` NCHW and ``w`` OIHW becomes ``conv2d_nhwc(x', w')`` with
-    ``x'`` NHWC and ``w'`` HWIO, same attributes: what :func:`taso_jax.ir.layout.to_nhwc`
-    runs in its place. Used to price a convolution in the layout it will run in.
-    """
-    from taso_jax.ops import TensorType
-    from taso_jax.ops.conv import NCHW_TO_NHWC, OIHW_TO_HWIO
-
-    from taso_jax.ir.graph import leaf_node
-
-    x, w = node.inputs[:2]
-    leaves = [leaf_node(kind, name, TensorType(tuple(t.shape[i] for i in perm), t.dtype))
-              for kind, name, t, perm in (("input", "x", x, NCHW_TO_NHWC),
-                                          ("weight", "w", w, OIHW_TO_HWIO))]
-    return make_node("conv2d_nhwc", [n.outputs[0] for n in leaves], node.attr_dict)
 
 
 def _open_cache(path: str) -> sqlite3.Connection | None:

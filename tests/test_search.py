@@ -155,10 +155,9 @@ def test_convolutions_priced_in_nhwc_are_timed_as_conv2d_nhwc(tmp_path):
     choice has NHWC candidates."""
     import sqlite3
 
-    from taso_jax.search.cost import nhwc_form
     from taso_jax.search.options import OptimizeOptions
 
-    from taso_jax.ir.layout import to_nhwc
+    from taso_jax.ir.layout import nhwc_form, to_nhwc
 
     g = resnet_module(channels=8, size=8)
     conv = next(n for n in g.nodes if n.op == "conv2d")

@@ -25,10 +25,10 @@ the end-to-end choice.
 
 from __future__ import annotations
 
-from taso_jax.ir.graph import Graph, Node, Tensor, make_node, rebuild_node
+from taso_jax.ir.graph import Graph, Node, Tensor, leaf_node, make_node, rebuild_node
 from taso_jax.ops import OPS
 
-__all__ = ["sink_transposes", "to_nhwc", "has_nchw_convolutions"]
+__all__ = ["sink_transposes", "to_nhwc", "nhwc_form", "has_nchw_convolutions"]
 
 Perm = tuple[int, ...] | None  # None: identity
 
@@ -168,6 +168,24 @@ def sink_transposes(graph: Graph) -> Graph:
 def has_nchw_convolutions(graph: Graph) -> bool:
     """Whether ``graph`` runs any ``conv2d`` (NCHW) at run time."""
     return any(n.op == "conv2d" and not n.weight_only for n in graph.nodes)
+
+
+def nhwc_form(node: Node) -> Node:
+    """The ``conv2d_nhwc`` node that :func:`to_nhwc` runs in place of a ``conv2d`` node.
+
+    ``conv2d(x, w)`` with ``x`` NCHW and ``w`` OIHW becomes ``conv2d_nhwc(x', w')``, ``x'``
+    NHWC and ``w'`` HWIO placeholder leaves of the transposed sizes, same attributes. The
+    measured cost model prices a convolution by it
+    (:class:`taso_jax.search.cost.MeasuredCostModel`, ``nhwc_convolutions``).
+    """
+    from taso_jax.ops import TensorType
+    from taso_jax.ops.conv import NCHW_TO_NHWC, OIHW_TO_HWIO
+
+    x, w = node.inputs[:2]
+    leaves = [leaf_node(kind, name, TensorType(tuple(t.shape[i] for i in perm), t.dtype))
+              for kind, name, t, perm in (("input", "x", x, NCHW_TO_NHWC),
+                                          ("weight", "w", w, OIHW_TO_HWIO))]
+    return make_node("conv2d_nhwc", [n.outputs[0] for n in leaves], node.attr_dict)
 
 
 def to_nhwc(graph: Graph) -> Graph:
