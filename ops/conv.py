@@ -12,10 +12,9 @@ to ``"same"``/``"valid"`` when they agree, which lets shape-generic substitution
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+from functools import partial
+
 import numpy as np
-from jax import lax
 from taso_jax.ops import (
     OpDef,
     ShapeError,
@@ -25,9 +24,16 @@ from taso_jax.ops import (
     jaxpr_importer,
     onnx_importer,
 )
+from taso_jax.ops._lazy import LazyModule, deferred
 
-ACTIVATIONS = {"none": lambda x: x, "relu": jax.nn.relu, "sigmoid": jax.nn.sigmoid,
-               "tanh": jnp.tanh}
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
+lax = LazyModule("jax.lax")
+_jnp = partial(deferred, "jax.numpy")
+_jnn = partial(deferred, "jax.nn")
+
+ACTIVATIONS = {"none": lambda x: x, "relu": _jnn("relu"),
+               "sigmoid": _jnn("sigmoid"), "tanh": _jnp("tanh")}
 _ACT_ONNX = {"relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh"}
 _F32 = "float32"
 

@@ -7,8 +7,8 @@ Table 1) for ``ewadd``, ``ewmul``, ``scalar_mul`` and fused activations.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+from functools import partial
+
 import numpy as np
 from taso_jax.ops import (
     OpDef,
@@ -19,6 +19,13 @@ from taso_jax.ops import (
     jaxpr_importer,
     onnx_importer,
 )
+from taso_jax.ops._lazy import LazyModule, deferred
+
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
+_jnp = partial(deferred, "jax.numpy")
+_jnn = partial(deferred, "jax.nn")
+_lax = partial(deferred, "jax.lax")
 
 
 def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
@@ -89,10 +96,10 @@ def _binary(name, fn, onnx_type, doc, commutative=False, laws=()):
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
 
-_binary("ewadd", jnp.add, "Add", "a + b, broadcasting (ONNX Add; TASO ewadd)", True,
+_binary("ewadd", _jnp("add"), "Add", "a + b, broadcasting (ONNX Add; TASO ewadd)", True,
         _EWADD_LAWS)
-_binary("ewsub", jnp.subtract, "Sub", "a - b, broadcasting (ONNX Sub)", laws=_EWSUB_LAWS)
-_binary("ewmul", jnp.multiply, "Mul", "a * b, broadcasting (ONNX Mul; TASO ewmul)", True,
+_binary("ewsub", _jnp("subtract"), "Sub", "a - b, broadcasting (ONNX Sub)", laws=_EWSUB_LAWS)
+_binary("ewmul", _jnp("multiply"), "Mul", "a * b, broadcasting (ONNX Mul; TASO ewmul)", True,
         _EWMUL_LAWS)
 def _ewdiv(a, b):
     # ONNX Div and lax.div on integers truncate toward zero; jnp.divide would give floats
@@ -102,7 +109,7 @@ def _ewdiv(a, b):
 
 
 _binary("ewdiv", _ewdiv, "Div", "a / b, broadcasting; integers truncate toward zero (ONNX Div)")
-_binary("pow", jnp.power, "Pow", "a ** b, broadcasting (ONNX Pow)")
+_binary("pow", _jnp("power"), "Pow", "a ** b, broadcasting (ONNX Pow)")
 
 
 @onnx_importer("Sum")
@@ -128,18 +135,18 @@ def _erfc_onnx(ctx, ins, outs, **_):
     ctx.node("Sub", [one, ctx.tmp("Erf", ins)], outs)
 
 
-_unary("relu", jax.nn.relu, "Relu", "max(x, 0) (ONNX Relu)", _RELU_LAWS)
-_unary("sigmoid", jax.nn.sigmoid, "Sigmoid", "1 / (1 + exp(-x)) (ONNX Sigmoid)")
-_unary("tanh", jnp.tanh, "Tanh", "tanh(x) (ONNX Tanh)")
-_unary("erf", jax.lax.erf, "Erf", "error function (ONNX Erf)")
-_unary("sqrt", jnp.sqrt, "Sqrt", "square root (ONNX Sqrt)")
-_unary("exp", jnp.exp, "Exp", "exponential (ONNX Exp)")
-_unary("neg", jnp.negative, "Neg", "-x (ONNX Neg)", _NEG_LAWS)
-_unary("sin", jnp.sin, "Sin", "sine (ONNX Sin)")
-_unary("cos", jnp.cos, "Cos", "cosine (ONNX Cos)")
-_unary("log", jnp.log, "Log", "natural logarithm (ONNX Log)")
-_unary("abs", jnp.abs, "Abs", "absolute value (ONNX Abs)")
-_unary("erfc", jax.lax.erfc, None, "complementary error function 1 - erf(x) (jax.lax.erfc; "
+_unary("relu", _jnn("relu"), "Relu", "max(x, 0) (ONNX Relu)", _RELU_LAWS)
+_unary("sigmoid", _jnn("sigmoid"), "Sigmoid", "1 / (1 + exp(-x)) (ONNX Sigmoid)")
+_unary("tanh", _jnp("tanh"), "Tanh", "tanh(x) (ONNX Tanh)")
+_unary("erf", _lax("erf"), "Erf", "error function (ONNX Erf)")
+_unary("sqrt", _jnp("sqrt"), "Sqrt", "square root (ONNX Sqrt)")
+_unary("exp", _jnp("exp"), "Exp", "exponential (ONNX Exp)")
+_unary("neg", _jnp("negative"), "Neg", "-x (ONNX Neg)", _NEG_LAWS)
+_unary("sin", _jnp("sin"), "Sin", "sine (ONNX Sin)")
+_unary("cos", _jnp("cos"), "Cos", "cosine (ONNX Cos)")
+_unary("log", _jnp("log"), "Log", "natural logarithm (ONNX Log)")
+_unary("abs", _jnp("abs"), "Abs", "absolute value (ONNX Abs)")
+_unary("erfc", _lax("erfc"), None, "complementary error function 1 - erf(x) (jax.lax.erfc; "
        "written to ONNX as 1 - Erf)", to_onnx=_erfc_onnx)
 
 
@@ -259,11 +266,11 @@ def _predicate(name, fn, onnx_type, arity, in_dtype, doc):
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
 
-_predicate("isnan", jnp.isnan, "IsNaN", 1, _F32, "x != x (ONNX IsNaN)")
-_predicate("logical_and", jnp.logical_and, "And", 2, "bool", "a and b (ONNX And)")
-_predicate("logical_not", jnp.logical_not, "Not", 1, "bool", "not a (ONNX Not)")
-_predicate("equal", jnp.equal, "Equal", 2, _F32, "a == b (ONNX Equal)")
-_predicate("less", jnp.less, "Less", 2, _F32, "a < b (ONNX Less)")
+_predicate("isnan", _jnp("isnan"), "IsNaN", 1, _F32, "x != x (ONNX IsNaN)")
+_predicate("logical_and", _jnp("logical_and"), "And", 2, "bool", "a and b (ONNX And)")
+_predicate("logical_not", _jnp("logical_not"), "Not", 1, "bool", "not a (ONNX Not)")
+_predicate("equal", _jnp("equal"), "Equal", 2, _F32, "a == b (ONNX Equal)")
+_predicate("less", _jnp("less"), "Less", 2, _F32, "a < b (ONNX Less)")
 
 
 def _cast(x, *, to="float32"):

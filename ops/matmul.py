@@ -6,7 +6,6 @@ fused activation.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 from taso_jax.ops import (
     OpDef,
@@ -17,8 +16,11 @@ from taso_jax.ops import (
     jaxpr_importer,
     onnx_importer,
 )
+from taso_jax.ops._lazy import LazyModule
 from taso_jax.ops.conv import _ACT_ONNX, _act, check_activation
 from taso_jax.ops.elementwise import broadcast_shape
+
+jnp = LazyModule("jax.numpy")
 
 
 def _matmul(a, b, *, activation):

@@ -6,11 +6,16 @@ ReduceSum, ReduceMax); the jaxpr primitives ``reduce_sum`` and ``reduce_max``.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+from functools import partial
+
 import numpy as np
 from taso_jax.ops import OpDef, ShapeError, TensorType, declare, jaxpr_importer, onnx_importer
+from taso_jax.ops._lazy import LazyModule, deferred
 from taso_jax.ops.tensor import _canon_axis, _i64, _neg_axis
+
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
+_jnp = partial(deferred, "jax.numpy")
 
 _F32 = "float32"
 
@@ -129,9 +134,9 @@ def _reduction(name, fn, onnx_type, axes_input_opset, primitive, doc):
             name, [ins[0]], axes=tuple(int(a) for a in axes), keepdims=False)])
 
 
-_reduction("reduce_mean", jnp.mean, "ReduceMean", 18, None,
+_reduction("reduce_mean", _jnp("mean"), "ReduceMean", 18, None,
            "mean over the given axes (ONNX ReduceMean, GlobalAveragePool)")
-_reduction("reduce_sum", jnp.sum, "ReduceSum", 13, "reduce_sum",
+_reduction("reduce_sum", _jnp("sum"), "ReduceSum", 13, "reduce_sum",
            "sum over the given axes (ONNX ReduceSum; jaxpr reduce_sum)")
-_reduction("reduce_max", jnp.max, "ReduceMax", 18, "reduce_max",
+_reduction("reduce_max", _jnp("max"), "ReduceMax", 18, "reduce_max",
            "maximum over the given axes (ONNX ReduceMax; jaxpr reduce_max)")

@@ -8,7 +8,6 @@ tensors with extra leading dimensions.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 from taso_jax.ops import (
     OpDef,
@@ -19,6 +18,9 @@ from taso_jax.ops import (
     jaxpr_importer,
     onnx_importer,
 )
+from taso_jax.ops._lazy import LazyModule
+
+jnp = LazyModule("jax.numpy")
 
 _F32 = "float32"
 

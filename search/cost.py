@@ -214,10 +214,7 @@ class MeasuredCostModel(CostModel):
     def __init__(self, cache_path: str | bool | None = None, repeats: int = 15,
                  calibrate: bool = True, nhwc_convolutions: bool = False):
         super().__init__()
-        import jax
-
-        dev = jax.devices()[0]
-        self.device = f"{dev.platform}:{getattr(dev, 'device_kind', dev.platform)}"
+        self.device = self._device()
         self.repeats = repeats
         self.calibrate = calibrate
         self.nhwc_convolutions = nhwc_convolutions
@@ -231,7 +228,20 @@ class MeasuredCostModel(CostModel):
         self._lock = threading.Lock()
         if cache_path is not False:
             self._db = _open_cache(cache_path or default_cache_path())
-        self._analytic = AnalyticCostModel.for_backend()  # opaque and fused operators
+        self._analytic = self._fallback()  # opaque and fused operators
+
+    @staticmethod
+    def _device() -> str:
+        """The cache's device key: JAX's first device, ``"platform:device kind"``."""
+        import jax
+
+        dev = jax.devices()[0]
+        return f"{dev.platform}:{getattr(dev, 'device_kind', dev.platform)}"
+
+    @staticmethod
+    def _fallback() -> AnalyticCostModel:
+        """The analytic model that prices what is not measured (opaque operators)."""
+        return AnalyticCostModel.for_backend()
 
     @staticmethod
     def key(node: Node) -> str:

@@ -11,31 +11,53 @@ JAX front doors (TASO, Jia et al., SOSP 2019, reimplemented for XLA). Typical us
     @taso_jax.optimize(weight_argnums=0)            # a JAX function, used like jax.jit
     def model(params, x): ...
 
-This module only re-exports; the layers are ``taso_jax.ops`` (operator declarations),
-``taso_jax.ir`` (graph IR and executor), ``taso_jax.verify`` (generation and proofs),
-``taso_jax.search`` (rules, matching, search, cost models), ``taso_jax.frontends`` (ONNX,
-jaxpr, decorator) and the command line ``taso_jax.cli``.
+This module only re-exports, each name at its first use; the layers are ``taso_jax.ops``
+(operator declarations), ``taso_jax.ir`` (graph IR and executor), ``taso_jax.verify``
+(generation and proofs), ``taso_jax.search`` (rules, matching, search, cost models),
+``taso_jax.frontends`` (ONNX, jaxpr, decorator) and the command line ``taso_jax.cli``.
 """
 
 from __future__ import annotations
 
-from taso_jax.api import optimize, search_graph
-from taso_jax.frontends.jaxpr_io import from_jax
-from taso_jax.frontends.onnx_io import ModelError, export_onnx, load_onnx
-from taso_jax.ir.executor import compile_graph, random_inputs
-from taso_jax.ir.graph import Graph, GraphBuilder, GraphError, Node, Tensor, new_graph
-from taso_jax.ops import OPS, ShapeError
-from taso_jax.search.options import OptimizeOptions
-from taso_jax.search.rules import (
-    Substitution,
-    default_substitutions,
-    load_substitutions,
-    save_substitutions,
-)
+# Where each public name lives. They are imported on first use (PEP 562), so that
+# ``import taso_jax`` does not load JAX (about 145 MB) in a process that never runs XLA:
+# the command line optimizing an ONNX file for onnxruntime.
+_EXPORTS = {
+    "optimize": "taso_jax.api", "search_graph": "taso_jax.api",
+    "from_jax": "taso_jax.frontends.jaxpr_io",
+    "ModelError": "taso_jax.frontends.onnx_io", "export_onnx": "taso_jax.frontends.onnx_io",
+    "load_onnx": "taso_jax.frontends.onnx_io",
+    "compile_graph": "taso_jax.ir.executor", "random_inputs": "taso_jax.ir.executor",
+    "Graph": "taso_jax.ir.graph", "GraphBuilder": "taso_jax.ir.graph",
+    "GraphError": "taso_jax.ir.graph", "Node": "taso_jax.ir.graph",
+    "Tensor": "taso_jax.ir.graph", "new_graph": "taso_jax.ir.graph",
+    "OPS": "taso_jax.ops", "ShapeError": "taso_jax.ops",
+    "OptimizeOptions": "taso_jax.search.options",
+    "Substitution": "taso_jax.search.rules",
+    "default_substitutions": "taso_jax.search.rules",
+    "load_substitutions": "taso_jax.search.rules",
+    "save_substitutions": "taso_jax.search.rules",
+}
 
 __all__ = ["Graph", "GraphBuilder", "GraphError", "Node", "Tensor", "new_graph", "OPS",
            "ShapeError", "ModelError", "load_onnx", "export_onnx", "compile_graph",
            "random_inputs", "Substitution", "default_substitutions", "load_substitutions",
            "save_substitutions", "optimize", "search_graph", "OptimizeOptions", "from_jax"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'taso_jax' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __version__ = "0.1.0"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 #: layer of each folder or module (higher imports lower)
@@ -68,4 +70,31 @@ def test_imports_point_down_the_layers():
 def test_the_package_init_only_re_exports():
     tree = ast.parse((ROOT / "taso_jax" / "__init__.py").read_text())
     kinds = {type(node).__name__ for node in tree.body}
-    assert kinds <= {"Expr", "ImportFrom", "Assign"}, kinds  # docstring, imports, __all__
+    assert kinds <= {"Expr", "ImportFrom", "Assign", "FunctionDef"}, kinds
+    # the only functions are the module's lazy attribute hooks (PEP 562)
+    assert {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} <= {"__getattr__",
+                                                                           "__dir__"}
+    import importlib
+
+    import taso_jax
+
+    assert sorted(taso_jax.__all__) == sorted(taso_jax._EXPORTS)
+    for name, module in taso_jax._EXPORTS.items():  # each name is its module's own object
+        assert getattr(taso_jax, name) is getattr(importlib.import_module(module), name)
+    with pytest.raises(AttributeError):
+        taso_jax.no_such_name  # noqa: B018
+
+
+def test_importing_the_package_does_not_import_jax():
+    # JAX costs about 145 MB resident: loaded where a graph runs under it, not before
+    import subprocess
+    import sys
+
+    code = ("import sys, taso_jax, taso_jax.ops, taso_jax.ir.executor, taso_jax.search, "
+            "taso_jax.cli\nassert 'jax' not in sys.modules\n"
+            "import taso_jax.ops as o\nassert 'jax' not in sys.modules\n"
+            "import numpy as np\nx = o.OPS['ewadd'].ref(np.ones(2), np.ones(2))\n"
+            "assert 'jax' in sys.modules and float(x.sum()) == 4.0\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]

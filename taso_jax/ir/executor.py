@@ -10,18 +10,21 @@ depends on runtime inputs. Opaque nodes run the computation their front door gav
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from taso_jax.ir.graph import Graph, Node
 from taso_jax.ops import OPS
+from taso_jax.ops._lazy import LazyModule
+
+jax = LazyModule("jax")  # imported at first use: see taso_jax.ops._lazy
+jnp = LazyModule("jax.numpy")
 
 __all__ = ["as_jax_constant", "device_constant", "CompiledGraph", "StagedGraph",
            "compile_graph", "discard_compiled", "folded_values",
@@ -371,14 +374,25 @@ def random_inputs(graph: Graph, seed: int = 0) -> list[np.ndarray]:
     return out
 
 
+def _blocker() -> Callable:
+    """``jax.block_until_ready``, or no wait where JAX was never imported.
+
+    A timing of onnxruntime sessions, whose results are NumPy arrays, then does not import it.
+    """
+    if "jax" in sys.modules:
+        return jax.block_until_ready
+    return lambda x: x
+
+
 def time_function(fn: Callable[[], object], repeats: int = 20, warmup: int = 2) -> list[float]:
     """Wall times in microseconds of ``fn()`` (blocking on JAX results), after warm-up."""
+    block = _blocker()
     for _ in range(warmup):
-        jax.block_until_ready(fn())
+        block(fn())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
+        block(fn())
         times.append((time.perf_counter() - t0) * 1e6)
     return times
 
@@ -397,9 +411,10 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
     ``deadline`` (a ``time.perf_counter()`` value) the rounds stop once it has passed and at
     least :data:`MIN_ROUNDS` were run.
     """
+    block = _blocker()
     for _ in range(warmup):
         for fn in fns:
-            jax.block_until_ready(fn())
+            block(fn())
     once = [time_function(fn, repeats=1, warmup=0)[0] for fn in fns]
     want = MIN_SAMPLE_US if min_sample_us is None else min_sample_us
     calls = max(1, min(MAX_CALLS, math.ceil(want / max(min(once), 1.0))))
@@ -413,7 +428,7 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
         for fn, ts in (pairs if r % 2 == 0 else reversed(pairs)):
             t0 = time.perf_counter()
             for _ in range(calls):
-                jax.block_until_ready(fn())
+                block(fn())
             ts.append((time.perf_counter() - t0) * 1e6 / calls)
     return times
 
