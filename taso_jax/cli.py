@@ -155,8 +155,10 @@ def _optimize(args) -> int:
         if graph.meta.get("opaque"):
             notes.append("kept as opaque nodes: " + ", ".join(
                 f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
+    # (for --target onnxruntime, resolve_target below makes its own, without the cache)
     cost_model = (get_cost_model("measured", cache_path=False)
-                  if args.cost_model == "measured" and args.no_cost_cache else args.cost_model)
+                  if args.cost_model == "measured" and args.no_cost_cache
+                  and args.target == "xla" else args.cost_model)
     try:
         options = OptimizeOptions(alpha=args.alpha, budget=args.budget,
                                   time_limit=args.time_limit, cost_model=cost_model,
@@ -196,7 +198,9 @@ def _optimize(args) -> int:
     bar.close()
     report = search_report(name, graph, result, options, subs, notes)
     report["time_limit"] = args.time_limit
-    if not args.no_time:
+    if not args.no_time and options.target == "xla":
+        # For --target onnxruntime the timings are onnxruntime's (the end-to-end choice
+        # and the check below): that process then never imports JAX (about 145 MB).
         report["time"] = measure_speed(graph, result.graph, repeats=args.repeats,
                                        deadline=deadline)
     # Nothing runs under XLA from here on: the executables and device weights go before
@@ -217,7 +221,10 @@ def _optimize(args) -> int:
         print(format_report(report))
         _write_json(args.json, report)
         return 0
-    optimized = export_onnx(result.graph)
+    fold = True  # weight-only subgraphs computed by JAX, or for onnxruntime by onnxruntime
+    if options.target == "onnxruntime":
+        from taso_jax.frontends.onnxruntime_target import onnxruntime_folded_values as fold
+    optimized = export_onnx(result.graph, fold=fold)
     try:
         onnx.checker.check_model(optimized, full_check=True)
     except Exception as e:
@@ -229,7 +236,7 @@ def _optimize(args) -> int:
                 raise ModelError(f"{name}: the model fails ONNX's full check "
                                  f"({str(orig).splitlines()[0][:200]})") from orig
         raise e
-    reference = original_bytes or export_onnx(graph).SerializeToString()
+    reference = original_bytes or export_onnx(graph, fold=fold).SerializeToString()
     if original_bytes is None:
         references = reference_runs(reference, graph)
     report["check"] = check_onnx(reference, optimized.SerializeToString(), graph,
@@ -238,7 +245,7 @@ def _optimize(args) -> int:
         # Is it the rewrites, or the model's own rounding noise? The input graph, exported
         # without any rewrite, measures the noise of import and export alone.
         noise = report["check"] if unchanged else check_onnx(
-            reference, export_onnx(graph).SerializeToString(), graph, rtol=args.rtol,
+            reference, export_onnx(graph, fold=fold).SerializeToString(), graph, rtol=args.rtol,
             atol=args.atol, references=references)
         err = report["check"]["max_abs_err"]
         if not noise["ok"] and np.isfinite(err) and err <= 2 * noise["max_abs_err"]:
@@ -593,7 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also apply substitutions that are not proved (labelled in the report)")
     o.add_argument("--repeats", type=_positive_int, default=30,
                    help="timed runs per graph (30)")
-    o.add_argument("--no-time", action="store_true", help="skip the end-to-end timing")
+    o.add_argument("--no-time", action="store_true",
+                   help="skip the report's timing of both models (under jax.jit for --target "
+                        "xla, and in onnxruntime)")
     o.add_argument("--end-to-end", type=int, default=d.end_to_end, metavar="K",
                    help="time the K cheapest graphs found and the input on the target (jax.jit, "
                         "or onnxruntime against the input file) and keep the fastest, so the "

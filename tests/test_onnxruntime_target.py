@@ -7,6 +7,8 @@ for byte.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -71,7 +73,7 @@ def test_the_choice_keeps_the_input_file_unless_a_candidate_beats_it(monkeypatch
     assert len({c.graph.key for c in result.candidates}) == 2  # and the input: 3 timed
     made = []  # the model of each session, in the order they were made
 
-    def session(model, spinning=True):
+    def session(model, spinning=True, external=None):
         made.append(model)
         return len(made) - 1  # the session stands for the k-th graph timed
 
@@ -169,3 +171,75 @@ def test_a_zero_size_reshape_exports_without_minus_one():
                                providers=["CPUExecutionProvider"]).run(
         None, {"x": np.zeros((0, 3, 4), np.float32)})[0]
     assert out.shape == (0, 12) and compile_graph(g)(np.zeros((0, 3, 4), "f"))[0].shape == (0, 12)
+
+
+def test_a_session_gets_large_weights_as_arrays_not_serialized():
+    graph = _two_branch_graph()
+    arrays: dict = {}
+    model = export_onnx(graph, external=arrays)
+    # both 64x64 weights (16 KB each) are left out of the model, and handed over instead
+    assert sorted(arrays) == ["wa", "wb"]
+    assert all(t.data_location == TensorProto.EXTERNAL and not t.raw_data
+               for t in model.graph.initializer if t.name in arrays)
+    assert len(model.SerializeToString()) < 4096
+    x = {"x": np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)}
+    full = target.ort_session(export_onnx(graph).SerializeToString()).run(None, x)
+    shared = target.graph_session(graph).run(None, x)
+    for a, b in zip(full, shared, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _merged_graph():
+    """x @ concat(wa, wb) split in two: a weight-only concat, as a merge leaves it."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder()
+    x = b.new_input((4, 64), name="x")
+    wa = b.new_weight(data=rng.standard_normal((64, 64)).astype(np.float32), name="wa")
+    wb = b.new_weight(data=rng.standard_normal((64, 32)).astype(np.float32), name="wb")
+    y = b.matmul(x, b.concat(wa, wb, axis=1))
+    b.mark_output(b.relu(y))
+    return b.graph()
+
+
+def test_weight_only_subgraphs_fold_alike_in_jax_and_onnxruntime():
+    graph = _merged_graph()
+    assert any(n.op == "concat" for n in graph.weight_only)
+    x = {"x": np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)}
+    by_jax = export_onnx(graph)
+    by_ort = export_onnx(graph, fold=target.onnxruntime_folded_values)
+    unfolded = export_onnx(graph, fold=False)  # the concat written as an operator
+    ops = [[n.op_type for n in m.graph.node] for m in (by_jax, by_ort, unfolded)]
+    assert "Concat" not in ops[0] and ops[0] == ops[1] and "Concat" in ops[2]
+    for m in (by_jax, by_ort, unfolded):
+        onnx.checker.check_model(m, full_check=True)
+    ref = target.ort_session(by_jax.SerializeToString()).run(None, x)[0]
+    for m in (by_ort, unfolded):
+        np.testing.assert_allclose(target.ort_session(m.SerializeToString()).run(None, x)[0],
+                                   ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(target.graph_session(graph).run(None, x)[0], ref, rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_optimizing_for_onnxruntime_never_imports_jax(tmp_path):
+    # JAX costs about 145 MB resident; a process that never runs XLA does not load it
+    import subprocess
+    import sys
+
+    src, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    onnx.save(export_onnx(_two_branch_graph()), src)
+    code = ("import sys, taso_jax, taso_jax.cli\n"
+            "assert 'jax' not in sys.modules\n"
+            f"rc = taso_jax.cli.main(['optimize', {str(src)!r}, '-o', {str(out)!r}, "
+            "'--target', 'onnxruntime', '--budget', '10', '--no-cost-cache', '-q'])\n"
+            "assert rc == 0, rc\n"
+            # and a graph with a weight-only subgraph, exported and run for onnxruntime
+            f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "from test_onnxruntime_target import _merged_graph, target, export_onnx\n"
+            "g = _merged_graph()\n"
+            "export_onnx(g, fold=target.onnxruntime_folded_values)\n"
+            "target.graph_session(g)\n"
+            "assert 'jax' not in sys.modules, 'jax was imported'\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert out.exists() and "output check" in run.stdout

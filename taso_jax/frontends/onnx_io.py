@@ -826,23 +826,50 @@ class _ExportContext:
         return self.types[name].dtype
 
 
-def export_onnx(graph: Graph, opset: int | None = None):
+#: Initializers of at least this many bytes are left out of an export given ``external``.
+EXTERNAL_MIN_BYTES = 1024
+
+
+def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = None,
+                fold=True):
     """Export a graph to an ``onnx.ModelProto`` that passes ``onnx.checker`` (full check).
 
     Weight-only subgraphs are precomputed and stored as initializers. ``opset`` defaults to
     the imported model's (at least 13); gelu is decomposed below opset 20.
 
+    ``fold`` says how the weight-only subgraphs are computed: ``True``, by the operators'
+    JAX reference functions (:func:`~taso_jax.ir.executor.folded_values`); a function with
+    that signature (``graph -> (tensors, values)``), by it
+    (:func:`~taso_jax.frontends.onnxruntime_target.onnxruntime_folded_values`); ``False``,
+    not at all: they are written as operators on the weights, which onnxruntime folds
+    when a session starts.
+
+    With ``external`` (a dict, filled here), each numeric initializer of at least
+    :data:`EXTERNAL_MIN_BYTES` is written as a reference to external data (ONNX's
+    ``data_location: EXTERNAL``, location ``"taso_jax:<name>"``, no such file) and its array
+    is put in ``external`` under its name instead: for onnxruntime's
+    ``SessionOptions.add_external_initializers``, which hands the arrays to a session
+    without serializing them (a ResNet-18 candidate's export held its 46 MB of weights
+    twice more, as a ModelProto and as bytes). Such a model is not a complete file.
+
     Raises:
         ValueError: an operator without an ONNX mapping, or an opaque JAX primitive (from
             :func:`taso_jax.from_jax`) that has none.
     """
+    import onnx
     from onnx import helper, numpy_helper
 
     from taso_jax.ir.executor import folded_values
 
     opset = opset or max(int(graph.meta.get("opset", 17)), 13)
     ctx = _ExportContext(opset)
-    const_keys, folded = folded_values(graph)
+    if fold is False:
+        const_keys = [n.outputs[0] for n in graph.nodes if n.op == "weight"]
+        folded = [graph.weights[t.node.name] for t in const_keys]
+        skipped = frozenset()
+    else:
+        const_keys, folded = (folded_values if fold is True else fold)(graph)
+        skipped = graph.weight_only
     names: dict[Tensor, str] = {}
     for n in graph.inputs:
         names[n.outputs[0]] = n.name
@@ -855,7 +882,7 @@ def export_onnx(graph: Graph, opset: int | None = None):
         names[t] = ctx.const(np.asarray(value).astype(t.dtype, copy=False), nm)
     del folded
     for n in graph.nodes:
-        if n.op in ("input", "weight") or n in graph.weight_only:
+        if n.op in ("input", "weight") or n in skipped:
             continue
         outs = []
         for t in n.outputs:
@@ -885,7 +912,20 @@ def export_onnx(graph: Graph, opset: int | None = None):
     ctx.initializers.reverse()
     while ctx.initializers:
         name, array = ctx.initializers.pop()
-        g.initializer.add().CopyFrom(numpy_helper.from_array(array, name))
+        if (external is not None and array.nbytes >= EXTERNAL_MIN_BYTES
+                and array.dtype.kind in "fiub"):
+            t = g.initializer.add()
+            t.name = name
+            t.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
+            t.dims.extend(array.shape)
+            t.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", f"taso_jax:{name}"), ("offset", "0"),
+                               ("length", str(array.nbytes))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+            external[name] = array
+        else:
+            g.initializer.add().CopyFrom(numpy_helper.from_array(array, name))
         del array
     opsets = dict(graph.meta.get("opsets", ()))
     opsets[""] = opset

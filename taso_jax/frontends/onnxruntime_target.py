@@ -20,19 +20,21 @@ import numpy as np
 
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
 from taso_jax.search.choose import keep_fastest, measured_set, screen_in_pairs
-from taso_jax.search.cost import MeasuredCostModel
+from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel
 from taso_jax.search.options import OptimizeOptions
 
-__all__ = ["OnnxRuntimeCostModel", "ort_session", "time_onnx_models",
-           "choose_fastest_onnxruntime", "resolve_target"]
+__all__ = ["OnnxRuntimeCostModel", "ort_session", "graph_session", "onnxruntime_folded_values",
+           "time_onnx_models", "choose_fastest_onnxruntime", "resolve_target"]
 
-def ort_session(model, spinning: bool = True):
+def ort_session(model, spinning: bool = True, external: dict | None = None):
     """An onnxruntime ``InferenceSession`` of ``model`` (bytes or path) on the CPU provider.
 
     ``spinning=False`` stops the intra-op threads from busy-waiting after a run. Timings of
     several sessions interleaved need it: a session's spinning threads otherwise take the
     cores from the next one (squeezenet, 2 cores: 7.5 ms per run interleaved with spinning,
-    4.9 ms without, and a 10% spread between identical models).
+    4.9 ms without, and a 10% spread between identical models). ``external``: the arrays
+    of initializers that ``model`` holds as external references (as
+    :func:`~taso_jax.frontends.onnx_io.export_onnx` leaves them), by name.
     """
     import onnxruntime as ort
 
@@ -40,7 +42,58 @@ def ort_session(model, spinning: bool = True):
     so.log_severity_level = 4  # a model that fails is reported by the caller, in one line
     if not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if external:  # onnxruntime copies them into the session
+        so.add_external_initializers(list(external), [
+            ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
+            for a in external.values()])
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def graph_session(graph: Graph, spinning: bool = False):
+    """An onnxruntime session of ``graph``'s ONNX export, its weights never serialized.
+
+    The export leaves its large initializers external
+    (:func:`~taso_jax.frontends.onnx_io.export_onnx` with ``external``) and the session
+    receives them as arrays (:func:`ort_session`): timing a ResNet-18 candidate then held
+    its weights in the session alone, not also as a ModelProto and as bytes.
+
+    Raises:
+        ValueError: as :func:`~taso_jax.frontends.onnx_io.export_onnx`.
+    """
+    from taso_jax.frontends.onnx_io import export_onnx
+
+    arrays: dict = {}
+    # weight-only subgraphs unfolded: the session folds them as it starts
+    model = export_onnx(graph, external=arrays, fold=False).SerializeToString()
+    return ort_session(model, spinning=spinning, external=arrays)
+
+
+def onnxruntime_folded_values(graph: Graph) -> tuple[list, list]:
+    """``(tensors, values)`` as :func:`~taso_jax.ir.executor.folded_values`, by onnxruntime.
+
+    The weight-only subgraphs that the runtime part of ``graph`` reads are exported as one
+    model without inputs and run once, so an export for ``--target onnxruntime``
+    (``export_onnx(graph, fold=onnxruntime_folded_values)``) needs no JAX. Values are NumPy
+    arrays; weights read as they are come back as the graph holds them.
+
+    Raises:
+        ValueError: as :func:`~taso_jax.frontends.onnx_io.export_onnx`.
+    """
+    from taso_jax.frontends.onnx_io import export_onnx
+    from taso_jax.ir.executor import StagedGraph
+
+    keys = StagedGraph(graph).const_keys
+    computed = [t for t in keys if t.node.op != "weight"]
+    values = {}
+    if computed:
+        sub = Graph((), tuple(computed), tuple(f"folded{i}" for i in range(len(computed))),
+                    graph.weights, graph.meta)
+        arrays: dict = {}
+        model = export_onnx(sub, external=arrays, fold=False).SerializeToString()
+        values = dict(zip(computed, ort_session(model, external=arrays).run(None, {}),
+                          strict=True))
+    return keys, [graph.weights[t.node.name] if t.node.op == "weight" else values[t]
+                  for t in keys]
 
 
 def time_onnx_models(models: Sequence, inputs: dict, repeats: int = 20,
@@ -132,12 +185,19 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
     def __init__(self, cache_path=None, repeats: int = 15, calibrate: bool = True,
                  opset: int = 17):
         super().__init__(cache_path=cache_path, repeats=repeats, calibrate=calibrate)
+        self.opset = max(int(opset), 13)
+
+    @staticmethod
+    def _device() -> str:
         import os
 
         import onnxruntime as ort
 
-        self.device = f"onnxruntime {ort.__version__}:{os.cpu_count()} cores"
-        self.opset = max(int(opset), 13)
+        return f"onnxruntime {ort.__version__}:{os.cpu_count()} cores"
+
+    @staticmethod
+    def _fallback() -> AnalyticCostModel:
+        return AnalyticCostModel()  # onnxruntime's CPU provider: the CPU preset
 
     def signature(self, node: Node) -> tuple:
         """As the base class's, plus which inputs are weights.
@@ -204,13 +264,14 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     """
     import onnxruntime as ort
 
-    from taso_jax.frontends.onnx_io import export_onnx
+    from taso_jax.ir.executor import release_memory
 
+    release_memory()  # what the search freed, before two sessions are held
     graphs = measured_set(result, 0, deadline)
     base = ort_session(original, spinning=False)
 
     def make(g):
-        return ort_session(export_onnx(g).SerializeToString(), spinning=False)
+        return graph_session(g)
 
     def loop(a, b):
         return time_onnx_models([a, b], inputs, repeats=repeats, deadline=deadline)
