@@ -12,7 +12,8 @@ against that of a process that only runs the original file once in an onnxruntim
 session, and a note (the first stderr line on failure). When the graph did not change
 the command writes the input back and times nothing in onnxruntime; this script
 then times both files itself, interleaved (``time_onnx_models``), on random inputs at the
-sizes the importer bound.
+sizes the importer bound. With ``--target onnxruntime`` the command times nothing under
+``jax.jit`` (it never imports JAX); this script times both files there itself.
 
     python benchmarks/real_onnx_models.py                          # ../shared/models, and
                                                                    # /tmp/realmodels/in if any
@@ -64,6 +65,17 @@ def ort_times(original: Path, written: Path, repeats: int) -> dict:
     a, b = float(np.median(times[0])), float(np.median(times[1]))
     return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
             "repeats": repeats, "measured_by": "benchmark"}
+
+
+def xla_times(original: Path, written: Path, repeats: int) -> dict:
+    """Median ``jax.jit`` times of both files, interleaved (for ``--target onnxruntime``,
+    whose report times onnxruntime only)."""
+    from taso_jax.search.choose import time_graphs
+
+    a, b = time_graphs([load_onnx(str(original)), load_onnx(str(written))], repeats=repeats)
+    return {"before_us": a["median_us"], "after_us": b["median_us"],
+            "speedup": a["median_us"] / b["median_us"], "repeats": repeats,
+            "measured_by": "benchmark"}
 
 
 def run_measured(cmd: list[str], timeout: float | None) -> tuple[int | None, str, float]:
@@ -150,6 +162,11 @@ def run_one(path: Path, target: str, out: Path, args) -> dict:
     row["copy_of_input"] = bool(r.get("written_copy_of_input"))
     row["original_kept"] = bool((r.get("end_to_end") or {}).get("original_kept"))
     row["check"] = r.get("check")
+    if row["jax_jit"] is None and row["exit_code"] == 0 and out.exists():
+        try:
+            row["jax_jit"] = xla_times(path, out, args.repeats)
+        except Exception as e:  # noqa: BLE001 (a model XLA cannot time is data)
+            row["xla_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if row["onnxruntime"] is None and row["exit_code"] == 0 and out.exists():
         try:
             row["onnxruntime"] = ort_times(path, out, args.repeats)
@@ -183,6 +200,10 @@ def _note(row: dict) -> str:
         parts.append(f"{sum(row['applied'].values())} rewrites")
     if (row.get("onnxruntime") or {}).get("measured_by") == "benchmark":
         parts.append("ort timed here")
+    if (row.get("jax_jit") or {}).get("measured_by") == "benchmark":
+        parts.append("xla timed here")
+    if row.get("xla_error"):
+        parts.append("xla: " + row["xla_error"])
     if row.get("ort_error"):
         parts.append("ort: " + row["ort_error"])
     parts += [_short(n) for n in row.get("notes", [])]
