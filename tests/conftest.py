@@ -24,6 +24,21 @@ DATA = HERE / "data"
 os.environ["TASO_JAX_GRAPH_CACHE"] = "off"
 
 
+def run_python(code: str, timeout: float = 600):
+    """Run ``code`` in a fresh Python process (this one's interpreter); fail on its error.
+
+    For what one process cannot show, such as which modules an import loads. Returns the
+    ``subprocess.CompletedProcess`` (text output captured).
+    """
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=timeout)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
 def shared_models_dir() -> Path | None:
     """``$TASO_JAX_MODELS`` or ``../shared/models`` next to the repository, if present."""
     env = os.environ.get("TASO_JAX_MODELS")

@@ -11,6 +11,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 ROOT = Path(__file__).parent.parent
 
@@ -87,14 +88,9 @@ def test_the_package_init_only_re_exports():
 
 def test_importing_the_package_does_not_import_jax():
     # JAX costs about 145 MB resident: loaded where a graph runs under it, not before
-    import subprocess
-    import sys
-
     code = ("import sys, taso_jax, taso_jax.ops, taso_jax.ir.executor, taso_jax.search, "
             "taso_jax.cli\nassert 'jax' not in sys.modules\n"
             "import taso_jax.ops as o\nassert 'jax' not in sys.modules\n"
             "import numpy as np\nx = o.OPS['ewadd'].ref(np.ones(2), np.ones(2))\n"
             "assert 'jax' in sys.modules and float(x.sum()) == 4.0\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_python(code, timeout=300)

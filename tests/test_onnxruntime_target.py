@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import model_path
+from conftest import model_path, run_python
 from onnx import TensorProto, helper
 from taso_jax.search.options import OptimizeOptions
 from taso_jax.search.options import search_graph as layer_search_graph
@@ -222,9 +222,6 @@ def test_weight_only_subgraphs_fold_alike_in_jax_and_onnxruntime():
 
 def test_optimizing_for_onnxruntime_never_imports_jax(tmp_path):
     # JAX costs about 145 MB resident; a process that never runs XLA does not load it
-    import subprocess
-    import sys
-
     src, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
     onnx.save(export_onnx(_two_branch_graph()), src)
     code = ("import sys, taso_jax, taso_jax.cli\n"
@@ -239,7 +236,5 @@ def test_optimizing_for_onnxruntime_never_imports_jax(tmp_path):
             "export_onnx(g, fold=target.onnxruntime_folded_values)\n"
             "target.graph_session(g)\n"
             "assert 'jax' not in sys.modules, 'jax was imported'\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = run_python(code)
     assert out.exists() and "output check" in run.stdout
