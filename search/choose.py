@@ -10,6 +10,7 @@ cost model's order agreed with the measured one.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import Counter
@@ -29,7 +30,8 @@ from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
            "measured_set", "keep_fastest", "paired_speedup", "confirm_faster", "with_layouts",
-           "compiled_runs", "compiled_run", "screen_in_pairs", "NHWC_LAYOUT"]
+           "compiled_runs", "compiled_run", "screen_in_pairs", "signed_rank_greater",
+           "NHWC_LAYOUT"]
 
 #: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
 NHWC_LAYOUT = "layout:nhwc"
@@ -53,7 +55,7 @@ def paired_speedup(baseline: Sequence[float], candidate: Sequence[float],
     ran in the same round, under the same machine load. Returns ``{"speedup", "wins",
     "rounds", "p_value", "faster"}``: the median of ``baseline[i] / candidate[i]``, the
     rounds the candidate won, the p-value of a one-sided Wilcoxon signed-rank test on
-    ``log(baseline[i] / candidate[i])`` (``scipy.stats.wilcoxon``; Wilcoxon, 1945), and
+    ``log(baseline[i] / candidate[i])`` (:func:`signed_rank_greater`; Wilcoxon, 1945), and
     whether the speedup is at least ``min_speedup`` with ``p_value <= level``.
 
     The signed-rank test weighs how much each round was won by, not only who won: on a
@@ -61,8 +63,6 @@ def paired_speedup(baseline: Sequence[float], candidate: Sequence[float],
     p-values 0.05-0.35) where the signed-rank test gave 0.01-0.03. With fewer than 5 rounds
     no p-value can reach 0.05, so a short loop keeps the baseline.
     """
-    from scipy.stats import wilcoxon
-
     n = min(len(baseline), len(candidate))
     b = np.asarray(baseline[:n], float)
     c = np.asarray(candidate[:n], float)
@@ -71,10 +71,52 @@ def paired_speedup(baseline: Sequence[float], candidate: Sequence[float],
     wins = int(np.sum(logs > 0))
     p = 1.0
     if n >= 5 and np.any(logs != 0) and np.all(np.isfinite(logs)):
-        p = float(wilcoxon(logs, alternative="greater").pvalue)
+        p = signed_rank_greater(logs)
     speedup = float(np.exp(np.median(logs))) if n else 0.0
     return {"speedup": speedup, "wins": wins, "rounds": n, "p_value": p,
             "faster": bool(speedup >= min_speedup and p <= level)}
+
+
+def signed_rank_greater(x: Sequence[float]) -> float:
+    """One-sided p-value of Wilcoxon's signed-rank test that ``x`` is centred above zero.
+
+    Zeros are dropped and tied magnitudes share their average rank; the statistic is the
+    sum of the ranks of the positive values (Wilcoxon, 1945). The p-value is exact (every
+    assignment of signs to the ranks counted, ties included) for up to 13 values, and for
+    up to 50 values without ties or zeros; otherwise it is the normal approximation with the tie
+    correction of the variance and no continuity correction. These are the choices of
+    ``scipy.stats.wilcoxon(x, alternative="greater")`` (SciPy 1.17), which the tests compare
+    against; SciPy itself is not imported here, since ``scipy.stats`` costs about 70 MB
+    resident (more than an onnxruntime session of half the real models measured).
+    """
+    x = np.asarray(x, float)
+    size, zeros = len(x), bool(np.any(x == 0))  # the method goes by the count with zeros
+    x = x[x != 0]
+    n = len(x)
+    if n == 0:
+        return 1.0
+    mags = np.abs(x)
+    order = np.argsort(mags, kind="stable")
+    ranks = np.empty(n)
+    ranks[order] = np.arange(1, n + 1)
+    _, inverse, counts = np.unique(mags, return_inverse=True, return_counts=True)
+    ranks = (np.bincount(inverse, ranks) / counts)[inverse]  # ties: the average rank
+    stat = float(ranks[x > 0].sum())
+    ties = zeros or bool(np.any(counts > 1))
+    if size <= 13:  # all 2**n sign assignments
+        signs = (np.arange(2 ** n)[:, None] >> np.arange(n)) & 1
+        return float(np.mean(signs @ ranks >= stat - 1e-9))
+    if size <= 50 and not ties:  # ranks 1..n: count the subsets by their sum
+        counts_by_sum = np.zeros(n * (n + 1) // 2 + 1)
+        counts_by_sum[0] = 1.0
+        for r in range(1, n + 1):
+            counts_by_sum[r:] = counts_by_sum[r:] + counts_by_sum[:-r].copy()
+        return float(counts_by_sum[int(round(stat)):].sum() / 2.0 ** n)
+    mean = n * (n + 1) / 4.0
+    var = n * (n + 1) * (2 * n + 1) / 24.0 - float(np.sum(counts ** 3 - counts)) / 48.0
+    if var <= 0:
+        return 1.0
+    return 0.5 * math.erfc((stat - mean) / math.sqrt(var) / math.sqrt(2.0))
 
 
 def confirm_faster(loop, first: tuple | None = None,
@@ -323,7 +365,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
 
 
 def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | None = None,
-                    discard=None, then=None) -> tuple[list[list[float]], int, object]:
+                    discard=None, then=None, hold_best: bool = True
+                    ) -> tuple[list[list[float]], int, object]:
     """Screen candidates against the input one at a time, holding two graphs at once.
 
     ``graphs`` are ``(cost, graph, path)``, the input first; ``base`` runs the input;
@@ -337,7 +380,11 @@ def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | Non
     once making and timing the slowest one so far would overrun it (at least one is).
     ``then(best)``, if given, is called once the list is screened, with the best
     ``(cost, graph, path)`` so far (the input when none was made); the candidates it returns
-    are appended to ``graphs`` (in place) and screened the same way.
+    are appended to ``graphs`` (in place) and screened the same way. With
+    ``hold_best=False`` the best candidate's runner is dropped too, so that at most two are
+    alive at once (the input's and one candidate's); ``run`` is then ``None`` and the
+    caller makes it again to confirm (onnxruntime sessions: a ResNet-18 candidate holds
+    about 80 MB, and starts in 0.1 s).
 
     Returns ``(times, best, run)``: ``times[0]`` are the input's times from the best
     candidate's loop and ``times[best]`` that candidate's; every other candidate's times
@@ -366,7 +413,7 @@ def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | Non
         if not best or _relative(*loops[-1]) < _relative(*loops[best - 1]):
             if best and discard is not None:
                 discard(graphs[best][1])
-            best, best_run = i, run
+            best, best_run = i, (run if hold_best else None)
         elif discard is not None:
             discard(g)
         del run

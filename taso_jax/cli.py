@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -103,7 +104,7 @@ def _optimize(args) -> int:
     import onnx
 
     from taso_jax._io import atomic_write
-    from taso_jax.frontends.onnx_io import ModelError, export_onnx, load_onnx, symbolic_dims
+    from taso_jax.frontends.onnx_io import ModelError, export_onnx, load_onnx
     from taso_jax.ir.executor import forget_compiled
     from taso_jax.report import (
         check_onnx,
@@ -125,17 +126,18 @@ def _optimize(args) -> int:
 
         graph = resnet_module()
         name = "built-in example: ResNet module from TASO's README"
-        original_bytes = None
+        original = None
     else:
         name = args.model
         if args.output is None:
             stem = args.model[:-5] if args.model.endswith(".onnx") else args.model
             args.output = stem + ".opt.onnx"
-    protected = {}
+    protected, external_data = {}, set()
     if args.model is not None:
         protected[os.path.realpath(args.model)] = "the input model"
+        external_data = _external_data_files(args.model)
         protected.update((p, "an external-data file of the input model")
-                         for p in _external_data_files(args.model))
+                         for p in external_data)
     if args.rtol < 0 or (args.atol is not None and args.atol < 0):
         raise UsageError("--rtol and --atol must be >= 0")
     if args.output:
@@ -145,10 +147,12 @@ def _optimize(args) -> int:
         check_output_path(args.json, "--json", protected)
     if args.model is not None:
         graph = load_onnx(args.model, _parse_shapes(args.input_shape))
-        with open(args.model, "rb") as f:  # the reference for the output check
-            original_bytes = f.read()
+        # The reference for the output check and the end-to-end choice, read from its
+        # path wherever it is needed rather than held as bytes (the size of its weights:
+        # 46 MB for a ResNet-18, at the memory peak of the end-to-end choice).
+        original = args.model
         notes += graph.meta.get("shape_notes", [])
-        references = reference_runs(original_bytes, graph)  # a model that fails, fails now
+        references = reference_runs(original, graph)  # a model that fails, fails now
         if graph.meta.get("source_opset") != graph.meta.get("opset"):
             notes.append(f"converted from opset {graph.meta['source_opset']} to "
                          f"{graph.meta['opset']}")
@@ -188,7 +192,7 @@ def _optimize(args) -> int:
         from taso_jax.frontends.onnxruntime_target import resolve_target
 
         options, chooser = resolve_target(
-            options, original_bytes, references[0][1] if original_bytes is not None else None,
+            options, original, references[0][1] if original is not None else None,
             opset=int(graph.meta.get("opset", 17)), cache=not args.no_cost_cache)
     # The time limit bounds the whole run: the search and its end-to-end choice get what
     # importing the model left of it.
@@ -207,16 +211,24 @@ def _optimize(args) -> int:
     # the export and the onnxruntime sessions of the check come (about 300 MB, ResNet-50).
     forget_compiled()
     unchanged = result.graph.key == graph.key
-    if unchanged and original_bytes is not None:
+    if unchanged and original is not None:
         # Nothing beat the input: the user's own file is written back byte for byte (its
         # symbolic sizes, names and metadata included), so it cannot be slower or wrong.
         report["check"] = {"ok": True, "max_abs_err": 0.0, "rtol": args.rtol,
                            "atol": args.atol if args.atol is not None else 0.0,
                            "outputs": len(graph.outputs), "identical": True}
-        if args.output:
-            atomic_write(args.output, lambda tmp: Path(tmp).write_bytes(original_bytes))
-            report["written"] = args.output
+        if args.output and external_data:
+            # A copy of the file alone would point at the input's data files by a relative
+            # path, which breaks in another folder or once the input goes: the copy is
+            # written self-contained (ONNX's 2 GB protobuf limit applies).
+            model = onnx.load(original)
+            atomic_write(args.output, lambda tmp: onnx.save(model, tmp))
+            report["written_copy_of_input"] = "inlined"
+        elif args.output:
+            atomic_write(args.output, lambda tmp: shutil.copyfile(original, tmp))
             report["written_copy_of_input"] = True
+        if args.output:
+            report["written"] = args.output
         report["wall_seconds"] = time.perf_counter() - started
         print(format_report(report))
         _write_json(args.json, report)
@@ -228,16 +240,15 @@ def _optimize(args) -> int:
     try:
         onnx.checker.check_model(optimized, full_check=True)
     except Exception as e:
-        if original_bytes is not None:  # is the input itself inconsistent?
+        if original is not None:  # is the input itself inconsistent?
             try:
-                onnx.checker.check_model(onnx.load_from_string(original_bytes),
-                                         full_check=True)
+                onnx.checker.check_model(original, full_check=True)
             except Exception as orig:
                 raise ModelError(f"{name}: the model fails ONNX's full check "
                                  f"({str(orig).splitlines()[0][:200]})") from orig
         raise e
-    reference = original_bytes or export_onnx(graph, fold=fold).SerializeToString()
-    if original_bytes is None:
+    reference = original or export_onnx(graph, fold=fold).SerializeToString()
+    if original is None:
         references = reference_runs(reference, graph)
     report["check"] = check_onnx(reference, optimized.SerializeToString(), graph,
                                  rtol=args.rtol, atol=args.atol, references=references)
@@ -259,8 +270,8 @@ def _optimize(args) -> int:
         print("taso-jax: error: optimized model's outputs differ from the original's; "
               f"nothing written; {applied}", file=sys.stderr)
         return 1
-    if original_bytes is not None and symbolic_dims(original_bytes):
-        optimized = _keep_sizes_open(optimized, original_bytes, graph, report, args)
+    if original is not None and graph.meta.get("symbolic_dims"):
+        optimized = _keep_sizes_open(optimized, original, graph, report, args)
     if not args.no_time and not unchanged:
         report["onnxruntime"] = measure_onnxruntime(reference, optimized.SerializeToString(),
                                                     references[0][1], deadline=deadline)
@@ -273,7 +284,7 @@ def _optimize(args) -> int:
     return 0
 
 
-def _keep_sizes_open(optimized, original_bytes: bytes, graph, report: dict, args):
+def _keep_sizes_open(optimized, original: str, graph, report: dict, args):
     """The optimized model with the input's open sizes open again, where it still matches.
 
     The model was optimized at one binding of its symbolic sizes; written with them open,
@@ -282,12 +293,12 @@ def _keep_sizes_open(optimized, original_bytes: bytes, graph, report: dict, args
     a fixed size) the model is written at the sizes it was optimized at, and the report says
     so.
     """
-    from taso_jax.frontends.onnx_io import symbolic_dims, with_symbolic_dims
+    from taso_jax.frontends.onnx_io import with_symbolic_dims
     from taso_jax.report import check_other_sizes
 
-    symbolic = symbolic_dims(original_bytes)
+    symbolic = graph.meta["symbolic_dims"]
     general = with_symbolic_dims(optimized, symbolic)
-    other = check_other_sizes(original_bytes, general.SerializeToString(), graph, symbolic,
+    other = check_other_sizes(original, general.SerializeToString(), graph, symbolic,
                               rtol=args.rtol, atol=args.atol)
     report["other_sizes"] = other
     if other["ok"]:

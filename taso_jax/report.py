@@ -65,13 +65,17 @@ ONNXRUNTIME_WARN = 0.95
 def _session(model):
     from taso_jax.frontends.onnxruntime_target import ort_session
 
-    return ort_session(model)
+    return ort_session(model, trim=True)
 
 
 def _reference(original, inputs: dict) -> list:
-    """The original model's outputs on ``inputs``; a model that does not run is bad input."""
+    """The original model's outputs on ``inputs``; a model that does not run is bad input.
+
+    ``original`` is ONNX bytes, a path or an onnxruntime session of either.
+    """
     try:
-        return _session(original).run(None, inputs)
+        session = original if hasattr(original, "run") else _session(original)
+        return session.run(None, inputs)
     except Exception as e:  # the user's model itself, not ours
         shapes = ", ".join(f"{k}={list(np.shape(v))}" for k, v in inputs.items())
         raise ModelError(f"the original model does not run in onnxruntime on random inputs "
@@ -124,11 +128,15 @@ def reference_runs(original, graph: Graph, scales=CHECK_SCALES, seed: int = 1
     """
     base = dict(zip((n.name for n in graph.inputs), random_inputs(graph, seed=seed),
                     strict=True))
+    try:
+        session = _session(original)  # one session for every scale
+    except Exception:
+        session = original  # _reference reports the failure, in one line
     runs = []
     for scale in scales:
         feeds = {k: (v * np.asarray(scale, v.dtype) if np.issubdtype(v.dtype, np.floating)
                      else v) for k, v in base.items()}
-        runs.append((scale, feeds, _reference(original, feeds)))
+        runs.append((scale, feeds, _reference(session, feeds)))
     return runs
 
 
@@ -388,7 +396,10 @@ def format_report(r: dict) -> str:
                         if k.get("noise_floor") is not None else "")
                      + (f"; {k['error']}" if k.get("error") else ""))
     if r.get("written"):
+        copy = r.get("written_copy_of_input")
         lines.append(f"written: {r['written']}" + (
-            " (a byte-for-byte copy of the input: no faster graph was found)"
-            if r.get("written_copy_of_input") else ""))
+            " (the input with its external data inlined: no faster graph was found)"
+            if copy == "inlined" else
+            " (a byte-for-byte copy of the input: no faster graph was found)" if copy
+            else ""))
     return "\n".join(lines)

@@ -4,9 +4,12 @@ that keeps the optimizer from returning a graph slower than its input."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from taso_jax.search import SearchResult
 from taso_jax.search.backtracking import Candidate
 from taso_jax.search.choose import choose_fastest, device_name, paired_speedup, rank_correlation
@@ -182,6 +185,23 @@ def test_paired_speedup_sees_through_load_that_hits_both():
     assert not paired_speedup(base, 0.99 * base)["faster"]  # wins every round, but by 1%
     assert not paired_speedup(base[:4], faster[:4])["faster"]  # 4 rounds decide nothing
     assert not paired_speedup(faster, base)["faster"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.floats(-3, 3, allow_nan=False), st.sampled_from([0.0, 0.5, -0.5])),
+                min_size=1, max_size=70))
+def test_the_signed_rank_test_agrees_with_scipy(values):
+    # our own signed-rank test (scipy.stats costs about 70 MB resident where it is imported)
+    # against SciPy's, ties and zeros included
+    from scipy.stats import wilcoxon
+    from taso_jax.search.choose import signed_rank_greater
+
+    x = np.asarray(values)
+    assume(np.any(x != 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SciPy's notes on ties and small samples
+        want = float(wilcoxon(x, alternative="greater").pvalue)
+    assert signed_rank_greater(x) == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 
 def test_a_faster_verdict_must_hold_in_a_second_loop():

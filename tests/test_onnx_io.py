@@ -377,3 +377,30 @@ def test_regions_keep_every_name_a_tensor_has_and_subgraph_reads_and_stay_acycli
         [vi("x"), vi("z")], [vi("a2"), vi("b2")],
         {"x": x, "z": np.full((2, 3), -0.5, np.float32)})
     assert [n.op for n in g.nodes].count("opaque") == 4
+
+
+def test_shape_arithmetic_folds_at_import_without_jax(tmp_path):
+    # Exporters compute ConstantOfShape's shape from constants (silero_vad_16k_op15: Mul,
+    # Reshape and Concat of shape vectors); folding them must not load JAX (about 145 MB).
+    from conftest import run_python
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.array(2, np.int64), "two"),
+             numpy_helper.from_array(np.array(3, np.int64), "three"),
+             numpy_helper.from_array(np.array([1], np.int64), "one")]
+    nodes = [helper.make_node("Mul", ["two", "three"], ["six"]),              # 6
+             helper.make_node("Reshape", ["six", "one"], ["six1"]),           # [6]
+             helper.make_node("Concat", ["one", "six1"], ["shape"], axis=0),  # [1, 6]
+             helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),
+             helper.make_node("Add", ["x", "zeros"], ["y"])]
+    info = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, [1, 6])],
+                          [info("y", TensorProto.FLOAT, [1, 6])], inits)
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    run_python("import sys\nimport numpy as np\n"
+               "from taso_jax.frontends.onnx_io import load_onnx\n"
+               f"g = load_onnx({str(path)!r})\n"
+               "zeros = [n for n in g.nodes if n.op == 'weight' and n.name.startswith('zeros')]\n"
+               "assert [g.weights[n.name].shape for n in zeros] == [(1, 6)], zeros\n"
+               "assert 'jax' not in sys.modules\n", timeout=300)

@@ -635,7 +635,8 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
 
     Returns:
         The graph, with ``meta`` holding ``opset`` (after conversion), ``source_opset``,
-        ``opaque`` (ONNX op types kept opaque) and the names needed for export.
+        ``opaque`` (ONNX op types kept opaque), ``symbolic_dims`` (the input's open sizes,
+        as :func:`symbolic_dims`) and the names needed for export.
 
     Raises:
         ModelError: missing or unreadable file, opset outside 9-20, an ``input_shapes``
@@ -656,6 +657,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         raise ModelError(f"{where}: invalid ONNX model ({str(e).splitlines()[0]})") from e
     if not model.graph.output:
         raise ModelError(f"{where}: the graph has no outputs")
+    symbolic = symbolic_dims(model)
     model_copy = onnx.ModelProto()
     model_copy.CopyFrom(model)
     model = model_copy
@@ -709,7 +711,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         outputs.append(env[o.name])
         names.append(o.name)
     meta = {"opset": opset, "source_opset": src_opset, "opsets": opsets,
-            "shape_notes": shape_notes,
+            "shape_notes": shape_notes, "symbolic_dims": symbolic,
             "ir_version": model.ir_version, "opaque": dict(opaque),
             "name": g.name or "graph"}
     return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,

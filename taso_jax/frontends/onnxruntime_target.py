@@ -26,7 +26,8 @@ from taso_jax.search.options import OptimizeOptions
 __all__ = ["OnnxRuntimeCostModel", "ort_session", "graph_session", "onnxruntime_folded_values",
            "time_onnx_models", "choose_fastest_onnxruntime", "resolve_target"]
 
-def ort_session(model, spinning: bool = True, external: dict | None = None):
+def ort_session(model, spinning: bool = True, external: dict | None = None,
+                trim: bool = False):
     """An onnxruntime ``InferenceSession`` of ``model`` (bytes or path) on the CPU provider.
 
     ``spinning=False`` stops the intra-op threads from busy-waiting after a run. Timings of
@@ -35,6 +36,12 @@ def ort_session(model, spinning: bool = True, external: dict | None = None):
     4.9 ms without, and a 10% spread between identical models). ``external``: the arrays
     of initializers that ``model`` holds as external references (as
     :func:`~taso_jax.frontends.onnx_io.export_onnx` leaves them), by name.
+
+    ``trim=True`` hands the memory that building the session freed back to the system
+    (:func:`~taso_jax.ir.executor.release_memory`): a whole model's session frees about
+    twice its weights' size into ``malloc``'s arenas as it starts (ResNet-18: 208 MB
+    resident after starting, 127 MB after the trim), and those are kept otherwise. Not
+    for the small one-node sessions of the cost model, which would pay the trim each.
     """
     import onnxruntime as ort
 
@@ -46,7 +53,13 @@ def ort_session(model, spinning: bool = True, external: dict | None = None):
         so.add_external_initializers(list(external), [
             ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
             for a in external.values()])
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    if trim:
+        from taso_jax.ir.executor import release_memory
+
+        del so, external
+        release_memory()
+    return session
 
 
 def graph_session(graph: Graph, spinning: bool = False):
@@ -65,7 +78,7 @@ def graph_session(graph: Graph, spinning: bool = False):
     arrays: dict = {}
     # weight-only subgraphs unfolded: the session folds them as it starts
     model = export_onnx(graph, external=arrays, fold=False).SerializeToString()
-    return ort_session(model, spinning=spinning, external=arrays)
+    return ort_session(model, spinning=spinning, external=arrays, trim=True)
 
 
 def onnxruntime_folded_values(graph: Graph) -> tuple[list, list]:
@@ -107,7 +120,8 @@ def time_onnx_models(models: Sequence, inputs: dict, repeats: int = 20,
     always runs first). Inputs a model does not declare are left out of its feed. Past
     ``deadline`` (a ``time.perf_counter()`` value) the rounds stop (at least 3 run).
     """
-    sessions = [m if hasattr(m, "run") else ort_session(m, spinning=False) for m in models]
+    sessions = [m if hasattr(m, "run") else ort_session(m, spinning=False, trim=True)
+                for m in models]
     feeds = [{i.name: inputs[i.name] for i in s.get_inputs()} for s in sessions]
     for _ in range(warmup):
         for s, f in zip(sessions, feeds, strict=True):
@@ -253,7 +267,8 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
 
     Screening holds two sessions at a time (:func:`~taso_jax.search.choose.screen_in_pairs`):
     each candidate is exported and timed against the original in its own interleaved loop
-    of ``repeats`` rounds, and only the best one so far is kept. The best candidate by
+    of ``repeats`` rounds, and only the best one so far is remembered (its session is made
+    again to confirm it). The best candidate by
     median is kept only if :func:`~taso_jax.search.choose.paired_speedup` confirms it
     faster than the original in a fresh head-to-head loop; otherwise ``result.graph``
     becomes the input graph (``original_kept``). ``result`` is changed in place.
@@ -268,7 +283,7 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
 
     release_memory()  # what the search freed, before two sessions are held
     graphs = measured_set(result, 0, deadline)
-    base = ort_session(original, spinning=False)
+    base = ort_session(original, spinning=False, trim=True)
 
     def make(g):
         return graph_session(g)
@@ -276,10 +291,12 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     def loop(a, b):
         return time_onnx_models([a, b], inputs, repeats=repeats, deadline=deadline)
 
-    times, best, best_session = screen_in_pairs(graphs, base, make, loop, deadline)
+    # Two sessions at a time (the input's and one candidate's): the best candidate's
+    # session is made again for its confirmation rather than held through the screening.
+    times, best, _ = screen_in_pairs(graphs, base, make, loop, deadline, hold_best=False)
 
-    def confirm(i):  # keep_fastest confirms ``best``, whose session was kept
-        return loop(base, best_session)
+    def confirm(i):  # keep_fastest confirms ``best``
+        return loop(base, make(graphs[best][1]))
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]),
                         f"onnxruntime {ort.__version__} (CPU)", confirm=confirm, best=best,
