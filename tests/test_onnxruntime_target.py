@@ -69,7 +69,11 @@ def test_the_choice_keeps_the_input_file_unless_a_candidate_beats_it(monkeypatch
                                                                      kept, chosen):
     graph = _two_branch_graph()
     result = layer_search_graph(graph, cost_model="analytic", budget=20, end_to_end=0)
-    result.candidates = [v for v in result.visited if v.graph.key != graph.key][:2]
+    from taso_jax.search.backtracking import Candidate
+
+    # two candidates the cost model tells apart (estimates 10% apart: both are timed)
+    result.candidates = [Candidate(v.cost * (1 - 0.1 * k), v.graph, v.path) for k, v in
+                         enumerate([v for v in result.visited if v.graph.key != graph.key][:2])]
     assert len({c.graph.key for c in result.candidates}) == 2  # and the input: 3 timed
     made = []  # what each session runs, in the order they were made
 

@@ -295,8 +295,13 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     # session is made again for its confirmation rather than held through the screening.
     times, best, _ = screen_in_pairs(graphs, base, make, loop, deadline, hold_best=False)
 
-    def confirm(i):  # keep_fastest confirms ``best``
-        return loop(base, make(graphs[best][1]))
+    held: dict = {}  # the session being confirmed (one at a time)
+
+    def confirm(i):  # keep_fastest confirms ``best``, then maybe a runner-up
+        if i not in held:
+            held.clear()
+            held[i] = make(graphs[i][1])
+        return loop(base, held[i])
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]),
                         f"onnxruntime {ort.__version__} (CPU)", confirm=confirm, best=best,
