@@ -15,7 +15,7 @@ from taso_jax.search.backtracking import Candidate
 from taso_jax.search.choose import choose_fastest, device_name, paired_speedup, rank_correlation
 
 import taso_jax
-from taso_jax.bench import merge_rows, read_results, results_path
+from taso_jax.bench import MAX_FINAL_ROUNDS, merge_rows, read_results, results_path
 from taso_jax.cli import main
 
 ROW_KEYS = {"model", "device", "operators_before", "operators_after", "estimated_us_before",
@@ -41,7 +41,8 @@ def test_bench_runs_and_writes_well_formed_results(tmp_path, capsys):
     for r in rows.values():
         assert ROW_KEYS <= set(r)
         for t in (r["original_us"], r["optimized_us"]):
-            assert 0 < t["min_us"] <= t["median_us"] <= t["max_us"] and t["repeats"] == 20
+            assert 0 < t["min_us"] <= t["median_us"] <= t["max_us"]
+            assert 20 <= t["repeats"] <= MAX_FINAL_ROUNDS  # short calls: more rounds
         # never slower than the original by more than the measurement's own spread
         o, a = r["original_us"], r["optimized_us"]
         assert a["median_us"] <= o["median_us"] + (o["max_us"] - o["min_us"]), r["model"]
