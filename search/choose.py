@@ -165,6 +165,10 @@ def confirm_faster(loop, first: tuple | None = None,
     return test, base, cand
 
 
+#: Seconds a screening or confirmation loop of :func:`choose_fastest` lasts at least (up
+#: to five times its rounds): 10 rounds of a 5 ms call last 0.1 s, a few scheduler time
+#: slices on a loaded machine.
+SCREEN_SECONDS = 0.5
 #: Candidates :func:`keep_fastest` confirms at most, in order of screened median.
 CONFIRM_TRIES = 2
 #: Candidates whose estimates lie within this fraction of each other are one candidate to
@@ -372,8 +376,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     xs = _inputs_for(graphs[0][1])
     base = compiled_run(graphs[0][1], xs)
 
-    def loop(a, b):
-        return time_interleaved([a, b], repeats, 2, deadline)
+    def loop(a, b):  # short calls: more rounds, the loop lasting SCREEN_SECONDS at least
+        return time_interleaved([a, b], repeats, 2, deadline, min_seconds=SCREEN_SECONDS)
 
     def make(g):
         return compiled_run(g, xs)
@@ -396,7 +400,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
                 discard_compiled(graphs[j][1])
             held.clear()
             held[i] = make(graphs[i][1])
-        return time_interleaved([base, held[i]], repeats, 1, deadline)
+        return time_interleaved([base, held[i]], repeats, 1, deadline,
+                                min_seconds=SCREEN_SECONDS)
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]), device_name(),
                         confirm=confirm, best=best)

@@ -399,7 +399,8 @@ def time_function(fn: Callable[[], object], repeats: int = 20, warmup: int = 2) 
 
 def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
                      warmup: int = 2, deadline: float | None = None,
-                     min_sample_us: float | None = None) -> list[list[float]]:
+                     min_sample_us: float | None = None,
+                     min_seconds: float = 0.0) -> list[list[float]]:
     """Microseconds per call of each ``fn()``, sampled round robin ``repeats`` times.
 
     Each is warmed up first; interleaving makes machine noise hit all of them alike, so
@@ -409,7 +410,9 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
     (default :data:`MIN_SAMPLE_US`): one call of a 2 ms function on 2 shared cores varies
     by +-50% from call to call, and a round's verdict then says little. With a
     ``deadline`` (a ``time.perf_counter()`` value) the rounds stop once it has passed and at
-    least :data:`MIN_ROUNDS` were run.
+    least :data:`MIN_ROUNDS` were run. With ``min_seconds``, rounds go on past ``repeats``
+    until the loop has lasted that long, up to ``5 * repeats`` rounds: short calls get
+    more rounds, long ones no more.
     """
     block = _blocker()
     for _ in range(warmup):
@@ -420,8 +423,11 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
     calls = max(1, min(MAX_CALLS, math.ceil(want / max(min(once), 1.0))))
     times: list[list[float]] = [[] for _ in fns]
     pairs = list(zip(fns, times, strict=True))
-    for r in range(repeats):
+    started = time.perf_counter()
+    for r in range(5 * repeats if min_seconds > 0 else repeats):
         if deadline is not None and r >= MIN_ROUNDS and time.perf_counter() > deadline:
+            break
+        if r >= repeats and time.perf_counter() - started >= min_seconds:
             break
         # every other round in reverse order: the function run second in a round measured
         # 3-5% slower than the same function run first (flax BERT block, 2 cores)
