@@ -369,3 +369,17 @@ def test_the_nhwc_form_is_a_candidate_timed_like_any_other(monkeypatch, layouts)
                                    rtol=1e-4, atol=1e-4)
     else:
         assert not nhwc and "conv2d_nhwc" not in r.graph.op_counts()
+
+
+def test_a_timing_loop_of_short_calls_runs_more_rounds_when_asked():
+    import time as _time
+
+    from taso_jax.ir.executor import time_interleaved
+
+    def f():
+        _time.sleep(0.001)
+
+    # 3 rounds as asked; with min_seconds, more, up to five times as many
+    assert [len(t) for t in time_interleaved([f, f], repeats=3, warmup=0)] == [3, 3]
+    longer = time_interleaved([f, f], repeats=3, warmup=0, min_seconds=0.05)
+    assert 3 < len(longer[0]) == len(longer[1]) <= 15
