@@ -661,7 +661,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--time-limit", type=float, default=d.time_limit,
                    help=f"seconds for the search, kernel measurement included ({d.time_limit:g})")
     b.add_argument("--repeats", type=_positive_int, default=50,
-                   help="timed runs per graph (50)")
+                   help="timed runs per graph, at least: short calls get as many as fit in "
+                        "4 s, up to 400 (50)")
     b.add_argument("--candidates", type=int, default=d.end_to_end,
                    help=f"cheapest graphs timed end to end; the fastest is kept "
                         f"({d.end_to_end})")
