@@ -350,7 +350,7 @@ def test_the_nhwc_form_is_a_candidate_timed_like_any_other(monkeypatch, layouts)
         timed.append(graph)
         return graph
 
-    def fake(graphs, repeats=20, warmup=2, deadline=None):
+    def fake(graphs, repeats=20, warmup=2, deadline=None, min_seconds=0.0):
         # every graph but the NHWC forms takes 100 us, those 50 us
         return [[50.0 if "conv2d_nhwc" in g.op_counts() else 100.0] * repeats for g in graphs]
 
