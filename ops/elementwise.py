@@ -88,19 +88,21 @@ _SCALAR_MUL_LAWS = (
 )
 
 
-def _binary(name, fn, onnx_type, doc, commutative=False, laws=()):
+def _binary(name, fn, onnx_type, doc, commutative=False, laws=(), numpy_ref=None):
     declare(OpDef(name=name, ref=fn, shape=_binary_shape, arity=2,
                   to_onnx=_emit(onnx_type), commutative=commutative,
                   fusible=True, layout="elementwise",
-                  examples=(([TensorType(*t) for t in _EX2[0]], {}),), axioms=laws, doc=doc))
+                  examples=(([TensorType(*t) for t in _EX2[0]], {}),), axioms=laws, doc=doc,
+                  numpy_ref=numpy_ref))
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
 
 _binary("ewadd", _jnp("add"), "Add", "a + b, broadcasting (ONNX Add; TASO ewadd)", True,
-        _EWADD_LAWS)
-_binary("ewsub", _jnp("subtract"), "Sub", "a - b, broadcasting (ONNX Sub)", laws=_EWSUB_LAWS)
+        _EWADD_LAWS, numpy_ref=np.add)
+_binary("ewsub", _jnp("subtract"), "Sub", "a - b, broadcasting (ONNX Sub)", laws=_EWSUB_LAWS,
+        numpy_ref=np.subtract)
 _binary("ewmul", _jnp("multiply"), "Mul", "a * b, broadcasting (ONNX Mul; TASO ewmul)", True,
-        _EWMUL_LAWS)
+        _EWMUL_LAWS, numpy_ref=np.multiply)
 def _ewdiv(a, b):
     # ONNX Div and lax.div on integers truncate toward zero; jnp.divide would give floats
     if jnp.issubdtype(jnp.result_type(a, b), jnp.integer):

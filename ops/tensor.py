@@ -107,6 +107,7 @@ _TRANSPOSE_LAWS = (
 
 declare(OpDef(
     name="concat", ref=lambda *xs, axis: jnp.concatenate(xs, axis=axis),
+    numpy_ref=lambda *xs, axis: np.concatenate(xs, axis=axis),
     shape=_concat_shape, arity=None,
     
     attrs={"axis": 0},
@@ -172,6 +173,7 @@ def _transpose_shape(ts, *, perm):
 
 declare(OpDef(
     name="transpose", ref=lambda x, *, perm: jnp.transpose(x, perm),
+    numpy_ref=lambda x, *, perm: np.transpose(x, perm),
     shape=_transpose_shape, arity=1,
     
     attrs={"perm": ()},
@@ -223,6 +225,7 @@ def _reshape_to_onnx(ctx, ins, outs, *, shape):
 
 declare(OpDef(
     name="reshape", ref=lambda x, *, shape: jnp.reshape(x, shape), shape=_reshape_shape, arity=1,
+    numpy_ref=lambda x, *, shape: np.reshape(x, shape),
     fusible=True,
     attrs={"shape": ()},
     to_onnx=_reshape_to_onnx,

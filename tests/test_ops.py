@@ -140,3 +140,19 @@ def test_constant_kernels():
     b = OPS["avgpool2d"].ref(x, kernel=(3, 3), strides=(1, 1), padding="valid",
                              count_include_pad=False)
     np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,i", [(n, i) for n, i in CASES if OPS[n].numpy_ref is not None])
+def test_numpy_fold_matches_reference(name, i):
+    """An operator's NumPy form (constants folded at import) gives its reference's values."""
+    op = OPS[name]
+    in_types, attrs = op.examples[i]
+    rng = np.random.default_rng(i)
+    node = make_node(name, [leaf_node("input", f"a{k}", t).outputs[0]
+                            for k, t in enumerate(in_types)], attrs)
+    for dtype in (None, "int64"):  # the example's dtype, and shape arithmetic's
+        xs = [_random(TensorType(t.shape, dtype or t.dtype), rng) for t in in_types]
+        want = np.asarray(op.ref(*xs, **dict(node.attrs)))
+        got = op.numpy_ref(*xs, **dict(node.attrs))
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got.astype(want.dtype), want)

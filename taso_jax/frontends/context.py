@@ -16,21 +16,6 @@ from taso_jax.ops import OPS, TensorType
 __all__ = ["ImportContext"]
 
 
-#: Operators whose value NumPy computes exactly as the JAX reference function does (data
-#: movement, and integer or IEEE float arithmetic with the same broadcasting). The shape
-#: arithmetic that exporters leave in ONNX files (Reshape, Mul and Concat of shape vectors)
-#: is folded with them at import, so that importing a model loads no JAX (about 145 MB
-#: and a second, silero_vad_16k_op15).
-_NUMPY_EXACT = {
-    "reshape": lambda x, *, shape: np.reshape(x, shape),
-    "transpose": lambda x, *, perm: np.transpose(x, perm),
-    "concat": lambda *xs, axis: np.concatenate(xs, axis=axis),
-    "ewadd": np.add,
-    "ewsub": np.subtract,
-    "ewmul": np.multiply,
-}
-
-
 class ImportContext:
     """What an operator's importer sees while a model or a jaxpr is imported.
 
@@ -121,7 +106,7 @@ class ImportContext:
         if n.op in OPS:
             args = [self.const(x) for x in n.inputs]
             if all(a is not None for a in args):
-                exact = _NUMPY_EXACT.get(n.op)
+                exact = OPS[n.op].numpy_ref  # folds without loading JAX
                 outs = (exact(*args, **dict(n.attrs)),) if exact else run_node(n, args)
                 for i, v in enumerate(outs):
                     self._cache[Tensor(n, i)] = np.asarray(v).astype(n.types[i].dtype)
