@@ -240,7 +240,7 @@ def _find_matches(rule: Substitution, graph: Graph, state: MatchState, near, ord
             return Tensor(node, ref.output)
         return var.get(ref.name)
 
-    def first_bindings(h: Node) -> list[tuple]:
+    def first_bindings(h: Node) -> tuple[tuple, ...]:
         # The first source node reads variables only, so its bindings depend on the host
         # node alone, and nodes are immutable: computed once per node and kept.
         found = first_cache.get(h)
@@ -296,17 +296,17 @@ def _find_matches(rule: Substitution, graph: Graph, state: MatchState, near, ord
 
 
 def _host_bindings(p: PNode, h: Node, var: dict, sym: dict, host_of, shapes: dict,
-                   stats: Counter) -> list[tuple]:
+                   stats: Counter) -> tuple[tuple, ...]:
     """Each ``(vars, symbols)`` that binds pattern node ``p`` to host node ``h``.
 
     ``var`` and ``sym`` are extended; a commutative operator is tried in both operand orders.
     """
     if len(h.inputs) != len(p.inputs):
-        return []
+        return ()
     sym_a = _attrs_match(p.attrs, h.attrs, sym)
     if sym_a is None:
         stats["attrs"] += 1
-        return []
+        return ()
     orders = [h.inputs]
     if OPS[p.op].commutative and h.inputs[0] != h.inputs[1]:
         orders.append(h.inputs[::-1])
@@ -316,7 +316,7 @@ def _host_bindings(p: PNode, h: Node, var: dict, sym: dict, host_of, shapes: dic
         # Sizes in attributes ("$D") can only be checked once shapes are bound.
         if b is not None and _attrs_match(p.attrs, h.attrs, b[1]) is not None:
             found.append(b)
-    return found
+    return tuple(found)  # kept per host node by first_bindings: () shares one object
 
 
 def _bind_inputs(p: PNode, host_inputs, var: dict, sym: dict, host_of, shapes: dict,

@@ -142,3 +142,15 @@ def test_a_shared_fold_is_keyed_by_which_weight_holds_which_array():
     view = np.ones(4, np.float32)[:]  # read-only view of a writable array: it can change
     view.flags.writeable = False
     assert not _frozen(view) and _frozen(one)
+
+
+def test_forget_caches_drops_derived_properties_and_they_come_back_equal():
+    b, x, w1, _ = _two_convs()
+    b.mark_output(b.relu(b.conv2d(x, w1)), "y")
+    g = b.graph()
+    before = (list(g.nodes), dict(g.consumers), dict(g.positions))
+    g.forget_caches(keep=("nodes",))
+    assert "nodes" in g.__dict__ and "consumers" not in g.__dict__
+    g.forget_caches()
+    assert not {"nodes", "consumers", "positions"} & set(g.__dict__)
+    assert (list(g.nodes), dict(g.consumers), dict(g.positions)) == before

@@ -457,3 +457,35 @@ def test_a_kernel_dearer_than_its_work_explains_is_priced_relative_to_a_smaller_
     assert cm.node_cost(matmul(1024)) == pytest.approx(35.0 * 48.0 / 30.0)
     assert cm.retimed == 1
     assert cm.node_cost(matmul(2048)) == 110.0 and cm.retimed == 1  # within 1.1 x 2 x 56
+
+
+def test_a_trimmed_queue_finds_the_same_graph(monkeypatch):
+    # The queue keeps its cheapest entries only; those further back are never popped, so a
+    # search that trims hard ends where an untrimmed one does.
+    import sys
+    from pathlib import Path
+
+    import taso_jax.search.backtracking as bt
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from models import MODELS
+
+    g = MODELS["nasnet_a"].build(**MODELS["nasnet_a"].SMALL)
+
+    def run():
+        return _search(g, cost_model=AnalyticCostModel(), budget=12, substitutions=SUBS)
+
+    monkeypatch.setattr(bt, "QUEUE_FLOOR", 10**9)
+    full = run()
+    trims = []
+    nsmallest = bt.heapq.nsmallest
+    monkeypatch.setattr(bt, "QUEUE_FLOOR", 20)
+    monkeypatch.setattr(bt, "QUEUE_PER_EXPANSION", 4)
+    monkeypatch.setattr(bt.heapq, "nsmallest",
+                        lambda n, q: trims.append(len(q) - n) or nsmallest(n, q))
+    trimmed = run()
+    assert trims and sum(trims) > 100  # the cap was hit and entries were dropped
+    assert trimmed.graph.key == full.graph.key
+    assert trimmed.cost_after == full.cost_after and trimmed.iterations == full.iterations
+    # the graphs kept for the choice hold no cached adjacency once the search returns
+    assert all("consumers" not in v.graph.__dict__ for v in trimmed.visited)

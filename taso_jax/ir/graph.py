@@ -216,6 +216,17 @@ class Graph:
         """Exact structural identity: equal keys iff the graphs compute the same DAG."""
         return self.outputs
 
+    def forget_caches(self, keep: Iterable[str] = ()) -> None:
+        """Drop the derived properties computed so far (:attr:`nodes`, :attr:`consumers`...).
+
+        They are recomputed when next read; the names in ``keep`` stay. A search holds
+        hundreds of graphs (the visited ones, the parents of queued rewrites); on a
+        254-operator model the cached adjacency of each is about 60 KB.
+        """
+        for name in _CACHED:
+            if name not in keep:
+                self.__dict__.pop(name, None)
+
     @cached_property
     def nodes(self) -> list[Node]:
         """All nodes reachable from the outputs, in topological order."""
@@ -303,6 +314,10 @@ class Graph:
                          for nm, t in zip(self.output_names, self.outputs, strict=True))
         lines.append(f"outputs: {outs}")
         return "\n".join(lines)
+
+
+#: Names of Graph's cached properties (see Graph.forget_caches).
+_CACHED = tuple(name for name, v in vars(Graph).items() if isinstance(v, cached_property))
 
 
 class GraphBuilder:
@@ -412,3 +427,4 @@ def new_graph(seed: int = 0) -> GraphBuilder:
 
 
 __all__ += ["ShapeError", "leaf_node", "topo_order", "intern_node"]
+
