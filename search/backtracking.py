@@ -616,12 +616,13 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
             k = index[id(sub)]
             previous = None if change is None or reach[k] is None else entry.matches.get(k)
             if previous is None:
-                table[k] = list(find_matches(sub, g, state.matching))
+                found = list(find_matches(sub, g, state.matching))
             else:
-                table[k] = _incremental_matches(g, sub, reach[k], previous, change,
-                                                near_cache, state)
+                found = _incremental_matches(g, sub, reach[k], previous, change, near_cache,
+                                             state)
+            table[k] = found or ()  # most rules match nowhere: one shared empty tuple
             for rw, estimate in _prepared(g, gc, sub, cost_model, alpha * best_cost, state,
-                                          matches=table[k]):
+                                          matches=found):
                 heapq.heappush(queue, _Entry(estimate, next(tie), None, (*entry.path, sub.name),
                                              g, table, rw.mapping))
                 best_cost = min(best_cost, estimate)
