@@ -404,3 +404,48 @@ def test_shape_arithmetic_folds_at_import_without_jax(tmp_path):
                "zeros = [n for n in g.nodes if n.op == 'weight' and n.name.startswith('zeros')]\n"
                "assert [g.weights[n.name].shape for n in zeros] == [(1, 6)], zeros\n"
                "assert 'jax' not in sys.modules\n", timeout=300)
+
+
+def test_newer_opsets_import_what_kept_its_meaning_and_pass_the_rest_through():
+    # Opsets 21-25 mostly added element types (int4, bfloat16, float8): those operators are
+    # imported as before; one whose specification changed otherwise stays opaque.
+    from onnx import version_converter
+
+    from taso_jax.frontends.onnx_io import importable_at, max_opset
+
+    assert importable_at("Conv", 22) and importable_at("Reshape", 25)
+    assert importable_at("Cast", 24)  # round_mode: casts to float8e8m0 only
+    assert not importable_at("GroupNormalization", 21)  # scale per channel, stash_type
+    assert not importable_at("Attention", 23)  # no importer reads it (new in 23)
+    src = onnx.load(model_path("tv_squeezenet1_1"))
+    for opset in (21, max_opset()):
+        model = version_converter.convert_version(src, opset)
+        g = taso_jax.load_onnx(model)
+        assert g.meta["opset"] == opset and not g.meta["opaque"]
+        out = _roundtrip(model.SerializeToString(), g)
+        assert out.opset_import[0].version == opset
+
+
+def test_a_node_whose_operator_changed_after_opset_20_stays_opaque(monkeypatch):
+    from onnx import TensorProto, helper
+
+    import taso_jax.frontends.onnx_io as onnx_io
+
+    def model():
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+        nodes = [helper.make_node("Cast", ["x"], ["c"], to=TensorProto.FLOAT),
+                 helper.make_node("Relu", ["c"], ["y"])]
+        return helper.make_model(helper.make_graph(nodes, "g", [x], [y]),
+                                 opset_imports=[helper.make_opsetid("", 24)], ir_version=10)
+
+    assert "Cast" not in taso_jax.load_onnx(model()).meta["opaque"]
+    # Without the reason on file, Cast-24's new attribute makes it opaque.
+    monkeypatch.setattr(onnx_io, "_SAME_FOR_IMPORTED_TYPES", {})
+    onnx_io.importable_at.cache_clear()
+    try:
+        g = taso_jax.load_onnx(model())
+        assert g.meta["opaque"] == {"Cast": 1} and g.op_counts()["relu"] == 1
+        _roundtrip(model().SerializeToString(), g)
+    finally:
+        onnx_io.importable_at.cache_clear()

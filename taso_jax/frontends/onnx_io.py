@@ -1,4 +1,4 @@
-"""ONNX import and export (opsets 9 to 20).
+"""ONNX import and export (opsets 9 and newer, up to the installed ``onnx``'s newest).
 
 Import: the model is loaded and checked, converted to opset 17 when older than 13 (so every
 operator has its modern form), given static shapes (``input_shapes`` fills symbolic
@@ -7,12 +7,14 @@ Initializers, ``Constant`` and ``ConstantOfShape`` with a constant shape become 
 Each node goes through the importer that its operator declaration registered
 (``taso_jax.ops.ONNX_IMPORTERS``); a node without one, or whose importer declines or
 disagrees with ONNX shape inference, becomes an opaque node that is carried through
-unchanged.
+unchanged. The importers follow the operator specifications up to opset 20
+(:data:`CHECKED_OPSET`); in a newer model, a node whose operator's specification changed
+since then in more than its element types stays opaque (:func:`importable_at`).
 
 Export: weight-only subgraphs are evaluated and written as initializers; every other node is
 emitted by its declaration's ``to_onnx``. Input and output names are the original ones.
 
-Source: ONNX IR and operator specifications (onnx.ai, opsets 9-20).
+Source: ONNX IR and operator specifications (onnx.ai, opsets 9-28; ``onnx.defs``).
 """
 
 from __future__ import annotations
@@ -30,17 +32,77 @@ from taso_jax.ir.opaque import OpaqueOp
 from taso_jax.ops import ONNX_IMPORTERS, OPS, ShapeError, TensorType
 
 __all__ = ["ModelError", "OnnxNode", "merge_opaque_regions", "load_onnx", "export_onnx",
-           "symbolic_dims", "with_symbolic_dims", "MIN_OPSET", "MAX_OPSET"]
+           "symbolic_dims", "with_symbolic_dims", "MIN_OPSET", "CHECKED_OPSET", "max_opset",
+           "importable_at"]
 
-MIN_OPSET, MAX_OPSET = 9, 20
+MIN_OPSET = 9
+#: The newest opset whose operator specifications the importers were written against.
+CHECKED_OPSET = 20
 _CONVERT_BELOW, _CONVERT_TO = 13, 17
+#: Newer versions of an operator whose other changes leave the element types we import
+#: alone (see :func:`importable_at`), with the reason, from the ONNX specification.
+_SAME_FOR_IMPORTED_TYPES = {
+    ("Cast", 24): "adds round_mode, which applies to casts to float8e8m0 only",
+}
+
+
+def max_opset() -> int:
+    """The newest opset a model may declare: the installed ``onnx``'s newest (``onnx.defs``)."""
+    from onnx import defs
+
+    return defs.onnx_opset_version()
+
+
+@functools.cache
+def importable_at(op_type: str, opset: int) -> bool:
+    """Whether the importers' reading of ``op_type`` (ONNX domain) holds at ``opset``.
+
+    True at :data:`CHECKED_OPSET` and below. Above it, true when each version of the
+    operator's specification published since (``onnx.defs.get_schema``) kept its inputs,
+    outputs and attributes and only added element types to its type constraints (most of
+    opsets 21-25: int4, bfloat16, float8 and float4 types), or is listed in
+    ``_SAME_FOR_IMPORTED_TYPES``. Otherwise (GroupNormalization-21 changed what its scale
+    means, for one) a node of that operator stays opaque and runs in onnxruntime.
+    """
+    if opset <= CHECKED_OPSET:
+        return True
+    from onnx import defs
+
+    try:
+        prev = defs.get_schema(op_type, CHECKED_OPSET)
+    except Exception:  # noqa: BLE001 - an operator newer than the importers
+        return False
+    for version in range(CHECKED_OPSET + 1, opset + 1):
+        schema = defs.get_schema(op_type, version)
+        if schema.since_version == prev.since_version:
+            continue
+        if (op_type, schema.since_version) not in _SAME_FOR_IMPORTED_TYPES and \
+                not _types_added_only(prev, schema):
+            return False
+        prev = schema
+    return True
+
+
+def _types_added_only(old, new) -> bool:
+    """Same inputs, outputs and attributes; each type constraint allows at least as much."""
+    def form(s):
+        return ([(a.name, a.type, a.default_value.SerializeToString())
+                 for a in s.attributes.values()],
+                [(i.name, i.option, i.type_str) for i in s.inputs],
+                [(o.name, o.option, o.type_str) for o in s.outputs])
+
+    allowed_old = {t.type_param_str: set(t.allowed_type_strs) for t in old.type_constraints}
+    allowed_new = {t.type_param_str: set(t.allowed_type_strs) for t in new.type_constraints}
+    return form(old) == form(new) and allowed_old.keys() == allowed_new.keys() and all(
+        allowed_new[k] >= allowed_old[k] for k in allowed_old)
 
 
 class ModelError(ValueError):
     """A model that cannot be loaded; the message names the problem and where it is.
 
-    Raised for a missing file, a file that is not ONNX or is truncated, an opset outside
-    9-20, and input shapes given that do not fit the model.
+    Raised for a missing file, a file that is not ONNX or is truncated, an opset below 9
+    or newer than the installed ``onnx`` knows, and input shapes given that do not fit the
+    model.
     """
 
 
@@ -639,8 +701,9 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         as :func:`symbolic_dims`) and the names needed for export.
 
     Raises:
-        ModelError: missing or unreadable file, opset outside 9-20, an ``input_shapes``
-            entry that does not fit its input, or a model that ONNX's checker rejects.
+        ModelError: missing or unreadable file, opset below 9 or above :func:`max_opset`,
+            an ``input_shapes`` entry that does not fit its input, or a model that ONNX's
+            checker rejects.
     """
     import onnx
     from onnx import numpy_helper, version_converter
@@ -648,9 +711,10 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     where = str(source) if not isinstance(source, onnx.ModelProto) else "model"
     model = _read_model(source)
     src_opset = _opset(model)
-    if not MIN_OPSET <= src_opset <= MAX_OPSET:
+    if not MIN_OPSET <= src_opset <= max_opset():
         raise ModelError(f"{where}: unsupported opset {src_opset} (supported: "
-                         f"{MIN_OPSET} to {MAX_OPSET})")
+                         f"{MIN_OPSET} to {max_opset()}, the newest this onnx "
+                         "package knows)")
     try:
         onnx.checker.check_model(model)
     except Exception as e:
@@ -743,7 +807,7 @@ def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tens
 
     out_types = [types.get(o) for o in node.output]
     ins = [env[i] if i else None for i in node.input]
-    if node.domain in ("", "ai.onnx"):
+    if node.domain in ("", "ai.onnx") and importable_at(node.op_type, ctx.opset):
         value = _constant_value(node, ctx, ins)
         if value is not None:
             value.flags.writeable = False  # a fresh array; shared when folded, as above
