@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from taso_jax.frontends.context import ImportContext
+from taso_jax.ir.executor import release_memory
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
 from taso_jax.ir.opaque import OpaqueOp
 from taso_jax.ops import ONNX_IMPORTERS, OPS, ShapeError, TensorType
@@ -44,6 +45,71 @@ _CONVERT_BELOW, _CONVERT_TO = 13, 17
 _SAME_FOR_IMPORTED_TYPES = {
     ("Cast", 24): "adds round_mode, which applies to casts to float8e8m0 only",
 }
+
+
+#: Float initializers of at least this many bytes are left out of :func:`_light_model`.
+LIGHT_BYTES = 4096
+
+
+def _is_heavy(init) -> bool:
+    from onnx import TensorProto
+
+    return init.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16,
+                              TensorProto.DOUBLE) and \
+        init.data_location != TensorProto.EXTERNAL and init.ByteSize() >= LIGHT_BYTES
+
+
+def _light_model(model):
+    """A copy of ``model`` whose large float initializers have their dims and type, no data.
+
+    onnx's C++ passes (shape inference, the opset converter) serialize the whole model,
+    parse it, and hand back a serialized result that Python parses again: four copies of
+    the weights at once (a 54 MB ddddocr model peaked at 442 MB in the converter). They
+    read an initializer's dims and type, and the values of the small integer tensors that
+    compute shapes, never the values of a float weight, so they run on this copy. Its
+    weights are filled in again, where needed, by :func:`_fill_weights`.
+    """
+    import onnx
+
+    light = onnx.ModelProto()
+    _copy_fields(model, light, skip="graph")
+    _copy_fields(model.graph, light.graph, skip="initializer")
+    for init in model.graph.initializer:
+        if _is_heavy(init):
+            light.graph.initializer.add(name=init.name, dims=init.dims,
+                                        data_type=init.data_type)
+        else:
+            light.graph.initializer.add().CopyFrom(init)
+    return light
+
+
+def _copy_fields(src, dst, skip: str) -> None:
+    """Copy every field set in protobuf message ``src`` into ``dst`` but the one named ``skip``."""
+    for field, value in src.ListFields():
+        if field.name == skip:
+            continue
+        if hasattr(value, "extend"):  # a repeated field
+            getattr(dst, field.name).extend(value)
+        elif field.message_type:
+            getattr(dst, field.name).CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
+
+
+def _fill_weights(light, model) -> bool:
+    """Copy into ``light`` (a pass's result on :func:`_light_model`) the data left out.
+
+    Returns False, changing nothing, when an initializer left out is missing from
+    ``light`` or has other dims or another type there.
+    """
+    heavy = {i.name: i for i in model.graph.initializer if _is_heavy(i)}
+    by_name = {i.name: i for i in light.graph.initializer}
+    if not all(n in by_name and list(by_name[n].dims) == list(h.dims)
+               and by_name[n].data_type == h.data_type for n, h in heavy.items()):
+        return False
+    for n, h in heavy.items():
+        by_name[n].CopyFrom(h)
+    return True
 
 
 def max_opset() -> int:
@@ -172,7 +238,8 @@ def _shapes_fit(model) -> bool:
     import onnx
 
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(_light_model(model), strict_mode=True,
+                                                     data_prop=True)
     except Exception:
         return False
     g = inferred.graph
@@ -196,6 +263,9 @@ def _shapes_fit(model) -> bool:
         sess.run(None, feeds)
     except Exception:
         return False
+    finally:
+        sess = None
+        release_memory()  # the session's freed scratch, before the next copy of the weights
     return True
 
 
@@ -347,7 +417,8 @@ def with_symbolic_dims(model, dims: Mapping[str, Mapping[int, str]]):
 def _value_types(model) -> dict[str, TensorType]:
     import onnx
 
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    inferred = onnx.shape_inference.infer_shapes(_light_model(model), strict_mode=False,
+                                                 data_prop=True)
     out: dict[str, TensorType] = {}
     g = inferred.graph
     for vi in list(g.input) + list(g.value_info) + list(g.output):
@@ -367,13 +438,20 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
     import onnx
     import onnxruntime as ort
 
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    del m.graph.output[:]
-    m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+    # The outputs are swapped in place for the serialization, not on a copy of the model
+    # (a copy holds its weights once more).
+    outputs = list(model.graph.output)
+    del model.graph.output[:]
+    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+    try:
+        serialized = model.SerializeToString()
+    finally:
+        del model.graph.output[:]
+        model.graph.output.extend(outputs)
     opts = ort.SessionOptions()
     opts.log_severity_level = 4
-    sess = ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(serialized, opts, providers=["CPUExecutionProvider"])
+    del serialized
     feeds = {}
     rng = np.random.default_rng(0)
     inits = {i.name for i in model.graph.initializer}
@@ -385,6 +463,8 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
                            else rng.standard_normal(t.shape)).astype(t.dtype)
     for n, v in zip(names, sess.run(names, feeds), strict=True):
         types[n] = TensorType(tuple(v.shape), str(v.dtype))
+    del sess
+    release_memory()
 
 
 class OnnxNode(OpaqueOp):
@@ -716,21 +796,27 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
                          f"{MIN_OPSET} to {max_opset()}, the newest this onnx "
                          "package knows)")
     try:
-        onnx.checker.check_model(model)
+        # from the path where there is one: the checker then reads the file itself, where
+        # a ModelProto would be serialized for it (one more copy of the weights)
+        onnx.checker.check_model(model if model is source or isinstance(source, bytes | bytearray)
+                                 else os.fspath(source))
     except Exception as e:
         raise ModelError(f"{where}: invalid ONNX model ({str(e).splitlines()[0]})") from e
     if not model.graph.output:
         raise ModelError(f"{where}: the graph has no outputs")
     symbolic = symbolic_dims(model)
-    model_copy = onnx.ModelProto()
-    model_copy.CopyFrom(model)
-    model = model_copy
+    if model is source:  # the caller's: not to be changed
+        model_copy = onnx.ModelProto()
+        model_copy.CopyFrom(model)
+        model = model_copy
     shape_notes = _fix_input_shapes(model, input_shapes or {}, where)
     opset = src_opset
     if src_opset < _CONVERT_BELOW:
         try:
-            model = version_converter.convert_version(model, _CONVERT_TO)
-            opset = _CONVERT_TO
+            converted = version_converter.convert_version(_light_model(model), _CONVERT_TO)
+            if not _fill_weights(converted, model):  # it changed a weight: convert it whole
+                converted = version_converter.convert_version(model, _CONVERT_TO)
+            model, opset = converted, _CONVERT_TO
         except Exception as e:
             raise ModelError(f"{where}: cannot convert opset {src_opset} to {_CONVERT_TO} "
                              f"({str(e).splitlines()[0]})") from e
