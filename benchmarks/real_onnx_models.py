@@ -224,7 +224,8 @@ def format_row(row: dict) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="*", help="ONNX files or folders of them")
-    ap.add_argument("--targets", default="xla,onnxruntime")
+    ap.add_argument("--targets", default="xla,onnxruntime",
+                    help="comma-separated --target values to run (xla,onnxruntime)")
     ap.add_argument("--time-limit", type=float, default=60, help="search seconds (60)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per command at most (default 4 x time limit + 300)")
