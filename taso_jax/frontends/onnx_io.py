@@ -47,6 +47,57 @@ _SAME_FOR_IMPORTED_TYPES = {
 }
 
 
+def max_opset() -> int:
+    """The newest opset a model may declare: the installed ``onnx``'s newest (``onnx.defs``)."""
+    from onnx import defs
+
+    return defs.onnx_opset_version()
+
+
+@functools.cache
+def importable_at(op_type: str, opset: int) -> bool:
+    """Whether the importers' reading of ``op_type`` (ONNX domain) holds at ``opset``.
+
+    True at :data:`CHECKED_OPSET` and below. Above it, true when each version of the
+    operator's specification published since (``onnx.defs.get_schema``) kept its inputs,
+    outputs and attributes and only added element types to its type constraints (most of
+    opsets 21-25: int4, bfloat16, float8 and float4 types), or is listed in
+    ``_SAME_FOR_IMPORTED_TYPES``. Otherwise (GroupNormalization-21 changed what its scale
+    means, for one) a node of that operator stays opaque and runs in onnxruntime.
+    """
+    if opset <= CHECKED_OPSET:
+        return True
+    from onnx import defs
+
+    try:
+        prev = defs.get_schema(op_type, CHECKED_OPSET)
+    except Exception:  # noqa: BLE001 - an operator newer than the importers
+        return False
+    for version in range(CHECKED_OPSET + 1, opset + 1):
+        schema = defs.get_schema(op_type, version)
+        if schema.since_version == prev.since_version:
+            continue
+        if (op_type, schema.since_version) not in _SAME_FOR_IMPORTED_TYPES and \
+                not _types_added_only(prev, schema):
+            return False
+        prev = schema
+    return True
+
+
+def _types_added_only(old, new) -> bool:
+    """Same inputs, outputs and attributes; each type constraint allows at least as much."""
+    def form(s):
+        return ([(a.name, a.type, a.default_value.SerializeToString())
+                 for a in s.attributes.values()],
+                [(i.name, i.option, i.type_str) for i in s.inputs],
+                [(o.name, o.option, o.type_str) for o in s.outputs])
+
+    allowed_old = {t.type_param_str: set(t.allowed_type_strs) for t in old.type_constraints}
+    allowed_new = {t.type_param_str: set(t.allowed_type_strs) for t in new.type_constraints}
+    return form(old) == form(new) and allowed_old.keys() == allowed_new.keys() and all(
+        allowed_new[k] >= allowed_old[k] for k in allowed_old)
+
+
 #: Float initializers of at least this many bytes are left out of :func:`_light_model`.
 LIGHT_BYTES = 4096
 
@@ -110,57 +161,6 @@ def _fill_weights(light, model) -> bool:
     for n, h in heavy.items():
         by_name[n].CopyFrom(h)
     return True
-
-
-def max_opset() -> int:
-    """The newest opset a model may declare: the installed ``onnx``'s newest (``onnx.defs``)."""
-    from onnx import defs
-
-    return defs.onnx_opset_version()
-
-
-@functools.cache
-def importable_at(op_type: str, opset: int) -> bool:
-    """Whether the importers' reading of ``op_type`` (ONNX domain) holds at ``opset``.
-
-    True at :data:`CHECKED_OPSET` and below. Above it, true when each version of the
-    operator's specification published since (``onnx.defs.get_schema``) kept its inputs,
-    outputs and attributes and only added element types to its type constraints (most of
-    opsets 21-25: int4, bfloat16, float8 and float4 types), or is listed in
-    ``_SAME_FOR_IMPORTED_TYPES``. Otherwise (GroupNormalization-21 changed what its scale
-    means, for one) a node of that operator stays opaque and runs in onnxruntime.
-    """
-    if opset <= CHECKED_OPSET:
-        return True
-    from onnx import defs
-
-    try:
-        prev = defs.get_schema(op_type, CHECKED_OPSET)
-    except Exception:  # noqa: BLE001 - an operator newer than the importers
-        return False
-    for version in range(CHECKED_OPSET + 1, opset + 1):
-        schema = defs.get_schema(op_type, version)
-        if schema.since_version == prev.since_version:
-            continue
-        if (op_type, schema.since_version) not in _SAME_FOR_IMPORTED_TYPES and \
-                not _types_added_only(prev, schema):
-            return False
-        prev = schema
-    return True
-
-
-def _types_added_only(old, new) -> bool:
-    """Same inputs, outputs and attributes; each type constraint allows at least as much."""
-    def form(s):
-        return ([(a.name, a.type, a.default_value.SerializeToString())
-                 for a in s.attributes.values()],
-                [(i.name, i.option, i.type_str) for i in s.inputs],
-                [(o.name, o.option, o.type_str) for o in s.outputs])
-
-    allowed_old = {t.type_param_str: set(t.allowed_type_strs) for t in old.type_constraints}
-    allowed_new = {t.type_param_str: set(t.allowed_type_strs) for t in new.type_constraints}
-    return form(old) == form(new) and allowed_old.keys() == allowed_new.keys() and all(
-        allowed_new[k] >= allowed_old[k] for k in allowed_old)
 
 
 class ModelError(ValueError):
