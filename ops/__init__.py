@@ -13,13 +13,14 @@ Layouts follow ONNX: activations are NCHW, convolution kernels OIHW, matmul oper
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 __all__ = [
     "OPS",
     "ONNX_IMPORTERS",
+    "ONNX_SAME_MEANING",
     "JAXPR_IMPORTERS",
     "OpDef",
     "Axiom",
@@ -207,6 +208,8 @@ def _freeze(v: Any) -> Any:
 
 OPS: dict[str, OpDef] = {}
 ONNX_IMPORTERS: dict[str, Callable[..., Any]] = {}
+#: (ONNX op type, schema version after opset 20) -> why its importer still holds there.
+ONNX_SAME_MEANING: dict[tuple[str, int], str] = {}
 JAXPR_IMPORTERS: dict[str, Callable[..., Any]] = {}
 
 
@@ -218,7 +221,7 @@ def declare(op: OpDef) -> OpDef:
     return op
 
 
-def onnx_importer(*op_types: str):
+def onnx_importer(*op_types: str, same_meaning: Mapping[int, str] | None = None):
     """Register ``fn(ctx, node_inputs, **onnx_attrs) -> list of outputs`` for ONNX op types.
 
     ``ctx`` is a ``taso_jax.frontends.context.ImportContext``, the same for every front door:
@@ -226,11 +229,18 @@ def onnx_importer(*op_types: str):
     constant's value or ``None``, ``ctx.weight(array)`` makes a new weight,
     ``ctx.type(tensor)`` gives its TensorType, ``ctx.out_types`` the ONNX-inferred output
     types, ``ctx.opset`` the model's opset and ``ctx.source_op`` the op type being imported.
+
+    Importers follow the ONNX specification up to opset 20; a later version of an operator
+    that changed more than its element types makes its nodes opaque
+    (``taso_jax.frontends.onnx_io.importable_at``) unless ``same_meaning`` lists that
+    version (the ``since_version`` of its schema) with the reason the importer still holds.
     """
 
     def register(fn):
         for t in op_types:
             ONNX_IMPORTERS[t] = fn
+            for version, reason in (same_meaning or {}).items():
+                ONNX_SAME_MEANING[(t, version)] = reason
         return fn
 
     return register

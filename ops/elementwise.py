@@ -293,7 +293,8 @@ declare(OpDef(name="cast", ref=_cast,
               doc="convert element type (ONNX Cast)"))
 
 
-@onnx_importer("Cast")
+@onnx_importer("Cast", same_meaning={24: "adds round_mode, which applies to casts to "
+                                         "float8e8m0 only"})
 def _import_cast(ctx, ins, to, **_):
     from onnx import helper
 

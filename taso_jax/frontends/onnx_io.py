@@ -30,7 +30,7 @@ from taso_jax.frontends.context import ImportContext
 from taso_jax.ir.executor import release_memory
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
 from taso_jax.ir.opaque import OpaqueOp
-from taso_jax.ops import ONNX_IMPORTERS, OPS, ShapeError, TensorType
+from taso_jax.ops import ONNX_IMPORTERS, ONNX_SAME_MEANING, OPS, ShapeError, TensorType
 
 __all__ = ["ModelError", "OnnxNode", "merge_opaque_regions", "load_onnx", "export_onnx",
            "symbolic_dims", "with_symbolic_dims", "MIN_OPSET", "CHECKED_OPSET", "max_opset",
@@ -40,11 +40,6 @@ MIN_OPSET = 9
 #: The newest opset whose operator specifications the importers were written against.
 CHECKED_OPSET = 20
 _CONVERT_BELOW, _CONVERT_TO = 13, 17
-#: Newer versions of an operator whose other changes leave the element types we import
-#: alone (see :func:`importable_at`), with the reason, from the ONNX specification.
-_SAME_FOR_IMPORTED_TYPES = {
-    ("Cast", 24): "adds round_mode, which applies to casts to float8e8m0 only",
-}
 
 
 def max_opset() -> int:
@@ -61,9 +56,10 @@ def importable_at(op_type: str, opset: int) -> bool:
     True at :data:`CHECKED_OPSET` and below. Above it, true when each version of the
     operator's specification published since (``onnx.defs.get_schema``) kept its inputs,
     outputs and attributes and only added element types to its type constraints (most of
-    opsets 21-25: int4, bfloat16, float8 and float4 types), or is listed in
-    ``_SAME_FOR_IMPORTED_TYPES``. Otherwise (GroupNormalization-21 changed what its scale
-    means, for one) a node of that operator stays opaque and runs in onnxruntime.
+    opsets 21-25: int4, bfloat16, float8 and float4 types), or is one that its importer's
+    declaration lists as meaning the same to it (``onnx_importer(same_meaning=...)``).
+    Otherwise (GroupNormalization-21 changed what its scale means, for one) a node of that
+    operator stays opaque and runs in onnxruntime.
     """
     if opset <= CHECKED_OPSET:
         return True
@@ -77,7 +73,7 @@ def importable_at(op_type: str, opset: int) -> bool:
         schema = defs.get_schema(op_type, version)
         if schema.since_version == prev.since_version:
             continue
-        if (op_type, schema.since_version) not in _SAME_FOR_IMPORTED_TYPES and \
+        if (op_type, schema.since_version) not in ONNX_SAME_MEANING and \
                 not _types_added_only(prev, schema):
             return False
         prev = schema
