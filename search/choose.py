@@ -174,13 +174,6 @@ CONFIRM_TRIES = 2
 #: Candidates whose estimates lie within this fraction of each other are one candidate to
 #: the end-to-end choice (the cheapest is timed; see :func:`measured_set`).
 ESTIMATE_TIE = 0.005
-#: Candidates whose screened medians lie within this fraction of the fastest candidate's
-#: are a tie to :func:`keep_fastest`, which confirms the one the cost model prices lowest
-#: first: screening cannot separate them, and the cost model ranks them alike in every run.
-#: ResNeXt-50 under load, NHWC alone and NHWC with 10 grouped convolutions made dense (the
-#: cost model's choice) screened 133.9 and 138.5 ms in one run, and the second ran 1.08x
-#: faster than the first in the next two.
-SCREEN_TIE = 0.05
 #: Rounds :func:`confirm_faster` looks at, at most, before the check loop, while undecided.
 CONFIRM_MAX_ROUNDS = 100
 #: Seconds :func:`confirm_faster` keeps looking, at most, while undecided.
@@ -501,11 +494,9 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
 
     ``times[i]`` are graph ``i``'s round times from screening (as :func:`screen_in_pairs`
     gives them: ``times[0]`` and ``times[best]`` from one loop, the others scaled to it).
-    The candidate ``best`` (default: the smallest median; among the candidates whose
-    medians are within :data:`SCREEN_TIE` of its median, the one with the lowest estimate),
-    if its median is below the input's, is tested (and, if it fails and ``confirm`` is
-    given, the next by median whose median is below the input's, up to
-    :data:`CONFIRM_TRIES` in all) with
+    The candidate ``best`` (default: the smallest median), if its median is below the
+    input's, is tested (and, if it fails and ``confirm`` is given, the next by median whose
+    median is below the input's, up to :data:`CONFIRM_TRIES` in all) with
     :func:`paired_speedup` on ``confirm(i) -> (input times, candidate times)``, a fresh
     head-to-head loop (on the screening rounds when ``confirm`` is ``None`` or its loop
     ran fewer than 5 rounds; otherwise :func:`confirm_faster`, which adds a loop when the
@@ -517,10 +508,6 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     medians = [float(np.median(t)) for t in times]
     if best is None:
         best = min(range(1, len(graphs)), key=lambda i: (medians[i], i), default=0)
-    if best:  # a tie within SCREEN_TIE goes to the candidate the cost model prices lowest
-        best = min((i for i in range(1, len(graphs))
-                    if medians[i] <= medians[best] * (1 + SCREEN_TIE)),
-                   key=lambda i: (graphs[i][0], medians[i], i))
     test, chosen = None, 0
     # The best by screened median first; if it fails, the runner-up (up to CONFIRM_TRIES).
     # The best of several candidates that run alike is the luckiest: on TASO's NasRNN under

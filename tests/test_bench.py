@@ -383,29 +383,3 @@ def test_a_timing_loop_of_short_calls_runs_more_rounds_when_asked():
     assert [len(t) for t in time_interleaved([f, f], repeats=3, warmup=0)] == [3, 3]
     longer = time_interleaved([f, f], repeats=3, warmup=0, min_seconds=0.05)
     assert 3 < len(longer[0]) == len(longer[1]) <= 15
-
-
-def test_candidates_screened_alike_go_to_the_cost_models_choice():
-    from taso_jax.search.choose import SCREEN_TIE, keep_fastest
-
-    g, slow = _matmul_graphs()
-    # candidate 1 screened 3% faster than candidate 2, which the cost model prices lower
-    graphs = [(10.0, g, ()), (9.0, slow, ("nhwc",)), (8.0, g, ("nhwc", "dense"))]
-    confirmed = []
-
-    def confirm(i):
-        confirmed.append(i)
-        return [100.0] * 5 + [101.0] * 5, [70.0] * 10
-
-    screened = [[100.0] * 20, [67.0] * 20, [67.0 * 1.03] * 20]
-    assert 1.03 < 1 + SCREEN_TIE
-    r = SearchResult(g, 10.0, 8.0, {}, 1, 3, 0.0, "budget")
-    e = keep_fastest(r, graphs, screened, 20, "cpu", confirm=confirm, best=1)
-    assert set(confirmed) == {2} and e["chosen"] == 2  # (twice: confirmed, then checked)
-    assert r.applied == {"nhwc": 1, "dense": 1}
-    # beyond the tie the screened median decides
-    confirmed.clear()
-    screened[2] = [67.0 * (1 + 2 * SCREEN_TIE)] * 20
-    r = SearchResult(g, 10.0, 8.0, {}, 1, 3, 0.0, "budget")
-    e = keep_fastest(r, graphs, screened, 20, "cpu", confirm=confirm, best=1)
-    assert set(confirmed) == {1} and e["chosen"] == 1
