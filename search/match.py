@@ -100,16 +100,27 @@ class MatchState:
     """
 
     rejected: Counter = field(default_factory=Counter)
+    # (first source node, its variables' shapes) -> {host node: bindings}
     _first: dict = field(default_factory=dict, repr=False)
+    _first_of_rule: dict = field(default_factory=dict, repr=False)  # id(rule) -> (rule, dict)
     # (rule id, bound variables' types, symbols) whose target the shape rules rejected: a
     # single-node source such as expand-conv2d matches every convolution in every graph
     _bad_targets: set = field(default_factory=set, repr=False)
 
     def first_cache(self, rule: Substitution) -> dict:
-        """Host node -> bindings of ``rule``'s first source node there (one dict per rule)."""
-        entry = self._first.get(id(rule))
+        """Host node -> bindings of ``rule``'s first source node there.
+
+        The bindings depend on that node (operator, attributes, inputs) and its variables'
+        shape patterns only, so rules that agree on those share one dict: the 1,030 shipped
+        rules have 112 distinct first nodes. One dict per rule kept about 15 MB of bindings
+        after ten expansions of a 254-operator ShuffleNet.
+        """
+        entry = self._first_of_rule.get(id(rule))
         if entry is None or entry[0] is not rule:
-            entry = self._first[id(rule)] = (rule, {})
+            p = rule.source[0]
+            key = (p, tuple(rule.variable_shapes[r.name] for r in p.inputs
+                            if not isinstance(r, NodeRef)))
+            entry = self._first_of_rule[id(rule)] = (rule, self._first.setdefault(key, {}))
         return entry[1]
 
 

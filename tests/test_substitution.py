@@ -202,3 +202,24 @@ def test_pattern_strings_are_parsed_once_into_typed_values():
     assert [str(r) for r in half.inputs] == ["x", "#0.1"]
     with pytest.raises(ValueError, match="bad node reference"):
         PNode("relu", (), ("#a",))
+
+
+def test_rules_with_one_first_node_share_its_bindings_and_match_alike():
+    # MatchState keeps the bindings of a rule's first source node per (node, variable
+    # shapes), shared by every rule with that first node: matches must not change.
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from models import MODELS
+    g = MODELS["nasnet_a"].build(**MODELS["nasnet_a"].SMALL)
+    subs = taso_jax.default_substitutions()
+    shared = MatchState()
+    n_matches = 0
+    for sub in subs:
+        alone = list(find_matches(sub, g, MatchState()))
+        together = list(find_matches(sub, g, shared))
+        assert together == alone, sub.name
+        n_matches += len(alone)
+    assert n_matches > 100
+    caches = {id(shared.first_cache(sub)) for sub in subs}
+    assert len(caches) < len(subs) / 4
