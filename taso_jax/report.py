@@ -7,7 +7,7 @@ import numpy as np
 from taso_jax.frontends.onnx_io import ModelError
 from taso_jax.ir.executor import random_inputs
 from taso_jax.ir.graph import Graph
-from taso_jax.search.choose import NHWC_LAYOUT, device_name, time_graphs
+from taso_jax.search.choose import DUEL_WITHIN, NHWC_LAYOUT, device_name, time_graphs
 from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["measure_speed", "measure_onnxruntime", "compare_onnx", "check_onnx",
@@ -301,6 +301,39 @@ def search_report(name: str, graph: Graph, result, options: OptimizeOptions, sub
     }
 
 
+def end_to_end_line(e: dict) -> str:
+    """The report's line on an end-to-end choice.
+
+    ``e`` is the dict :func:`~taso_jax.search.choose.keep_fastest` returns (times in
+    microseconds); the line says what was timed, which graph was kept and the paired tests
+    that decided it.
+    """
+    ts, k, p = e["times_us"], e.get("chosen", 0), e.get("paired")
+    rounds = (f"; it won {p['wins']} of {p['rounds']} rounds, median ratio "
+              f"{p['speedup']:.2f}x" if p else "")
+    d = e.get("duel")
+    if e["original_kept"]:
+        verdict = f"kept the input: no candidate ran faster in a paired test{rounds}"
+    elif d and d["faster"]:
+        verdict = (f"candidate {d['against']} was confirmed faster than the input"
+                   f"{rounds}; candidate {k}, within {DUEL_WITHIN:.0%} of it in "
+                   f"screening, ran faster still head to head (won {d['wins']} of "
+                   f"{d['rounds']} rounds, {d['speedup']:.2f}x): kept candidate {k} "
+                   f"({ts[k]:.0f} us vs {ts[0]:.0f} us for the input in screening)")
+    else:
+        verdict = (f"kept candidate {k}, the fastest confirmed faster ({ts[k]:.0f} us vs "
+                   f"{ts[0]:.0f} us for the input, {ts[0] / max(ts[k], 1e-9):.2f}x{rounds})")
+        if d:
+            verdict += (f"; candidate {d['candidate']}, within {DUEL_WITHIN:.0%} in "
+                        f"screening, was not faster head to head (won {d['wins']} of "
+                        f"{d['rounds']} rounds, {d['speedup']:.2f}x)")
+    runtime = e.get("runtime", "jax.jit")
+    baseline = "the input file" if runtime == "onnxruntime" else "the input graph"
+    return (f"end-to-end choice ({e['device']}, {runtime}, median of {e['repeats']}): "
+            f"timed {baseline} and {e['measured'] - 1} candidates ("
+            + ", ".join(f"{t:.0f}" for t in e["times_us"]) + f" us); {verdict}")
+
+
 def format_report(r: dict) -> str:
     """The human-readable report printed by ``taso-jax optimize``."""
     lines = [f"model: {r['model']}"]
@@ -345,18 +378,7 @@ def format_report(r: dict) -> str:
                  f"{s['substitutions']} substitutions")
     e = r.get("end_to_end") or {}
     if e:
-        ts, k, p = e["times_us"], e.get("chosen", 0), e.get("paired")
-        rounds = (f"; it won {p['wins']} of {p['rounds']} rounds, median ratio "
-                  f"{p['speedup']:.2f}x" if p else "")
-        verdict = (f"kept the input: no candidate ran faster in a paired test{rounds}"
-                   if e["original_kept"] else
-                   f"kept candidate {k}, the fastest confirmed faster ({ts[k]:.0f} us vs "
-                   f"{ts[0]:.0f} us for the input, {ts[0] / max(ts[k], 1e-9):.2f}x{rounds})")
-        runtime = e.get("runtime", "jax.jit")
-        baseline = "the input file" if runtime == "onnxruntime" else "the input graph"
-        lines.append(f"end-to-end choice ({e['device']}, {runtime}, median of {e['repeats']}): "
-                     f"timed {baseline} and {e['measured'] - 1} candidates ("
-                     + ", ".join(f"{t:.0f}" for t in e["times_us"]) + f" us); {verdict}")
+        lines.append(end_to_end_line(e))
     rules = r.get("rules") or {}
     if rules:
         line = f"rules used: {rules['used']} ({rules['proved']} proved)"

@@ -185,6 +185,50 @@ def test_the_runner_up_is_confirmed_when_the_best_fails():
     assert e["original_kept"] and set(confirmed) == {1, 2}
 
 
+def test_a_near_tie_is_settled_head_to_head():
+    from taso_jax.search.choose import keep_fastest
+
+    from taso_jax.report import end_to_end_line
+
+    g, slow = _matmul_graphs()
+    graphs = [(10.0, g, ()), (9.0, slow, ("nhwc",)), (8.0, g, ("nhwc", "dense")),
+              (7.0, slow, ("far",))]
+    truth = {0: 1.0, 1: 1.8, 2: 1.9, 3: 1.9}  # speed over the input's
+    rng = np.random.default_rng(1)
+    duels = []
+
+    def times(i):
+        return list(100 * np.exp(rng.normal(0, 0.02, 20)) / truth[i])
+
+    def confirm(i):
+        return times(0), times(i)
+
+    def duel(i, j):
+        duels.append((i, j))
+        return times(i), times(j)
+
+    # 2 screened 3% behind 1 (within DUEL_WITHIN), 3 screened 20% behind: 2 is the rival
+    screened = [[100.0] * 20, [54.0] * 20, [55.6] * 20, [65.0] * 20]
+    r = SearchResult(g, 10.0, 7.0, {}, 1, 4, 0.0, "budget")
+    e = keep_fastest(r, graphs, screened, 20, "cpu", confirm=confirm, best=1, duel=duel)
+    assert duels and set(duels) == {(1, 2)}
+    assert e["chosen"] == 2 and r.applied == {"nhwc": 1, "dense": 1}
+    assert e["duel"]["faster"] and e["duel"]["against"] == 1
+    assert "candidate 2, within 5% of it in screening, ran faster still" in end_to_end_line(e)
+    # a real tie: the confirmed candidate stays
+    truth[2] = truth[1]
+    duels.clear()
+    r = SearchResult(g, 10.0, 7.0, {}, 1, 4, 0.0, "budget")
+    e = keep_fastest(r, graphs, screened, 20, "cpu", confirm=confirm, best=1, duel=duel)
+    assert duels and e["chosen"] == 1 and not e["duel"]["faster"]
+    assert "candidate 2, within 5% in screening, was not faster" in end_to_end_line(e)
+    # no rival within DUEL_WITHIN: no duel
+    duels.clear()
+    e = keep_fastest(r, graphs, [screened[0], [54.0] * 20, [60.0] * 20, [65.0] * 20], 20,
+                     "cpu", confirm=confirm, best=1, duel=duel)
+    assert not duels and e["chosen"] == 1 and e["duel"] is None
+
+
 def test_rank_correlation():
     assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0

@@ -271,7 +271,9 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     again to confirm it). The best candidate by
     median is kept only if :func:`~taso_jax.search.choose.paired_speedup` confirms it
     faster than the original in a fresh head-to-head loop; otherwise ``result.graph``
-    becomes the input graph (``original_kept``). ``result`` is changed in place.
+    becomes the input graph (``original_kept``). ``result`` is changed in place. Near ties
+    are not timed head to head (``duel`` of :func:`~taso_jax.search.choose.keep_fastest`):
+    that would hold three sessions.
 
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
     "rank_correlation", "device", "repeats", "paired", "runtime"}`` (medians in
