@@ -483,3 +483,44 @@ def test_opset_conversion_runs_without_the_weights_and_puts_them_back(monkeypatc
     assert len(seen) == 1 and seen[0] < 4096 < model.ByteSize() // 10  # no fallback
     np.testing.assert_array_equal(g.weights["fc"], numpy_helper.to_array(inits[3]))
     _roundtrip(model.SerializeToString(), g)
+
+
+def test_shapes_left_open_are_read_off_a_run_that_is_fed_the_weights(monkeypatch):
+    # A session copies its initializers as it starts: the run that reads the shapes
+    # inference leaves open gets the large float weights as inputs instead, and a model
+    # that does not run that way runs whole.
+    from onnx import TensorProto, helper, numpy_helper
+
+    from taso_jax.frontends import onnx_io
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((64, 8, 3, 3)).astype(np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("NonZero", ["r"], ["nz"]),  # a size only a run can tell
+             helper.make_node("Cast", ["nz"], ["y"], to=TensorProto.FLOAT)]
+    graph = helper.make_graph(nodes, "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                             [1, 8, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, "n"])],
+                              [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    sizes = []
+    session = ort.InferenceSession
+    monkeypatch.setattr(ort, "InferenceSession",
+                        lambda m, *a, **k: sizes.append(len(m)) or session(m, *a, **k))
+    g = taso_jax.load_onnx(model)
+    assert sizes and max(sizes) < 2048 < w.ByteSize()  # no session held the weight
+    nz = next(t for n in g.nodes for t in n.outputs if n.op != "weight" and t.dtype == "int64")
+    assert nz.shape[0] == 4 and nz.shape[1] > 0, nz.shape
+    np.testing.assert_array_equal(g.weights["w"], numpy_helper.to_array(w))
+
+    def refuse(*a, **k):
+        raise RuntimeError("a constant is needed here")
+
+    sizes.clear()
+    monkeypatch.setattr(onnx_io, "_weights_as_inputs", refuse)
+    g2 = taso_jax.load_onnx(model)
+    assert max(sizes) > w.ByteSize()  # run whole
+    assert [t.shape for n in g2.nodes for t in n.outputs] == \
+        [t.shape for n in g.nodes for t in n.outputs]

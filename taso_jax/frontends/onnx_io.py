@@ -94,26 +94,31 @@ def _types_added_only(old, new) -> bool:
         allowed_new[k] >= allowed_old[k] for k in allowed_old)
 
 
-#: Float initializers of at least this many bytes are left out of :func:`_light_model`.
+#: Initializers of at least this many bytes (but the integer tensors that carry shapes) are
+#: left out of :func:`_light_model` and fed to onnxruntime's probe runs as inputs.
 LIGHT_BYTES = 4096
 
 
 def _is_heavy(init) -> bool:
+    """Whether ``init`` is a weight whose values no shape depends on.
+
+    Large, stored in the file, and neither int64 nor int32 (the types that shapes, axes
+    and indices are written in): float weights, and the 8-bit ones of quantized models.
+    """
     from onnx import TensorProto
 
-    return init.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16,
-                              TensorProto.DOUBLE) and \
+    return init.data_type not in (TensorProto.INT64, TensorProto.INT32) and \
         init.data_location != TensorProto.EXTERNAL and init.ByteSize() >= LIGHT_BYTES
 
 
 def _light_model(model):
-    """A copy of ``model`` whose large float initializers have their dims and type, no data.
+    """A copy of ``model`` whose large weights (:func:`_is_heavy`) have dims and type, no data.
 
     onnx's C++ passes (shape inference, the opset converter) serialize the whole model,
     parse it, and hand back a serialized result that Python parses again: four copies of
     the weights at once (a 54 MB ddddocr model peaked at 442 MB in the converter). They
     read an initializer's dims and type, and the values of the small integer tensors that
-    compute shapes, never the values of a float weight, so they run on this copy. Its
+    compute shapes, never the values of a weight, so they run on this copy. Its
     weights are filled in again, where needed, by :func:`_fill_weights`.
     """
     import onnx
@@ -224,12 +229,15 @@ MIXED_SIZES_AT_MOST = 4
 IMAGE_CANDIDATES = (224, 64, 32, 512)
 
 
-def _shapes_fit(model) -> bool:
+def _shapes_fit(model, weights: Mapping[str, np.ndarray] | None = None) -> bool:
     """Whether the model accepts its input shapes as bound.
 
     ONNX shape inference must accept them and infer no size below 0, and the model must
     run once in onnxruntime on zeros (a reflect padding, a reshape or a window can reject a
-    size that shape inference lets through).
+    size that shape inference lets through). ``weights`` (name -> array of the model's
+    large initializers, :func:`_is_heavy`) are fed to that run as inputs, so that its
+    session holds no copy of them (see :func:`_missing_types_by_running`); a model that
+    does not run that way runs whole.
     """
     import onnx
 
@@ -243,26 +251,34 @@ def _shapes_fit(model) -> bool:
         for d in vi.type.tensor_type.shape.dim:
             if d.HasField("dim_value") and d.dim_value < 0:
                 return False
-    try:
-        import onnxruntime as ort
+    import onnxruntime as ort
 
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 4
-        sess = ort.InferenceSession(model.SerializeToString(), opts,
-                                    providers=["CPUExecutionProvider"])
-        feeds = {}
-        declared = {x.name: x.type.tensor_type for x in g.input}
-        for i in sess.get_inputs():
-            tt = declared[i.name]
-            feeds[i.name] = np.zeros([d.dim_value for d in tt.shape.dim],
-                                     _np_dtype(tt.elem_type))
-        sess.run(None, feeds)
-    except Exception:
-        return False
-    finally:
-        sess = None
-        release_memory()  # the session's freed scratch, before the next copy of the weights
-    return True
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4
+    declared = {x.name: x.type.tensor_type for x in g.input}
+    outputs = [o.name for o in model.graph.output]
+    for fed in ([weights] if weights else []) + [None]:
+        try:
+            serialized = (_weights_as_inputs(model, outputs, set(fed)) if fed else
+                          model.SerializeToString())
+            sess = ort.InferenceSession(serialized, opts, providers=["CPUExecutionProvider"])
+            del serialized
+            feeds = {}
+            for i in sess.get_inputs():
+                if fed and i.name in fed:
+                    feeds[i.name] = fed[i.name]
+                    continue
+                tt = declared[i.name]
+                feeds[i.name] = np.zeros([d.dim_value for d in tt.shape.dim],
+                                         _np_dtype(tt.elem_type))
+            sess.run(None, feeds)
+            return True
+        except Exception:
+            continue  # with the weights fed: try the whole model
+        finally:
+            sess = None
+            release_memory()  # the session's freed scratch, before the next copy of weights
+    return False
 
 
 def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where: str
@@ -323,6 +339,9 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
                 d.dim_value = values[sym]
 
     rest = [sym for sym, v in sizes.items() if v is None]
+    from onnx import numpy_helper
+
+    fed = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if _is_heavy(i)}
     image = {sym for sym in rest if all(
         len(next(x for x in model.graph.input if x.name == name).type.tensor_type.shape.dim)
         == 4 and axis >= 2 for name, axis, _ in open_dims[sym])}
@@ -341,7 +360,7 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
                      (IMAGE_CANDIDATES if sym in image else SYMBOLIC_CANDIDATES)[k]
                      for sym, v in sizes.items()}
             bind(trial)
-            if _shapes_fit(model):
+            if _shapes_fit(model, fed):
                 fitting = trial
                 break
         if fitting is not None:
@@ -429,38 +448,84 @@ def _value_types(model) -> dict[str, TensorType]:
     return out
 
 
-def _missing_types_by_running(model, names: list[str], types: dict[str, TensorType]):
-    """Shapes that inference left open, read off one onnxruntime run on random inputs."""
+def _missing_types_by_running(model, names: list[str], types: dict[str, TensorType],
+                              weights: Mapping[str, np.ndarray] | None = None):
+    """Shapes that inference left open, read off one onnxruntime run on random inputs.
+
+    ``weights`` (initializer name -> array, the arrays the import keeps anyway) are fed to
+    the run as inputs in place of the large initializers (:func:`_is_heavy`), so that the
+    session holds no copy of them: a session copies its initializers as it starts, and
+    parsing the serialized model holds them twice more meanwhile. A model that does not run that way
+    (a runtime that wants a constant there) runs whole. ``types`` is filled in place.
+    """
     import onnx
     import onnxruntime as ort
 
-    # The outputs are swapped in place for the serialization, not on a copy of the model
-    # (a copy holds its weights once more).
-    outputs = list(model.graph.output)
-    del model.graph.output[:]
-    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
-    try:
-        serialized = model.SerializeToString()
-    finally:
-        del model.graph.output[:]
-        model.graph.output.extend(outputs)
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 4
-    sess = ort.InferenceSession(serialized, opts, providers=["CPUExecutionProvider"])
-    del serialized
-    feeds = {}
     rng = np.random.default_rng(0)
     inits = {i.name for i in model.graph.initializer}
+    feeds = {}
     for inp in model.graph.input:
         if inp.name in inits:
             continue
         t = types[inp.name]
         feeds[inp.name] = (rng.integers(0, 8, t.shape) if "int" in t.dtype
                            else rng.standard_normal(t.shape)).astype(t.dtype)
-    for n, v in zip(names, sess.run(names, feeds), strict=True):
+    fed = [i.name for i in model.graph.initializer
+           if weights is not None and i.name in weights and _is_heavy(i)]
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4
+    results = None
+    if fed:
+        try:
+            sess = ort.InferenceSession(_weights_as_inputs(model, names, set(fed)),
+                                        opts, providers=["CPUExecutionProvider"])
+            results = sess.run(names, {**feeds, **{n: weights[n] for n in fed}})
+        except Exception:
+            results = None
+        sess = None
+        release_memory()
+    if results is None:
+        # The outputs are swapped in place for the serialization, not on a copy of the
+        # model (a copy holds its weights once more).
+        outputs = list(model.graph.output)
+        del model.graph.output[:]
+        model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+        try:
+            serialized = model.SerializeToString()
+        finally:
+            del model.graph.output[:]
+            model.graph.output.extend(outputs)
+        sess = ort.InferenceSession(serialized, opts, providers=["CPUExecutionProvider"])
+        del serialized
+        results = sess.run(names, feeds)
+        sess = None
+        release_memory()
+    for n, v in zip(names, results, strict=True):
         types[n] = TensorType(tuple(v.shape), str(v.dtype))
-    del sess
-    release_memory()
+
+
+def _weights_as_inputs(model, outputs: list[str], fed: set[str]) -> bytes:
+    """``model`` serialized with other inputs and outputs.
+
+    The initializers named in ``fed`` become graph inputs (their data left out), and the
+    outputs are ``outputs``.
+    """
+    import onnx
+    from onnx import helper
+
+    light = onnx.ModelProto()
+    _copy_fields(model, light, skip="graph")
+    _copy_fields(model.graph, light.graph, skip="initializer")
+    declared = {i.name for i in model.graph.input}
+    for init in model.graph.initializer:
+        if init.name not in fed:
+            light.graph.initializer.add().CopyFrom(init)
+        elif init.name not in declared:
+            light.graph.input.append(
+                helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    del light.graph.output[:]
+    light.graph.output.extend(onnx.ValueInfoProto(name=n) for n in outputs)
+    return light.SerializeToString()
 
 
 class OnnxNode(OpaqueOp):
@@ -818,20 +883,20 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
                              f"({str(e).splitlines()[0]})") from e
     types = _value_types(model)
     g = model.graph
-    missing = [o for n in g.node for o in n.output if o and o not in types]
-    if missing:
-        _missing_types_by_running(model, missing, types)
-
     weights: dict[str, np.ndarray] = {}
-    env: dict[str, Tensor] = {}
     for init in g.initializer:
         arr = numpy_helper.to_array(init)
         # read-only: a graph's weights never change, and compiled candidate graphs then
         # share one device copy of each (taso_jax.ir.executor.device_constant)
         arr.flags.writeable = False
         weights[init.name] = arr
-        env[init.name] = leaf_node("weight", init.name,
-                                   TensorType(arr.shape, str(arr.dtype))).outputs[0]
+    missing = [o for n in g.node for o in n.output if o and o not in types]
+    if missing:
+        _missing_types_by_running(model, missing, types, weights)
+
+    env: dict[str, Tensor] = {}
+    for name, arr in weights.items():
+        env[name] = leaf_node("weight", name, TensorType(arr.shape, str(arr.dtype))).outputs[0]
     inputs: list[Node] = []
     for inp in g.input:
         if inp.name in env:
