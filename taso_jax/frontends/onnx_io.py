@@ -235,9 +235,7 @@ def _shapes_fit(model, weights: Mapping[str, np.ndarray] | None = None) -> bool:
     ONNX shape inference must accept them and infer no size below 0, and the model must
     run once in onnxruntime on zeros (a reflect padding, a reshape or a window can reject a
     size that shape inference lets through). ``weights`` (name -> array of the model's
-    large initializers, :func:`_is_heavy`) are fed to that run as inputs, so that its
-    session holds no copy of them (see :func:`_missing_types_by_running`); a model that
-    does not run that way runs whole.
+    large initializers) are fed to that run as :func:`_probe_run` says.
     """
     import onnx
 
@@ -251,34 +249,15 @@ def _shapes_fit(model, weights: Mapping[str, np.ndarray] | None = None) -> bool:
         for d in vi.type.tensor_type.shape.dim:
             if d.HasField("dim_value") and d.dim_value < 0:
                 return False
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 4
-    declared = {x.name: x.type.tensor_type for x in g.input}
-    outputs = [o.name for o in model.graph.output]
-    for fed in ([weights] if weights else []) + [None]:
-        try:
-            serialized = (_weights_as_inputs(model, outputs, set(fed)) if fed else
-                          model.SerializeToString())
-            sess = ort.InferenceSession(serialized, opts, providers=["CPUExecutionProvider"])
-            del serialized
-            feeds = {}
-            for i in sess.get_inputs():
-                if fed and i.name in fed:
-                    feeds[i.name] = fed[i.name]
-                    continue
-                tt = declared[i.name]
-                feeds[i.name] = np.zeros([d.dim_value for d in tt.shape.dim],
-                                         _np_dtype(tt.elem_type))
-            sess.run(None, feeds)
-            return True
-        except Exception:
-            continue  # with the weights fed: try the whole model
-        finally:
-            sess = None
-            release_memory()  # the session's freed scratch, before the next copy of weights
-    return False
+    inits = {i.name for i in model.graph.initializer}
+    feeds = {x.name: np.zeros([d.dim_value for d in x.type.tensor_type.shape.dim],
+                              _np_dtype(x.type.tensor_type.elem_type))
+             for x in g.input if x.name not in inits}
+    try:
+        _probe_run(model, [o.name for o in model.graph.output], feeds, weights)
+    except Exception:
+        return False
+    return True
 
 
 def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where: str
@@ -452,15 +431,8 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
                               weights: Mapping[str, np.ndarray] | None = None):
     """Shapes that inference left open, read off one onnxruntime run on random inputs.
 
-    ``weights`` (initializer name -> array, the arrays the import keeps anyway) are fed to
-    the run as inputs in place of the large initializers (:func:`_is_heavy`), so that the
-    session holds no copy of them: a session copies its initializers as it starts, and
-    parsing the serialized model holds them twice more meanwhile. A model that does not run that way
-    (a runtime that wants a constant there) runs whole. ``types`` is filled in place.
+    ``weights`` are fed to the run as :func:`_probe_run` says. ``types`` is filled in place.
     """
-    import onnx
-    import onnxruntime as ort
-
     rng = np.random.default_rng(0)
     inits = {i.name for i in model.graph.initializer}
     feeds = {}
@@ -470,38 +442,56 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
         t = types[inp.name]
         feeds[inp.name] = (rng.integers(0, 8, t.shape) if "int" in t.dtype
                            else rng.standard_normal(t.shape)).astype(t.dtype)
-    fed = [i.name for i in model.graph.initializer
-           if weights is not None and i.name in weights and _is_heavy(i)]
+    for n, v in zip(names, _probe_run(model, names, feeds, weights), strict=True):
+        types[n] = TensorType(tuple(v.shape), str(v.dtype))
+
+
+def _probe_run(model, outputs: list[str], feeds: dict,
+               weights: Mapping[str, np.ndarray] | None = None) -> list:
+    """The values of ``outputs`` from one onnxruntime run of ``model`` on ``feeds``.
+
+    ``weights`` (initializer name -> array, the arrays the import keeps anyway) are fed as
+    inputs in place of the large initializers (:func:`_is_heavy`), so that the session
+    holds no copy of them: a session copies its initializers as it starts, and parsing the
+    serialized model holds them twice more meanwhile. A model that does not run that way
+    (a runtime that wants a constant there) runs whole, its outputs swapped in place for
+    the serialization rather than on a copy (a copy holds its weights once more).
+
+    Raises:
+        Exception: whatever onnxruntime raises on the whole model.
+    """
+    import onnx
+    import onnxruntime as ort
+
     opts = ort.SessionOptions()
     opts.log_severity_level = 4
-    results = None
+    fed = {i.name for i in model.graph.initializer
+           if weights is not None and i.name in weights and _is_heavy(i)}
     if fed:
         try:
-            sess = ort.InferenceSession(_weights_as_inputs(model, names, set(fed)),
-                                        opts, providers=["CPUExecutionProvider"])
-            results = sess.run(names, {**feeds, **{n: weights[n] for n in fed}})
+            sess = ort.InferenceSession(_weights_as_inputs(model, outputs, fed), opts,
+                                        providers=["CPUExecutionProvider"])
+            return sess.run(outputs, {**feeds, **{n: weights[n] for n in fed}})
         except Exception:
-            results = None
-        sess = None
-        release_memory()
-    if results is None:
-        # The outputs are swapped in place for the serialization, not on a copy of the
-        # model (a copy holds its weights once more).
-        outputs = list(model.graph.output)
-        del model.graph.output[:]
-        model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
-        try:
-            serialized = model.SerializeToString()
+            pass  # run whole below
         finally:
-            del model.graph.output[:]
-            model.graph.output.extend(outputs)
+            sess = None
+            release_memory()  # the session's freed scratch, before the next copy of weights
+    saved = list(model.graph.output)
+    del model.graph.output[:]
+    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in outputs)
+    try:
+        serialized = model.SerializeToString()
+    finally:
+        del model.graph.output[:]
+        model.graph.output.extend(saved)
+    try:
         sess = ort.InferenceSession(serialized, opts, providers=["CPUExecutionProvider"])
         del serialized
-        results = sess.run(names, feeds)
+        return sess.run(outputs, feeds)
+    finally:
         sess = None
         release_memory()
-    for n, v in zip(names, results, strict=True):
-        types[n] = TensorType(tuple(v.shape), str(v.dtype))
 
 
 def _weights_as_inputs(model, outputs: list[str], fed: set[str]) -> bytes:
