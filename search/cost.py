@@ -221,6 +221,7 @@ class MeasuredCostModel(CostModel):
         self._overhead: float | None = None
         self.measured = 0
         self.estimated = 0  # kernels priced analytically because the deadline had passed
+        self.unmeasurable: list[str] = []  # kernels that would not run alone, and why
         self.retimed = 0  # pairs of contradicting kernels timed again (see _consistent)
         # family -> {input shapes: (node, raw us, (flops, bytes))}
         self._families: dict[tuple, dict] = {}
@@ -265,7 +266,9 @@ class MeasuredCostModel(CostModel):
             if micros is None:
                 self.estimated += 1
                 return self._analytic.node_cost(node)
-        micros = self._consistent(node, key, self._cached(key, lambda: self._measure(node)))
+        micros = self._priced(node, key)
+        if micros is None:
+            return self._analytic.node_cost(node)
         if not self.calibrate:
             return micros
         return max(micros - self.call_overhead_us, 0.0) + self._analytic.launch_us
@@ -383,6 +386,23 @@ class MeasuredCostModel(CostModel):
 
     def _measure(self, node: Node) -> tuple[float, float]:
         return self._robust_time(self._runner(node))
+
+    def _priced(self, node: Node, key: str) -> float | None:
+        """The (cached) measured time of ``node`` in microseconds, or ``None``.
+
+        ``None`` means the kernel will not run alone. A kernel timed on its own gets
+        stand-in values (:meth:`_runner`), on which a runtime can refuse it (onnxruntime
+        refuses an integer ``Div`` whose constant divisor holds a zero, or a ``Gather`` index
+        beyond a one-row table). Such a kernel is priced by the analytic model instead, and
+        named in :attr:`unmeasurable`: the costs only guide the search, and the end-to-end
+        choice times whole graphs.
+        """
+        try:
+            return self._consistent(node, key, self._cached(key, lambda: self._measure(node)))
+        except Exception as e:  # noqa: BLE001 - any refusal of a stand-in kernel
+            self.unmeasurable.append(f"{node.op}: {type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:160] if str(e) else ''}")
+            return None
 
     def _consistent(self, node: Node, key: str, micros: float) -> float:
         """``micros`` for ``node``, or its time relative to a kernel it contradicts.

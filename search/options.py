@@ -241,4 +241,5 @@ def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = 
         # the candidates that lost are not run again: free their executables and weights
         forget_compiled(keep=(graph, result.graph))
     result.rules = counts
+    result.unmeasurable = list(getattr(cost_model, "unmeasurable", ()))
     return result

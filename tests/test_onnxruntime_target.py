@@ -278,3 +278,35 @@ def test_a_model_with_external_data_is_optimized_and_written_self_contained(tmp_
     want = ort.InferenceSession(str(src_dir / "m.onnx")).run(None, {"x": x})
     got = ort.InferenceSession(str(out)).run(None, {"x": x})
     np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
+
+
+def _one_node_model(path, op, x_type, x_shape, const, y_shape, **attrs):
+    x = helper.make_tensor_value_info("x", x_type, x_shape)
+    y = helper.make_tensor_value_info("y", x_type, y_shape)
+    c = helper.make_tensor("c", TensorProto.INT64, [len(const)], const)
+    g = helper.make_graph([helper.make_node(op, ["x", "c"], ["y"], **attrs)], op, [x], [y], [c])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, path)
+
+
+@pytest.mark.parametrize("case", ["int_div", "gather_one_row"])
+def test_a_kernel_that_will_not_run_on_stand_in_values_is_priced_analytically(case, tmp_path,
+                                                                               capsys):
+    # Each node is timed alone on stand-in values. An integer Div by a constant (a model of
+    # arabic-name-romanizer divides int64 positions) once got an all-zero divisor, which
+    # onnxruntime refuses; an index into a one-row table is refused for any stand-in but 0.
+    src, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    if case == "int_div":
+        _one_node_model(src, "Div", TensorProto.INT64, [4], [2, 2, 2, 2], [4])
+    else:
+        _one_node_model(src, "Gather", TensorProto.FLOAT, [1, 4], [0], [1, 4], axis=0)
+    cm = target.OnnxRuntimeCostModel(cache_path=False, repeats=3)
+    node = next(n for n in load_onnx(str(src)).nodes if n.op not in ("input", "weight"))
+    assert cm.node_cost(node) > 0
+    assert len(cm.unmeasurable) == (case == "gather_one_row")
+    assert main(["optimize", str(src), "-o", str(out), "--target", "onnxruntime",
+                 "--no-cost-cache", "-q"]) == 0
+    assert out.read_bytes() == src.read_bytes()
+    text = capsys.readouterr().out
+    assert ("priced by the analytic model" in text) == (case == "gather_one_row")

@@ -143,7 +143,10 @@ def _random(t, rng) -> np.ndarray:
         return rng.standard_normal(t.shape).astype(t.dtype)
     if t.dtype == "bool":
         return rng.integers(0, 2, t.shape).astype(bool)
-    return np.zeros(t.shape, t.dtype)
+    # Ones, not zeros: a valid divisor (onnxruntime refuses a constant integer divisor that
+    # holds a zero, and a zero one fed at run time would trap) and a valid index into any
+    # axis of two or more.
+    return np.ones(t.shape, t.dtype)
 
 
 def node_model(node: Node, opset: int = 17) -> tuple[bytes, dict]:
@@ -229,7 +232,9 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
             if self._lookup(key) is None:
                 self.estimated += 1
                 return self._analytic.node_cost(node)
-        micros = self._consistent(node, key, self._cached(key, lambda: self._measure(node)))
+        micros = self._priced(node, key)
+        if micros is None:
+            return self._analytic.node_cost(node)
         if not self.calibrate:
             return micros
         return max(micros - self.call_overhead_us, 0.0) + self.launch_us
