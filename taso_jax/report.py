@@ -208,12 +208,14 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
     """Check ``optimized``, its sizes left open, against ``original`` at other sizes.
 
     The first binding of :func:`other_bindings` at which the original runs is used; inputs
-    are N(0, 1) (integers in ``[0, 8)``). Returns ``{"ok", "shapes", ...}`` with the
-    comparison (:func:`compare_outputs`), ``"ok": None`` when the original itself runs at
-    none of the trial sizes, and ``"error"`` when the optimized model does not run there.
+    are N(0, 1) (integers as :func:`~taso_jax.ir.executor.random_inputs` draws them).
+    Returns ``{"ok", "shapes", ...}`` with the comparison (:func:`compare_outputs`),
+    ``"ok": None`` when the original itself runs at none of the trial sizes, and
+    ``"error"`` when the optimized model does not run there.
     """
     rng = np.random.default_rng(seed)
     static = {n.name: n.types[0] for n in graph.inputs}
+    bounds = graph.meta.get("integer_input_bounds") or {}
     for shapes in other_bindings(graph, symbolic):
         feeds = {}
         for name, t in static.items():
@@ -223,7 +225,7 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
             elif t.dtype == "bool":
                 feeds[name] = rng.integers(0, 2, shape).astype(bool)
             else:
-                feeds[name] = rng.integers(0, 8, shape).astype(t.dtype)
+                feeds[name] = rng.integers(0, bounds.get(name, 8), shape).astype(t.dtype)
         try:
             reference = _session(original).run(None, feeds)
         except Exception:
@@ -283,6 +285,10 @@ def search_report(name: str, graph: Graph, result, options: OptimizeOptions, sub
     ``result`` is a :class:`taso_jax.search.SearchResult` found with ``options``; costs are
     in microseconds.
     """
+    unmeasurable = getattr(result, "unmeasurable", ())
+    if unmeasurable:
+        notes = [*notes, f"{len(unmeasurable)} kernel(s) would not run alone on stand-in "
+                 f"values and were priced by the analytic model (first: {unmeasurable[0]})"]
     return {
         "model": name, "notes": list(notes), "target": options.target,
         "operators_before": dict(graph.op_counts()),

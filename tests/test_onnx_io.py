@@ -524,3 +524,36 @@ def test_shapes_left_open_are_read_off_a_run_that_is_fed_the_weights(monkeypatch
     assert max(sizes) > w.ByteSize()  # run whole
     assert [t.shape for n in g2.nodes for t in n.outputs] == \
         [t.shape for n in g.nodes for t in n.outputs]
+
+
+def test_an_integer_input_that_indexes_a_small_table_is_drawn_below_its_size(tmp_path):
+    # BERT-style token_type_ids index a table of 2 rows (through a Cast here); random token
+    # ids in [0, 8) made the import's shape probe and the output check fail on real models.
+    from onnx import TensorProto, helper, numpy_helper
+
+    from taso_jax.cli import main
+    from taso_jax.frontends.onnx_io import load_onnx
+    from taso_jax.ir.executor import random_inputs
+
+    ids = helper.make_tensor_value_info("token_type_ids", TensorProto.INT32, ["batch", "seq"])
+    pos = helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 4])
+    types = numpy_helper.from_array(np.ones((2, 4), np.float32), "types")
+    positions = numpy_helper.from_array(np.ones((512, 4), np.float32), "positions")
+    nodes = [helper.make_node("Cast", ["token_type_ids"], ["ids64"], to=TensorProto.INT64),
+             helper.make_node("Gather", ["types", "ids64"], ["e"]),
+             helper.make_node("Gather", ["positions", "position_ids"], ["p"]),
+             helper.make_node("Add", ["e", "p"], ["s"]),
+             helper.make_node("Shape", ["s"], ["shape"]),
+             helper.make_node("Reshape", ["s", "shape"], ["y"])]  # a shape left open
+    g = helper.make_graph(nodes, "embeddings", [ids, pos], [y], [types, positions])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    graph = load_onnx(str(src))
+    assert graph.meta["integer_input_bounds"] == {"token_type_ids": 2}
+    drawn = dict(zip((n.name for n in graph.inputs), random_inputs(graph), strict=True))
+    assert drawn["token_type_ids"].max() == 1 and drawn["position_ids"].max() > 1
+    assert main(["optimize", str(src), "-o", str(tmp_path / "o.onnx"), "--cost-model",
+                 "analytic", "-q", "--no-time"]) == 0

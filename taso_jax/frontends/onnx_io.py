@@ -427,11 +427,55 @@ def _value_types(model) -> dict[str, TensorType]:
     return out
 
 
+#: Operators through which an integer input still holds the same index values.
+_INDEX_PASSES = frozenset({"Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten",
+                           "Expand", "Transpose", "Slice", "Tile"})
+
+
+def index_bounds(model, types: Mapping[str, TensorType]) -> dict[str, int]:
+    """Exclusive upper bounds for the integer inputs that index a table, by input name.
+
+    Random integer inputs (token ids, masks) are drawn in ``[0, 8)``; an input that reaches
+    the indices of a ``Gather`` or ``GatherElements`` (ONNX spec), directly or through
+    operators that keep its values (:data:`_INDEX_PASSES`), must also stay below the size
+    of the table's gathered axis: BERT's ``token_type_ids`` index a table of 2 rows. Only
+    bounds below 8 are listed.
+    """
+    g = model.graph
+    integer = {i.name for i in g.input if i.name in types
+               and np.issubdtype(np.dtype(types[i.name].dtype), np.integer)}
+    readers: dict[str, list] = {}
+    for node in g.node:
+        for k, x in enumerate(node.input):
+            readers.setdefault(x, []).append((node, k))
+    bounds: dict[str, int] = {}
+    for name in integer:
+        todo, seen = [name], {name}
+        while todo:
+            for node, k in readers.get(todo.pop(), ()):
+                if node.op_type in _INDEX_PASSES and k == 0:
+                    for o in node.output:
+                        if o and o not in seen:
+                            seen.add(o)
+                            todo.append(o)
+                elif node.op_type in ("Gather", "GatherElements") and k == 1:
+                    table = types.get(node.input[0])
+                    axis = int(_attrs(node).get("axis", 0))
+                    if table is None or not -len(table.shape) <= axis < len(table.shape):
+                        continue
+                    size = table.shape[axis]
+                    if isinstance(size, int) and 0 < size < bounds.get(name, 8):
+                        bounds[name] = size
+    return bounds
+
+
 def _missing_types_by_running(model, names: list[str], types: dict[str, TensorType],
-                              weights: Mapping[str, np.ndarray] | None = None):
+                              weights: Mapping[str, np.ndarray] | None = None,
+                              bounds: Mapping[str, int] | None = None):
     """Shapes that inference left open, read off one onnxruntime run on random inputs.
 
-    ``weights`` are fed to the run as :func:`_probe_run` says. ``types`` is filled in place.
+    ``weights`` are fed to the run as :func:`_probe_run` says; integer inputs are drawn
+    below their ``bounds`` (:func:`index_bounds`) or 8. ``types`` is filled in place.
     """
     rng = np.random.default_rng(0)
     inits = {i.name for i in model.graph.initializer}
@@ -440,8 +484,8 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
         if inp.name in inits:
             continue
         t = types[inp.name]
-        feeds[inp.name] = (rng.integers(0, 8, t.shape) if "int" in t.dtype
-                           else rng.standard_normal(t.shape)).astype(t.dtype)
+        feeds[inp.name] = (rng.integers(0, (bounds or {}).get(inp.name, 8), t.shape)
+                           if "int" in t.dtype else rng.standard_normal(t.shape)).astype(t.dtype)
     for n, v in zip(names, _probe_run(model, names, feeds, weights), strict=True):
         types[n] = TensorType(tuple(v.shape), str(v.dtype))
 
@@ -880,9 +924,10 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         # share one device copy of each (taso_jax.ir.executor.device_constant)
         arr.flags.writeable = False
         weights[init.name] = arr
+    bounds = index_bounds(model, types)
     missing = [o for n in g.node for o in n.output if o and o not in types]
     if missing:
-        _missing_types_by_running(model, missing, types, weights)
+        _missing_types_by_running(model, missing, types, weights, bounds)
 
     env: dict[str, Tensor] = {}
     for name, arr in weights.items():
@@ -914,7 +959,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     meta = {"opset": opset, "source_opset": src_opset, "opsets": opsets,
             "shape_notes": shape_notes, "symbolic_dims": symbolic,
             "ir_version": model.ir_version, "opaque": dict(opaque),
-            "name": g.name or "graph"}
+            "name": g.name or "graph", "integer_input_bounds": bounds}
     return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,
                                       meta))
 

@@ -359,9 +359,12 @@ def random_inputs(graph: Graph, seed: int = 0) -> list[np.ndarray]:
     """Seeded random values for the graph's runtime inputs.
 
     Floats are standard normal; integers are drawn in ``[0, 8)`` (valid token ids and masks
-    for the shared models); booleans are random.
+    for the shared models), or below the bound the ONNX import found for an input that
+    indexes a smaller table (``graph.meta["integer_input_bounds"]``,
+    :func:`taso_jax.frontends.onnx_io.index_bounds`); booleans are random.
     """
     rng = np.random.default_rng(seed)
+    bounds = graph.meta.get("integer_input_bounds") or {}
     out = []
     for n in graph.inputs:
         t = n.types[0]
@@ -370,7 +373,7 @@ def random_inputs(graph: Graph, seed: int = 0) -> list[np.ndarray]:
         elif t.dtype == "bool":
             out.append(rng.integers(0, 2, t.shape).astype(bool))
         else:
-            out.append(rng.integers(0, 8, t.shape).astype(t.dtype))
+            out.append(rng.integers(0, bounds.get(n.name, 8), t.shape).astype(t.dtype))
     return out
 
 
