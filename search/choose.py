@@ -23,6 +23,7 @@ from taso_jax.ir.executor import (
     discard_compiled,
     random_inputs,
     release_memory,
+    time_function,
     time_interleaved,
 )
 from taso_jax.ir.graph import Graph
@@ -181,6 +182,39 @@ CONFIRM_MAX_SECONDS = 10.0
 #: A confirmed candidate is timed head to head against the next candidate not yet tried
 #: whose screened median lies within this fraction of its own (:func:`keep_fastest`).
 DUEL_WITHIN = 0.05
+
+
+#: Why an end-to-end choice that began past its deadline kept the input.
+PAST_DEADLINE = "the time limit had passed when the choice began (--time-limit)"
+#: Calls one comparison of a candidate with the input makes at the least: two warm-up
+#: rounds and the five rounds below which a loop is cut short, each calling both.
+COMPARE_CALLS = 2 * (2 + 5)
+
+
+def no_time_to_compare(make_seconds: float, call_seconds: float,
+                       deadline: float | None) -> str | None:
+    """Why no candidate can be timed against the input before ``deadline``, or ``None``.
+
+    One comparison makes a candidate (taken to cost what making the input cost,
+    ``make_seconds``: compiling it, or starting its onnxruntime session) and calls it and
+    the input :data:`COMPARE_CALLS` times (``call_seconds`` a call, the input's). Where that
+    cannot end before ``deadline`` (a ``time.perf_counter()`` value), the end-to-end
+    choice keeps the input untimed: a loop cut short cannot confirm a candidate anyway
+    (three rounds decide nothing), and timing one would overrun the time limit by many
+    seconds on models whose calls take a second (a document layout detector: 69 s for a
+    30 s limit, the input kept).
+    """
+    if deadline is None:
+        return None
+    if time.perf_counter() > deadline:
+        return PAST_DEADLINE
+    need = make_seconds + COMPARE_CALLS * call_seconds
+    left = deadline - time.perf_counter()
+    if need <= left:
+        return None
+    return (f"one comparison needs about {need:.1f} s (making a candidate, "
+            f"then {COMPARE_CALLS} calls of {call_seconds * 1e3:.0f} ms), and "
+            f"{max(left, 0.0):.1f} s of the time limit was left (--time-limit)")
 
 
 def device_name() -> str:
@@ -359,8 +393,10 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     by more than the noise of this measurement. Testing only the one candidate picked, on
     rounds that did not pick it, keeps "the best of ten looked faster by chance" out.
     ``result`` is changed in place.
-    Past ``deadline`` (a ``time.perf_counter()`` value) fewer rounds are timed (at least 3).
-    With ``layouts``, the NHWC forms of the input and of the cheapest candidate are timed
+    Past ``deadline`` (a ``time.perf_counter()`` value) fewer rounds are timed (at least 3);
+    where not even one comparison fits before it (:func:`no_time_to_compare`), the input is
+    kept untimed and the returned dict says why (``"skipped"``). With ``layouts``,
+    the NHWC forms of the input and of the cheapest candidate are timed
     too (:func:`with_layouts`), and after them the NHWC form of whichever graph screened
     fastest, where that is another (on NasNet-A the fastest NCHW graph was not the
     cheapest estimate in one of three runs, and its NHWC form was never timed: 1.66x
@@ -376,8 +412,19 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     graphs = measured_set(result, sample, deadline)
     if layouts:
         graphs = with_layouts(graphs)
+    if deadline is not None and time.perf_counter() > deadline and len(graphs) > 1:
+        return keep_fastest(result, graphs[:1], [[float("nan")]], 0, device_name(),
+                            skipped=PAST_DEADLINE)  # not even the input is compiled
     xs = _inputs_for(graphs[0][1])
+    started = time.perf_counter()
     base = compiled_run(graphs[0][1], xs)
+    made = time.perf_counter() - started
+    if deadline is not None and len(graphs) > 1:
+        once_us = time_function(base, repeats=1, warmup=0)[0]
+        skipped = no_time_to_compare(made, once_us * 1e-6, deadline)
+        if skipped:
+            return keep_fastest(result, graphs[:1], [[once_us]], 1, device_name(),
+                                skipped=skipped)
 
     def loop(a, b):  # short calls: more rounds, the loop lasting SCREEN_SECONDS at least
         return time_interleaved([a, b], repeats, 2, deadline, min_seconds=SCREEN_SECONDS)

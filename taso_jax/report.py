@@ -318,6 +318,9 @@ def end_to_end_line(e: dict) -> str:
     rounds = (f"; it won {p['wins']} of {p['rounds']} rounds, median ratio "
               f"{p['speedup']:.2f}x" if p else "")
     d = e.get("duel")
+    if e.get("skipped"):
+        return (f"end-to-end choice ({e['device']}, {e.get('runtime', 'jax.jit')}): kept the "
+                f"input, no candidate timed: {e['skipped']}")
     if e["original_kept"]:
         verdict = f"kept the input: no candidate ran faster in a paired test{rounds}"
     elif d and d["faster"]:

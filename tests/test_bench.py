@@ -427,3 +427,26 @@ def test_a_timing_loop_of_short_calls_runs_more_rounds_when_asked():
     assert [len(t) for t in time_interleaved([f, f], repeats=3, warmup=0)] == [3, 3]
     longer = time_interleaved([f, f], repeats=3, warmup=0, min_seconds=0.05)
     assert 3 < len(longer[0]) == len(longer[1]) <= 15
+
+
+def test_no_candidate_is_timed_where_one_comparison_cannot_end_before_the_deadline():
+    import time
+
+    from taso_jax.search.choose import COMPARE_CALLS, no_time_to_compare
+
+    from taso_jax.report import end_to_end_line
+
+    now = time.perf_counter()
+    assert no_time_to_compare(1.0, 0.1, None) is None
+    assert no_time_to_compare(1.0, 0.1, now + 60.0) is None
+    why = no_time_to_compare(1.0, 1.0, now + 10.0)  # 1 s to make, 14 calls of 1 s
+    assert why and f"{1.0 + COMPARE_CALLS:.1f} s" in why and "--time-limit" in why
+    # a deadline already passed: the input is kept, and the candidate is never compiled
+    g, slow = _matmul_graphs()
+    r = SearchResult(slow, 10.0, 5.0, {"fake": 1}, 1, 2, 0.0, "budget",
+                     candidates=[Candidate(5.0, slow, ("fake",)), Candidate(10.0, g, ())],
+                     visited=[Candidate(10.0, g, ()), Candidate(5.0, slow, ("fake",))])
+    e = choose_fastest(r, repeats=15, deadline=time.perf_counter() - 1.0)
+    assert e["original_kept"] and r.graph is g and e["measured"] == 1 and e["skipped"]
+    assert "kept the input, no candidate timed: the time limit had passed" in end_to_end_line(e)
+    assert no_time_to_compare(1.0, 0.1, time.perf_counter() - 1.0) == e["skipped"]

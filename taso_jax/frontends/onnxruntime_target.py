@@ -19,7 +19,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
-from taso_jax.search.choose import keep_fastest, measured_set, screen_in_pairs
+from taso_jax.search.choose import (
+    PAST_DEADLINE,
+    keep_fastest,
+    measured_set,
+    no_time_to_compare,
+    screen_in_pairs,
+)
 from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel
 from taso_jax.search.options import OptimizeOptions
 
@@ -290,7 +296,19 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
 
     release_memory()  # what the search freed, before two sessions are held
     graphs = measured_set(result, 0, deadline)
+    device = f"onnxruntime {ort.__version__} (CPU)"
+    if deadline is not None and time.perf_counter() > deadline and len(graphs) > 1:
+        return keep_fastest(result, graphs[:1], [[float("nan")]], 0, device,
+                            runtime="onnxruntime", skipped=PAST_DEADLINE)
+    started = time.perf_counter()
     base = ort_session(original, spinning=False, trim=True)
+    made = time.perf_counter() - started
+    if deadline is not None and len(graphs) > 1:  # can one comparison fit? (as for XLA)
+        once_us = time_onnx_models([base], inputs, repeats=1, warmup=1)[0][0]
+        skipped = no_time_to_compare(made, once_us * 1e-6, deadline)
+        if skipped:
+            return keep_fastest(result, graphs[:1], [[once_us]], 1, device,
+                                runtime="onnxruntime", skipped=skipped)
 
     def make(g):
         return graph_session(g)
@@ -310,9 +328,8 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
             held[i] = make(graphs[i][1])
         return loop(base, held[i])
 
-    return keep_fastest(result, graphs[:len(times)], times, len(times[0]),
-                        f"onnxruntime {ort.__version__} (CPU)", confirm=confirm, best=best,
-                        runtime="onnxruntime")
+    return keep_fastest(result, graphs[:len(times)], times, len(times[0]), device,
+                        confirm=confirm, best=best, runtime="onnxruntime")
 
 
 def resolve_target(options: OptimizeOptions, original=None, inputs: dict | None = None,
