@@ -4,6 +4,9 @@
   a BERT-style transformer encoder block (multi-head self-attention with a mask, layer norm,
   GELU feed-forward);
 * equinox: an MLP and a small conv net (NCHW, per-example, vmapped over the batch);
+* library layers assembled as their users assemble them: a flax LSTM run by ``nn.RNN`` (a
+  ``scan``), a ViT-style block, equinox's multi-head attention, and a causal language model
+  on integer token ids (``nn.Embed``, ``jax.nn.dot_product_attention``);
 * plain JAX: a NasRNN-style recurrent cell (Pham et al., ENAS, 2018; the cell TASO evaluates):
   eight pairs of matmuls on the input and on the hidden state, combined elementwise, on
   ``[batch, hidden]`` rows or on 1-D vectors; and a tiny single-head attention function.
@@ -185,6 +188,76 @@ def make_tiny_attention(batch: int = 2, seq: int = 5, dim: int = 3):
     return fn, weights, (x,)
 
 
+def make_flax_lstm(batch: int = 2, steps: int = 10, features: int = 32, hidden: int = 64):
+    """flax.linen ``nn.RNN(nn.LSTMCell)`` over ``[batch, steps, features]``: a ``scan``."""
+    import flax.linen as nn
+
+    model = nn.RNN(nn.LSTMCell(hidden))
+    x = jax.random.normal(jax.random.key(1), (batch, steps, features))
+    variables = model.init(jax.random.key(0), x)
+    return (lambda v, x: model.apply(v, x)), variables, (x,)
+
+
+def make_flax_vit_block(batch: int = 2, size: int = 32, patch: int = 4, dim: int = 64,
+                        heads: int = 4):
+    """flax.linen ViT-style block on ``[batch, size, size, 3]`` (NHWC): patch embedding by a
+    strided convolution, pre-norm self-attention and MLP, mean pooling."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(dim, (patch, patch), strides=(patch, patch))(x)
+            x = x.reshape(x.shape[0], -1, dim)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=heads)(nn.LayerNorm()(x))
+            y = nn.Dense(dim)(nn.gelu(nn.Dense(2 * dim)(nn.LayerNorm()(x))))
+            return (x + y).mean(axis=1)
+
+    model = Block()
+    x = jax.random.normal(jax.random.key(1), (batch, size, size, 3))
+    variables = model.init(jax.random.key(0), x)
+    return (lambda v, x: model.apply(v, x)), variables, (x,)
+
+
+def make_eqx_attention(batch: int = 3, seq: int = 10, dim: int = 64, heads: int = 4):
+    """equinox ``MultiheadAttention`` (self-attention) vmapped over the batch."""
+    import equinox as eqx
+
+    mha = eqx.nn.MultiheadAttention(heads, dim, key=jax.random.key(0))
+    params, static = eqx.partition(mha, eqx.is_array)
+    x = jax.random.normal(jax.random.key(1), (batch, seq, dim))
+
+    def fn(params, x):
+        m = eqx.combine(params, static)
+        return jax.vmap(lambda t: m(t, t, t))(x)
+
+    return fn, params, (x,)
+
+
+def make_flax_causal_lm(batch: int = 2, seq: int = 12, vocab: int = 1000, dim: int = 64,
+                        heads: int = 4):
+    """A one-layer causal language model on int32 token ids ``[batch, seq]``: flax.linen
+    ``Embed``, query/key/value projections, ``jax.nn.dot_product_attention`` with a causal
+    mask, and a vocabulary head."""
+    import flax.linen as nn
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(vocab, dim)(ids)
+            q, k, v = (nn.Dense(dim)(x).reshape(*x.shape[:2], heads, dim // heads)
+                       for _ in range(3))
+            a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            return nn.Dense(vocab)(x + a.reshape(x.shape))
+
+    model = LM()
+    ids = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab)
+    variables = model.init(jax.random.key(0), ids)
+    return (lambda v, ids: model.apply(v, ids)), variables, (ids,)
+
+
 MODELS = {"flax_resnet50": make_flax_resnet50, "flax_bert_block": make_flax_bert_block,
           "eqx_mlp": make_eqx_mlp, "eqx_convnet": make_eqx_convnet, "nasrnn": make_nasrnn,
-          "nasrnn_1d": make_nasrnn_1d, "tiny_attention": make_tiny_attention}
+          "nasrnn_1d": make_nasrnn_1d, "tiny_attention": make_tiny_attention,
+          "flax_lstm": make_flax_lstm, "flax_vit_block": make_flax_vit_block,
+          "eqx_attention": make_eqx_attention, "flax_causal_lm": make_flax_causal_lm}
