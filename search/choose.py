@@ -217,6 +217,33 @@ def no_time_to_compare(make_seconds: float, call_seconds: float,
             f"{max(left, 0.0):.1f} s of the time limit was left (--time-limit)")
 
 
+def start_choice(result, graphs: list[tuple], deadline: float | None, make_base, call_us,
+                 device: str, **extra) -> tuple[object, dict | None]:
+    """Make what runs the input, unless no comparison can end before ``deadline``.
+
+    ``make_base()`` returns what runs the input (a compiled graph, an onnxruntime session);
+    ``call_us(base)`` times one call of it in microseconds. Returns ``(base, None)``, or
+    ``(None, report)`` where :func:`no_time_to_compare` says no candidate can be timed:
+    ``result`` then keeps its input (:func:`keep_fastest`), and the report carries the
+    reason as ``"skipped"`` (and ``extra``). Past ``deadline`` already, not even the input
+    is made.
+    """
+    if deadline is None or len(graphs) < 2:
+        return make_base(), None
+    if time.perf_counter() > deadline:
+        return None, keep_fastest(result, graphs[:1], [[float("nan")]], 0, device,
+                                  skipped=PAST_DEADLINE, **extra)
+    started = time.perf_counter()
+    base = make_base()
+    made = time.perf_counter() - started
+    once = call_us(base)
+    skipped = no_time_to_compare(made, once * 1e-6, deadline)
+    if skipped:
+        return None, keep_fastest(result, graphs[:1], [[once]], 1, device, skipped=skipped,
+                                  **extra)
+    return base, None
+
+
 def device_name() -> str:
     """The current JAX device: ``"gpu:NVIDIA H100 80GB HBM3"``, or ``"cpu:N cores"``."""
     import jax
@@ -412,19 +439,12 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     graphs = measured_set(result, sample, deadline)
     if layouts:
         graphs = with_layouts(graphs)
-    if deadline is not None and time.perf_counter() > deadline and len(graphs) > 1:
-        return keep_fastest(result, graphs[:1], [[float("nan")]], 0, device_name(),
-                            skipped=PAST_DEADLINE)  # not even the input is compiled
     xs = _inputs_for(graphs[0][1])
-    started = time.perf_counter()
-    base = compiled_run(graphs[0][1], xs)
-    made = time.perf_counter() - started
-    if deadline is not None and len(graphs) > 1:
-        once_us = time_function(base, repeats=1, warmup=0)[0]
-        skipped = no_time_to_compare(made, once_us * 1e-6, deadline)
-        if skipped:
-            return keep_fastest(result, graphs[:1], [[once_us]], 1, device_name(),
-                                skipped=skipped)
+    base, skipped = start_choice(result, graphs, deadline, lambda: compiled_run(graphs[0][1], xs),
+                                 lambda run: time_function(run, repeats=1, warmup=0)[0],
+                                 device_name())
+    if skipped:
+        return skipped
 
     def loop(a, b):  # short calls: more rounds, the loop lasting SCREEN_SECONDS at least
         return time_interleaved([a, b], repeats, 2, deadline, min_seconds=SCREEN_SECONDS)

@@ -19,13 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
-from taso_jax.search.choose import (
-    PAST_DEADLINE,
-    keep_fastest,
-    measured_set,
-    no_time_to_compare,
-    screen_in_pairs,
-)
+from taso_jax.search.choose import keep_fastest, measured_set, screen_in_pairs, start_choice
 from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel
 from taso_jax.search.options import OptimizeOptions
 
@@ -297,18 +291,12 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     release_memory()  # what the search freed, before two sessions are held
     graphs = measured_set(result, 0, deadline)
     device = f"onnxruntime {ort.__version__} (CPU)"
-    if deadline is not None and time.perf_counter() > deadline and len(graphs) > 1:
-        return keep_fastest(result, graphs[:1], [[float("nan")]], 0, device,
-                            runtime="onnxruntime", skipped=PAST_DEADLINE)
-    started = time.perf_counter()
-    base = ort_session(original, spinning=False, trim=True)
-    made = time.perf_counter() - started
-    if deadline is not None and len(graphs) > 1:  # can one comparison fit? (as for XLA)
-        once_us = time_onnx_models([base], inputs, repeats=1, warmup=1)[0][0]
-        skipped = no_time_to_compare(made, once_us * 1e-6, deadline)
-        if skipped:
-            return keep_fastest(result, graphs[:1], [[once_us]], 1, device,
-                                runtime="onnxruntime", skipped=skipped)
+    base, skipped = start_choice(
+        result, graphs, deadline, lambda: ort_session(original, spinning=False, trim=True),
+        lambda s: time_onnx_models([s], inputs, repeats=1, warmup=1)[0][0], device,
+        runtime="onnxruntime")
+    if skipped:
+        return skipped
 
     def make(g):
         return graph_session(g)
