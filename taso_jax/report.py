@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from taso_jax.frontends.onnx_io import ModelError
-from taso_jax.ir.executor import random_inputs
+from taso_jax.ir.executor import random_array, random_inputs
 from taso_jax.ir.graph import Graph
 from taso_jax.search.choose import DUEL_WITHIN, NHWC_LAYOUT, device_name, time_graphs
 from taso_jax.search.options import OptimizeOptions
@@ -219,13 +219,8 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
     for shapes in other_bindings(graph, symbolic):
         feeds = {}
         for name, t in static.items():
-            shape = shapes.get(name, t.shape)
-            if np.issubdtype(np.dtype(t.dtype), np.floating):
-                feeds[name] = rng.standard_normal(shape).astype(t.dtype)
-            elif t.dtype == "bool":
-                feeds[name] = rng.integers(0, 2, shape).astype(bool)
-            else:
-                feeds[name] = rng.integers(0, bounds.get(name, 8), shape).astype(t.dtype)
+            feeds[name] = random_array(shapes.get(name, t.shape), t.dtype, rng,
+                                       bounds.get(name, 8))
         try:
             reference = _session(original).run(None, feeds)
         except Exception:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from taso_jax.frontends.context import ImportContext
-from taso_jax.ir.executor import release_memory
+from taso_jax.ir.executor import random_array, release_memory
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
 from taso_jax.ir.opaque import OpaqueOp
 from taso_jax.ops import ONNX_IMPORTERS, ONNX_SAME_MEANING, OPS, ShapeError, TensorType
@@ -484,8 +484,7 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
         if inp.name in inits:
             continue
         t = types[inp.name]
-        feeds[inp.name] = (rng.integers(0, (bounds or {}).get(inp.name, 8), t.shape)
-                           if "int" in t.dtype else rng.standard_normal(t.shape)).astype(t.dtype)
+        feeds[inp.name] = random_array(t.shape, t.dtype, rng, (bounds or {}).get(inp.name, 8))
     for n, v in zip(names, _probe_run(model, names, feeds, weights), strict=True):
         types[n] = TensorType(tuple(v.shape), str(v.dtype))
 

@@ -29,7 +29,7 @@ jnp = LazyModule("jax.numpy")
 __all__ = ["as_jax_constant", "device_constant", "CompiledGraph", "StagedGraph",
            "compile_graph", "discard_compiled", "folded_values",
            "forget_compiled", "release_memory", "run_node",
-           "time_function", "time_interleaved", "random_inputs"]
+           "time_function", "time_interleaved", "random_array", "random_inputs"]
 
 
 def as_jax_constant(value):
@@ -355,26 +355,30 @@ def _malloc_trim():
 _TRIM = False
 
 
-def random_inputs(graph: Graph, seed: int = 0) -> list[np.ndarray]:
-    """Seeded random values for the graph's runtime inputs.
+def random_array(shape, dtype, rng: np.random.Generator, high: int = 8) -> np.ndarray:
+    """A random array of ``shape`` and ``dtype``.
 
-    Floats are standard normal; integers are drawn in ``[0, 8)`` (valid token ids and masks
-    for the shared models), or below the bound the ONNX import found for an input that
-    indexes a smaller table (``graph.meta["integer_input_bounds"]``,
-    :func:`taso_jax.frontends.onnx_io.index_bounds`); booleans are random.
+    Floats are standard normal, booleans random, integers in ``[0, high)`` (valid token ids
+    and masks for the shared models).
+    """
+    if np.issubdtype(np.dtype(dtype), np.floating):
+        return rng.standard_normal(shape).astype(dtype)
+    if np.dtype(dtype) == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    return rng.integers(0, high, shape).astype(dtype)
+
+
+def random_inputs(graph: Graph, seed: int = 0) -> list[np.ndarray]:
+    """Seeded random values for the graph's runtime inputs (:func:`random_array`).
+
+    An integer input that the ONNX import found indexing a table of fewer than 8 rows is
+    drawn below that size (``graph.meta["integer_input_bounds"]``,
+    :func:`taso_jax.frontends.onnx_io.index_bounds`).
     """
     rng = np.random.default_rng(seed)
     bounds = graph.meta.get("integer_input_bounds") or {}
-    out = []
-    for n in graph.inputs:
-        t = n.types[0]
-        if np.issubdtype(np.dtype(t.dtype), np.floating):
-            out.append(rng.standard_normal(t.shape).astype(t.dtype))
-        elif t.dtype == "bool":
-            out.append(rng.integers(0, 2, t.shape).astype(bool))
-        else:
-            out.append(rng.integers(0, bounds.get(n.name, 8), t.shape).astype(t.dtype))
-    return out
+    return [random_array(n.types[0].shape, n.types[0].dtype, rng, bounds.get(n.name, 8))
+            for n in graph.inputs]
 
 
 def _blocker() -> Callable:
