@@ -123,21 +123,27 @@ def _relevant(subs: Sequence[Substitution], graph: Graph) -> list[Substitution]:
     return [s for s in subs if all(p.op in ops for p in s.source)]
 
 
-def _estimate(graph: Graph, cost: float, rw: Rewrite, cost_model: CostModel) -> float:
+def _estimate(graph: Graph, cost: float, rw: Rewrite, cost_model: CostModel,
+              limit: float | None = None) -> float:
     """Estimated cost (microseconds) of a prepared rewrite, without building the graph.
 
     It follows from the nodes the rewrite adds and removes: the matched nodes disappear;
     target nodes already in the graph are shared, not added. Upstream nodes that become
     dead are not subtracted, so the estimate errs high; the search builds and prices
-    exactly every graph it keeps.
+    exactly every graph it keeps. With ``limit``, the added nodes are first taken at their
+    floors (:meth:`~taso_jax.search.cost.CostModel.node_floor`): a rewrite that reaches
+    ``limit`` even so is returned at that lower bound, its new kernels never measured.
     """
     nodes = graph.node_set
     created = set(rw.created)
-    added = sum(cost_model.node_cost(n) for n in created
-                if n not in nodes and not n.weight_only)
+    new = [n for n in created if n not in nodes and not n.weight_only]
     removed = sum(cost_model.node_cost(n) for n in set(rw.match.nodes)
                   if n not in created and not n.weight_only)
-    return cost + added - removed
+    if limit is not None:
+        floor = cost - removed + sum(cost_model.node_floor(n) for n in new)
+        if floor >= limit:
+            return floor
+    return cost + sum(cost_model.node_cost(n) for n in new) - removed
 
 
 def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
@@ -155,7 +161,7 @@ def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostMode
         rw = prepare(sub, graph, m, state.matching)
         if not rw:
             continue
-        estimate = _estimate(graph, cost, rw, cost_model)
+        estimate = _estimate(graph, cost, rw, cost_model, limit)
         if estimate < limit:
             yield rw, estimate
 

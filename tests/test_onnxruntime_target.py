@@ -310,3 +310,29 @@ def test_a_kernel_that_will_not_run_on_stand_in_values_is_priced_analytically(ca
     assert out.read_bytes() == src.read_bytes()
     text = capsys.readouterr().out
     assert ("priced by the analytic model" in text) == (case == "gather_one_row")
+
+
+def test_a_rewrite_past_the_limit_at_its_kernels_floors_is_never_measured(tmp_path):
+    """A kernel not yet measured is bounded below by its FLOPs at the CPU's peak rate
+    (:meth:`~taso_jax.search.cost.MeasuredCostModel.node_floor`): a depthwise convolution
+    made dense does 256x its arithmetic, more than the whole graph's alpha-relaxed cost even
+    at that bound, so the search drops it without timing it; a first merge of groups, which
+    may pay, is still timed."""
+    import sqlite3
+
+    from taso_jax.search import backtracking_search
+
+    b = GraphBuilder()
+    x = b.new_input((1, 256, 14, 14), name="input")
+    t = b.conv2d(x, b.new_weight((256, 1, 3, 3)), groups=256, activation="relu")
+    b.mark_output(b.conv2d(t, b.new_weight((64, 256, 1, 1))), "output")
+    g = b.graph()
+    path = str(tmp_path / "costs.sqlite")
+    cm = target.OnnxRuntimeCostModel(cache_path=path, repeats=3)
+    backtracking_search(g, taso_jax.default_substitutions(), cm, budget=20, time_limit=120)
+    keys = [k for (k,) in sqlite3.connect(path).execute("SELECT key FROM cost")]
+    kernels = {eval(k, {"TensorType": lambda shape, dtype: shape})[3][1] for k in keys
+               if k.startswith("(17, 'conv2d'")}
+    assert (256, 1, 3, 3) in kernels  # the input's own depthwise convolution was timed
+    assert (256, 2, 3, 3) in kernels  # a first merge of groups was
+    assert (256, 256, 3, 3) not in kernels  # its dense form was not

@@ -489,3 +489,26 @@ def test_a_trimmed_queue_finds_the_same_graph(monkeypatch):
     assert trimmed.cost_after == full.cost_after and trimmed.iterations == full.iterations
     # the graphs kept for the choice hold no cached adjacency once the search returns
     assert all("consumers" not in v.graph.__dict__ for v in trimmed.visited)
+
+
+
+def test_a_kernel_not_yet_measured_has_a_floor_below_its_measured_price(tmp_path):
+    """The floor (FLOPs at the CPU's peak rate, plus a launch) measures nothing, stays below
+    the time measured afterwards, and is the price itself once that is known."""
+    from taso_jax.search.cost import CPU_CORE_PEAK_GFLOPS
+
+    b = taso_jax.new_graph(seed=0)
+    x = b.new_input((1, 256, 14, 14), name="input")
+    dense = b.conv2d(x, b.new_weight((256, 256, 3, 3))).node
+    mm = b.matmul(b.new_input((64, 512)), b.new_weight((512, 512))).node
+    cm = MeasuredCostModel(cache_path=str(tmp_path / "costs.sqlite"), repeats=3)
+    if jax.default_backend() != "cpu":
+        assert cm.peak_gflops() is None
+        return
+    assert cm.peak_gflops() == CPU_CORE_PEAK_GFLOPS * os.cpu_count()
+    for node in (dense, mm):
+        before = cm.measured
+        floor = cm.node_floor(node)
+        assert cm.measured == before and floor > cm._analytic.launch_us
+        assert floor <= cm.node_cost(node) and cm.measured > before
+        assert cm.node_floor(node) == cm.node_cost(node)

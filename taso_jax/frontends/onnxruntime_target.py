@@ -13,6 +13,7 @@ optimizations: what a user of the ONNX file runs.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
 from taso_jax.search.choose import keep_fastest, measured_set, screen_in_pairs, start_choice
-from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel
+from taso_jax.search.cost import CPU_CORE_PEAK_GFLOPS, AnalyticCostModel, MeasuredCostModel
 from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["OnnxRuntimeCostModel", "ort_session", "graph_session", "onnxruntime_folded_values",
@@ -206,8 +207,6 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
 
     @staticmethod
     def _device() -> str:
-        import os
-
         import onnxruntime as ort
 
         return f"onnxruntime {ort.__version__}:{os.cpu_count()} cores"
@@ -224,10 +223,20 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
         """
         return (*super().signature(node), tuple(t.node.weight_only for t in node.inputs))
 
+    def peak_gflops(self) -> float:
+        """As the base class's for a CPU: onnxruntime's CPU execution provider."""
+        return CPU_CORE_PEAK_GFLOPS * (os.cpu_count() or 1)
+
+    def _key(self, node: Node) -> str:
+        return repr((self.opset, *self.signature(node)))
+
+    def _would_measure(self, node: Node) -> bool:
+        return node.op != "opaque" and self._uncached(self._key(node))
+
     def _cost(self, node: Node) -> float:
         if node.op == "opaque":
             return self._analytic.node_cost(node)
-        key = repr((self.opset, *self.signature(node)))
+        key = self._key(node)
         if self.deadline is not None and time.perf_counter() > self.deadline:
             if self._lookup(key) is None:
                 self.estimated += 1
