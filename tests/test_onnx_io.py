@@ -557,3 +557,37 @@ def test_an_integer_input_that_indexes_a_small_table_is_drawn_below_its_size(tmp
     assert drawn["token_type_ids"].max() == 1 and drawn["position_ids"].max() > 1
     assert main(["optimize", str(src), "-o", str(tmp_path / "o.onnx"), "--cost-model",
                  "analytic", "-q", "--no-time"]) == 0
+
+
+@pytest.mark.parametrize("fold", ["jax", "onnxruntime"])
+def test_a_folded_weight_larger_than_its_weights_is_written_as_operators(fold):
+    """Folding ahead of time must not make the file grow: an int8 weight cast to float32 and
+    scaled stays int8 in the file, under its Cast and Mul (onnxruntime folds them as the
+    session starts), while a concatenation of two float weights, no larger than they are,
+    is stored folded. Outputs match the unfolded export."""
+    from taso_jax.frontends.onnxruntime_target import onnxruntime_folded_values
+    from taso_jax.ir.graph import GraphBuilder
+
+    b = GraphBuilder()
+    rng = np.random.default_rng(0)
+    x = b.new_input((2, 64), name="x")
+    q = b.new_weight(data=rng.integers(-127, 128, (64, 64)).astype(np.int8), name="q")
+    scale = b.new_weight(data=np.full((64,), 0.02, np.float32), name="scale")
+    w = b.ewmul(b.cast(q, to="float32"), scale)
+    wa = b.new_weight(data=rng.standard_normal((64, 32)).astype(np.float32), name="wa")
+    wb = b.new_weight(data=rng.standard_normal((64, 32)).astype(np.float32), name="wb")
+    b.mark_output(b.matmul(x, w), "y")
+    b.mark_output(b.matmul(x, b.concat(wa, wb, axis=-1)), "z")
+    g = b.graph()
+    model = taso_jax.export_onnx(g, fold=True if fold == "jax" else onnxruntime_folded_values)
+    onnx.checker.check_model(model, full_check=True)
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert inits["q"].dtype == np.int8 and "scale" in inits
+    assert [n.op_type for n in model.graph.node].count("Cast") == 1
+    assert not {"wa", "wb"} & set(inits)  # the concatenation is stored folded instead
+    assert any(v.shape == (64, 64) and v.dtype == np.float32 for v in inits.values())
+    assert sum(v.nbytes for v in inits.values()) < 64 * 64 * 4 + 64 * 64 * 4
+    feeds = {"x": rng.standard_normal((2, 64)).astype(np.float32)}
+    check = compare_onnx(taso_jax.export_onnx(g, fold=False).SerializeToString(),
+                         model.SerializeToString(), feeds)
+    assert check["ok"] and check["max_abs_err"] < 1e-4, check

@@ -1073,6 +1073,47 @@ class _ExportContext:
         return self.types[name].dtype
 
 
+def _fold_no_larger(graph: Graph, keys: list, values: list) -> tuple[list, list, frozenset]:
+    """The folded weight-only values worth storing, and the weight-only nodes to write.
+
+    A folded value larger (in bytes) than the weights it is computed from would make the
+    file grow: an int8-quantized MiniLM, its weights cast to float32 and scaled ahead of
+    time, went from 21 MB of weights to 86 MB. Such a value's weight-only subgraph is
+    written as operators on its weights instead. Returns ``(keys, values, nodes)``: the
+    tensors still stored with their values (plus the weights those subgraphs read, as
+    stored), and the weight-only nodes written as operators.
+    """
+    def cone(t):
+        nodes, leaves, todo = set(), set(), [t.node]
+        while todo:
+            n = todo.pop()
+            if n in nodes or n in leaves:
+                continue
+            if n.op == "weight":
+                leaves.add(n)
+                continue
+            nodes.add(n)
+            todo.extend(i.node for i in n.inputs)
+        return nodes, leaves
+
+    computed: set = set()
+    read: set = set()
+    for t in keys:
+        if t.node.op == "weight":
+            continue
+        nodes, leaves = cone(t)
+        if t.type.nbytes > sum(graph.weights[n.name].nbytes for n in leaves):
+            computed |= nodes
+            read |= leaves
+    if not computed:
+        return keys, values, frozenset()
+    kept = [(t, v) for t, v in zip(keys, values, strict=True) if t.node not in computed]
+    stored = {t.node for t, _ in kept}
+    kept += [(n.outputs[0], graph.weights[n.name]) for n in graph.nodes
+             if n in read and n not in stored]
+    return [t for t, _ in kept], [v for _, v in kept], frozenset(computed)
+
+
 #: Initializers of at least this many bytes are left out of an export given ``external``.
 EXTERNAL_MIN_BYTES = 1024
 
@@ -1089,7 +1130,11 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
     that signature (``graph -> (tensors, values)``), by it
     (:func:`~taso_jax.frontends.onnxruntime_target.onnxruntime_folded_values`); ``False``,
     not at all: they are written as operators on the weights, which onnxruntime folds
-    when a session starts.
+    when a session starts. A folded value larger than the weights it is computed from
+    (an int8 weight cast to float32, a 1x1 kernel enlarged to 3x3, a block-diagonal
+    kernel) is not stored: its operators are written instead, on the stored weights
+    (:func:`_fold_no_larger`), and onnxruntime folds them as the session starts, as it
+    did in the sessions the end-to-end choice timed.
 
     With ``external`` (a dict, filled here), each numeric initializer of at least
     :data:`EXTERNAL_MIN_BYTES` is written as a reference to external data (ONNX's
@@ -1116,7 +1161,8 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
         skipped = frozenset()
     else:
         const_keys, folded = (folded_values if fold is True else fold)(graph)
-        skipped = graph.weight_only
+        const_keys, folded, computed = _fold_no_larger(graph, const_keys, folded)
+        skipped = graph.weight_only - computed
     names: dict[Tensor, str] = {}
     for n in graph.inputs:
         names[n.outputs[0]] = n.name
