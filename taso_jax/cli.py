@@ -218,25 +218,7 @@ def _optimize(args) -> int:
     if unchanged and original is not None:
         # Nothing beat the input: the user's own file is written back byte for byte (its
         # symbolic sizes, names and metadata included), so it cannot be slower or wrong.
-        report["check"] = {"ok": True, "max_abs_err": 0.0, "rtol": args.rtol,
-                           "atol": args.atol if args.atol is not None else 0.0,
-                           "outputs": len(graph.outputs), "identical": True}
-        if args.output and external_data:
-            # A copy of the file alone would point at the input's data files by a relative
-            # path, which breaks in another folder or once the input goes: the copy is
-            # written self-contained (ONNX's 2 GB protobuf limit applies).
-            model = onnx.load(original)
-            atomic_write(args.output, lambda tmp: onnx.save(model, tmp))
-            report["written_copy_of_input"] = "inlined"
-        elif args.output:
-            atomic_write(args.output, lambda tmp: shutil.copyfile(original, tmp))
-            report["written_copy_of_input"] = True
-        if args.output:
-            report["written"] = args.output
-        report["wall_seconds"] = time.perf_counter() - started
-        print(format_report(report))
-        _write_json(args.json, report)
-        return 0
+        return _write_input(args, original, external_data, graph, report, started)
     fold = True  # weight-only subgraphs computed by JAX, or for onnxruntime by onnxruntime
     if options.target == "onnxruntime":
         from taso_jax.frontends.onnxruntime_target import onnxruntime_folded_values as fold
@@ -276,11 +258,52 @@ def _optimize(args) -> int:
         return 1
     if original is not None and graph.meta.get("symbolic_dims"):
         optimized = _keep_sizes_open(optimized, original, graph, report, args)
+        if optimized is None:  # it runs at the sizes bound only, which no one asked for
+            report["applied"], report["operators_after"] = {}, report["operators_before"]
+            report["cost"] = {**report["cost"], "after_us": report["cost"]["before_us"]}
+            report.pop("check", None)
+            return _write_input(args, original, external_data, graph, report, started,
+                                why="the optimized graph runs at the sizes it was "
+                                    "optimized at only")
     if not args.no_time and not unchanged:
         report["onnxruntime"] = measure_onnxruntime(reference, optimized.SerializeToString(),
                                                     references[0][1], deadline=deadline)
     if args.output:
         atomic_write(args.output, lambda tmp: onnx.save(optimized, tmp))
+        report["written"] = args.output
+    report["wall_seconds"] = time.perf_counter() - started
+    print(format_report(report))
+    _write_json(args.json, report)
+    return 0
+
+
+def _write_input(args, original: str, external_data, graph, report: dict, started: float,
+                 why: str | None = None) -> int:
+    """Write the user's own file back as the result (byte for byte), print the report.
+
+    Used when no faster graph was found, or (``why``) when the faster one cannot replace
+    the input. A file with external data is written self-contained instead: a copy alone
+    would point at the input's data files by a relative path, which breaks in another
+    folder or once the input goes (ONNX's 2 GB protobuf limit applies).
+    """
+    import onnx
+
+    from taso_jax._io import atomic_write
+    from taso_jax.report import format_report
+
+    report["check"] = {"ok": True, "max_abs_err": 0.0, "rtol": args.rtol,
+                       "atol": args.atol if args.atol is not None else 0.0,
+                       "outputs": len(graph.outputs), "identical": True}
+    if why:
+        report["kept_input_because"] = why
+    if args.output and external_data:
+        model = onnx.load(original)
+        atomic_write(args.output, lambda tmp: onnx.save(model, tmp))
+        report["written_copy_of_input"] = "inlined"
+    elif args.output:
+        atomic_write(args.output, lambda tmp: shutil.copyfile(original, tmp))
+        report["written_copy_of_input"] = True
+    if args.output:
         report["written"] = args.output
     report["wall_seconds"] = time.perf_counter() - started
     print(format_report(report))
@@ -294,8 +317,10 @@ def _keep_sizes_open(optimized, original: str, graph, report: dict, args):
     The model was optimized at one binding of its symbolic sizes; written with them open,
     it is checked against the original at other sizes
     (:func:`taso_jax.report.check_other_sizes`). Where that fails (a rewritten Reshape holds
-    a fixed size) the model is written at the sizes it was optimized at, and the report says
-    so.
+    a fixed size), the model is written at the sizes it was optimized at if the user fixed
+    them (``--input-shape`` for every input with open sizes), or if the original itself
+    runs at none of the other sizes tried. Otherwise it returns ``None``: a model that
+    accepts fewer sizes than the input is no drop-in replacement, and the input is kept.
     """
     from taso_jax.frontends.onnx_io import with_symbolic_dims
     from taso_jax.report import check_other_sizes
@@ -316,6 +341,15 @@ def _keep_sizes_open(optimized, original: str, graph, report: dict, args):
         shapes = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in other["shapes"].items())
         why = (f"with them open it does not match the original at {shapes}"
                + (f" ({other['error'][:160]})" if other.get("error") else ""))
+        given = _parse_shapes(args.input_shape)
+        if not all(name in given for name in symbolic
+                   if name in {n.name for n in graph.inputs}):
+            bound = ", ".join(f"{n.name}={','.join(map(str, n.types[0].shape))}"
+                              for n in graph.inputs if n.name in symbolic)
+            report["notes"].append(
+                f"kept the input: the optimized graph holds the sizes it was optimized at "
+                f"({bound}); {why}. To get it for fixed sizes, give them with --input-shape")
+            return None
     report["notes"].append("written with the sizes it was optimized at, not symbolic: "
                            + why)
     return optimized

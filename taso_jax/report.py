@@ -423,9 +423,10 @@ def format_report(r: dict) -> str:
                      + (f"; {k['error']}" if k.get("error") else ""))
     if r.get("written"):
         copy = r.get("written_copy_of_input")
+        why = r.get("kept_input_because") or "no faster graph was found"
         lines.append(f"written: {r['written']}" + (
-            " (the input with its external data inlined: no faster graph was found)"
+            f" (the input with its external data inlined: {why})"
             if copy == "inlined" else
-            " (a byte-for-byte copy of the input: no faster graph was found)" if copy
+            f" (a byte-for-byte copy of the input: {why})" if copy
             else ""))
     return "\n".join(lines)

@@ -366,3 +366,52 @@ def test_the_report_gives_onnxruntime_times_and_warns_when_the_file_is_slower_th
     assert main(["optimize", str(src), "-o", str(tmp_path / "o2.onnx"), *args]) == 0
     text = capsys.readouterr().out
     assert "WARNING: the written model runs slower than the original in onnxruntime" in text
+
+
+def _reshaped_pair_model(path):
+    """x[batch, 64] -> Reshape(-1, 32) -> two MatMuls that share it; batch left open."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(np.array([-1, 32], np.int64), "shape")] + [
+        numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), w)
+        for w in ("w1", "w2")]
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]),
+             helper.make_node("MatMul", ["r", "w1"], ["y1"]),
+             helper.make_node("MatMul", ["r", "w2"], ["y2"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])
+    ys = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["rows", 32])
+          for n in ("y1", "y2")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], ys, inits),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, path)
+
+
+def test_a_graph_that_runs_at_its_bound_sizes_only_does_not_replace_the_input(tmp_path,
+                                                                             capsys):
+    """The matmuls merge, but the rewritten graph holds the batch size it was optimized at
+    (its reshape of 1x64 to 2x32 is written as such): written with the batch open it would
+    not run at 2. The
+    input is kept, byte for byte, and the report says why and how to get the fixed-size
+    model; given --input-shape, that model is written."""
+    import onnx
+
+    src, out = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
+    _reshaped_pair_model(src)
+    args = ["optimize", str(src), "-o", str(out), "--cost-model", "analytic", "--end-to-end",
+            "0", "-q", "--no-time"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "kept the input: the optimized graph holds the sizes it was optimized at (x=1,64)" \
+        in text and "--input-shape" in text
+    assert "a byte-for-byte copy of the input: the optimized graph runs at the sizes it was " \
+        "optimized at only" in text
+    assert "substitutions applied: none" in text and "(1.00x)" in text
+    assert out.read_bytes() == src.read_bytes()
+    assert main([*args, "--input-shape", "x=1,64"]) == 0
+    text = capsys.readouterr().out
+    assert "written with the sizes it was optimized at, not symbolic" in text
+    written = onnx.load(out)
+    assert [n.op_type for n in written.graph.node].count("MatMul") == 1
+    assert written.graph.input[0].type.tensor_type.shape.dim[0].dim_value == 1
