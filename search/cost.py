@@ -30,6 +30,7 @@ from collections.abc import Iterable
 import numpy as np
 from taso_jax.ops import OPS
 
+from taso_jax._text import one_line
 from taso_jax.ir.graph import LEAF_OPS, Graph, Node
 
 __all__ = ["CostModel", "AnalyticCostModel", "fused_cost", "MeasuredCostModel", "graph_cost",
@@ -468,7 +469,7 @@ class MeasuredCostModel(CostModel):
             return self._consistent(node, key, self._cached(key, lambda: self._measure(node)))
         except Exception as e:  # noqa: BLE001 - any refusal of a stand-in kernel
             self.unmeasurable.append(f"{node.op}: {type(e).__name__}: "
-                                     f"{str(e).splitlines()[0][:160] if str(e) else ''}")
+                                     f"{one_line(str(e), 240)}")
             return None
 
     def _consistent(self, node: Node, key: str, micros: float) -> float:

@@ -24,6 +24,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+from taso_jax._text import one_line
+
 __all__ = ["main"]
 
 
@@ -206,8 +208,12 @@ def _optimize(args) -> int:
         # For --target onnxruntime the timings are onnxruntime's (the end-to-end choice
         # and the check below): that process then never imports JAX (about 145 MB).
         if time.perf_counter() < deadline:
-            report["time"] = measure_speed(graph, result.graph, repeats=args.repeats,
-                                           deadline=deadline)
+            try:
+                report["time"] = measure_speed(graph, result.graph, repeats=args.repeats,
+                                               deadline=deadline)
+            except Exception as e:  # noqa: BLE001 - the report's own timing only
+                report["notes"].append("the report's own jax.jit timing failed, and is left "
+                                       f"out: {type(e).__name__}: {one_line(str(e), 200)}")
         else:  # a compile and five calls more: 10 s past a 30 s limit on a 1 s model
             report["notes"].append("the report's own jax.jit timing was left out: the time "
                                    "limit had passed (--time-limit)")
@@ -231,7 +237,7 @@ def _optimize(args) -> int:
                 onnx.checker.check_model(original, full_check=True)
             except Exception as orig:
                 raise ModelError(f"{name}: the model fails ONNX's full check "
-                                 f"({str(orig).splitlines()[0][:200]})") from orig
+                                 f"({one_line(str(orig))})") from orig
         raise e
     reference = original or export_onnx(graph, fold=fold).SerializeToString()
     if original is None:
@@ -340,7 +346,7 @@ def _keep_sizes_open(optimized, original: str, graph, report: dict, args):
     else:
         shapes = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in other["shapes"].items())
         why = (f"with them open it does not match the original at {shapes}"
-               + (f" ({other['error'][:160]})" if other.get("error") else ""))
+               + (f" ({one_line(other['error'], 240)})" if other.get("error") else ""))
         given = _parse_shapes(args.input_shape)
         if not all(name in given for name in symbolic
                    if name in {n.name for n in graph.inputs}):
@@ -731,6 +737,10 @@ def main(argv: list[str] | None = None) -> int:
     # saturated, see taso_jax.ir.executor.as_jax_constant), so JAX's notice says nothing new
     warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
     args = build_parser().parse_args(argv)
+    if not getattr(args, "debug", False):
+        # A failing opaque region inside jax.jit is logged by JAX with its traceback before
+        # the error reaches us; the one line below says it, --debug shows it.
+        logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
     try:
         if args.command == "optimize":
             return _optimize(args)
@@ -751,8 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # our own failure: one line, the traceback only with --debug
         if getattr(args, "debug", False):
             traceback.print_exc()
-        detail = " / ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
-        detail = detail if len(detail) <= 300 else detail[:297] + "..."
+        detail = one_line(str(e))
         print(f"taso-jax: internal error: {type(e).__name__}: {detail} (nothing written; "
               "run with --debug for the traceback)", file=sys.stderr)
         return 1

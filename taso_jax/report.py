@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from taso_jax._text import one_line
 from taso_jax.frontends.onnx_io import ModelError
 from taso_jax.ir.executor import random_array, random_inputs
 from taso_jax.ir.graph import Graph
@@ -79,7 +80,7 @@ def _reference(original, inputs: dict) -> list:
     except Exception as e:  # the user's model itself, not ours
         shapes = ", ".join(f"{k}={list(np.shape(v))}" for k, v in inputs.items())
         raise ModelError(f"the original model does not run in onnxruntime on random inputs "
-                         f"({shapes}): {str(e).splitlines()[0][:200]} (if it expects other "
+                         f"({shapes}): {one_line(str(e), 400)} (if it expects other "
                          "sizes, give them with --input-shape)") from e
 
 
@@ -93,7 +94,7 @@ def _actual(optimized, inputs_list: list, reference_count: int, rtol, atol):
                       "atol": f"{ATOL} x max|output|" if atol is None else atol,
                       "outputs": reference_count,
                       "error": "the optimized model does not run: "
-                               f"{str(e).splitlines()[0][:300]}"}
+                               f"{one_line(str(e), 400)}"}
 
 
 def compare_onnx(original, optimized, inputs: dict, rtol: float = RTOL,
@@ -120,8 +121,9 @@ def reference_runs(original, graph: Graph, scales=CHECK_SCALES, seed: int = 1
                    ) -> list[tuple[float, dict, list]]:
     """``(scale, inputs, outputs)`` of the original model at each input scale.
 
-    Float inputs are N(0, 1) times the scale; integer and boolean inputs are not scaled.
-    Run before a long search, so that a model that does not run fails at once.
+    Float inputs are N(0, 1) times the scale; integer and boolean inputs are not scaled,
+    nor are float inputs that the model casts to indices (``integer_input_bounds``). Run
+    before a long search, so that a model that does not run fails at once.
 
     Raises:
         ModelError: the original model does not run on these inputs.
@@ -133,9 +135,10 @@ def reference_runs(original, graph: Graph, scales=CHECK_SCALES, seed: int = 1
     except Exception:
         session = original  # _reference reports the failure, in one line
     runs = []
+    indices = graph.meta.get("integer_input_bounds") or {}
     for scale in scales:
         feeds = {k: (v * np.asarray(scale, v.dtype) if np.issubdtype(v.dtype, np.floating)
-                     else v) for k, v in base.items()}
+                     and k not in indices else v) for k, v in base.items()}
         runs.append((scale, feeds, _reference(session, feeds)))
     return runs
 
@@ -220,7 +223,7 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
         feeds = {}
         for name, t in static.items():
             feeds[name] = random_array(shapes.get(name, t.shape), t.dtype, rng,
-                                       bounds.get(name, 8))
+                                       bounds.get(name))
         try:
             reference = _session(original).run(None, feeds)
         except Exception:
@@ -264,7 +267,8 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
             ok, worst = False, float("inf")
         scale = float(np.max(np.abs(b[np.isfinite(b)]), initial=0.0))
         tol = (ATOL * scale if atol is None else atol) + rtol * np.abs(b)
-        err = np.where(finite, np.abs(a - b), 0.0)
+        with np.errstate(invalid="ignore"):  # inf - inf where both are inf: masked out
+            err = np.where(finite, np.abs(a - b), 0.0)
         if np.any(err > tol):
             ok = False
         worst = max(worst, float(err.max()))

@@ -415,3 +415,38 @@ def test_a_graph_that_runs_at_its_bound_sizes_only_does_not_replace_the_input(tm
     written = onnx.load(out)
     assert [n.op_type for n in written.graph.node].count("MatMul") == 1
     assert written.graph.input[0].type.tensor_type.shape.dim[0].dim_value == 1
+
+
+def test_a_model_xla_cannot_run_still_optimizes_without_a_traceback(tmp_path):
+    """A string input (a grapheme encoder's LabelEncoder) runs in onnxruntime, not under
+    jax.jit: the report's own jax.jit timing is left out with a note, the run ends with
+    exit 0, and nothing like a traceback reaches the user."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    enc = helper.make_node("LabelEncoder", ["letters"], ["ids"], domain="ai.onnx.ml",
+                           keys_strings=["a", "b", "c"], values_int64s=[1, 2, 3],
+                           default_int64=0)
+    model = helper.make_model(
+        helper.make_graph([enc, helper.make_node("Cast", ["ids"], ["y"], to=TensorProto.FLOAT)],
+                          "g", [helper.make_tensor_value_info("letters", TensorProto.STRING, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)],
+        ir_version=8)
+    src = tmp_path / "g2p.onnx"
+    onnx.save(model, src)
+    r = _run(["optimize", str(src), "-o", str(tmp_path / "out.onnx"), *FAST])
+    assert r.returncode == 0, r.stderr
+    assert "the report's own jax.jit timing failed, and is left out" in r.stdout
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_one_line_keeps_the_error_of_a_traceback_inside_a_message():
+    from taso_jax._text import one_line
+
+    wrapped = ("INTERNAL: CpuCallback error calling callback: Traceback (most recent call "
+               "last):\n  File \"a.py\", line 1\nInvalidArgument: node input 'h' is missing")
+    assert one_line(wrapped) == ("INTERNAL: CpuCallback error calling callback: / "
+                                 "InvalidArgument: node input 'h' is missing")
+    long = one_line("word " * 100, 60)
+    assert len(long) <= 60 and long.endswith("...") and not long.endswith(" ...")

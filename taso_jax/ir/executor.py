@@ -355,29 +355,33 @@ def _malloc_trim():
 _TRIM = False
 
 
-def random_array(shape, dtype, rng: np.random.Generator, high: int = 8) -> np.ndarray:
+def random_array(shape, dtype, rng: np.random.Generator, high: int | None = None
+                 ) -> np.ndarray:
     """A random array of ``shape`` and ``dtype``.
 
     Floats are standard normal, booleans random, integers in ``[0, high)`` (valid token ids
-    and masks for the shared models).
+    and masks for the shared models; ``high`` 8 by default). With ``high`` given, a float
+    array holds such indices too: a float input that a model casts to indices (Keras
+    embedding ids) must stay inside its table.
     """
-    if np.issubdtype(np.dtype(dtype), np.floating):
-        return rng.standard_normal(shape).astype(dtype)
     if np.dtype(dtype) == np.bool_:
         return rng.integers(0, 2, shape).astype(bool)
-    return rng.integers(0, high, shape).astype(dtype)
+    if np.issubdtype(np.dtype(dtype), np.floating) and high is None:
+        return rng.standard_normal(shape).astype(dtype)
+    return rng.integers(0, 8 if high is None else high, shape).astype(dtype)
 
 
 def random_inputs(graph: Graph, seed: int = 0) -> list[np.ndarray]:
     """Seeded random values for the graph's runtime inputs (:func:`random_array`).
 
-    An integer input that the ONNX import found indexing a table of fewer than 8 rows is
-    drawn below that size (``graph.meta["integer_input_bounds"]``,
+    An input that the ONNX import found indexing a table (an integer one of fewer than 8
+    rows, or a float one cast to indices) is drawn below that size
+    (``graph.meta["integer_input_bounds"]``,
     :func:`taso_jax.frontends.onnx_io.index_bounds`).
     """
     rng = np.random.default_rng(seed)
     bounds = graph.meta.get("integer_input_bounds") or {}
-    return [random_array(n.types[0].shape, n.types[0].dtype, rng, bounds.get(n.name, 8))
+    return [random_array(n.types[0].shape, n.types[0].dtype, rng, bounds.get(n.name))
             for n in graph.inputs]
 
 
