@@ -696,3 +696,36 @@ def test_float_ids_cast_to_indices_are_drawn_as_ids_and_never_scaled():
     first = runs[0][1]["ids"]
     assert set(np.unique(first)) <= set(range(8))
     assert all(np.array_equal(feeds["ids"], first) for _, feeds, _ in runs)
+
+
+def test_many_open_shapes_come_from_onnxruntime_inference_and_few_probe_outputs(monkeypatch):
+    """Where ONNX's inference leaves more tensors open than a probe run returns at once
+    (tf2onnx's ResNet-50: 740), onnxruntime's symbolic shape inference fills them, and
+    whatever it cannot is read off probe runs of at most PROBE_OUTPUTS tensors each: a run
+    returning every tensor holds every activation at once (467 MB against 124 MB)."""
+    from onnx import TensorProto, helper
+
+    from taso_jax.frontends import onnx_io
+
+    n = 2 * onnx_io.PROBE_OUTPUTS + 5
+    nodes = [helper.make_node("Relu" if k % 2 else "Neg", [f"t{k}"], [f"t{k + 1}"])
+             for k in range(n)]
+    model = _model(nodes, [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [2, 3])],
+                   [helper.make_tensor_value_info(f"t{n}", TensorProto.FLOAT, [2, 3])])
+    expect = taso_jax.load_onnx(model)
+    real = onnx_io._value_types
+    # ONNX's inference knows the inputs alone
+    monkeypatch.setattr(onnx_io, "_value_types",
+                        lambda m: {k: v for k, v in real(m).items() if k == "t0"})
+    probed = []
+    probe = onnx_io._probe_run
+    monkeypatch.setattr(onnx_io, "_probe_run",
+                        lambda m, outs, *a: probed.append(len(outs)) or probe(m, outs, *a))
+    g = taso_jax.load_onnx(model)
+    assert g.op_counts() == expect.op_counts() and probed == []  # no run needed
+    # onnxruntime's inference unavailable: probe runs of at most PROBE_OUTPUTS each
+    monkeypatch.setattr(onnx_io, "_missing_types_by_inference", lambda *a: None)
+    probed.clear()
+    g = taso_jax.load_onnx(model)
+    assert g.op_counts() == expect.op_counts()
+    assert max(probed) <= onnx_io.PROBE_OUTPUTS and sum(probed) == n and len(probed) == 3

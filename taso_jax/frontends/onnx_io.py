@@ -481,10 +481,13 @@ def index_bounds(model, types: Mapping[str, TensorType]) -> dict[str, int]:
 def _missing_types_by_running(model, names: list[str], types: dict[str, TensorType],
                               weights: Mapping[str, np.ndarray] | None = None,
                               bounds: Mapping[str, int] | None = None):
-    """Shapes that inference left open, read off one onnxruntime run on random inputs.
+    """Shapes that inference left open, read off onnxruntime runs on random inputs.
 
-    ``weights`` are fed to the run as :func:`_probe_run` says; integer inputs are drawn
-    below their ``bounds`` (:func:`index_bounds`) or 8. ``types`` is filled in place.
+    ``weights`` are fed to the runs as :func:`_probe_run` says; integer inputs are drawn
+    below their ``bounds`` (:func:`index_bounds`) or 8. ``types`` is filled in place. A run
+    returns at most :data:`PROBE_OUTPUTS` of the tensors, since every tensor returned is
+    held to the end of its run: a tf2onnx ResNet-50 left 740 of its 845 nodes' outputs
+    open, and one run returning them all peaked at 467 MB (its own session: 124 MB).
     """
     rng = np.random.default_rng(0)
     inits = {i.name for i in model.graph.initializer}
@@ -494,8 +497,45 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
             continue
         t = types[inp.name]
         feeds[inp.name] = random_array(t.shape, t.dtype, rng, (bounds or {}).get(inp.name))
-    for n, v in zip(names, _probe_run(model, names, feeds, weights), strict=True):
-        types[n] = TensorType(tuple(v.shape), str(v.dtype))
+    if len(names) > PROBE_OUTPUTS:
+        _missing_types_by_inference(model, names, types)
+        names = [n for n in names if n not in types]
+    for k in range(0, len(names), PROBE_OUTPUTS):
+        chunk = names[k:k + PROBE_OUTPUTS]
+        for n, v in zip(chunk, _probe_run(model, chunk, feeds, weights), strict=True):
+            types[n] = TensorType(tuple(v.shape), str(v.dtype))
+
+
+#: Tensors one probe run returns at most (:func:`_missing_types_by_running`); where more
+#: are open, onnxruntime's symbolic shape inference is asked first.
+PROBE_OUTPUTS = 32
+
+
+def _missing_types_by_inference(model, names: list[str], types: dict[str, TensorType]):
+    """Static shapes of ``names`` from onnxruntime's symbolic shape inference.
+
+    ``types`` is filled in place where it has them; a model it cannot infer is left to the
+    probe runs. ONNX's own inference stops at operators it cannot follow with the values
+    it sees (tf2onnx's ResNet-50 left 740 of 845 outputs open); onnxruntime's tool, which
+    propagates the small constants that compute shapes, found all 740 in 0.06 s, where
+    probe runs of 32 tensors each took 3 s. It reads the whole model (a copy of the
+    weights while it runs).
+    """
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=False)
+    except Exception:  # noqa: BLE001 - any failure leaves the names to the probe runs
+        return
+    wanted = set(names)
+    for vi in [*inferred.graph.value_info, *inferred.graph.output]:
+        tt = vi.type.tensor_type
+        if (vi.name in wanted and tt.elem_type and tt.HasField("shape")
+                and all(d.HasField("dim_value") and d.dim_value >= 0 for d in tt.shape.dim)):
+            types[vi.name] = TensorType(tuple(d.dim_value for d in tt.shape.dim),
+                                        _np_dtype(tt.elem_type))
+    del inferred
+    release_memory()  # its copy of the model
 
 
 def _probe_run(model, outputs: list[str], feeds: dict,
