@@ -524,7 +524,16 @@ def _missing_types_by_inference(model, names: list[str], types: dict[str, Tensor
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=False)
+        # Its steps, not its infer_shapes: where inference stays incomplete, that one
+        # saves the model into the current folder (a user's!) and raises; the shapes it
+        # did find are used here, and the probe runs read the rest.
+        ssi = SymbolicShapeInference(2**31 - 1, False, False, 0)
+        ssi._preprocess(model)
+        while ssi.run_:
+            ssi._infer_impl()
+        ssi._update_output_from_vi()
+        inferred = ssi.out_mp_
+        del ssi
     except Exception:  # noqa: BLE001 - any failure leaves the names to the probe runs
         return
     wanted = set(names)
