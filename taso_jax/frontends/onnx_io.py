@@ -497,7 +497,7 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
             continue
         t = types[inp.name]
         feeds[inp.name] = random_array(t.shape, t.dtype, rng, (bounds or {}).get(inp.name))
-    if len(names) > PROBE_OUTPUTS:
+    if len(names) > INFER_OVER:
         _missing_types_by_inference(model, names, types)
         names = [n for n in names if n not in types]
     for k in range(0, len(names), PROBE_OUTPUTS):
@@ -506,9 +506,11 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
             types[n] = TensorType(tuple(v.shape), str(v.dtype))
 
 
-#: Tensors one probe run returns at most (:func:`_missing_types_by_running`); where more
-#: are open, onnxruntime's symbolic shape inference is asked first.
+#: Tensors one probe run returns at most (:func:`_missing_types_by_running`), and the count
+#: of open tensors above which onnxruntime's symbolic shape inference is asked first (its
+#: import, with sympy, adds 45 MB: more than a few probe runs of a small model hold).
 PROBE_OUTPUTS = 32
+INFER_OVER = 128
 
 
 def _missing_types_by_inference(model, names: list[str], types: dict[str, TensorType]):
