@@ -148,22 +148,52 @@ def _estimate(graph: Graph, cost: float, rw: Rewrite, cost_model: CostModel,
 
 def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
               limit: float, state: SearchState, near: set | None = None,
-              matches: list | None = None):
+              matches: list | None = None, refused: set | None = None):
     """Yield ``(rewrite, estimate)`` for valid rewrites estimated below ``limit``.
 
     ``estimate`` (microseconds, an upper bound on the rewritten graph's cost) comes from
     :func:`_estimate`, without building the graph. ``matches`` (optional) are the rule's
-    matches in ``graph`` when already known (:func:`_incremental_matches`).
+    matches in ``graph`` when already known (:func:`_incremental_matches`). ``refused``
+    (optional, kept by the caller across rewrites) holds the matches found here not to
+    pay (:func:`_refusal_key`), which are then skipped: the greedy descent steps by a
+    strictly cheaper rewrite at a time, and a match that did not pay keeps its nodes and
+    its price unless a step rebuilt them.
     """
     if matches is None:
         matches = find_matches(sub, graph, state.matching, near=near)
     for m in matches:
+        key = _refusal_key(sub, m) if refused is not None else None
+        if key is not None and key in refused:
+            continue
         rw = prepare(sub, graph, m, state.matching)
         if not rw:
+            if key is not None and rw.reason in _LASTING_REFUSALS:
+                refused.add(key)
             continue
         estimate = _estimate(graph, cost, rw, cost_model, limit)
         if estimate < limit:
             yield rw, estimate
+        elif key is not None and estimate - cost >= 0:
+            refused.add(key)  # adds work wherever the graph's cost stands
+
+
+#: Reasons a match cannot be rewritten that no other rewrite changes while its nodes stay:
+#: the matched work is weight-only, or the target's shapes do not hold. (A tensor used
+#: elsewhere, or a cycle, can change as the graph around the match does.)
+_LASTING_REFUSALS = frozenset({"weight_only", "target_shape", "output_type"})
+
+
+def _refusal_key(sub: Substitution, m) -> tuple | None:
+    """What identifies a match of ``sub`` across rewrites.
+
+    The rule, the matched nodes and the bindings; ``None`` where a binding cannot be hashed.
+    """
+    try:
+        key = (id(sub), m.nodes, tuple(m.vars.items()), tuple(m.sym.items()))
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _cheaper(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
@@ -376,6 +406,7 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
     # Matches per rule in the current graph, carried across each rewrite
     # (:func:`_incremental_matches`) instead of found again over the whole graph.
     table: dict[int, list] = {}
+    refused: set = set()  # matches that did not pay (see _prepared)
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
@@ -387,7 +418,7 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                 if matches is None:
                     matches = table[id(sub)] = list(find_matches(sub, graph, state.matching))
                 for rw, _ in _prepared(graph, cost, sub, cost_model, cost * (1 - 1e-9), state,
-                                       matches=matches):
+                                       matches=matches, refused=refused):
                     rebuilt: dict = {}
                     g2 = graph.replace(rw.mapping, rebuilt)
                     c2 = cost_model.graph_cost(g2)

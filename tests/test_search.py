@@ -512,3 +512,39 @@ def test_a_kernel_not_yet_measured_has_a_floor_below_its_measured_price(tmp_path
         assert cm.measured == before and floor > cm._analytic.launch_us
         assert floor <= cm.node_cost(node) and cm.measured > before
         assert cm.node_floor(node) == cm.node_cost(node)
+
+
+def test_the_descent_prepares_a_match_that_did_not_pay_only_once(monkeypatch):
+    """The greedy descent takes one strictly cheaper rewrite at a time and looks at each
+    rule's matches again after it; a match that did not pay (under this cost model every
+    split costs 1e9, so no merge pays) is remembered and not prepared again (a 1,051-operator
+    Thai segmenter's descent: 44,214 prepares -> 7,559, the same 90 steps). The descent's
+    steps and result are the same with and without the memory."""
+    from taso_jax.search import backtracking, match
+    from taso_jax.search.backtracking import SearchState, _prepared
+
+    class SplitHater(AnalyticCostModel):
+        def _cost(self, node):
+            return 1e9 if node.op == "split" else super()._cost(node)
+
+    g = resnet_module(channels=8, size=8)
+    model, state = SplitHater(), SearchState()
+    cost = model.graph_cost(g)
+    rule = next(s for s in SUBS if s.name.startswith("merge-conv2d")
+                and any(p.op == "split" for p in s.target)
+                and list(find_matches(s, g, state.matching)))
+    calls = []
+    real = match.prepare
+    monkeypatch.setattr(backtracking, "prepare",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    refused: set = set()
+    assert list(_prepared(g, cost, rule, model, cost, state, refused=refused)) == []
+    first = len(calls)
+    assert first > 0 and len(refused) == first  # each refused match remembered
+    assert list(_prepared(g, cost, rule, model, cost, state, refused=refused)) == []
+    assert len(calls) == first  # none prepared again
+    # the descent: the same steps and graph without the memory
+    out, c, names = backtracking.greedy_descent(g, SUBS, AnalyticCostModel(), 60)
+    monkeypatch.setattr(backtracking, "_refusal_key", lambda sub, m: None)
+    out2, c2, names2 = backtracking.greedy_descent(g, SUBS, AnalyticCostModel(), 60)
+    assert names and (out2.key, c2, names2) == (out.key, c, names)
