@@ -172,6 +172,11 @@ MAX_RETIMED = 32
 #: GFLOP/s in onnxruntime, against the 512 this allows.
 CPU_CORE_PEAK_GFLOPS = 256.0
 
+
+def cpu_peak_gflops() -> float:
+    """:data:`CPU_CORE_PEAK_GFLOPS` on every core of this machine (``os.cpu_count()``)."""
+    return CPU_CORE_PEAK_GFLOPS * (os.cpu_count() or 1)
+
 #: Environment variable naming the SQLite file of measured kernel costs, where it is set.
 COST_CACHE_ENV = "TASO_JAX_COST_CACHE"
 
@@ -274,10 +279,7 @@ class MeasuredCostModel(CostModel):
             # Timed alone, an elementwise or layout operator would be charged a whole kernel;
             # under jax.jit it is fused into its neighbour, so only its arithmetic counts.
             return fused_cost(node, self._analytic.gflops)
-        if self.nhwc_convolutions and node.op == "conv2d":
-            from taso_jax.ir.layout import nhwc_form
-
-            node = nhwc_form(node)
+        node = self._timed_form(node)
         key = self.key(node)
         if self.deadline is not None and time.perf_counter() > self.deadline:
             micros = self._lookup(key)
@@ -299,11 +301,15 @@ class MeasuredCostModel(CostModel):
         """
         if node.op == "opaque" or OPS[node.op].fusible:
             return False
+        return self._uncached(self.key(self._timed_form(node)))
+
+    def _timed_form(self, node: Node) -> Node:
+        """The kernel timed to price ``node``: itself, or its NHWC form (``nhwc_convolutions``)."""
         if self.nhwc_convolutions and node.op == "conv2d":
             from taso_jax.ir.layout import nhwc_form
 
-            node = nhwc_form(node)
-        return self._uncached(self.key(node))
+            return nhwc_form(node)
+        return node
 
     def _uncached(self, key: str) -> bool:
         return ((self.deadline is None or time.perf_counter() <= self.deadline)
@@ -316,8 +322,7 @@ class MeasuredCostModel(CostModel):
         ``None`` (a GPU's tensor cores leave no bound worth the risk), and kernels not yet
         measured get no floor but the launch.
         """
-        return CPU_CORE_PEAK_GFLOPS * (os.cpu_count() or 1) if self.device.startswith(
-            "cpu:") else None
+        return cpu_peak_gflops() if self.device.startswith("cpu:") else None
 
     def node_floor(self, node: Node) -> float:
         """:meth:`node_cost` where it is known or needs no measurement; else a lower bound.

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from taso_jax._text import one_line
 from taso_jax.frontends.context import ImportContext
 from taso_jax.ir.executor import random_array, release_memory
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
@@ -971,7 +972,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
                                  or isinstance(source, bytes | bytearray)
                                  else os.fspath(source))
     except Exception as e:
-        raise ModelError(f"{where}: invalid ONNX model ({_checker_reason(e)})") from e
+        raise ModelError(f"{where}: invalid ONNX model ({one_line(str(e))})") from e
     if not model.graph.output:
         raise ModelError(f"{where}: the graph has no outputs")
     symbolic = symbolic_dims(model)
@@ -1139,15 +1140,6 @@ def _topological_order(graph) -> list[int] | None:
             if not needs[u]:
                 heapq.heappush(ready, u)
     return order if len(order) == len(graph.node) else None
-
-
-def _checker_reason(error: Exception) -> str:
-    """ONNX checker's complaint on one line.
-
-    It spans several, and names the node on the later ones.
-    """
-    text = " ".join(ln.strip() for ln in str(error).splitlines() if ln.strip())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _absent_if_empty(node, env, opset: int):

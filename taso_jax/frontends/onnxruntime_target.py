@@ -21,7 +21,7 @@ import numpy as np
 
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
 from taso_jax.search.choose import keep_fastest, measured_set, screen_in_pairs, start_choice
-from taso_jax.search.cost import CPU_CORE_PEAK_GFLOPS, AnalyticCostModel, MeasuredCostModel
+from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel, cpu_peak_gflops
 from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["OnnxRuntimeCostModel", "ort_session", "graph_session", "onnxruntime_folded_values",
@@ -225,7 +225,7 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
 
     def peak_gflops(self) -> float:
         """As the base class's for a CPU: onnxruntime's CPU execution provider."""
-        return CPU_CORE_PEAK_GFLOPS * (os.cpu_count() or 1)
+        return cpu_peak_gflops()
 
     def _key(self, node: Node) -> str:
         return repr((self.opset, *self.signature(node)))
