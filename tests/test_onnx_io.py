@@ -698,6 +698,45 @@ def test_float_ids_cast_to_indices_are_drawn_as_ids_and_never_scaled():
     assert all(np.array_equal(feeds["ids"], first) for _, feeds, _ in runs)
 
 
+def test_a_graph_networks_index_inputs_stay_inside_the_axes_they_scatter_and_gather():
+    """minimol (a molecular graph network) gathers node rows by an edge list taken row by
+    row from one input, scatters node features into graph slots by a ``batch`` input, and
+    reads rows through GatherND: drawn in [0, 8) those ids ran past 3 nodes and 2 graphs,
+    and onnxruntime refused the original model on its own random inputs."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    zero = numpy_helper.from_array(np.array(0, np.int64), "zero")
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    wide = numpy_helper.from_array(np.array([3, 4], np.int64), "wide")
+    nodes = [helper.make_node("Gather", ["edge_index", "zero"], ["src"]),
+             helper.make_node("Gather", ["feat", "src"], ["msg"]),
+             helper.make_node("Relu", ["msg"], ["y1"]),
+             helper.make_node("Unsqueeze", ["batch", "axes"], ["b1"]),
+             helper.make_node("Expand", ["b1", "wide"], ["b2"]),
+             helper.make_node("ScatterElements", ["slots", "b2", "feat"], ["y2"], axis=0,
+                              reduction="add"),
+             helper.make_node("GatherND", ["feat", "rows"], ["y3"])]
+    f = TensorProto.FLOAT
+    ins = [helper.make_tensor_value_info("feat", f, [3, 4]),
+           helper.make_tensor_value_info("edge_index", TensorProto.INT64, [2, 5]),
+           helper.make_tensor_value_info("batch", TensorProto.INT64, [3]),
+           helper.make_tensor_value_info("slots", f, [2, 4]),
+           helper.make_tensor_value_info("rows", TensorProto.INT64, [5, 1])]
+    outs = [helper.make_tensor_value_info("y1", f, [5, 4]),
+            helper.make_tensor_value_info("y2", f, [2, 4]),
+            helper.make_tensor_value_info("y3", f, [5, 4])]
+    model = _model(nodes, ins, outs, [zero, axes, wide])
+    graph = taso_jax.load_onnx(model)
+    assert graph.meta["integer_input_bounds"] == {"edge_index": 3, "batch": 2, "rows": 3}
+    session = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    for seed in range(5):
+        feeds = dict(zip([n.name for n in graph.inputs],
+                         taso_jax.random_inputs(graph, seed=seed), strict=True))
+        session.run(None, feeds)  # raises on an index out of its axis
+
+
 def test_many_open_shapes_come_from_onnxruntime_inference_and_few_probe_outputs(monkeypatch,
                                                                               tmp_path):
     """Where ONNX's inference leaves many tensors open (over INFER_OVER; tf2onnx's

@@ -433,16 +433,48 @@ _INDEX_PASSES = frozenset({"Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape"
                            "Expand", "Transpose", "Slice", "Tile"})
 
 
+#: Operators whose input 1 holds indices into input 0 (ONNX spec); their input 0 passes
+#: its values on too (a row of an edge list gathered is still node ids).
+_INDEX_TABLES = frozenset({"Gather", "GatherElements", "ScatterElements", "GatherND",
+                           "ScatterND"})
+
+
+def _indexed_size(node, types: Mapping[str, TensorType]) -> int | None:
+    """The size that the indices (input 1) of ``node`` must stay below, when known.
+
+    ``Gather``/``GatherElements``/``ScatterElements`` index the ``axis`` of their data;
+    ``GatherND``/``ScatterND`` index its leading axes (one per index column), and the
+    smallest of those bounds them all. None when the data's shape is not known.
+    """
+    table = types.get(node.input[0])
+    if table is None:
+        return None
+    shape = table.shape
+    if node.op_type in ("GatherND", "ScatterND"):
+        idx = types.get(node.input[1])
+        batch = int(_attrs(node).get("batch_dims", 0))
+        if idx is None or not idx.shape or not isinstance(idx.shape[-1], int):
+            return None
+        axes = shape[batch:batch + idx.shape[-1]]
+        sizes = [d for d in axes if isinstance(d, int)]
+        return min(sizes) if sizes else None
+    axis = int(_attrs(node).get("axis", 0))
+    if not -len(shape) <= axis < len(shape) or not isinstance(shape[axis], int):
+        return None
+    return shape[axis]
+
+
 def index_bounds(model, types: Mapping[str, TensorType]) -> dict[str, int]:
     """Exclusive upper bounds for the inputs that index a table, by input name.
 
     Random integer inputs (token ids, masks) are drawn in ``[0, 8)``; an input that reaches
-    the indices of a ``Gather`` or ``GatherElements`` (ONNX spec), directly or through
-    operators that keep its values (:data:`_INDEX_PASSES`, ``Cast`` among them), must also
-    stay below the size of the table's gathered axis: BERT's ``token_type_ids`` index a
-    table of 2 rows. For an integer input only bounds below 8 are listed. A float input
-    that is cast to integers (Keras feeds embedding ids as floats) is always listed, at
-    most 8: it holds ids, not values to draw from N(0, 1) or scale.
+    the indices of a gather or scatter (:data:`_INDEX_TABLES`, ONNX spec), directly or
+    through operators that keep its values (:data:`_INDEX_PASSES`, ``Cast`` among them, and
+    the data side of a gather), must also stay below the size of the indexed axis
+    (:func:`_indexed_size`): BERT's ``token_type_ids`` index a table of 2 rows, and a graph
+    network's edge list indexes its nodes. For an integer input only bounds below 8 are
+    listed. A float input that is cast to integers (Keras feeds embedding ids as floats) is
+    always listed, at most 8: it holds ids, not values to draw from N(0, 1) or scale.
     """
     g = model.graph
     integer = {i.name for i in g.input if i.name in types
@@ -461,17 +493,15 @@ def index_bounds(model, types: Mapping[str, TensorType]) -> dict[str, int]:
                 if (name in floats and node.op_type == "Cast" and k == 0 and np.issubdtype(
                         _np_dtype(int(_attrs(node).get("to", 1))), np.integer)):
                     bounds.setdefault(name, 8)  # cast to integers: ids, not values
-                if node.op_type in _INDEX_PASSES and k == 0:
+                if (node.op_type in _INDEX_PASSES or node.op_type in _INDEX_TABLES) and k == 0:
                     for o in node.output:
                         if o and o not in seen:
                             seen.add(o)
                             todo.append(o)
-                elif node.op_type in ("Gather", "GatherElements") and k == 1:
-                    table = types.get(node.input[0])
-                    axis = int(_attrs(node).get("axis", 0))
-                    if table is None or not -len(table.shape) <= axis < len(table.shape):
+                elif node.op_type in _INDEX_TABLES and k == 1:
+                    size = _indexed_size(node, types)
+                    if size is None:
                         continue
-                    size = table.shape[axis]
                     if isinstance(size, int) and 0 < size < bounds.get(name, 8):
                         bounds[name] = size
                     elif name in floats and isinstance(size, int) and size > 0:
