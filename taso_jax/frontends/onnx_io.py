@@ -230,8 +230,8 @@ MIXED_SIZES_AT_MOST = 4
 IMAGE_CANDIDATES = (224, 64, 32, 512)
 
 
-def _shapes_fit(model, weights: Mapping[str, np.ndarray] | None = None) -> bool:
-    """Whether the model accepts its input shapes as bound.
+def _shapes_refused(model, weights: Mapping[str, np.ndarray] | None = None) -> str | None:
+    """Why the model refuses its input shapes as bound, in one line; None if it takes them.
 
     ONNX shape inference must accept them and infer no size below 0, and the model must
     run once in onnxruntime on zeros (a reflect padding, a reshape or a window can reject a
@@ -243,22 +243,22 @@ def _shapes_fit(model, weights: Mapping[str, np.ndarray] | None = None) -> bool:
     try:
         inferred = onnx.shape_inference.infer_shapes(_light_model(model), strict_mode=True,
                                                      data_prop=True)
-    except Exception:
-        return False
+    except Exception as e:  # noqa: BLE001 - any refusal of onnx's inference
+        return f"ONNX shape inference: {one_line(str(e), 200)}"
     g = inferred.graph
     for vi in list(g.value_info) + list(g.output):
         for d in vi.type.tensor_type.shape.dim:
             if d.HasField("dim_value") and d.dim_value < 0:
-                return False
+                return f"ONNX shape inference gives {vi.name!r} a size below 0"
     inits = {i.name for i in model.graph.initializer}
     feeds = {x.name: np.zeros([d.dim_value for d in x.type.tensor_type.shape.dim],
                               _np_dtype(x.type.tensor_type.elem_type))
              for x in g.input if x.name not in inits}
     try:
         _probe_run(model, [o.name for o in model.graph.output], feeds, weights)
-    except Exception:
-        return False
-    return True
+    except Exception as e:  # noqa: BLE001 - any refusal of onnxruntime's
+        return f"onnxruntime on zeros: {one_line(str(e), 200)}"
+    return None
 
 
 def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where: str
@@ -325,7 +325,7 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
     image = {sym for sym in rest if all(
         len(next(x for x in model.graph.input if x.name == name).type.tensor_type.shape.dim)
         == 4 and axis >= 2 for name, axis, _ in open_dims[sym])}
-    fitting = None
+    fitting, refusal = None, None
     # Every open size at the k-th candidate together; then, for a few open sizes, the
     # mixes where some of them are 1 instead (an unnamed batch axis of a state input,
     # silero-vad's state[1], is not axis 0, so it looks like a sequence length).
@@ -340,9 +340,11 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
                      (IMAGE_CANDIDATES if sym in image else SYMBOLIC_CANDIDATES)[k]
                      for sym, v in sizes.items()}
             bind(trial)
-            if _shapes_fit(model, fed):
+            why = _shapes_refused(model, fed)
+            if why is None:
                 fitting = trial
                 break
+            refusal = refusal or (why, ", ".join(f"{s}={trial[s]}" for s in open_dims))
         if fitting is not None:
             break
     if fitting is None:
@@ -350,7 +352,8 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
                                                                 named_symbols else "")
                               for sym in open_dims for name, axis, _ in open_dims[sym])
         raise ModelError(f"{where}: the model has symbolic sizes ({described}) and runs at "
-                         "none of the default sizes tried; give them with --input-shape "
+                         "none of the default sizes tried (at "
+                         f"{refusal[1]}: {refusal[0]}); give them with --input-shape "
                          "NAME=D1,D2,...")
     sizes = fitting
     notes = []
