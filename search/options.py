@@ -40,6 +40,11 @@ SEARCH_SHARE = 0.7
 #: (:func:`taso_jax.search.backtracking.add_analytic_candidate`).
 ANALYTIC_SHARE = 0.1
 
+#: Graphs besides the input that a search run here holds in ``result.visited`` (the
+#: cheapest ones; at least the candidates kept): the end-to-end choice needs no more, and
+#: every graph held keeps its nodes alive through that choice.
+VISITED_HELD = 8
+
 #: Changes when the same options and rules can give another graph (kept graphs are cached on
 #: disk under it: :mod:`taso_jax.frontends.graph_cache`). 2: convolutions priced in NHWC on
 #: XLA:CPU, and the analytic search's best graph among the candidates.
@@ -229,7 +234,8 @@ def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = 
              if opts.end_to_end > 0 else 1.0)
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
                                  budget=opts.budget, time_limit=opts.time_limit * share,
-                                 progress=progress, keep=max(1, opts.end_to_end))
+                                 progress=progress, keep=max(1, opts.end_to_end),
+                                 record=VISITED_HELD)
     if second:
         add_analytic_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
                                budget=opts.budget, time_limit=opts.time_limit * ANALYTIC_SHARE)

@@ -69,6 +69,13 @@ def _session(model):
     return ort_session(model, trim=True)
 
 
+def _outputs(session, inputs: dict) -> list:
+    """The session's outputs on ``inputs``, owning their memory (they are kept)."""
+    from taso_jax.frontends.onnxruntime_target import owned_run
+
+    return owned_run(session, inputs)
+
+
 def _reference(original, inputs: dict) -> list:
     """The original model's outputs on ``inputs``; a model that does not run is bad input.
 
@@ -76,7 +83,7 @@ def _reference(original, inputs: dict) -> list:
     """
     try:
         session = original if hasattr(original, "run") else _session(original)
-        return session.run(None, inputs)
+        return _outputs(session, inputs)
     except Exception as e:  # the user's model itself, not ours
         shapes = ", ".join(f"{k}={list(np.shape(v))}" for k, v in inputs.items())
         raise ModelError(f"the original model does not run in onnxruntime on random inputs "
@@ -88,7 +95,7 @@ def _actual(optimized, inputs_list: list, reference_count: int, rtol, atol):
     """The optimized model's outputs per input set, or the failed check if it cannot run."""
     try:
         sess = _session(optimized)
-        return [sess.run(None, inputs) for inputs in inputs_list], None
+        return [_outputs(sess, inputs) for inputs in inputs_list], None
     except Exception as e:  # ours: the check fails, and says why
         return None, {"ok": False, "max_abs_err": float("inf"), "rtol": rtol,
                       "atol": f"{ATOL} x max|output|" if atol is None else atol,
@@ -225,7 +232,7 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
             feeds[name] = random_array(shapes.get(name, t.shape), t.dtype, rng,
                                        bounds.get(name))
         try:
-            reference = _session(original).run(None, feeds)
+            reference = _outputs(_session(original), feeds)
         except Exception:
             continue
         actual, failed = _actual(optimized, [feeds], len(reference), rtol, atol)

