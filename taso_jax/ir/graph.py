@@ -44,9 +44,12 @@ class Node:
         inputs: tuple of :class:`Tensor`.
         types: one :class:`TensorType` per output.
         weight_only: the value depends on weights only (computed once, ahead of time).
+        price: a cache, not part of the node: ``(cost model, microseconds)`` as the last
+            cost model to price it left it (:meth:`taso_jax.search.cost.CostModel.node_cost`).
     """
 
-    __slots__ = ("op", "attrs", "inputs", "types", "_hash", "weight_only", "__weakref__")
+    __slots__ = ("op", "attrs", "inputs", "types", "_hash", "weight_only", "price",
+                 "__weakref__")
 
     def __init__(self, op, attrs, inputs, types):
         self.op = op
@@ -54,6 +57,7 @@ class Node:
         self.inputs = inputs
         self.types = types
         self._hash = hash((op, attrs, inputs))
+        self.price = None
         # Whether the value depends on weights only: a property of the node itself (its
         # inputs are part of its identity), so it is computed once, here.
         self.weight_only = op == "weight" or (
