@@ -523,6 +523,39 @@ def test_a_search_that_records_few_graphs_finds_the_same_and_lets_the_rest_go():
     assert cost_model.node_cost(g.nodes[-1]) >= 0
 
 
+def test_a_pair_step_does_not_retry_a_sideways_rewrite_that_enabled_nothing(monkeypatch):
+    """A pair step (a sideways rewrite that enables a cheaper one) that failed around the
+    same nodes fails again: on NasNet-A 69% of the sideways rewrites tried were repeats,
+    and looking for their second rewrites again took half the descent's pair steps."""
+    import sys
+    import time
+    from pathlib import Path
+
+    import taso_jax.search.backtracking as bt
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from models import MODELS
+
+    cm = AnalyticCostModel()
+    g, cost, _ = bt.greedy_descent(MODELS["nasnet_a"].build(**MODELS["nasnet_a"].SMALL),
+                                   SUBS, cm, 120.0)
+    nears = []
+    cheaper = bt._cheaper
+
+    def counting(*args, **kwargs):
+        nears.append(args[6] if len(args) > 6 else kwargs.get("near"))
+        return cheaper(*args, **kwargs)
+
+    monkeypatch.setattr(bt, "_cheaper", counting)
+    state = bt.SearchState()
+    assert bt._pair_step(g, cost, SUBS, cm, 1.05, time.perf_counter() + 120, state) is None
+    first = sum(n is not None for n in nears)  # second rewrites looked for
+    assert first > 0 and state.pair_failed
+    nears.clear()
+    assert bt._pair_step(g, cost, SUBS, cm, 1.05, time.perf_counter() + 120, state) is None
+    assert nears and not any(n is not None for n in nears)
+
+
 def test_a_kernel_not_yet_measured_has_a_floor_below_its_measured_price(tmp_path):
     """The floor (FLOPs at the CPU's peak rate, plus a launch) measures nothing, stays below
     the time measured afterwards, and is the price itself once that is known."""
