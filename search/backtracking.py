@@ -555,8 +555,9 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     if timed:
         cost_model.deadline = time.perf_counter() + time_limit
     try:
-        return _search(graph, substitutions, cost_model, alpha, budget, time_limit,
-                       progress, greedy, keep, record)
+        with cost_model.holding_nodes():
+            return _search(graph, substitutions, cost_model, alpha, budget, time_limit,
+                           progress, greedy, keep, record)
     finally:
         if timed:
             cost_model.deadline = before

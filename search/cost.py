@@ -20,6 +20,7 @@ elementwise and layout operators) by their arithmetic alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
@@ -49,6 +50,25 @@ class CostModel:
 
     def __init__(self):
         self._by_signature: dict[tuple, float] = {}
+        self._held: list | None = None
+
+    @contextlib.contextmanager
+    def holding_nodes(self):
+        """Keep every node priced inside the block alive until the block ends.
+
+        A search prices a rewrite's nodes before it builds the rewrite; held, they are
+        found interned (with their price and match caches) when it is built. NasNet-A 4x,
+        analytic costs: 15 s held against 18.8 s not, for 92 MB more at the search's peak.
+        Released at the end, they do not outlive the search into the end-to-end choice.
+        """
+        outer = self._held
+        if outer is None:
+            self._held = []
+        try:
+            yield
+        finally:
+            if outer is None:
+                self._held = None
 
     def node_cost(self, node: Node) -> float:
         """Estimated run time of one node in microseconds.
@@ -64,6 +84,8 @@ class CostModel:
             if c is None:
                 c = self._by_signature[sig] = float(self._cost(node))
             node.price = (self, c)
+            if self._held is not None:
+                self._held.append(node)
         return c
 
     def _known(self, node: Node) -> float | None:
