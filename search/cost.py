@@ -21,6 +21,7 @@ elementwise and layout operators) by their arithmetic alone.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sqlite3
 import threading
@@ -38,6 +39,12 @@ __all__ = ["CostModel", "AnalyticCostModel", "fused_cost", "MeasuredCostModel", 
            "get_cost_model"]
 
 
+#: One number per cost model, for the prices it leaves on nodes: a node holds no reference
+#: to the model (a graph kept in a cache would keep its model alive), and no number is
+#: reused (an ``id`` can be).
+_TOKENS = itertools.count()
+
+
 class CostModel:
     """Base class: ``node_cost(node)`` in microseconds, memoized per node and per signature.
 
@@ -51,6 +58,7 @@ class CostModel:
     def __init__(self):
         self._by_signature: dict[tuple, float] = {}
         self._held: list | None = None
+        self._token = next(_TOKENS)  # names this model on the nodes it priced
 
     @contextlib.contextmanager
     def holding_nodes(self):
@@ -83,7 +91,7 @@ class CostModel:
             c = self._by_signature.get(sig)
             if c is None:
                 c = self._by_signature[sig] = float(self._cost(node))
-            node.price = (self, c)
+            node.price = (self._token, c)
             if self._held is not None:
                 self._held.append(node)
         return c
@@ -91,7 +99,7 @@ class CostModel:
     def _known(self, node: Node) -> float | None:
         """The price this cost model gave ``node``, if it was the last to price it."""
         p = node.price
-        return p[1] if p is not None and p[0] is self else None
+        return p[1] if p is not None and p[0] == self._token else None
 
     def signature(self, node: Node) -> tuple:
         """What a node's cost depends on: operator, attributes, input and output types."""

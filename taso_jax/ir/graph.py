@@ -44,8 +44,9 @@ class Node:
         inputs: tuple of :class:`Tensor`.
         types: one :class:`TensorType` per output.
         weight_only: the value depends on weights only (computed once, ahead of time).
-        price: a cache, not part of the node: ``(cost model, microseconds)`` as the last
-            cost model to price it left it (:meth:`taso_jax.search.cost.CostModel.node_cost`).
+        price: a cache, not part of the node: ``(cost model's number, microseconds)`` as
+            the last cost model to price it left it
+            (:meth:`taso_jax.search.cost.CostModel.node_cost`).
     """
 
     __slots__ = ("op", "attrs", "inputs", "types", "_hash", "weight_only", "price",
