@@ -279,6 +279,29 @@ class _Change:
                 self.unstable.add(v)
         self.unstable |= ambiguous
 
+    def then(self, later: _Change, between: frozenset, after: frozenset) -> _Change:
+        """One change from the first graph to the last: this one, then ``later``.
+
+        ``between`` is the node set of the graph in the middle, ``after`` that of the last.
+        A node of the last graph is unstable when ``later`` made it so or it is the image
+        of a node this change made unstable; every other node traces back, one stable node
+        per step, to a node of the first graph (``rebuilt`` composed, nodes left as they
+        were mapping to themselves). So a match in the last graph with no unstable node is
+        the image of a match in the first, as for one step, and the matches a run of
+        rewrites made are found near its unstable nodes at once (:func:`_carry_table`).
+        """
+        r1, r2 = self.rebuilt, later.rebuilt
+        rebuilt = {n: r2.get(v, v) for n, v in r1.items()}
+        images = set(r1.values())
+        for n, v in r2.items():  # nodes the first step left as they were, rebuilt next
+            if n not in images and n not in rebuilt:
+                rebuilt[n] = v
+        out = object.__new__(_Change)
+        out.rebuilt = rebuilt
+        out.unstable = {u for u in (r2.get(n, n) for n in self.unstable if n in between)
+                        if u in after} | later.unstable
+        return out
+
     def carry(self, match: Match, nodes: frozenset) -> Match | None:
         """``match`` (a match in the old graph) moved to the new graph, or ``None``."""
         rebuilt, unstable = self.rebuilt, self.unstable
@@ -426,6 +449,10 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
         improved = False
         for sub in _relevant(substitutions, graph):
             again = True
+            run = None  # (change, node set of the graph the rest of the table is in) of
+            # this rule's rewrites so far: a rule's rewrites come in runs (NasNet-A at 4x
+            # depth: 314 rewrites, 3 runs), and during a run only its own matches are
+            # needed; the other rules' are carried across the whole run at once
             while again and time.perf_counter() < deadline:
                 again = False
                 matches = table.get(id(sub))
@@ -437,8 +464,11 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                     g2 = graph.replace(rw.mapping, rebuilt)
                     c2 = cost_model.graph_cost(g2)
                     if c2 < cost * (1 - 1e-9):
-                        table = _carry_table(table, graph, g2, rw.mapping, rebuilt, reach, by_id,
-                                             state)
+                        step = _Change(graph, g2, rw.mapping, rebuilt)
+                        run = step if run is None else run.then(step, graph.node_set,
+                                                                g2.node_set)
+                        table[id(sub)] = _carry_table({id(sub): matches}, step, g2, reach,
+                                                      by_id, state).get(id(sub))
                         graph.forget_caches()  # a step behind: kept for the choice only
                         graph, cost = g2, c2
                         applied.append(sub.name)
@@ -446,6 +476,11 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                         if on_step:
                             on_step(cost, graph, tuple(applied))
                         break
+            if run is not None:
+                own = table.pop(id(sub))
+                table = _carry_table(table, run, graph, reach, by_id, state)
+                if own is not None:
+                    table[id(sub)] = own
         if not improved:
             step = _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state,
                               table=table)
@@ -453,19 +488,20 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                 graph, cost = step[0], step[1]
                 applied += step[2]
                 improved = True
-                for before, after, mapping, rebuilt in step[3]:  # matches, two rewrites on
-                    table = _carry_table(table, before, after, mapping, rebuilt, reach, by_id,
-                                         state)
-                for before, *_ in step[3]:
-                    before.forget_caches()
+                (g0, g1, m1, r1), (_, g2, m2, r2) = step[3]  # matches, two rewrites on
+                both = _Change(g0, g1, m1, r1).then(_Change(g1, g2, m2, r2), g1.node_set,
+                                                    g2.node_set)
+                table = _carry_table(table, both, graph, reach, by_id, state)
+                g0.forget_caches()
+                g1.forget_caches()
                 if on_step:
                     on_step(cost, graph, tuple(applied))
     return graph, cost, applied
 
 
-def _carry_table(table: dict, old: Graph, new: Graph, mapping: dict, rebuilt: dict,
-                 reach: dict, by_id: dict, state: SearchState) -> dict:
-    """Each rule's matches moved from ``old`` to ``new``, one rewrite apart.
+def _carry_table(table: dict, change: _Change, new: Graph, reach: dict, by_id: dict,
+                 state: SearchState) -> dict:
+    """Each rule's matches moved to ``new`` across ``change`` (one rewrite, or a run).
 
     They come in the order :func:`~taso_jax.search.match.find_matches` would give them in
     ``new`` (topological, first source node first), so the descent applies the same
@@ -473,7 +509,6 @@ def _carry_table(table: dict, old: Graph, new: Graph, mapping: dict, rebuilt: di
     found near a rewrite (``reach`` ``None``) are dropped from the table and found again
     over the whole graph when next needed.
     """
-    change = _Change(old, new, mapping, rebuilt)
     near_cache: dict = {}
     pos = new.positions
     out = {}

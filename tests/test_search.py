@@ -310,6 +310,46 @@ def test_incremental_matching_finds_exactly_the_full_matches(monkeypatch):
     assert bt._reach(merge) == 2
 
 
+def test_the_descent_carries_matches_across_a_run_of_rewrites_as_matching_afresh(monkeypatch):
+    # During a run of one rule's rewrites only that rule's matches are carried, step by
+    # step; the other rules' are carried across the whole run at once (_Change.then). Each
+    # table the descent carries must hold exactly the matches of matching from scratch, in
+    # the same order (the descent applies the first that pays).
+    import sys
+    from pathlib import Path
+
+    import taso_jax.search.backtracking as bt
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    from models import MODELS
+
+    by_id = {id(s): s for s in SUBS}
+    carry, then = bt._carry_table, bt._Change.then
+    spans = []  # rewrites each change carried across
+
+    def composed(self, later, between, after):
+        out = then(self, later, between, after)
+        out.span = getattr(self, "span", 1) + 1
+        return out
+
+    def checked(table, change, new, *args):
+        out = carry(table, change, new, *args)
+        spans.append(getattr(change, "span", 1))
+        for key, found in out.items():
+            want = list(find_matches(by_id[key], new))
+            assert [(m.nodes, m.vars, m.sym) for m in found] == \
+                [(m.nodes, m.vars, m.sym) for m in want], by_id[key].name
+        return out
+
+    monkeypatch.setattr(bt, "_carry_table", checked)
+    monkeypatch.setattr(bt._Change, "then", composed)
+    for name in ("nasrnn", "inception_v3"):  # one run of 28 rewrites; runs of 8 and 11
+        g = MODELS[name].build(**MODELS[name].SMALL)
+        spans.clear()
+        _, _, names = bt.greedy_descent(g, SUBS, AnalyticCostModel(), 120.0)
+        assert len(names) > 5 and max(spans) > 5, name  # tables carried across long runs
+
+
 def test_bert_attention_projections_merge():
     path = model_path("hf_bert_tiny")
     g = taso_jax.load_onnx(path)

@@ -294,7 +294,12 @@ class Graph:
                 return mapping[t]
             return Tensor(new.get(t.node, t.node), t.index)
 
-        for n in self.nodes:
+        nodes = self.nodes
+        # A node before every replaced tensor's producer, in topological order, reads none
+        # of them, directly or not: the walk starts after the first producer.
+        producers = {t.node for t in mapping}
+        start = next((i for i, n in enumerate(nodes) if n in producers), -1) + 1
+        for n in nodes[start:]:
             if not n.inputs:
                 continue
             ins = tuple(remap(t) for t in n.inputs)
