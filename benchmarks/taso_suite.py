@@ -93,6 +93,7 @@ def main() -> int:
         print(lines[-1], flush=True)
     path = results_path(args.out, device_name())
     path = path.with_name(f"{path.stem}_scaling.md")
+    path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
     print(f"written: {path}")
     return rc

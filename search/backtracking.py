@@ -29,8 +29,11 @@ the 1,127 rules that include halving the groups of a convolution).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import itertools
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -555,6 +558,46 @@ class _Entry:
     rebuilt: dict | None = field(compare=False, default=None)
 
 
+#: The youngest generation's threshold while a search runs (Python's default: 700).
+SEARCH_GC_THRESHOLD = 20_000
+_gc_lock = threading.Lock()
+_gc_state: dict = {"depth": 0, "saved": None}
+
+
+@contextlib.contextmanager
+def fewer_collections():
+    """Fewer cyclic garbage collections while a search runs; settings restored after.
+
+    A search allocates millions of short-lived, acyclic objects (nodes, tensors, matches),
+    and Python's collector walked them and the whole heap before the search (libraries,
+    rules) again and again: on NasNet-A at 4x depth, 4.9-8.9 s of a 21-26 s search, in
+    6,000-9,000 collections. Here the objects that exist when the outermost search starts
+    are frozen (:func:`gc.freeze`: no longer walked; unless the program froze some of its
+    own, which are then left alone) and the youngest generation collects every 20,000
+    allocations instead of 700 (1.1-1.5 s and about 120 collections; the search 15.9 s).
+    Nested or concurrent searches share one setting; the last to finish restores it.
+    """
+    with _gc_lock:
+        if _gc_state["depth"] == 0:
+            froze = gc.get_freeze_count() == 0
+            if froze:
+                gc.freeze()
+            threshold = gc.get_threshold()
+            gc.set_threshold(max(threshold[0], SEARCH_GC_THRESHOLD), *threshold[1:])
+            _gc_state["saved"] = (threshold, froze)
+        _gc_state["depth"] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_state["depth"] -= 1
+            if _gc_state["depth"] == 0:
+                threshold, froze = _gc_state["saved"]
+                gc.set_threshold(*threshold)
+                if froze:
+                    gc.unfreeze()
+
+
 def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
                         cost_model: CostModel | None = None, alpha: float = 1.05,
                         budget: int = 100, time_limit: float = 60.0,
@@ -590,7 +633,7 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     if timed:
         cost_model.deadline = time.perf_counter() + time_limit
     try:
-        with cost_model.holding_nodes():
+        with cost_model.holding_nodes(), fewer_collections():
             return _search(graph, substitutions, cost_model, alpha, budget, time_limit,
                            progress, greedy, keep, record)
     finally:

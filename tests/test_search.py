@@ -652,3 +652,30 @@ def test_the_descent_prepares_a_match_that_did_not_pay_only_once(monkeypatch):
     monkeypatch.setattr(backtracking, "_refusal_key", lambda sub, m: None)
     out2, c2, names2 = backtracking.greedy_descent(g, SUBS, AnalyticCostModel(), 60)
     assert names and (out2.key, c2, names2) == (out.key, c, names)
+
+
+def test_a_search_collects_garbage_less_often_and_restores_the_collector():
+    import gc
+
+    from taso_jax.search.backtracking import SEARCH_GC_THRESHOLD
+
+    g = resnet_module()
+    before = gc.get_threshold()
+    assert gc.get_freeze_count() == 0 and before[0] < SEARCH_GC_THRESHOLD
+    during = []
+
+    def progress(it, best):
+        during.append((gc.get_threshold()[0], gc.get_freeze_count()))
+
+    backtracking_search(g, SUBS, AnalyticCostModel(), budget=3, progress=progress)
+    assert during and all(t == SEARCH_GC_THRESHOLD and frozen > 0 for t, frozen in during)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    # what a program froze itself (say, before forking workers) stays frozen
+    gc.freeze()
+    try:
+        own = gc.get_freeze_count()
+        backtracking_search(g, SUBS, AnalyticCostModel(), budget=3)
+        # (objects freed since leave the count: not unfrozen, which would empty it)
+        assert gc.get_freeze_count() > own // 2 and gc.get_threshold() == before
+    finally:
+        gc.unfreeze()
