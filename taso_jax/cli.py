@@ -106,7 +106,12 @@ def _optimize(args) -> int:
     import onnx
 
     from taso_jax._io import atomic_write
-    from taso_jax.frontends.onnx_io import ModelError, export_onnx, load_onnx
+    from taso_jax.frontends.onnx_io import (
+        ModelError,
+        export_onnx,
+        load_onnx,
+        with_symbolic_dims,
+    )
     from taso_jax.ir.executor import forget_compiled
     from taso_jax.report import (
         check_onnx,
@@ -229,8 +234,17 @@ def _optimize(args) -> int:
     if options.target == "onnxruntime":
         from taso_jax.frontends.onnxruntime_target import onnxruntime_folded_values as fold
     optimized = export_onnx(result.graph, fold=fold)
+    # One serialized copy serves the checks, the timing and the write (each serialization
+    # is the size of the weights: 33 MB for minimol), and the proto goes once the sizes
+    # are settled.
+    data = optimized.SerializeToString()
+    symbolic = graph.meta.get("symbolic_dims") if original is not None else None
+    general = None  # the same with the input's open sizes open again, checked below
+    if symbolic:
+        general = with_symbolic_dims(optimized, symbolic, copy=False).SerializeToString()
+    del optimized
     try:
-        onnx.checker.check_model(optimized, full_check=True)
+        onnx.checker.check_model(data, full_check=True)
     except Exception as e:
         if original is not None:  # is the input itself inconsistent?
             try:
@@ -242,8 +256,8 @@ def _optimize(args) -> int:
     reference = original or export_onnx(graph, fold=fold).SerializeToString()
     if original is None:
         references = reference_runs(reference, graph)
-    report["check"] = check_onnx(reference, optimized.SerializeToString(), graph,
-                                 rtol=args.rtol, atol=args.atol, references=references)
+    report["check"] = check_onnx(reference, data, graph, rtol=args.rtol, atol=args.atol,
+                                 references=references)
     if not report["check"]["ok"]:
         # Is it the rewrites, or the model's own rounding noise? The input graph, exported
         # without any rewrite, measures the noise of import and export alone.
@@ -262,9 +276,9 @@ def _optimize(args) -> int:
         print("taso-jax: error: optimized model's outputs differ from the original's; "
               f"nothing written; {applied}", file=sys.stderr)
         return 1
-    if original is not None and graph.meta.get("symbolic_dims"):
-        optimized = _keep_sizes_open(optimized, original, graph, report, args)
-        if optimized is None:  # it runs at the sizes bound only, which no one asked for
+    if symbolic:
+        data, general = _keep_sizes_open(data, general, original, graph, report, args), None
+        if data is None:  # it runs at the sizes bound only, which no one asked for
             report["applied"], report["operators_after"] = {}, report["operators_before"]
             report["cost"] = {**report["cost"], "after_us": report["cost"]["before_us"]}
             report.pop("check", None)
@@ -272,10 +286,10 @@ def _optimize(args) -> int:
                                 why="the optimized graph runs at the sizes it was "
                                     "optimized at only")
     if not args.no_time and not unchanged:
-        report["onnxruntime"] = measure_onnxruntime(reference, optimized.SerializeToString(),
-                                                    references[0][1], deadline=deadline)
-    if args.output:
-        atomic_write(args.output, lambda tmp: onnx.save(optimized, tmp))
+        report["onnxruntime"] = measure_onnxruntime(reference, data, references[0][1],
+                                                    deadline=deadline)
+    if args.output:  # the bytes onnx.save would write for this proto
+        atomic_write(args.output, lambda tmp: Path(tmp).write_bytes(data))
         report["written"] = args.output
     report["wall_seconds"] = time.perf_counter() - started
     print(format_report(report))
@@ -317,8 +331,11 @@ def _write_input(args, original: str, external_data, graph, report: dict, starte
     return 0
 
 
-def _keep_sizes_open(optimized, original: str, graph, report: dict, args):
-    """The optimized model with the input's open sizes open again, where it still matches.
+def _keep_sizes_open(data: bytes, general: bytes, original: str, graph, report: dict, args):
+    """The serialized model to write: ``general``, ``data`` or ``None``.
+
+    ``general`` is the optimized model with the input's open sizes open again, ``data`` the
+    same at the sizes it was optimized at.
 
     The model was optimized at one binding of its symbolic sizes; written with them open,
     it is checked against the original at other sizes
@@ -328,13 +345,11 @@ def _keep_sizes_open(optimized, original: str, graph, report: dict, args):
     runs at none of the other sizes tried. Otherwise it returns ``None``: a model that
     accepts fewer sizes than the input is no drop-in replacement, and the input is kept.
     """
-    from taso_jax.frontends.onnx_io import with_symbolic_dims
     from taso_jax.report import check_other_sizes
 
     symbolic = graph.meta["symbolic_dims"]
-    general = with_symbolic_dims(optimized, symbolic)
-    other = check_other_sizes(original, general.SerializeToString(), graph, symbolic,
-                              rtol=args.rtol, atol=args.atol)
+    other = check_other_sizes(original, general, graph, symbolic, rtol=args.rtol,
+                              atol=args.atol)
     report["other_sizes"] = other
     if other["ok"]:
         shapes = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in other["shapes"].items())
@@ -358,7 +373,7 @@ def _keep_sizes_open(optimized, original: str, graph, report: dict, args):
             return None
     report["notes"].append("written with the sizes it was optimized at, not symbolic: "
                            + why)
-    return optimized
+    return data
 
 
 def _write_json(path: str | None, report: dict) -> None:

@@ -389,27 +389,30 @@ def symbolic_dims(model) -> dict[str, dict[int, str]]:
     return out
 
 
-def with_symbolic_dims(model, dims: Mapping[str, Mapping[int, str]]):
-    """A copy of ``model`` (a ``ModelProto``) whose inputs and outputs are open again.
+def with_symbolic_dims(model, dims: Mapping[str, Mapping[int, str]], copy: bool = True):
+    """``model`` (a ``ModelProto``) with its inputs and outputs open again.
 
     Each axis in ``dims`` (from :func:`symbolic_dims` of the original) gets its symbol back
     as a ``dim_param`` (or no size when the original gave none); intermediate shapes
     (``value_info``) are dropped, since they were written for one binding. Whether the
     graph really runs at other sizes must be checked (a Reshape may hold a fixed size).
+    With ``copy=False`` the model itself is changed and returned (a copy is the size of
+    its weights).
     """
     import onnx
 
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    del copy.graph.value_info[:]
-    for vi in [*copy.graph.input, *copy.graph.output]:
+    if copy:
+        model, original = onnx.ModelProto(), model
+        model.CopyFrom(original)
+    del model.graph.value_info[:]
+    for vi in [*model.graph.input, *model.graph.output]:
         for axis, symbol in dims.get(vi.name, {}).items():
             dims_proto = vi.type.tensor_type.shape.dim
             if axis < len(dims_proto):
                 dims_proto[axis].Clear()
                 if symbol:
                     dims_proto[axis].dim_param = symbol
-    return copy
+    return model
 
 
 def _value_types(model) -> dict[str, TensorType]:
