@@ -452,10 +452,10 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
         improved = False
         for sub in _relevant(substitutions, graph):
             again = True
-            run = None  # (change, node set of the graph the rest of the table is in) of
-            # this rule's rewrites so far: a rule's rewrites come in runs (NasNet-A at 4x
-            # depth: 314 rewrites, 3 runs), and during a run only its own matches are
-            # needed; the other rules' are carried across the whole run at once
+            run = None  # the change this rule's rewrites made so far, composed: a rule's
+            # rewrites come in runs (NasNet-A at 4x depth: 314 rewrites, 3 runs), and
+            # during a run only its own matches are read; the other rules' are carried
+            # across the whole run at once
             while again and time.perf_counter() < deadline:
                 again = False
                 matches = table.get(id(sub))
