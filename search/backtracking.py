@@ -282,16 +282,16 @@ class _Change:
                 self.unstable.add(v)
         self.unstable |= ambiguous
 
-    def then(self, later: _Change, between: frozenset, after: frozenset) -> _Change:
+    def then(self, later: _Change, after: frozenset) -> _Change:
         """One change from the first graph to the last: this one, then ``later``.
 
-        ``between`` is the node set of the graph in the middle, ``after`` that of the last.
-        A node of the last graph is unstable when ``later`` made it so or it is the image
-        of a node this change made unstable; every other node traces back, one stable node
-        per step, to a node of the first graph (``rebuilt`` composed, nodes left as they
-        were mapping to themselves). So a match in the last graph with no unstable node is
-        the image of a match in the first, as for one step, and the matches a run of
-        rewrites made are found near its unstable nodes at once (:func:`_carry_table`).
+        ``after`` is the node set of the last graph. A node of it is unstable when
+        ``later`` made it so or it is the image of a node this change made unstable; every
+        other node traces back, one stable node per step, to a node of the first graph
+        (``rebuilt`` composed, nodes left as they were mapping to themselves). So a match
+        in the last graph with no unstable node is the image of a match in the first, as
+        for one step, and the matches a run of rewrites made are found near its unstable
+        nodes at once (:func:`_carry_table`).
         """
         r1, r2 = self.rebuilt, later.rebuilt
         rebuilt = {n: r2.get(v, v) for n, v in r1.items()}
@@ -301,7 +301,7 @@ class _Change:
                 rebuilt[n] = v
         out = object.__new__(_Change)
         out.rebuilt = rebuilt
-        out.unstable = {u for u in (r2.get(n, n) for n in self.unstable if n in between)
+        out.unstable = {u for u in (r2.get(n, n) for n in self.unstable)
                         if u in after} | later.unstable
         return out
 
@@ -468,8 +468,7 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                     c2 = cost_model.graph_cost(g2)
                     if c2 < cost * (1 - 1e-9):
                         step = _Change(graph, g2, rw.mapping, rebuilt)
-                        run = step if run is None else run.then(step, graph.node_set,
-                                                                g2.node_set)
+                        run = step if run is None else run.then(step, g2.node_set)
                         table[id(sub)] = _carry_table({id(sub): matches}, step, g2, reach,
                                                       by_id, state).get(id(sub))
                         graph.forget_caches()  # a step behind: kept for the choice only
@@ -492,8 +491,7 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                 applied += step[2]
                 improved = True
                 (g0, g1, m1, r1), (_, g2, m2, r2) = step[3]  # matches, two rewrites on
-                both = _Change(g0, g1, m1, r1).then(_Change(g1, g2, m2, r2), g1.node_set,
-                                                    g2.node_set)
+                both = _Change(g0, g1, m1, r1).then(_Change(g1, g2, m2, r2), g2.node_set)
                 table = _carry_table(table, both, graph, reach, by_id, state)
                 g0.forget_caches()
                 g1.forget_caches()

@@ -327,8 +327,8 @@ def test_the_descent_carries_matches_across_a_run_of_rewrites_as_matching_afresh
     carry, then = bt._carry_table, bt._Change.then
     spans = []  # rewrites each change carried across
 
-    def composed(self, later, between, after):
-        out = then(self, later, between, after)
+    def composed(self, later, after):
+        out = then(self, later, after)
         out.span = getattr(self, "span", 1) + 1
         return out
 
