@@ -4,6 +4,7 @@ of each graph is the one timed).
 
 Run: python benchmarks/taso_suite.py [MODEL ...] [--small] [--cost-model measured|analytic]
      [--no-scaling | --scaling-only] [--cost-cache FILE] [--fresh] [--out DIR]
+     [--time-limit S] [--candidates N] [--sample N]
 Writes benchmarks/results/<device>.json, .md and .png (see ``taso-jax bench --help``) and
 <device>_scaling.md. Rows of models not named are kept from an earlier run on the same
 device, so that the suite can run in pieces (a lent GPU machine allows 10 minutes a command).
@@ -65,6 +66,10 @@ def main() -> int:
     ap.add_argument("--cost-model", default="measured")
     ap.add_argument("--budget", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--time-limit", type=float, default=60.0,
+                    help="seconds for each model's search, kernel measurement included")
+    ap.add_argument("--candidates", type=int, default=4)
+    ap.add_argument("--sample", type=int, default=8)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--cost-cache", help="SQLite kernel cost cache (sets TASO_JAX_COST_CACHE)")
     ap.add_argument("--fresh", action="store_true", help="drop earlier rows of this device")
@@ -78,6 +83,8 @@ def main() -> int:
     if not args.scaling_only:
         rc = cli(["bench", "--cost-model", args.cost_model, "--budget", str(args.budget),
                   "--repeats", str(args.repeats), "--out", args.out,
+                  "--time-limit", str(args.time_limit), "--candidates", str(args.candidates),
+                  "--sample", str(args.sample),
                   "--models-dir", str(MODELS_DIR), *args.models]
                  + (["--small"] if args.small else []) + (["--fresh"] if args.fresh else []))
     if rc or args.no_scaling:

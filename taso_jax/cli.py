@@ -590,12 +590,14 @@ def _bench(args) -> int:
               f"{', original kept (no candidate faster)' if e['original_kept'] else ''}",
               flush=True)
         rows.append({**row, "settings": settings})
-    rows, kept = merge_rows(rows, earlier, order=list(models))
+        # written after each model, so that a run cut off (a lent machine's time limit)
+        # keeps the rows it finished
+        merged, kept = merge_rows(rows, earlier, order=list(models))
+        paths = write_results(merged, args.out, settings)
     if kept:
         print(f"kept from the earlier results on this device: {', '.join(kept)} "
               "(--fresh to drop them)", flush=True)
-    paths = write_results(rows, args.out, settings)
-    print(format_table(rows))
+    print(format_table(merged))
     print("written: " + ", ".join(str(p) for p in paths.values() if p))
     return 0
 
