@@ -100,6 +100,45 @@ def check_output_path(path: str, option: str, protected: dict[str, str]) -> None
 
 
 def _optimize(args) -> int:
+    """``taso-jax optimize``: its scratch folder lives as long as the run."""
+    import tempfile
+
+    started = time.perf_counter()
+    deadline = started + args.time_limit  # bounds the whole run (argument checked below)
+    notes = []
+    with tempfile.TemporaryDirectory(prefix="taso_jax_") as scratch:
+        return _optimize_in(args, started, deadline, notes, scratch)
+
+
+def _converted_reference(model: str, graph, notes: list, scratch: str, refused):
+    """``(path, reference runs)`` of onnx's conversion of ``model``, for an old opset.
+
+    A model of an opset that onnxruntime no longer implements (Add-6 with ``broadcast``,
+    Gemm-6, PRelu-6: onnxruntime has kernels from opset 7 on) is run, for the output check
+    and the timings, as the conversion to the opset it was imported at (what
+    :func:`~taso_jax.frontends.onnx_io.load_onnx` imported), written to ``scratch``. A model
+    left unchanged is then written as that conversion, since the user's file does not run;
+    a note says so. Where the conversion does not run either, ``refused`` (the original's
+    :class:`ModelError`) is raised.
+    """
+    from taso_jax.frontends.onnx_io import ModelError, converted_model
+    from taso_jax.report import reference_runs
+
+    opset = int(graph.meta["opset"])
+    path = os.path.join(scratch, f"reference_opset{opset}.onnx")
+    Path(path).write_bytes(converted_model(model, opset))
+    try:
+        references = reference_runs(path, graph)
+    except ModelError:
+        raise refused from None
+    notes.append(f"onnxruntime does not run the model at its opset "
+                 f"{graph.meta['source_opset']}: the output check and timings use onnx's "
+                 f"conversion to opset {opset}, and a model left unchanged is written as "
+                 "that conversion")
+    return path, references
+
+
+def _optimize_in(args, started: float, deadline: float, notes: list, scratch: str) -> int:
     import time
 
     import numpy as np
@@ -125,9 +164,6 @@ def _optimize(args) -> int:
     from taso_jax.search.options import OptimizeOptions, search_graph
     from taso_jax.verify.runner import rules_for
 
-    started = time.perf_counter()
-    deadline = started + args.time_limit  # bounds the whole run (argument checked below)
-    notes = []
     if args.model is None:
         from taso_jax.examples import resnet_module
 
@@ -159,10 +195,16 @@ def _optimize(args) -> int:
         # 46 MB for a ResNet-18, at the memory peak of the end-to-end choice).
         original = args.model
         notes += graph.meta.get("shape_notes", [])
-        references = reference_runs(original, graph)  # a model that fails, fails now
         if graph.meta.get("source_opset") != graph.meta.get("opset"):
             notes.append(f"converted from opset {graph.meta['source_opset']} to "
                          f"{graph.meta['opset']}")
+        try:
+            references = reference_runs(original, graph)  # a model that fails, fails now
+        except ModelError as e:
+            if graph.meta.get("source_opset") == graph.meta.get("opset"):
+                raise
+            original, references = _converted_reference(args.model, graph, notes, scratch, e)
+            external_data = set()
         if graph.meta.get("opaque"):
             notes.append("kept as opaque nodes: " + ", ".join(
                 f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
@@ -322,7 +364,10 @@ def _write_input(args, original: str, external_data, graph, report: dict, starte
         report["written_copy_of_input"] = "inlined"
     elif args.output:
         atomic_write(args.output, lambda tmp: shutil.copyfile(original, tmp))
-        report["written_copy_of_input"] = True
+        # the input itself, or its conversion where onnxruntime does not run its opset
+        report["written_copy_of_input"] = True if original == args.model else "converted"
+        if original != args.model:
+            report["written_opset"] = int(graph.meta["opset"])
     if args.output:
         report["written"] = args.output
     report["wall_seconds"] = time.perf_counter() - started

@@ -438,6 +438,8 @@ def format_report(r: dict) -> str:
         lines.append(f"written: {r['written']}" + (
             f" (the input with its external data inlined: {why})"
             if copy == "inlined" else
+            f" (the input converted to opset {r.get('written_opset')} by onnx's version converter, "
+            f"which onnxruntime runs: {why})" if copy == "converted" else
             f" (a byte-for-byte copy of the input: {why})" if copy
             else ""))
     return "\n".join(lines)

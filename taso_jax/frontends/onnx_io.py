@@ -34,10 +34,13 @@ from taso_jax.ir.opaque import OpaqueOp
 from taso_jax.ops import ONNX_IMPORTERS, ONNX_SAME_MEANING, OPS, ShapeError, TensorType
 
 __all__ = ["ModelError", "OnnxNode", "merge_opaque_regions", "load_onnx", "export_onnx",
+           "converted_model",
            "symbolic_dims", "with_symbolic_dims", "MIN_OPSET", "CHECKED_OPSET", "max_opset",
            "importable_at"]
 
-MIN_OPSET = 9
+#: The oldest opset a model may declare. Models below :data:`_CONVERT_BELOW` are converted
+#: with onnx's version converter; one it cannot convert is refused in one line.
+MIN_OPSET = 1
 #: The newest opset whose operator specifications the importers were written against.
 CHECKED_OPSET = 20
 _CONVERT_BELOW, _CONVERT_TO = 13, 17
@@ -540,7 +543,8 @@ def _missing_types_by_running(model, names: list[str], types: dict[str, TensorTy
     for k in range(0, len(names), PROBE_OUTPUTS):
         chunk = names[k:k + PROBE_OUTPUTS]
         for n, v in zip(chunk, _probe_run(model, chunk, feeds, weights), strict=True):
-            types[n] = TensorType(tuple(v.shape), str(v.dtype))
+            if isinstance(v, np.ndarray):  # a sequence or map stays untyped: only opaque
+                types[n] = TensorType(tuple(v.shape), str(v.dtype))  # regions read it
 
 
 #: Tensors one probe run returns at most (:func:`_missing_types_by_running`), and the count
@@ -974,7 +978,8 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         as :func:`symbolic_dims`) and the names needed for export.
 
     Raises:
-        ModelError: missing or unreadable file, opset below 9 or above :func:`max_opset`,
+        ModelError: missing or unreadable file, an opset above :func:`max_opset` or one
+            that onnx's version converter cannot bring to 17,
             an ``input_shapes`` entry that does not fit its input, or a model that ONNX's
             checker rejects.
     """
@@ -1062,7 +1067,16 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     ctx = ImportContext(weights, opset)
     opsets = tuple(sorted((o.domain, o.version) for o in model.opset_import))
     opaque: dict[str, int] = {}
-    for node in g.node:
+    groups = _non_tensor_groups(g, types, where)
+    for k, node in enumerate(g.node):
+        if k in groups:
+            if groups[k] is None:  # a member of a group, imported with its last member
+                continue
+            members = [g.node[i] for i in groups[k]]
+            outs = _import_group(members, env, types, opsets, model.ir_version, opaque,
+                                 {o.name for o in g.output}, g.node, groups[k])
+            env.update(outs)
+            continue
         outs = _import_node(node, env, types, ctx, opsets, model.ir_version, opaque)
         for name, t in zip(node.output, outs, strict=True):
             if name:
@@ -1077,6 +1091,25 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
             "name": g.name or "graph", "integer_input_bounds": bounds}
     return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,
                                       meta))
+
+
+def converted_model(source, opset: int):
+    """``source`` (a path) converted to ``opset`` by onnx's version converter, as bytes.
+
+    The reference for a model whose own opset onnxruntime no longer runs (Add-6 with its
+    ``broadcast`` attribute, Gemm-6, PRelu-6: onnxruntime implements opset 7 and newer for
+    them): :func:`load_onnx` imports the same conversion.
+
+    Raises:
+        ModelError: the converter fails on it.
+    """
+    import onnx
+    from onnx import version_converter
+
+    try:
+        return version_converter.convert_version(onnx.load(source), opset).SerializeToString()
+    except Exception as e:
+        raise ModelError(f"{source}: cannot convert to opset {opset} ({one_line(str(e))})") from e
 
 
 def _constant_value(node, ctx: ImportContext, ins: list):
@@ -1138,6 +1171,94 @@ def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tens
                     tuple(types[o] for o in out_names))
     it = iter(n.outputs)
     return [next(it) if o else None for o in node.output]
+
+
+def _non_tensor_groups(g, types: Mapping[str, TensorType], where: str) -> dict:
+    """Nodes joined by values that are not tensors (sequences, maps, optionals).
+
+    The IR's edges are tensors, so the nodes that make and read such a value
+    (``SequenceConstruct`` -> ``SequenceAt``, ``SplitToSequence`` ->
+    ``ConcatFromSequence``) are imported as one opaque region, with the nodes between them
+    that depend on a member and feed a later one, so that the region reads only tensors
+    from the rest of the graph. A value is not a tensor where no tensor type was found for
+    it. Returns ``{node index: member indices}`` for the last member of each group (in the
+    graph's order) and ``{node index: None}`` for its other members.
+
+    Raises:
+        ModelError: the graph returns such a value (only tensor outputs are supported).
+    """
+    producer = {o: k for k, n in enumerate(g.node) for o in n.output if o}
+    untyped = [o for o in producer if o not in types]
+    if not untyped:
+        return {}
+    for o in g.output:
+        if o.name in untyped:
+            kind = o.type.WhichOneof("value") or "value"
+            raise ModelError(f"{where}: output {o.name!r} is a {kind.replace('_type', '')}, "
+                             "not a tensor; only tensor outputs are supported")
+    parent = list(range(len(g.node)))
+
+    def find(k):
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    readers: dict[str, list[int]] = {}
+    for k, n in enumerate(g.node):
+        for x in list(n.input) + _outer_names(n):
+            readers.setdefault(x, []).append(k)
+    for o in untyped:
+        for r in readers.get(o, ()):
+            parent[find(r)] = find(producer[o])
+    members: dict[int, set] = {}
+    for k in {producer[o] for o in untyped} | {r for o in untyped for r in readers.get(o, ())}:
+        members.setdefault(find(k), set()).add(k)
+    groups: dict = {}
+    for ks in members.values():
+        first, last = min(ks), max(ks)
+        # convex: nodes between that read a member's output (or such a node's) join it
+        tainted = set(ks)
+        made = {o for k in ks for o in g.node[k].output if o}
+        for k in range(first, last + 1):
+            n = g.node[k]
+            if k not in tainted and made.intersection(list(n.input) + _outer_names(n)):
+                tainted.add(k)
+                made.update(o for o in n.output if o)
+        order = sorted(tainted)
+        last = order[-1]
+        groups.update((k, None) for k in order[:-1])
+        groups[last] = order
+    return groups
+
+
+def _import_group(members: list, env, types, opsets, ir_version, opaque, graph_outputs,
+                  nodes, indices) -> dict[str, Tensor]:
+    """One opaque region of ``members`` (:func:`_non_tensor_groups`); its tensors by name."""
+    inside = {o for n in members for o in n.output if o}
+    in_names: dict[str, None] = {}
+    for n in members:
+        for x in list(n.input) + _outer_names(n):
+            if x and x not in inside:
+                in_names.setdefault(x)
+    read_after = {x for k, n in enumerate(nodes) if k not in set(indices)
+                  for x in list(n.input) + _outer_names(n)}
+    out_names = [o for n in members for o in n.output
+                 if o and (o in read_after or o in graph_outputs)]
+    untyped = [o for o in out_names if o not in types]
+    if untyped:  # read outside its group: cannot be (the groups are closed under reads)
+        raise ModelError(f"value {untyped[0]!r} is not a tensor; only opaque regions read it")
+    missing = [x for x in in_names if x not in env]
+    if missing:
+        raise ModelError(f"node {members[0].name or members[0].op_type!r}: reads "
+                         f"{missing[0]!r}, which no enclosing graph defines")
+    for n in members:
+        opaque[n.op_type] = opaque.get(n.op_type, 0) + 1
+    call = OnnxNode(tuple(n.SerializeToString() for n in members), tuple(in_names),
+                    tuple(out_names), opsets, ir_version)
+    node = intern_node("opaque", (("call", call),), tuple(env[x] for x in in_names),
+                       tuple(types[o] for o in out_names))
+    return dict(zip(out_names, node.outputs, strict=True))
 
 
 def _topological_order(graph) -> list[int] | None:
