@@ -103,6 +103,40 @@ def test_nhwc_law_holds_numerically():
     assert r["checked"] > 0 and not r["failures"]
 
 
+def test_nhwc_pool_laws_hold_numerically():
+    from taso_jax.ops.conv import POOL_NHWC_LAWS
+    from taso_jax.verify.laws import check_axiom
+
+    for k, law in enumerate(POOL_NHWC_LAWS):
+        r = check_axiom(law, f"POOL_NHWC_LAWS[{k}]")
+        assert r["checked"] > 0 and not r["failures"], r
+
+
+def test_to_nhwc_runs_pools_between_nhwc_activations_in_nhwc():
+    # flax's CNN pattern: NHWC conv, relu, 2x2 average pool, conv, 3x3 max pool. Imported,
+    # the pools are NCHW between transposes; the layout candidate has no transpose left
+    # between the input's and the output's.
+    from taso_jax.ir.layout import to_nhwc
+
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def cnn(w1, w2, x):
+        y = jax.nn.relu(lax.conv_general_dilated(x, w1, (1, 1), "SAME", dimension_numbers=dn))
+        y = lax.reduce_window(y, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4.0
+        y = lax.conv_general_dilated(y, w2, (1, 1), "SAME", dimension_numbers=dn)
+        return lax.reduce_window(y, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")
+
+    args = (_x(3, 3, 4, 8, seed=1), _x(3, 3, 8, 8, seed=2), _x(2, 8, 8, 4))
+    g = from_jax(cnn, *args, weight_argnums=(0, 1))
+    assert {"avgpool2d", "maxpool2d"} <= set(g.op_counts())
+    h = to_nhwc(g)
+    counts = h.op_counts()
+    assert counts["avgpool2d_nhwc"] == 1 and counts["maxpool2d_nhwc"] == 1, counts
+    assert "avgpool2d" not in counts and "maxpool2d" not in counts
+    assert counts.get("transpose", 0) == 0, counts  # weights' transposes fold ahead of time
+    _same(h, cnn, args, args[2:])
+
+
 def _nchw_block(x, w1, w2, w3, b, s):
     """A residual NCHW block: conv, bias and scale, relu, conv, pool, a 1x1 branch, concat."""
     dn = ("NCHW", "OIHW", "NCHW")

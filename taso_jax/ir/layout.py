@@ -46,11 +46,16 @@ def _inverse(p: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
+#: NCHW pools and the NHWC forms that :func:`to_nhwc` runs in their place.
+_NHWC_POOLS = {"maxpool2d": "maxpool2d_nhwc", "avgpool2d": "avgpool2d_nhwc"}
+
+
 class _Sinker:
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, nhwc_pools: bool = False):
         self.graph = graph
         self.wo = graph.weight_only
         self.lazy: dict[Tensor, tuple[Tensor, Perm]] = {}
+        self.nhwc_pools = nhwc_pools
 
     def transpose(self, t: Tensor, perm: Perm) -> Tensor:
         if perm is None:
@@ -72,6 +77,8 @@ class _Sinker:
                 u, p = self.lazy[n.inputs[0]]
                 self.lazy[n.outputs[0]] = (u, _compose(p, n.attr("perm")))
                 continue
+            if self.nhwc_pools and self._pool(n):
+                continue
             kind = OPS[n.op].layout if n.op in OPS else None
             done = False
             if kind is not None and n not in self.wo:
@@ -85,6 +92,19 @@ class _Sinker:
         outs = tuple(self.materialize(t) for t in self.graph.outputs)
         return Graph(self.graph.inputs, outs, self.graph.output_names, self.graph.weights,
                      self.graph.meta)
+
+    def _pool(self, n: Node) -> bool:
+        """An NCHW pool of an NHWC tensor (held transposed) runs as the NHWC pool."""
+        from taso_jax.ops.conv import NHWC_TO_NCHW
+
+        if n.op not in _NHWC_POOLS or n in self.wo:
+            return False
+        u, p = self.lazy[n.inputs[0]]
+        if p != NHWC_TO_NCHW:
+            return False
+        new = make_node(_NHWC_POOLS[n.op], [u], n.attr_dict)
+        self.lazy[n.outputs[0]] = (new.outputs[0], NHWC_TO_NCHW)
+        return True
 
     def _lead(self, n: Node) -> Perm:
         """The layout to compute ``n`` in: that of its first full-rank transposed operand."""
@@ -193,11 +213,12 @@ def to_nhwc(graph: Graph) -> Graph:
 
     Each ``conv2d(x, w)`` (NCHW x OIHW) becomes ``transpose(conv2d_nhwc(transpose(x),
     transpose(w)))``; then :func:`sink_transposes` carries activations in NHWC from one
-    convolution to the next through elementwise, reduction and axis operators, so that only
-    the graph's inputs and outputs, and operators with a fixed layout (pooling), keep a
-    transpose. Kernel transposes are weight-only and folded ahead of time. Inputs, outputs
-    and values are unchanged: XLA:CPU runs NHWC convolutions up to ~2x faster, other
-    backends may not, so the end-to-end choice times the result
+    convolution to the next through elementwise, reduction and axis operators, and runs the
+    pools between them in NHWC (``maxpool2d_nhwc``, ``avgpool2d_nhwc``: XLA:CPU pools NCHW
+    about 3x slower), so that only the graph's inputs and outputs, and operators with a
+    fixed layout, keep a transpose. Kernel transposes are weight-only and folded ahead of
+    time. Inputs, outputs and values are unchanged: XLA:CPU runs NHWC convolutions up to
+    ~2x faster, other backends may not, so the end-to-end choice times the result
     (:func:`taso_jax.search.choose.choose_fastest`).
     """
     from taso_jax.ops.conv import NCHW_TO_NHWC, NHWC_TO_NCHW, OIHW_TO_HWIO
@@ -221,5 +242,5 @@ def to_nhwc(graph: Graph) -> Graph:
     if not changed:
         return graph
     outs = tuple(env.get(t, t) for t in graph.outputs)
-    return sink_transposes(Graph(graph.inputs, outs, graph.output_names, graph.weights,
-                                 graph.meta))
+    return _Sinker(Graph(graph.inputs, outs, graph.output_names, graph.weights, graph.meta),
+                   nhwc_pools=True).run()
