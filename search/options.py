@@ -47,8 +47,9 @@ VISITED_HELD = 8
 
 #: Changes when the same options and rules can give another graph (kept graphs are cached on
 #: disk under it: :mod:`taso_jax.frontends.graph_cache`). 2: convolutions priced in NHWC on
-#: XLA:CPU, and the analytic search's best graph among the candidates.
-SEARCH_REVISION = 2
+#: XLA:CPU, and the analytic search's best graph among the candidates. 3: the NHWC layout
+#: candidate runs pools in NHWC too.
+SEARCH_REVISION = 3
 
 #: The runtimes a result can be made fast in.
 TARGETS = ("xla", "onnxruntime")
