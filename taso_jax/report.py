@@ -76,10 +76,11 @@ def _outputs(session, inputs: dict) -> list:
     return owned_run(session, inputs)
 
 
-def _reference(original, inputs: dict) -> list:
+def _reference(original, inputs: dict, hint: str | None = None) -> list:
     """The original model's outputs on ``inputs``; a model that does not run is bad input.
 
-    ``original`` is ONNX bytes, a path or an onnxruntime session of either.
+    ``original`` is ONNX bytes, a path or an onnxruntime session of either. ``hint`` ends
+    the error in place of the advice to give ``--input-shape``.
     """
     try:
         session = original if hasattr(original, "run") else _session(original)
@@ -87,8 +88,9 @@ def _reference(original, inputs: dict) -> list:
     except Exception as e:  # the user's model itself, not ours
         shapes = ", ".join(f"{k}={list(np.shape(v))}" for k, v in inputs.items())
         raise ModelError(f"the original model does not run in onnxruntime on random inputs "
-                         f"({shapes}): {one_line(str(e), 400)} (if it expects other "
-                         "sizes, give them with --input-shape)") from e
+                         f"({shapes}): {one_line(str(e), 400)} ("
+                         f"{hint or 'if it expects other sizes, give them with --input-shape'}"
+                         ")") from e
 
 
 def _actual(optimized, inputs_list: list, reference_count: int, rtol, atol):
@@ -143,10 +145,11 @@ def reference_runs(original, graph: Graph, scales=CHECK_SCALES, seed: int = 1
         session = original  # _reference reports the failure, in one line
     runs = []
     indices = graph.meta.get("integer_input_bounds") or {}
+    hint = graph.meta.get("value_sized_hint")
     for scale in scales:
         feeds = {k: (v * np.asarray(scale, v.dtype) if np.issubdtype(v.dtype, np.floating)
                      and k not in indices else v) for k, v in base.items()}
-        runs.append((scale, feeds, _reference(session, feeds)))
+        runs.append((scale, feeds, _reference(session, feeds, hint)))
     return runs
 
 

