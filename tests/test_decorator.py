@@ -418,6 +418,28 @@ def test_the_graph_cache_rebuilds_the_graph_and_refuses_a_different_function(tmp
     assert graph_cache.graph_cache_dir() == str(tmp_path)
 
 
+def test_a_first_call_past_its_time_limit_runs_the_original_without_timing_it(tmp_path,
+                                                                              monkeypatch):
+    # The time limit bounds the first call: past it, the 25-round timing against jax.jit is
+    # skipped and jax.jit of the original runs (never slower); nothing is cached, so a later
+    # process with more of its kernel costs cached may still get further.
+    monkeypatch.setenv("TASO_JAX_GRAPH_CACHE", str(tmp_path))
+    fn, weights, inputs = jax_models.make_nasrnn(hidden=32, steps=1)
+    opt = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", budget=5,
+                            time_limit=1e-3)
+    _assert_close(opt(weights, *inputs), jax.jit(fn)(weights, *inputs))
+    assert opt.fallback_reason is None
+    assert opt.original_kept.startswith("not timed against jax.jit: the time limit (0.001 s)")
+    assert "baseline" not in opt._last.report
+    assert not list(tmp_path.rglob("*.json"))
+    # with time to spare, the same function is timed against jax.jit
+    timed = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", budget=5,
+                              time_limit=60.0)
+    timed(weights, *inputs)
+    assert "baseline" in timed._last.report
+    assert timed.original_kept is None or "not timed" not in timed.original_kept
+
+
 def test_a_numpy_weight_changed_in_place_is_folded_again():
     """Weights are recognized by identity; a NumPy array can change under the same id."""
 
