@@ -429,8 +429,9 @@ def test_a_first_call_past_its_time_limit_runs_the_original_without_timing_it(tm
                             time_limit=1e-3)
     _assert_close(opt(weights, *inputs), jax.jit(fn)(weights, *inputs))
     assert opt.fallback_reason is None
-    assert opt.original_kept.startswith("not timed against jax.jit: the time limit (0.001 s)")
-    assert "baseline" not in opt._last.report
+    assert opt.original_kept.startswith("not compiled, checked or timed against jax.jit: the "
+                                        "time limit (0.001 s) had passed")
+    assert "baseline" not in opt._last.report and "check" not in opt._last.report
     assert not list(tmp_path.rglob("*.json"))
     # with time to spare, the same function is timed against jax.jit
     timed = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", budget=5,
