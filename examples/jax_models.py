@@ -7,6 +7,9 @@
 * library layers assembled as their users assemble them: a flax LSTM run by ``nn.RNN`` (a
   ``scan``), a ViT-style block, equinox's multi-head attention, and a causal language model
   on integer token ids (``nn.Embed``, ``jax.nn.dot_product_attention``);
+* written the way other projects write them: a CNN in the style of flax's MNIST example
+  (batchnorm, average pooling, NHWC) and the ResNet of jax's own ``examples/resnet50.py``
+  from ``jax.example_libraries.stax`` (HWCN input, two stages);
 * plain JAX: a NasRNN-style recurrent cell (Pham et al., ENAS, 2018; the cell TASO evaluates):
   eight pairs of matmuls on the input and on the hidden state, combined elementwise, on
   ``[batch, hidden]`` rows or on 1-D vectors; and a tiny single-head attention function.
@@ -142,6 +145,75 @@ def make_eqx_convnet(batch: int = 4, size: int = 16):
     return fn, params, (x,)
 
 
+def make_flax_cnn_bn(batch: int = 8, size: int = 28):
+    """flax.linen CNN in the style of flax's MNIST example, with inference batchnorm (NHWC).
+
+    Two blocks of 3x3 convolution, ``BatchNorm(use_running_average=True)``, ReLU and a 2x2
+    ``nn.avg_pool``; then dense 128, ReLU, dense 10. Its pools sit between NHWC activations:
+    the layout candidate runs them in NHWC (``avgpool2d_nhwc``).
+    """
+    import flax.linen as nn
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for features in (32, 64):
+                x = nn.Conv(features, (3, 3))(x)
+                x = nn.BatchNorm(use_running_average=True)(x)
+                x = nn.avg_pool(nn.relu(x), (2, 2), (2, 2))
+            x = x.reshape((x.shape[0], -1))
+            return nn.Dense(10)(nn.relu(nn.Dense(128)(x)))
+
+    model = CNN()
+    x = jax.random.normal(jax.random.key(1), (batch, size, size, 1))
+    variables = _perturb_batch_stats(model.init(jax.random.key(0), x))
+    return (lambda v, x: model.apply(v, x)), variables, (x,)
+
+
+def make_stax_resnet(batch: int = 2, size: int = 32, width: int = 16):
+    """The ResNet of jax's own ``examples/resnet50.py``, built from
+    ``jax.example_libraries.stax`` as that example builds it, cut to its first two stages:
+    an HWCN input, ``GeneralConv`` stem, ``stax.BatchNorm`` (batch statistics: stax has no
+    inference mode), max pooling, bottleneck blocks (``FanOut``/``parallel``/``FanInSum``),
+    average pooling, dense and log-softmax. ``width`` is the stem's channels (64 there).
+    """
+    from jax.example_libraries import stax
+
+    def conv_block(ks, filters, strides=(2, 2)):
+        f1, f2, f3 = filters
+        main = stax.serial(stax.Conv(f1, (1, 1), strides), stax.BatchNorm(), stax.Relu,
+                           stax.Conv(f2, (ks, ks), padding="SAME"), stax.BatchNorm(),
+                           stax.Relu, stax.Conv(f3, (1, 1)), stax.BatchNorm())
+        shortcut = stax.serial(stax.Conv(f3, (1, 1), strides), stax.BatchNorm())
+        return stax.serial(stax.FanOut(2), stax.parallel(main, shortcut), stax.FanInSum,
+                           stax.Relu)
+
+    def identity_block(ks, filters):
+        f1, f2 = filters
+
+        def make_main(input_shape):
+            return stax.serial(stax.Conv(f1, (1, 1)), stax.BatchNorm(), stax.Relu,
+                               stax.Conv(f2, (ks, ks), padding="SAME"), stax.BatchNorm(),
+                               stax.Relu, stax.Conv(input_shape[3], (1, 1)), stax.BatchNorm())
+
+        return stax.serial(stax.FanOut(2), stax.parallel(stax.shape_dependent(make_main),
+                                                         stax.Identity),
+                           stax.FanInSum, stax.Relu)
+
+    w = width
+    init, apply = stax.serial(
+        stax.GeneralConv(("HWCN", "OIHW", "NHWC"), w, (7, 7), (2, 2), "SAME"),
+        stax.BatchNorm(), stax.Relu, stax.MaxPool((3, 3), strides=(2, 2)),
+        conv_block(3, [w, w, 4 * w], strides=(1, 1)), identity_block(3, [w, w]),
+        conv_block(3, [2 * w, 2 * w, 8 * w]), identity_block(3, [2 * w, 2 * w]),
+        stax.AvgPool((size // 8 - 1, size // 8 - 1)), stax.Flatten, stax.Dense(10),
+        stax.LogSoftmax)
+    shape = (size, size, 3, batch)  # HWCN, as the example feeds it
+    _, params = init(jax.random.key(0), shape)
+    x = jax.random.normal(jax.random.key(1), shape)
+    return apply, params, (x,)
+
+
 def make_nasrnn(batch: int = 1, hidden: int = 512, steps: int = 4):
     """NasRNN-style cell unrolled ``steps`` times: per step, eight matmuls on the input ``x``
     and eight on the state ``h`` (weights ``[hidden, hidden]``), combined pairwise."""
@@ -260,4 +332,5 @@ MODELS = {"flax_resnet50": make_flax_resnet50, "flax_bert_block": make_flax_bert
           "eqx_mlp": make_eqx_mlp, "eqx_convnet": make_eqx_convnet, "nasrnn": make_nasrnn,
           "nasrnn_1d": make_nasrnn_1d, "tiny_attention": make_tiny_attention,
           "flax_lstm": make_flax_lstm, "flax_vit_block": make_flax_vit_block,
-          "eqx_attention": make_eqx_attention, "flax_causal_lm": make_flax_causal_lm}
+          "eqx_attention": make_eqx_attention, "flax_causal_lm": make_flax_causal_lm,
+          "flax_cnn_bn": make_flax_cnn_bn, "stax_resnet": make_stax_resnet}

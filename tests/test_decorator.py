@@ -63,7 +63,8 @@ def _run_model(name, **extra):
 
 
 @pytest.mark.parametrize("name", ["flax_bert_block", "eqx_mlp", "eqx_convnet", "flax_lstm",
-                                  "flax_vit_block", "eqx_attention", "flax_causal_lm"])
+                                  "flax_vit_block", "eqx_attention", "flax_causal_lm",
+                                  "flax_cnn_bn", "stax_resnet"])
 def test_real_models_match_jax_jit(name):
     opt, report = _run_model(name)
     assert "output check (jax.jit of the original function" in report
