@@ -26,6 +26,7 @@ CASES = [
     ("pytorch-converted/test_Linear", False),           # Gemm-6: onnxruntime has no kernel
     ("pytorch-converted/test_BatchNorm2d_eval", False),  # BatchNormalization-6
     ("pytorch-operator/test_operator_add_broadcast", False),  # Add-6 with broadcast=1
+    ("pytorch-converted/test_PReLU_2d_multiparam", False),  # PRelu-6, a slope per channel
     ("pytorch-operator/test_operator_chunk", True),
     ("simple/test_sequence_model1", True),  # SequenceEmpty -> SequenceInsert -> SequenceAt
     ("simple/test_sequence_model6", True),  # SplitToSequence -> SequenceLength

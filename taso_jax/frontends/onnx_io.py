@@ -1081,6 +1081,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
                            "it; onnxruntime does not): imported in that order")
     opset = src_opset
     if src_opset < _CONVERT_BELOW:
+        _channel_prelu_slopes(model, src_opset)
         try:
             converted = version_converter.convert_version(_light_model(model), _CONVERT_TO)
             if not _fill_weights(converted, model):  # it changed a weight: convert it whole
@@ -1161,10 +1162,47 @@ def converted_model(source, opset: int):
     import onnx
     from onnx import version_converter
 
+    model = onnx.load(source)
     try:
-        return version_converter.convert_version(onnx.load(source), opset).SerializeToString()
+        _channel_prelu_slopes(model, _opset(model))
+        return version_converter.convert_version(model, opset).SerializeToString()
     except Exception as e:
         raise ModelError(f"{source}: cannot convert to opset {opset} ({one_line(str(e))})") from e
+
+
+def _channel_prelu_slopes(model, src_opset: int) -> None:
+    """Give PRelu-6 slopes their channel axis, in place, before the version converter.
+
+    Before opset 7 a ``[C]`` slope applies along the channel axis (axis 1: PyTorch's
+    ``PReLU(num_parameters=C)`` exports it so); from opset 7 it broadcasts NumPy-style from
+    the last axis. onnx's converter keeps the ``[C]`` shape, so the converted PRelu of a
+    ``[N, C, L]`` input reads it along ``L`` (onnxruntime refuses it where ``C != L``).
+    A ``[C]`` slope initializer of a PRelu whose input has rank r > 2 and C channels
+    becomes ``[C, 1, ..., 1]`` (r - 2 ones): the same values, the channel axis explicit.
+    """
+    import onnx
+
+    if src_opset >= 7:
+        return
+    prelus = [n for n in model.graph.node if n.op_type == "PRelu" and len(n.input) == 2]
+    if not prelus:
+        return
+    inits = {i.name: i for i in model.graph.initializer}
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None
+                       for d in v.type.tensor_type.shape.dim]
+              for v in (*inferred.graph.input, *inferred.graph.value_info)
+              if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
+    for n in prelus:
+        slope, x = inits.get(n.input[1]), shapes.get(n.input[0])
+        if (slope is None or x is None or len(x) <= 2 or len(slope.dims) != 1
+                or slope.dims[0] in (1, x[-1]) or x[1] not in (None, slope.dims[0])):
+            continue  # a shared slope, one that already broadcasts, or not per channel
+        slope.dims.extend([1] * (len(x) - 2))
+        for v in model.graph.input:  # before IR 4 initializers are graph inputs too
+            if v.name == slope.name and v.type.HasField("tensor_type"):
+                for _ in range(len(x) - 2):
+                    v.type.tensor_type.shape.dim.add().dim_value = 1
 
 
 def _constant_value(node, ctx: ImportContext, ins: list):
