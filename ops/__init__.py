@@ -95,6 +95,9 @@ class OpDef:
             ``"reduce"`` (attributes ``axes`` and ``keepdims``), ``"axis"`` (one ``axis``
             attribute; every input has the output's rank), or ``None`` (inputs are
             materialized in their own layout).
+        channels_last: the operator that computes the same on the NHWC form of this
+            operator's single NCHW input (same attributes, NHWC output), for the layout
+            candidate (:func:`taso_jax.ir.layout.to_nhwc`): pools declare it.
         doc: one-line description, with the source of its semantics.
         numpy_ref: optional NumPy function with ``ref``'s signature and the same values,
             for operators whose result NumPy computes exactly (data movement, integer and
@@ -116,6 +119,7 @@ class OpDef:
     commutative: bool = False
     fusible: bool = False
     layout: str | None = None
+    channels_last: str | None = None
     doc: str = ""
     numpy_ref: Callable[..., Any] | None = None
 

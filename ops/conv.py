@@ -571,6 +571,7 @@ _POOL_EX = [TensorType((1, 3, 9, 9), _F32)]
 declare(OpDef(name="maxpool2d", ref=_maxpool2d, shape=_pool_shape, arity=1,
               attrs={"kernel": (2, 2), "strides": (2, 2), "padding": "valid"},
               to_onnx=_pool_onnx("MaxPool"), flops=_pool_flops,
+              channels_last="maxpool2d_nhwc",
               examples=((_POOL_EX, {}), (_POOL_EX, {"kernel": (3, 3), "padding": "same",
                                                     "strides": (1, 1)})),
               doc="2-D max pooling on NCHW (ONNX MaxPool)"))
@@ -578,6 +579,7 @@ declare(OpDef(name="avgpool2d", ref=_avgpool2d, shape=_pool_shape, arity=1,
               attrs={"kernel": (2, 2), "strides": (2, 2), "padding": "valid",
                      "count_include_pad": False},
               to_onnx=_pool_onnx("AveragePool"), flops=_pool_flops,
+              channels_last="avgpool2d_nhwc",
               examples=((_POOL_EX, {}), (_POOL_EX, {"kernel": (3, 3), "padding": (1, 1, 1, 1),
                                                     "strides": (1, 1)})),
               doc="2-D average pooling on NCHW (ONNX AveragePool)"))

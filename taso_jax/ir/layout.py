@@ -46,16 +46,12 @@ def _inverse(p: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-#: NCHW pools and the NHWC forms that :func:`to_nhwc` runs in their place.
-_NHWC_POOLS = {"maxpool2d": "maxpool2d_nhwc", "avgpool2d": "avgpool2d_nhwc"}
-
-
 class _Sinker:
-    def __init__(self, graph: Graph, nhwc_pools: bool = False):
+    def __init__(self, graph: Graph, channels_last: bool = False):
         self.graph = graph
         self.wo = graph.weight_only
         self.lazy: dict[Tensor, tuple[Tensor, Perm]] = {}
-        self.nhwc_pools = nhwc_pools
+        self.channels_last = channels_last
 
     def transpose(self, t: Tensor, perm: Perm) -> Tensor:
         if perm is None:
@@ -77,7 +73,7 @@ class _Sinker:
                 u, p = self.lazy[n.inputs[0]]
                 self.lazy[n.outputs[0]] = (u, _compose(p, n.attr("perm")))
                 continue
-            if self.nhwc_pools and self._pool(n):
+            if self.channels_last and self._channels_last(n):
                 continue
             kind = OPS[n.op].layout if n.op in OPS else None
             done = False
@@ -93,16 +89,17 @@ class _Sinker:
         return Graph(self.graph.inputs, outs, self.graph.output_names, self.graph.weights,
                      self.graph.meta)
 
-    def _pool(self, n: Node) -> bool:
-        """An NCHW pool of an NHWC tensor (held transposed) runs as the NHWC pool."""
+    def _channels_last(self, n: Node) -> bool:
+        """Run ``n`` on an NHWC tensor (held transposed) as its ``OpDef.channels_last``."""
         from taso_jax.ops.conv import NHWC_TO_NCHW
 
-        if n.op not in _NHWC_POOLS or n in self.wo:
+        form = OPS[n.op].channels_last if n.op in OPS else None
+        if form is None or n in self.wo:
             return False
         u, p = self.lazy[n.inputs[0]]
         if p != NHWC_TO_NCHW:
             return False
-        new = make_node(_NHWC_POOLS[n.op], [u], n.attr_dict)
+        new = make_node(form, [u], n.attr_dict)
         self.lazy[n.outputs[0]] = (new.outputs[0], NHWC_TO_NCHW)
         return True
 
@@ -243,4 +240,4 @@ def to_nhwc(graph: Graph) -> Graph:
         return graph
     outs = tuple(env.get(t, t) for t in graph.outputs)
     return _Sinker(Graph(graph.inputs, outs, graph.output_names, graph.weights, graph.meta),
-                   nhwc_pools=True).run()
+                   channels_last=True).run()
