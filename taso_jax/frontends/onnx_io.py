@@ -1334,7 +1334,8 @@ def _import_group(members: list, env, types, opsets, ir_version, opaque, graph_o
         for x in list(n.input) + _outer_names(n):
             if x and x not in inside:
                 in_names.setdefault(x)
-    read_after = {x for k, n in enumerate(nodes) if k not in set(indices)
+    grouped = set(indices)
+    read_after = {x for k, n in enumerate(nodes) if k not in grouped
                   for x in list(n.input) + _outer_names(n)}
     out_names = [o for n in members for o in n.output
                  if o and (o in read_after or o in graph_outputs)]
