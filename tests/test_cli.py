@@ -305,6 +305,10 @@ def _malformed(case: str, path):
     elif case == "custom_domain":
         nodes = [helper.make_node("MyOp", ["x"], ["y"], domain="com.example")]
         opsets.append(("com.example", 1))
+    elif case == "custom_domain_open_shape":  # its output's shape is read off a probe run
+        nodes = [helper.make_node("MyOp", ["x"], ["h"], domain="com.example"), relu]
+        relu.input[0] = "h"
+        opsets.append(("com.example", 1))
     elif case == "bf16":
         ins = [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, 3])]
         outs = [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2, 3])]
@@ -326,6 +330,7 @@ def _malformed(case: str, path):
 @pytest.mark.parametrize("case,message", [
     ("no_outputs", "the graph has no outputs"),
     ("custom_domain", "does not run in onnxruntime"),
+    ("custom_domain_open_shape", "onnxruntime does not run the model on random inputs"),
     ("bf16", "does not run in onnxruntime"),
     ("duplicate_node_names", "does not run in onnxruntime"),
     ("initializer_disagrees", "Incompatible dimensions"),

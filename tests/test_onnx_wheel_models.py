@@ -119,15 +119,54 @@ def test_a_sequence_between_declared_operators_is_one_opaque_region(tmp_path):
 @pytest.mark.parametrize("case,name,op", [("simple/test_expand_shape_model1", "shape", "Expand"),
                                           ("simple/test_sequence_model8", "Splits",
                                            "SplitToSequence")])
-def test_a_model_whose_sizes_follow_input_values_is_refused_in_one_line(case, name, op,
-                                                                        tmp_path, capsys):
+def test_a_model_whose_sizes_follow_input_values_passes_through_unchanged(case, name, op,
+                                                                         tmp_path, capsys):
     # Expand's target shape, or the split sizes, come in as an input: the output sizes
-    # follow its values, which a static-shape import cannot hold. The error says so instead
-    # of asking for --input-shape, which cannot help.
+    # follow its values, which a static-shape import cannot hold, and no --input-shape
+    # helps. The model passes through whole, as an opaque region would: exit 0, the input
+    # written back byte for byte, and the report names the input and the operator.
+    import onnxruntime as ort
+
+    src = DATA / case / "model.onnx"
+    out, js = tmp_path / "out.onnx", tmp_path / "report.json"
+    assert main(["optimize", str(src), "-o", str(out), "--json", str(js), "-q"]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "error" not in captured.err
+    assert (f"not optimized: the values of input {name!r} (into {op}) set sizes"
+            in captured.out)
+    assert out.read_bytes() == src.read_bytes()
+    import json
+
+    report = json.loads(js.read_text())
+    assert report["imported"] is False and report["written_copy_of_input"] is True
+    # the copy gives the wheel's recorded outputs on its recorded inputs
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    feeds = dict(zip((i.name for i in sess.get_inputs()), _values(src.parent / "test_data_set_0",
+                                                                  "input"), strict=True))
+    for got, want in zip(sess.run(None, feeds), _values(src.parent / "test_data_set_0",
+                                                        "output"), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_value_sized_model_onnxruntime_cannot_load_is_refused_in_one_line(tmp_path, capsys):
+    # Passing a model through is only for one that runs: Expand's shape comes from an
+    # input, and an operator of an unknown domain follows, so onnxruntime cannot load it.
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 1])
+    shape = helper.make_tensor_value_info("shape", TensorProto.INT64, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b", "c"])
+    nodes = [helper.make_node("Expand", ["x", "shape"], ["e"]),
+             helper.make_node("Mystery", ["e"], ["y"], domain="com.example.nowhere")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x, shape], [y]),
+                              opset_imports=[helper.make_opsetid("", 17),
+                                             helper.make_opsetid("com.example.nowhere", 1)],
+                              ir_version=8)
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
     out = tmp_path / "out.onnx"
-    assert main(["optimize", str(DATA / case / "model.onnx"), "-o", str(out), "-q"]) == 2
+    assert main(["optimize", str(src), "-o", str(out), "-q"]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("taso-jax: error:"), err
-    assert f"the values of input {name!r} (into {op}) set sizes" in err[0]
-    assert "give them with --input-shape" not in err[0]
+    assert "onnxruntime cannot load the model" in err[0]
     assert not out.exists()

@@ -34,7 +34,7 @@ from taso_jax.ir.opaque import OpaqueOp
 from taso_jax.ops import ONNX_IMPORTERS, ONNX_SAME_MEANING, OPS, ShapeError, TensorType
 
 __all__ = ["ModelError", "OnnxNode", "merge_opaque_regions", "load_onnx", "export_onnx",
-           "converted_model", "value_sized_inputs", "value_sized_hint",
+           "converted_model", "value_sized_inputs", "value_sized_hint", "ValueSizedModel",
            "symbolic_dims", "with_symbolic_dims", "MIN_OPSET", "CHECKED_OPSET", "max_opset",
            "importable_at"]
 
@@ -175,6 +175,21 @@ class ModelError(ValueError):
     or newer than the installed ``onnx`` knows, and input shapes given that do not fit the
     model.
     """
+
+
+class ValueSizedModel(ModelError):
+    """A model whose sizes follow the values of some of its inputs, so no static graph exists.
+
+    Expand's target shape, Range's limits or Split's sizes fed from an input
+    (:func:`value_sized_inputs`): the IR holds static sizes only, and no ``--input-shape``
+    binds a value. ``hint`` is the sentence of :func:`value_sized_hint` naming those inputs
+    and their operators. ``taso-jax optimize`` writes such a model back unchanged (exit 0)
+    rather than failing it.
+    """
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.hint = hint
 
 
 def _np_dtype(elem_type: int) -> str:
@@ -355,10 +370,12 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
                                                                 named_symbols else "")
                               for sym in open_dims for name, axis, _ in open_dims[sym])
         hint = value_sized_hint(model)
-        raise ModelError(f"{where}: the model has symbolic sizes ({described}) and runs at "
-                         "none of the default sizes tried (at "
-                         f"{refusal[1]}: {refusal[0]}); "
-                         + (hint or "give them with --input-shape NAME=D1,D2,..."))
+        message = (f"{where}: the model has symbolic sizes ({described}) and runs at none "
+                   f"of the default sizes tried (at {refusal[1]}: {refusal[0]}); "
+                   + (hint or "give them with --input-shape NAME=D1,D2,..."))
+        if hint:
+            raise ValueSizedModel(message, hint)
+        raise ModelError(message)
     sizes = fitting
     notes = []
     for inp in model.graph.input:
@@ -1102,7 +1119,16 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     bounds = index_bounds(model, types)
     missing = [o for n in g.node for o in n.output if o and o not in types]
     if missing:
-        _missing_types_by_running(model, missing, types, weights, bounds)
+        try:
+            _missing_types_by_running(model, missing, types, weights, bounds)
+        except Exception as e:  # noqa: BLE001 - onnxruntime refuses the user's model
+            hint = value_sized_hint(model)
+            message = (f"{where}: onnxruntime does not run the model on random inputs, which "
+                       f"the import needs for the sizes ONNX's shape inference left open "
+                       f"({one_line(str(e), 300)})" + (f"; {hint}" if hint else ""))
+            if hint:
+                raise ValueSizedModel(message, hint) from e
+            raise ModelError(message) from e
 
     env: dict[str, Tensor] = {}
     for name, arr in weights.items():
