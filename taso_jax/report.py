@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from taso_jax._text import one_line
-from taso_jax.frontends.onnx_io import ModelError, ValueSizedModel
+from taso_jax.frontends.onnx_io import model_refusal
 from taso_jax.ir.executor import random_array, random_inputs
 from taso_jax.ir.graph import Graph
 from taso_jax.search.choose import DUEL_WITHIN, NHWC_LAYOUT, device_name, time_graphs
@@ -92,9 +92,7 @@ def _reference(original, inputs: dict, hint: str | None = None) -> list:
         message = (f"the original model does not run in onnxruntime on random inputs "
                    f"({shapes}): {one_line(str(e), 400)} ("
                    f"{hint or 'if it expects other sizes, give them with --input-shape'})")
-        if hint:
-            raise ValueSizedModel(message, hint) from e
-        raise ModelError(message) from e
+        raise model_refusal(message, hint) from e
 
 
 def _actual(optimized, inputs_list: list, reference_count: int, rtol, atol):

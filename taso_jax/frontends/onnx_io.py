@@ -35,6 +35,7 @@ from taso_jax.ops import ONNX_IMPORTERS, ONNX_SAME_MEANING, OPS, ShapeError, Ten
 
 __all__ = ["ModelError", "OnnxNode", "merge_opaque_regions", "load_onnx", "export_onnx",
            "converted_model", "value_sized_inputs", "value_sized_hint", "ValueSizedModel",
+           "model_refusal",
            "symbolic_dims", "with_symbolic_dims", "MIN_OPSET", "CHECKED_OPSET", "max_opset",
            "importable_at"]
 
@@ -190,6 +191,15 @@ class ValueSizedModel(ModelError):
     def __init__(self, message: str, hint: str):
         super().__init__(message)
         self.hint = hint
+
+
+def model_refusal(message: str, hint: str | None) -> ModelError:
+    """The error that refuses a model, from its ``message`` and its value-sized ``hint``.
+
+    A :class:`ValueSizedModel` when ``hint`` names inputs whose values set sizes
+    (:func:`value_sized_hint`), else a plain :class:`ModelError`.
+    """
+    return ValueSizedModel(message, hint) if hint else ModelError(message)
 
 
 def _np_dtype(elem_type: int) -> str:
@@ -373,9 +383,7 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
         message = (f"{where}: the model has symbolic sizes ({described}) and runs at none "
                    f"of the default sizes tried (at {refusal[1]}: {refusal[0]}); "
                    + (hint or "give them with --input-shape NAME=D1,D2,..."))
-        if hint:
-            raise ValueSizedModel(message, hint)
-        raise ModelError(message)
+        raise model_refusal(message, hint)
     sizes = fitting
     notes = []
     for inp in model.graph.input:
@@ -1126,9 +1134,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
             message = (f"{where}: onnxruntime does not run the model on random inputs, which "
                        f"the import needs for the sizes ONNX's shape inference left open "
                        f"({one_line(str(e), 300)})" + (f"; {hint}" if hint else ""))
-            if hint:
-                raise ValueSizedModel(message, hint) from e
-            raise ModelError(message) from e
+            raise model_refusal(message, hint) from e
 
     env: dict[str, Tensor] = {}
     for name, arr in weights.items():
