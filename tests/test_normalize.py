@@ -95,21 +95,14 @@ def test_affine_normalization_leaves_shared_intermediates_alone():
     _same(g, fn, args, args[1:])
 
 
-def test_nhwc_law_holds_numerically():
-    from taso_jax.ops.conv import NHWC_LAW
-    from taso_jax.verify.laws import check_axiom
+def test_nhwc_conv_and_pool_laws_hold_numerically():
+    from taso_jax.ops.conv import NHWC_LAW, POOL_NHWC_LAWS
+    from taso_jax.verify.laws import check_axioms
 
-    r = check_axiom(NHWC_LAW, "NHWC_LAW")
-    assert r["checked"] > 0 and not r["failures"]
-
-
-def test_nhwc_pool_laws_hold_numerically():
-    from taso_jax.ops.conv import POOL_NHWC_LAWS
-    from taso_jax.verify.laws import check_axiom
-
-    for k, law in enumerate(POOL_NHWC_LAWS):
-        r = check_axiom(law, f"POOL_NHWC_LAWS[{k}]")
-        assert r["checked"] > 0 and not r["failures"], r
+    laws = [("NHWC_LAW", NHWC_LAW)] + [(f"POOL_NHWC_LAWS[{k}]", law)
+                                       for k, law in enumerate(POOL_NHWC_LAWS)]
+    for (where, _), r in zip(laws, check_axioms(laws), strict=True):
+        assert r["checked"] > 0 and not r["failures"], (where, r)
 
 
 def test_to_nhwc_runs_pools_between_nhwc_activations_in_nhwc():
