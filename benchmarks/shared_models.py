@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--only", default="")
     args = ap.parse_args()
     paths = sorted(glob.glob(str((shared_models_dir() or Path("tests/data")) / "*.onnx")))
-    paths += light_models()
+    paths += light_models(large=True)
     subs = taso_jax.default_substitutions()
     print(f"| model | operators | estimated cost ({args.cost_model}) | measured time, jax.jit "
           "| search | applied |")

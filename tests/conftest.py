@@ -64,12 +64,23 @@ def model_path(name: str) -> Path:
     return d / f"{name}.onnx"
 
 
-def light_models() -> list[str]:
-    """The ``light_*.onnx`` model-zoo graphs that ship inside the onnx wheel."""
+#: The light models whose random weights are large (AlexNet, VGG-19, ZFNet-512: about 60-140
+#: million float32 weights, 0.24-0.57 GB): a test of one took 16-63 s and up to 4.8 GB, and
+#: every operator they use (Conv, LRN, MaxPool, Gemm, Dropout, ...) occurs in the six
+#: others. ``benchmarks/shared_models.py`` runs all nine.
+LARGE_LIGHT_MODELS = ("light_bvlc_alexnet.onnx", "light_vgg19.onnx", "light_zfnet512.onnx")
+
+
+def light_models(large: bool = False) -> list[str]:
+    """The ``light_*.onnx`` model-zoo graphs that ship inside the onnx wheel.
+
+    Without ``large``, all but :data:`LARGE_LIGHT_MODELS`.
+    """
     import onnx
 
     root = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
-    return sorted(glob.glob(str(root / "light_*.onnx")))
+    return sorted(p for p in glob.glob(str(root / "light_*.onnx"))
+                  if large or Path(p).name not in LARGE_LIGHT_MODELS)
 
 
 def randomize_weights(model, seed: int = 0):
