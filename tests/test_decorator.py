@@ -248,6 +248,40 @@ def test_wrong_rewrite_is_caught_by_the_check_and_falls_back():
     np.testing.assert_allclose(y, np.maximum(np.asarray(x), 0) * 3.0, rtol=1e-6)
 
 
+def test_an_optimized_signature_is_called_through_the_short_path_and_never_served_stale(
+        monkeypatch):
+    from taso_jax.frontends.decorator import OptimizedFunction
+
+    def fn(w, x):
+        return jax.nn.relu(x @ w["a"]) + jnp.tanh(x @ w["b"])
+
+    key = jax.random.split(jax.random.key(3), 4)
+    w = {"a": jax.random.normal(key[0], (16, 16)), "b": jax.random.normal(key[1], (16, 16))}
+    w2 = {"a": jax.random.normal(key[2], (16, 16)), "b": jax.random.normal(key[3], (16, 16))}
+    opt = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", end_to_end=0)
+    ref = jax.jit(fn)
+    x = jnp.ones((4, 16))
+    _assert_close(opt(w, x), ref(w, x))
+    assert opt.original_kept is None and opt.fallback_reason is None  # runs optimized
+    full = []
+    bind = OptimizedFunction._bind
+    monkeypatch.setattr(OptimizedFunction, "_bind",
+                        lambda self, a, k: full.append(1) or bind(self, a, k))
+    for scale in (2.0, -3.0):  # new input values: the short path
+        _assert_close(opt(w, x * scale), ref(w, x * scale))
+    assert not full
+    _assert_close(opt(w2, x), ref(w2, x))  # new weight arrays: the full path folds them
+    _assert_close(opt(w2, x * 5), ref(w2, x * 5))
+    _assert_close(opt(w, jnp.ones((2, 16))), ref(w, jnp.ones((2, 16))))  # another shape
+    _assert_close(opt(w, x), ref(w, x))
+    assert len(full) == 3
+    w_np = jax.tree_util.tree_map(np.array, w)  # NumPy weights always take the full path
+    _assert_close(opt(w_np, x), ref(w_np, x))
+    w_np["a"] *= 2  # changed in place
+    _assert_close(opt(w_np, x), ref(w_np, x))
+    assert len(full) == 5
+
+
 @pytest.mark.parametrize("device_noise, accepted", [(2e-2, True), (1e-6, False)])
 def test_the_check_allows_what_the_devices_default_precision_already_rounds(device_noise,
                                                                             accepted):
