@@ -11,12 +11,8 @@
 # Any arguments name the models (default: all but tiny_attention, as benchmarks/jax_models.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-: "${OUT:?set OUT to the folder whose files come back}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-rm -rf /tmp/site/taso_jax && cp -r taso_jax /tmp/site/taso_jax
-for sub in ops verify search; do cp -r "$sub" "/tmp/site/taso_jax/$sub"; done
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh
+export PYTHONPATH=/tmp/site:.
 export TASO_JAX_COST_CACHE="$OUT/costs.sqlite"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/device.txt"

@@ -17,13 +17,7 @@
 # Any arguments go to benchmarks/taso_suite.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-: "${OUT:?set OUT to the folder whose files come back}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-# the project itself, laid out as pyproject.toml's package-dir maps it (no build needed)
-rm -rf /tmp/site/taso_jax && cp -r taso_jax /tmp/site/taso_jax
-for sub in ops verify search; do cp -r "$sub" "/tmp/site/taso_jax/$sub"; done
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh
 mkdir -p "$OUT/results"
 cp benchmarks/results/gpu_* "$OUT/results/" 2>/dev/null || true
 # the cost cache lives in $OUT while the piece runs, so that a piece cut off at the time
