@@ -343,9 +343,7 @@ class OptimizedFunction:
         # while the last signature runs the original; that jitted function has compiled
         # only signatures that run the original (see __call__)
         self._kept_fast: tuple | None = None
-        # (entry, pytree, weight positions, weight arrays, input positions, input
-        # signatures, folded values) while the last signature runs optimized (see
-        # _optimized_fast)
+        # (entry, pytree) while the last signature runs optimized (see _optimized_fast)
         self._opt_fast: tuple | None = None
         self._user_jits: dict[tuple, Callable] = {}
         self._kept_jits: dict[tuple, Callable] = {}
@@ -471,15 +469,7 @@ class OptimizedFunction:
                 and not entry.key_leaves and entry.run_donating is None
                 and entry.fallback is None and entry.original_kept is None
                 and entry.folded_for and not entry.folded_for[2]):
-            # every weight a JAX array (immutable), so their identity stands for their values
-            kinds = entry.kinds
-            weight_at = tuple(i for i, k in zip(entry.array_index, kinds, strict=True)
-                              if k == "weight")
-            input_at = tuple(i for i, k in zip(entry.array_index, kinds, strict=True)
-                             if k == "input")
-            self._opt_fast = (entry, tree, weight_at, tuple(entry.folded_for[0]), input_at,
-                              tuple(_leaf_signature(flat[i]) for i in input_at),
-                              entry.folded_for[1])
+            self._opt_fast = (entry, tree)  # every weight a JAX array: see _optimized_fast
         return out
 
     def _optimized_fast(self, fast: tuple, args: tuple):
@@ -489,19 +479,24 @@ class OptimizedFunction:
         lookup) cost about 20 us of Python a call, and XLA:CPU's worker threads, idle
         meanwhile, took several times that to wake up again: 130 us more than the runtime
         stage alone on a 1 ms NasRNN cell. Here one ``tree_flatten``, the weights' identity
-        and the inputs' shapes and dtypes are checked, and the runtime stage is called with
-        the folded values. It is set only where every leaf is a JAX array (NumPy weights,
-        whose values can change in place, take the full path) and nothing is static or
-        donated.
+        against those last folded and the inputs' shapes and dtypes are checked, and the
+        runtime stage is called with the folded values. It is set only where every leaf is
+        an array and nothing is static or donated, so the leaves are the entry's weights
+        (``same_object``) and inputs (``input_signature``) in order; folded NumPy weights,
+        whose values can change in place, send the call to the full path.
         """
-        entry, tree, weight_at, weights, input_at, input_sigs, folded = fast
+        entry, tree = fast
+        weights, folded, copies = entry.folded_for
         flat, t = jax.tree_util.tree_flatten(args)
-        if t != tree or any(flat[i] is not w for i, w in zip(weight_at, weights, strict=True)):
+        if copies or t != tree or any(flat[i] is not w for i, w in zip(
+                entry.same_object, weights, strict=True)):
             return None
-        inputs = [flat[i] for i in input_at]
-        if any(not _is_array_leaf(x) or _leaf_signature(x) != sig
-               for x, sig in zip(inputs, input_sigs, strict=True)):
-            return None
+        inputs = []
+        for i, sig in entry.input_signature:
+            x = flat[i]
+            if not _is_array_leaf(x) or _leaf_signature(x) != sig:
+                return None
+            inputs.append(x)
         entry.last_call = (args, flat)
         out = entry.run(folded, *inputs)
         return jax.tree_util.tree_unflatten(entry.out_tree, list(out))
