@@ -275,11 +275,26 @@ def test_an_optimized_signature_is_called_through_the_short_path_and_never_serve
     _assert_close(opt(w, jnp.ones((2, 16))), ref(w, jnp.ones((2, 16))))  # another shape
     _assert_close(opt(w, x), ref(w, x))
     assert len(full) == 3
+    # under a transformation, with the short path set: an input is a tracer (the weights
+    # are the same concrete arrays under vmap and grad of x), so the full path traces the
+    # optimized stages, and no tracer is kept as the last call
+    transformed = [lambda f: jax.vmap(f, in_axes=(None, 0))(w, jnp.stack([x, -x])),
+                   lambda f: jax.grad(lambda x: jnp.sum(f(w, x) ** 2))(x),
+                   lambda f: jax.jit(f)(w, x)]
+    for run in transformed:
+        _assert_close(opt(w, x), ref(w, x))
+        assert opt._opt_fast is not None
+        before = len(full)
+        _assert_close(run(opt), run(ref))
+        assert len(full) == before + 1
+        assert not any(isinstance(a, jax.core.Tracer)
+                       for a in jax.tree_util.tree_leaves(opt._last.last_call))
+    full.clear()
     w_np = jax.tree_util.tree_map(np.array, w)  # NumPy weights always take the full path
     _assert_close(opt(w_np, x), ref(w_np, x))
     w_np["a"] *= 2  # changed in place
     _assert_close(opt(w_np, x), ref(w_np, x))
-    assert len(full) == 5
+    assert len(full) == 2
 
 
 @pytest.mark.parametrize("device_noise, accepted", [(2e-2, True), (1e-6, False)])
@@ -428,6 +443,14 @@ def test_a_kept_signature_dispatches_to_jax_jit_of_the_original(monkeypatch):
 
     calls.clear()
     np.testing.assert_allclose(outer(w, x), 8.0 * np.ones((3, 5)), rtol=1e-6)
+    assert calls  # traced: told from the jitted original's result, after its dispatch
+    calls.clear()
+    np.testing.assert_allclose(jax.vmap(cell, in_axes=(None, 0))(w, jnp.stack([x, 2 * x])),
+                               np.stack([8.0, 16.0])[:, None, None] * np.ones((2, 3, 5)),
+                               rtol=1e-6)
+    assert calls
+    np.testing.assert_allclose(cell(w, x), 8.0 * np.ones((3, 5)), rtol=1e-6)
+    assert cell._kept_fast is not None  # a traced call leaves the fast path as it was
 
 
 def test_nasrnn_on_one_dimensional_vectors_merges_its_matmuls():
