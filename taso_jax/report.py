@@ -448,6 +448,10 @@ def format_report(r: dict) -> str:
                         f"{k['rounding_noise']:.3g} by which the original itself moves between "
                         "the device's default and full float32 precision)"
                         if k.get("rounding_noise") else "")
+                     + ("; the optimized graph's matrix products and convolutions run at full "
+                        "float32 precision: at the device's default precision they differed "
+                        "from the original by more than that"
+                        if k.get("full_precision") else "")
                      + (f"; {k['error']}" if k.get("error") else ""))
     if r.get("written"):
         lines.append(_written_line(r))
