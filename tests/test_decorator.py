@@ -229,8 +229,16 @@ def test_failure_in_the_pipeline_falls_back_with_a_warning(monkeypatch):
     assert "not optimized" in f.report()
 
 
-def test_wrong_rewrite_is_caught_by_the_check_and_falls_back():
+def test_wrong_rewrite_is_caught_by_the_check_and_falls_back(monkeypatch):
     from taso_jax.search.rules import PNode, Substitution
+
+    import taso_jax.frontends.decorator as decorator
+
+    # on CPU the default precision is full float32: nothing is compiled again to compare at
+    # full precision
+    again = []
+    monkeypatch.setattr(decorator, "_rounding_noise", lambda *a: again.append(1) or [0.0])
+    monkeypatch.setattr(decorator, "_at_full_precision", lambda f: again.append(1) or f)
 
     # relu(a) => a: wrong. Unproved, so it is left out unless allowed; allowed in, the
     # first-call check against jax.jit must catch it.
@@ -246,6 +254,7 @@ def test_wrong_rewrite_is_caught_by_the_check_and_falls_back():
     with pytest.warns(RuntimeWarning, match="outputs differ"):
         y = f(x)
     np.testing.assert_allclose(y, np.maximum(np.asarray(x), 0) * 3.0, rtol=1e-6)
+    assert jax.default_backend() != "cpu" or again == []
 
 
 def test_an_optimized_signature_is_called_through_the_short_path_and_never_served_stale(
@@ -299,8 +308,13 @@ def test_an_optimized_signature_is_called_through_the_short_path_and_never_serve
 
 @pytest.mark.parametrize("device_noise, accepted", [(2e-2, True), (1e-6, False)])
 def test_the_check_allows_what_the_devices_default_precision_already_rounds(device_noise,
-                                                                            accepted):
+                                                                            accepted,
+                                                                            monkeypatch):
     from taso_jax.search.rules import PNode, Substitution
+
+    import taso_jax.frontends.decorator as decorator
+
+    monkeypatch.setattr(decorator, "_default_precision_rounds", lambda: True)  # as on a GPU
 
     # On GPUs, float32 products at the default precision round to TF32, so a regrouped graph
     # differs from jax.jit of the original by about that rounding. Simulated on CPU (which
@@ -350,6 +364,7 @@ def test_a_graph_the_default_precision_rounds_more_than_the_original_runs_at_ful
             return out
 
     monkeypatch.setattr(decorator, "StagedGraph", RoundingStages)
+    monkeypatch.setattr(decorator, "_default_precision_rounds", lambda: True)  # as on a GPU
     monkeypatch.setenv("TASO_JAX_GRAPH_CACHE", str(tmp_path))
     fn, weights, inputs = jax_models.make_nasrnn(hidden=32, steps=1)
     ref = jax.jit(fn)(weights, *inputs)
