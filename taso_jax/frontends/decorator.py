@@ -270,12 +270,12 @@ def _holds_tracer(out) -> bool:
     if kind in _CONCRETE_ARRAY_TYPES:
         return False
     if isinstance(out, jax.Array):
-        if isinstance(out, jax.core.Tracer):
+        if _is_tracer(out):
             return True
         _CONCRETE_ARRAY_TYPES.add(kind)
         return False
     leaves = jax.tree_util.tree_leaves(out)
-    return bool(leaves) and isinstance(leaves[0], jax.core.Tracer)
+    return bool(leaves) and _is_tracer(leaves[0])
 
 
 #: Types of results met that are arrays and not tracers (see :func:`_holds_tracer`).
@@ -540,8 +540,7 @@ class OptimizedFunction:
         inputs = []
         for i, sig in entry.input_signature:
             x = flat[i]
-            if not _is_array_leaf(x) or isinstance(x, jax.core.Tracer) \
-                    or _leaf_signature(x) != sig:
+            if not _is_array_leaf(x) or _is_tracer(x) or _leaf_signature(x) != sig:
                 return None  # a tracer: under a transformation, the full path traces
             inputs.append(x)
         entry.last_call = (args, flat)
