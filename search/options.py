@@ -140,19 +140,21 @@ class OptimizeOptions:
         cm = self.cost_model
         return cm if isinstance(cm, str) else getattr(cm, "name", type(cm).__name__)
 
-    def make_cost_model(self) -> CostModel:
+    def make_cost_model(self, **kw) -> CostModel:
         """The cost model these options name (a given instance is returned as is).
 
         ``"measured"`` on XLA:CPU with ``layout_candidates`` prices convolutions in NHWC
         (``MeasuredCostModel(nhwc_convolutions=True)``): the end-to-end choice times NHWC
         forms and on a CPU keeps them, so the search ranks graphs by what they will run.
+        ``kw`` goes to :func:`get_cost_model` where a name is given (``cache_path`` for the
+        measured model).
         """
         cm = self.cost_model
         if cm == "measured" and self.target == "xla" and self.layout_candidates:
             import jax
 
-            return get_cost_model(cm, nhwc_convolutions=jax.default_backend() == "cpu")
-        return get_cost_model(cm) if isinstance(cm, str) else cm
+            return get_cost_model(cm, nhwc_convolutions=jax.default_backend() == "cpu", **kw)
+        return get_cost_model(cm, **kw) if isinstance(cm, str) else cm
 
     def load_rules(self) -> list[Substitution]:
         """Every rule these options name (proved or not), stamps as they are in the file.

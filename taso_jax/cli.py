@@ -643,7 +643,7 @@ def _load_bench_models(models_dir: str | None) -> dict:
 def _bench(args) -> int:
     from taso_jax.bench import bench_graph, format_table, merge_rows, read_results, write_results
     from taso_jax.search.choose import device_name
-    from taso_jax.search.cost import get_cost_model
+    from taso_jax.search.options import OptimizeOptions
 
     models = _load_bench_models(args.models_dir)
     names = args.models or list(models)
@@ -662,8 +662,13 @@ def _bench(args) -> int:
           f"{'small' if args.small else 'full-size'} models", flush=True)
     settings = {k: getattr(args, k) for k in ("cost_model", "budget", "time_limit", "repeats",
                                               "candidates", "sample", "small", "no_layouts")}
-    cost_model = get_cost_model(args.cost_model,
-                                **({"cache_path": args.cost_cache} if args.cost_cache else {}))
+    # made as the optimizer makes it: on XLA:CPU with layout candidates, convolutions are
+    # priced in NHWC, the form the end-to-end choice keeps (an instance made here without
+    # it priced them in NCHW, and NasNet-A's searches made 59 to 269 grouped convolutions
+    # dense from one cold cache to the next)
+    cost_model = OptimizeOptions(cost_model=args.cost_model,
+                                 layout_candidates=not args.no_layouts).make_cost_model(
+        **({"cache_path": args.cost_cache} if args.cost_cache else {}))
     rows = []
     for name in names:
         m = models[name]

@@ -105,6 +105,29 @@ def test_cost_cache_needs_the_measured_cost_model(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("layouts", [True, False])
+def test_bench_prices_convolutions_as_the_optimizer_does(tmp_path, monkeypatch, layouts):
+    """``taso-jax bench`` makes its measured cost model as the optimizer does: on XLA:CPU
+    with layout candidates, convolutions are priced in the NHWC form the end-to-end choice
+    keeps (a model made apart priced them in NCHW, and NasNet-A's cold-cache searches
+    disagreed on which grouped convolutions to make dense)."""
+    import jax
+
+    seen = []
+
+    def bench_graph(name, graph, cost_model, **kw):
+        seen.append(cost_model)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("taso_jax.bench.bench_graph", bench_graph)
+    with pytest.raises(SystemExit):
+        main(["bench", "--small", "--cost-cache", str(tmp_path / "c.sqlite"), "--out",
+              str(tmp_path), "nasnet_a"] + ([] if layouts else ["--no-layouts"]))
+    (cm,) = seen
+    assert cm.name == "measured" and cm._db is not None
+    assert cm.nhwc_convolutions is (layouts and jax.default_backend() == "cpu")
+
+
 def test_bench_rejects_an_unknown_model(tmp_path, capsys):
     assert main(["bench", "--small", "--out", str(tmp_path), "alexnet"]) == 2
     assert "unknown benchmark model(s) alexnet" in capsys.readouterr().err
