@@ -365,16 +365,20 @@ def _measured_set(result, sample: int) -> list[tuple]:
     """The input, the candidates, and up to ``sample`` visited graphs spread evenly by cost.
 
     Candidates whose estimates are within :data:`ESTIMATE_TIE` of a cheaper candidate's are
-    left out: the cost model sees them as one graph, and timing several and keeping the
-    fastest picks noise (TASO's NasRNN under load: ten candidates at 2,729-2,738 us, the
-    fastest of them screened at 1.5x and ran 1.0x head to head).
+    left out, but for those added to be ``judged``
+    (:func:`taso_jax.search.backtracking.add_near_tie_candidate`): the cost model sees
+    them as one graph, and timing several and keeping the fastest picks noise (TASO's
+    NasRNN under load: ten candidates at 2,729-2,738 us, the fastest of them screened at
+    1.5x and ran 1.0x head to head).
     """
     chosen: dict = {}
     first, *candidates = [*result.visited[:1], *result.candidates]
     chosen[first.graph.key] = tuple(first)
     kept: list[float] = []
-    for c, g, path in sorted(candidates, key=lambda v: v.cost):
-        if g.key in chosen or any(abs(c - k) <= ESTIMATE_TIE * max(k, 1e-9) for k in kept):
+    for cand in sorted(candidates, key=lambda v: v.cost):
+        c, g, path = cand
+        if g.key in chosen or (not getattr(cand, "judged", False) and any(
+                abs(c - k) <= ESTIMATE_TIE * max(k, 1e-9) for k in kept)):
             continue
         chosen[g.key] = (c, g, path)
         kept.append(c)
@@ -386,16 +390,19 @@ def _measured_set(result, sample: int) -> list[tuple]:
     return list(chosen.values())
 
 
-def with_layouts(graphs: list[tuple]) -> list[tuple]:
+def with_layouts(graphs: list[tuple], judged: frozenset = frozenset()) -> list[tuple]:
     """``graphs`` (``(cost, graph, path)``, the input first) and NHWC forms of the first two.
 
     The input and the cheapest candidate, where they run convolutions in NCHW, are added in
     NHWC (:func:`taso_jax.ir.layout.to_nhwc`), with the estimate of the graph they came from
-    and :data:`NHWC_LAYOUT` appended to their path. Layout is then chosen like any rewrite:
-    by timing.
+    and :data:`NHWC_LAYOUT` appended to their path; so are the graphs whose keys are in
+    ``judged`` (the near-tie candidate: on NasNet-A it ran slower than the cheapest in
+    NCHW, 119 against 114 ms and 166 against 137 ms, and was never timed in the layout the
+    CPU keeps, where it had run 1.17x faster). Layout is then chosen like any rewrite: by
+    timing.
     """
     out, seen = list(graphs), {g.key for _, g, _ in graphs}
-    for cost, g, path in graphs[:2]:
+    for cost, g, path in [*graphs[:2], *(t for t in graphs[2:] if t[1].key in judged)]:
         if has_nchw_convolutions(g):
             g2 = to_nhwc(g)
             if g2.key not in seen:
@@ -423,7 +430,7 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     Past ``deadline`` (a ``time.perf_counter()`` value) fewer rounds are timed (at least 3);
     where not even one comparison fits before it (:func:`no_time_to_compare`), the input is
     kept untimed and the returned dict says why (``"skipped"``). With ``layouts``,
-    the NHWC forms of the input and of the cheapest candidate are timed
+    the NHWC forms of the input, of the cheapest candidate and of a ``judged`` one are timed
     too (:func:`with_layouts`), and after them the NHWC form of whichever graph screened
     fastest, where that is another (on NasNet-A the fastest NCHW graph was not the
     cheapest estimate in one of three runs, and its NHWC form was never timed: 1.66x
@@ -438,7 +445,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     """
     graphs = measured_set(result, sample, deadline)
     if layouts:
-        graphs = with_layouts(graphs)
+        graphs = with_layouts(graphs, frozenset(c.graph.key for c in result.candidates
+                                                if getattr(c, "judged", False)))
     xs = _inputs_for(graphs[0][1])
     base, skipped = start_choice(result, graphs, deadline, lambda: compiled_run(graphs[0][1], xs),
                                  lambda run: time_function(run, repeats=1, warmup=0)[0],

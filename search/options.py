@@ -19,6 +19,7 @@ from typing import Any
 from taso_jax.search.backtracking import (
     SearchResult,
     add_analytic_candidate,
+    add_near_tie_candidate,
     backtracking_search,
 )
 from taso_jax.search.choose import choose_fastest
@@ -37,7 +38,9 @@ SEARCH_SHARE = 0.7
 
 #: Share of ``time_limit``, out of :data:`SEARCH_SHARE`, that a second search under the
 #: analytic cost model may use when the measured one is searched with an end-to-end choice
-#: (:func:`taso_jax.search.backtracking.add_analytic_candidate`).
+#: (:func:`taso_jax.search.backtracking.add_analytic_candidate`); the near-tie candidate
+#: (:func:`taso_jax.search.backtracking.add_near_tie_candidate`) may take as long again,
+#: out of the end-to-end choice's share.
 ANALYTIC_SHARE = 0.1
 
 #: Graphs besides the input that a search run here holds in ``result.visited`` (the
@@ -48,8 +51,9 @@ VISITED_HELD = 8
 #: Changes when the same options and rules can give another graph (kept graphs are cached on
 #: disk under it: :mod:`taso_jax.frontends.graph_cache`). 2: convolutions priced in NHWC on
 #: XLA:CPU, and the analytic search's best graph among the candidates. 3: the NHWC layout
-#: candidate runs pools in NHWC too.
-SEARCH_REVISION = 3
+#: candidate runs pools in NHWC too. 4: the best graph with its rules' near ties taken is
+#: a candidate (:func:`taso_jax.search.backtracking.add_near_tie_candidate`).
+SEARCH_REVISION = 4
 
 #: The runtimes a result can be made fast in.
 TARGETS = ("xla", "onnxruntime")
@@ -242,6 +246,8 @@ def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = 
     if second:
         add_analytic_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
                                budget=opts.budget, time_limit=opts.time_limit * ANALYTIC_SHARE)
+        add_near_tie_candidate(result, subs, cost_model,
+                               time_limit=opts.time_limit * ANALYTIC_SHARE)
     layouts = chooser is None and opts.layout_candidates and has_nchw_convolutions(graph)
     if opts.end_to_end > 0 and (len(result.candidates) > 1 or layouts):
         if chooser is None:

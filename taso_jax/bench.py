@@ -21,7 +21,11 @@ import numpy as np
 from taso_jax._io import atomic_write
 from taso_jax.ir.executor import MIN_SAMPLE_US
 from taso_jax.ir.graph import Graph
-from taso_jax.search.backtracking import add_analytic_candidate, backtracking_search
+from taso_jax.search.backtracking import (
+    add_analytic_candidate,
+    add_near_tie_candidate,
+    backtracking_search,
+)
 from taso_jax.search.choose import (
     choose_fastest,
     device_name,
@@ -40,16 +44,16 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
                 sample: int = 8, substitutions=None, layouts: bool = True) -> dict:
     """Optimize ``graph`` and time it against the original, for one row of the benchmark.
 
-    The search keeps its ``candidates`` cheapest graphs; they, the best graph of a second
-    search under the analytic cost model (:func:`add_analytic_candidate`, measured cost
-    models only), and the NHWC forms of the input and of the cheapest (``layouts``) are
-    timed end to end and the fastest confirmed faster is kept (:func:`choose_fastest`), as
-    ``taso-jax optimize`` does. The cost model's rank correlation is taken apart, over the
-    input and ``sample`` more of the graphs the search visited (never kept). Then the
-    original and the chosen graph are timed again, interleaved, ``repeats`` rounds or as
-    many as fit in :data:`FINAL_SECONDS` (at most :data:`MAX_FINAL_ROUNDS`; the input
-    alone when it is kept: the speedup is then exactly 1). Times are microseconds of one call of the
-    ``jax.jit``-compiled graph on the current device.
+    The search keeps its ``candidates`` cheapest graphs; they, the best graph of a second search
+    under the analytic cost model (:func:`add_analytic_candidate`, measured cost models only),
+    the best graph with its rules' near ties taken (:func:`add_near_tie_candidate`), and the
+    NHWC forms of the input and of the cheapest (``layouts``) are timed end to end and the
+    fastest confirmed faster is kept (:func:`choose_fastest`), as ``taso-jax optimize`` does.
+    The cost model's rank correlation is taken apart, over the input and ``sample`` more of the
+    graphs the search visited (never kept). Then the original and the chosen graph are timed
+    again, interleaved, ``repeats`` rounds or as many as fit in :data:`FINAL_SECONDS` (at most
+    :data:`MAX_FINAL_ROUNDS`; the input alone when it is kept: the speedup is then exactly 1).
+    Times are microseconds of one call of the ``jax.jit``-compiled graph on the current device.
 
     Returns a dictionary: ``model, device, operators_before/after, estimated_us_before/after,
     search_seconds, iterations, applied, original_us, optimized_us`` (each ``median_us``,
@@ -67,6 +71,7 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
                             time_limit=time_limit, keep=max(1, candidates))
     add_analytic_candidate(r, graph, subs, cost_model, budget=budget,
                            time_limit=time_limit * ANALYTIC_SHARE)
+    add_near_tie_candidate(r, subs, cost_model, time_limit=time_limit * ANALYTIC_SHARE)
     search_seconds = time.perf_counter() - t0  # both searches
     # The choice the optimizer makes (no sampled graphs among those it may keep)...
     e2e = choose_fastest(r, repeats=max(5, repeats // 5), layouts=layouts)

@@ -158,7 +158,7 @@ def test_to_nhwc_moves_every_convolution_and_cancels_the_transposes_between_them
     assert to_nhwc(h) is h  # nothing left to move
 
 
-def test_with_layouts_adds_the_nhwc_forms_of_the_input_and_the_cheapest_candidate():
+def test_with_layouts_adds_the_nhwc_forms_of_the_input_the_cheapest_and_a_judged_candidate():
     from taso_jax.search.choose import NHWC_LAYOUT, with_layouts
 
     args = (_x(2, 8, 6, 6), _x(8, 8, 3, 3, seed=1), _x(8, 8, 3, 3, seed=2),
@@ -169,3 +169,10 @@ def test_with_layouts_adds_the_nhwc_forms_of_the_input_and_the_cheapest_candidat
     assert out[1][1].op_counts()["conv2d_nhwc"] == 3
     dense = from_jax(lambda x, w: jnp.tanh(x @ w), _x(2, 4), _x(4, 3, seed=1), weight_argnums=1)
     assert with_layouts([(1.0, dense, ())]) == [(1.0, dense, ())]  # no convolution: as is
+    # a judged candidate (the near-tie one) gets its NHWC form too, wherever it stands
+    other = from_jax(lambda x, w: jnp.sin(x @ w), _x(2, 4), _x(4, 3, seed=1), weight_argnums=1)
+    graphs = [(1.0, dense, ()), (2.0, other, ()), (10.0, g, ("r",))]
+    assert with_layouts(graphs) == graphs
+    out = with_layouts(graphs, frozenset({g.key}))
+    assert len(out) == 4 and out[3][2] == ("r", NHWC_LAYOUT) and out[3][0] == 10.0
+    assert out[3][1].op_counts()["conv2d_nhwc"] == 3

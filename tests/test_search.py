@@ -499,6 +499,46 @@ def test_a_kernel_dearer_than_its_work_explains_is_priced_relative_to_a_smaller_
     assert cm.node_cost(matmul(2048)) == 110.0 and cm.retimed == 1  # within 1.1 x 2 x 56
 
 
+def test_the_best_graph_with_its_rules_near_ties_taken_is_a_candidate_judged_end_to_end():
+    """The search merges the two convolutions on ``x`` (priced cheaper merged), not those on
+    ``y`` (priced the same: a near tie it cannot see past); the near-tie candidate merges
+    both. It is timed even though its estimate ties the best graph's, and a rewrite priced
+    beyond the ratio is not taken."""
+    from taso_jax.search.backtracking import add_near_tie_candidate
+    from taso_jax.search.choose import measured_set
+    from taso_jax.search.cost import CostModel
+
+    b = taso_jax.new_graph(seed=0)
+    x, y = b.new_input((1, 8, 8, 8), name="x"), b.new_input((1, 16, 8, 8), name="y")
+    for t, c in ((x, 8), (x, 8), (y, 16), (y, 16)):
+        b.mark_output(b.conv2d(t, b.new_weight((c, c, 3, 3))))
+    g = b.graph()
+
+    class Priced(CostModel):  # (input channels, output channels) -> us; the rest is free
+        prices = {(8, 8): 10.0, (8, 16): 15.0, (16, 16): 10.0, (16, 32): 20.0}
+
+        def _cost(self, node):
+            if node.op != "conv2d":
+                return 0.0
+            return self.prices[(node.inputs[0].shape[1], node.types[0].shape[1])]
+
+    cm = Priced()
+    r = backtracking_search(g, SUBS, cm, budget=20, keep=1)
+    assert r.cost_after == 35.0 and sum(r.applied.values()) == 1
+    added = add_near_tie_candidate(r, SUBS, cm)
+    assert added is not None and added.judged and r.candidates[-1] is added
+    assert added.cost == 35.0 and len(added.path) == 2 and added.path[0] == added.path[1]
+    convs = [n for n in added.graph.nodes if n.op == "conv2d"]
+    assert sorted(n.types[0].shape[1] for n in convs) == [16, 32]
+    assert r.graph.key != added.graph.key and r.cost_after == 35.0  # the result unchanged
+    assert added.graph.key in {gr.key for _, gr, _ in measured_set(r)}  # despite the tie
+    assert add_near_tie_candidate(r, SUBS, cm) is None  # already a candidate
+    r2 = backtracking_search(g, SUBS, cm, budget=20, keep=1)
+    assert add_near_tie_candidate(r2, SUBS, cm, ratio=0.99) is None
+    r3 = backtracking_search(g, SUBS, AnalyticCostModel(), budget=0, greedy=False)
+    assert add_near_tie_candidate(r3, SUBS, cm) is None  # no rule on the path
+
+
 def test_a_trimmed_queue_finds_the_same_graph(monkeypatch):
     # The queue keeps its cheapest entries only; those further back are never popped, so a
     # search that trims hard ends where an untrimmed one does.
