@@ -700,10 +700,12 @@ def add_near_tie_candidate(result: SearchResult, substitutions: Sequence[Substit
     runs them. On TASO's NasNet-A on this project's 2-core CPU, the dense forms of the
     depthwise convolutions priced alone moved against the depthwise ones from one cold
     cache to the next (on 1x88x14x14, 5x5: 1.36x in one, 0.74x in another), and searches
-    made between 115 and 269 of them dense (1.59x-1.85x end to end). From one search's
+    made between 115 and 269 of them dense (1.59x-1.90x end to end). From one search's
     best graph (122 made dense), taking every rewrite of the rules on its path whose new
     kernels cost at most twice the ones it removes made 136 more dense: priced 1% dearer,
-    it ran 1.17x faster. (At up to four times the price: 1.05-1.12x slower.)
+    it ran 1.17x faster. (At up to four times the price: 1.05-1.12x slower.) In three
+    cold-cache runs under load its graph was kept once, and screened 7% behind the best
+    graph's twice: a second opinion for the device to settle, not a better estimate.
 
     Starting from ``result.graph``, rewrites of the rules on its path (``result.applied``)
     whose new kernels cost at most ``ratio`` times the kernels they remove are applied one
