@@ -146,16 +146,26 @@ def _estimate(graph: Graph, cost: float, rw: Rewrite, cost_model: CostModel,
     floors (:meth:`~taso_jax.search.cost.CostModel.node_floor`): a rewrite that reaches
     ``limit`` even so is returned at that lower bound, its new kernels never measured.
     """
-    nodes = graph.node_set
-    created = set(rw.created)
-    new = [n for n in created if n not in nodes and not n.weight_only]
-    removed = sum(cost_model.node_cost(n) for n in set(rw.match.nodes)
-                  if n not in created and not n.weight_only)
+    new, removed = _sides(graph, rw, cost_model)
     if limit is not None:
         floor = cost - removed + sum(cost_model.node_floor(n) for n in new)
         if floor >= limit:
             return floor
     return cost + sum(cost_model.node_cost(n) for n in new) - removed
+
+
+def _sides(graph: Graph, rw: Rewrite, cost_model: CostModel) -> tuple[list, float]:
+    """A prepared rewrite's new runtime nodes, and the price (us) of the nodes it removes.
+
+    The matched nodes disappear, but for those the target creates again; target nodes
+    already in the graph are shared, not new; weight-only nodes cost nothing.
+    """
+    nodes = graph.node_set
+    created = set(rw.created)
+    new = [n for n in created if n not in nodes and not n.weight_only]
+    removed = sum(cost_model.node_cost(n) for n in set(rw.match.nodes)
+                  if n not in created and not n.weight_only)
+    return new, removed
 
 
 def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
@@ -771,13 +781,8 @@ def add_near_tie_candidate(result: SearchResult, substitutions: Sequence[Substit
 
 def _within(graph: Graph, rw: Rewrite, cost_model: CostModel, ratio: float) -> bool:
     """Whether a rewrite's new kernels cost at most ``ratio`` times those it removes."""
-    nodes = graph.node_set
-    created = set(rw.created)
-    added = sum(cost_model.node_cost(n) for n in created
-                if n not in nodes and not n.weight_only)
-    removed = sum(cost_model.node_cost(n) for n in set(rw.match.nodes)
-                  if n not in created and not n.weight_only)
-    return added <= ratio * removed
+    new, removed = _sides(graph, rw, cost_model)
+    return sum(cost_model.node_cost(n) for n in new) <= ratio * removed
 
 
 def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
