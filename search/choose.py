@@ -377,7 +377,7 @@ def _measured_set(result, sample: int) -> list[tuple]:
     kept: list[float] = []
     for cand in sorted(candidates, key=lambda v: v.cost):
         c, g, path = cand
-        if g.key in chosen or (not getattr(cand, "judged", False) and any(
+        if g.key in chosen or (not cand.judged and any(
                 abs(c - k) <= ESTIMATE_TIE * max(k, 1e-9) for k in kept)):
             continue
         chosen[g.key] = (c, g, path)
@@ -446,7 +446,7 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     graphs = measured_set(result, sample, deadline)
     if layouts:
         graphs = with_layouts(graphs, frozenset(c.graph.key for c in result.candidates
-                                                if getattr(c, "judged", False)))
+                                                if c.judged))
     xs = _inputs_for(graphs[0][1])
     base, skipped = start_choice(result, graphs, deadline, lambda: compiled_run(graphs[0][1], xs),
                                  lambda run: time_function(run, repeats=1, warmup=0)[0],

@@ -663,9 +663,8 @@ def _bench(args) -> int:
     settings = {k: getattr(args, k) for k in ("cost_model", "budget", "time_limit", "repeats",
                                               "candidates", "sample", "small", "no_layouts")}
     # made as the optimizer makes it: on XLA:CPU with layout candidates, convolutions are
-    # priced in NHWC, the form the end-to-end choice keeps (an instance made here without
-    # it priced them in NCHW, and NasNet-A's searches made 59 to 269 grouped convolutions
-    # dense from one cold cache to the next)
+    # priced in NHWC, the form the end-to-end choice keeps (an instance made here priced
+    # them in NCHW, so the bench searched by other prices than the graphs it then ran)
     cost_model = OptimizeOptions(cost_model=args.cost_model,
                                  layout_candidates=not args.no_layouts).make_cost_model(
         **({"cache_path": args.cost_cache} if args.cost_cache else {}))
