@@ -4,7 +4,7 @@ of each graph is the one timed).
 
 Run: python benchmarks/taso_suite.py [MODEL ...] [--small] [--cost-model measured|analytic]
      [--no-scaling | --scaling-only] [--cost-cache FILE] [--fresh] [--out DIR]
-     [--time-limit S] [--candidates N] [--sample N]
+     [--time-limit S] [--candidates N] [--sample N] [--retime N]
 Writes benchmarks/results/<device>.json, .md and .png (see ``taso-jax bench --help``) and
 <device>_scaling.md. Rows of models not named are kept from an earlier run on the same
 device, so that the suite can run in pieces (a lent GPU machine allows 10 minutes a command).
@@ -73,6 +73,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--cost-cache", help="SQLite kernel cost cache (sets TASO_JAX_COST_CACHE)")
     ap.add_argument("--fresh", action="store_true", help="drop earlier rows of this device")
+    ap.add_argument("--retime", type=int, default=0, metavar="N",
+                    help="time each model's original and kept graph N more times")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--no-scaling", action="store_true", help="skip the depth scaling")
     mode.add_argument("--scaling-only", action="store_true", help="only the depth scaling")
@@ -84,7 +86,7 @@ def main() -> int:
         rc = cli(["bench", "--cost-model", args.cost_model, "--budget", str(args.budget),
                   "--repeats", str(args.repeats), "--out", args.out,
                   "--time-limit", str(args.time_limit), "--candidates", str(args.candidates),
-                  "--sample", str(args.sample),
+                  "--sample", str(args.sample), "--retime", str(args.retime),
                   "--models-dir", str(MODELS_DIR), *args.models]
                  + (["--small"] if args.small else []) + (["--fresh"] if args.fresh else []))
     if rc or args.no_scaling:

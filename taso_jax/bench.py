@@ -10,6 +10,7 @@ the measured times. The end-to-end choice itself is part of optimizing and lives
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import re
 import time
@@ -35,13 +36,14 @@ from taso_jax.search.choose import (
 )
 from taso_jax.search.options import ANALYTIC_SHARE, OptimizeOptions, usable_rules
 
-__all__ = ["bench_graph", "rule_family", "merge_rows", "read_results", "results_path",
-           "write_results", "format_table"]
+__all__ = ["bench_graph", "graph_digest", "rule_family", "merge_rows", "read_results",
+           "results_path", "write_results", "format_table"]
 
 
 def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 100,
                 time_limit: float = 60.0, repeats: int = 50, candidates: int = 4,
-                sample: int = 8, substitutions=None, layouts: bool = True) -> dict:
+                sample: int = 8, substitutions=None, layouts: bool = True,
+                retimes: int = 0) -> dict:
     """Optimize ``graph`` and time it against the original, for one row of the benchmark.
 
     The search keeps its ``candidates`` cheapest graphs; they, the best graph of a second search
@@ -54,12 +56,17 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
     again, interleaved, ``repeats`` rounds or as many as fit in :data:`FINAL_SECONDS` (at most
     :data:`MAX_FINAL_ROUNDS`; the input alone when it is kept: the speedup is then exactly 1).
     Times are microseconds of one call of the ``jax.jit``-compiled graph on the current device.
+    With ``retimes``, the same two graphs are timed that many more times, each as long as the
+    final timing: how far the speedup of one fixed pair moves between loops, apart from which
+    graph the search chose (a spread of runs with different choices mixes both).
 
     Returns a dictionary: ``model, device, operators_before/after, estimated_us_before/after,
     search_seconds, iterations, applied, original_us, optimized_us`` (each ``median_us``,
     ``min_us``, ``max_us``), ``speedup`` (the median of the per-round ratios, which a
     machine's drifting load does not bias), ``speedup_of_medians``, ``end_to_end`` (what
-    :func:`choose_fastest` measured, with the rank correlation). ``search_seconds`` covers
+    :func:`choose_fastest` measured, with the rank correlation), ``kept_digest`` (a content
+    hash of the graph kept, equal across processes for equal graphs: :func:`graph_digest`),
+    ``retimed_speedups`` (one per retime). ``search_seconds`` covers
     both searches (results written before this, on 2026-11-24, cover the measured one only).
     """
     opts = OptimizeOptions(budget=budget, time_limit=time_limit, cost_model=cost_model,
@@ -87,6 +94,9 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
     else:
         before, after = time_graphs([graph, r.graph], repeats=rounds)
         speedup = paired_speedup(before["times_us"], after["times_us"])["speedup"]
+    retimed = [1.0 if r.graph.key == graph.key else paired_speedup(
+        *(t["times_us"] for t in time_graphs([graph, r.graph], repeats=rounds)))["speedup"]
+        for _ in range(max(0, retimes))]
     before, after = ({k: v for k, v in t.items() if k != "times_us"} for t in (before, after))
     return {
         "model": name, "device": device_name(),
@@ -101,7 +111,28 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
         "speedup": speedup,
         "speedup_of_medians": before["median_us"] / after["median_us"],
         "end_to_end": e2e,
+        "kept_digest": graph_digest(r.graph),
+        "retimed_speedups": retimed,
     }
+
+
+def graph_digest(graph: Graph) -> str:
+    """A short content hash of ``graph`` (12 hex digits of SHA-256), equal across processes.
+
+    Built over the operators in topological order: each operator's name, attributes, output
+    types and the digests of its inputs, so two graphs with the same operators wired the same
+    way get the same digest however they were reached. Weight values are not hashed (weights
+    are named; a rewrite's new weights are operators over them). Used to tell whether two runs
+    of the search kept the same graph. An opaque region is hashed by its callable's ``repr``,
+    which may hold a memory address: graphs with opaque regions may differ between processes.
+    """
+    seen: dict = {}
+    for n in graph.nodes:
+        ins = ",".join(f"{seen[t.node]}:{t.index}" for t in n.inputs)
+        text = f"{n.op}|{n.attrs!r}|{[(t.shape, t.dtype) for t in n.types]!r}|{ins}"
+        seen[n] = hashlib.sha256(text.encode()).hexdigest()[:16]
+    outs = ",".join(f"{seen[t.node]}:{t.index}" for t in graph.outputs)
+    return hashlib.sha256(outs.encode()).hexdigest()[:12]
 
 
 #: Seconds the final timing of :func:`bench_graph` aims at (more rounds for short calls).

@@ -675,13 +675,18 @@ def _bench(args) -> int:
         row = bench_graph(name, graph, cost_model=cost_model, budget=args.budget,
                           time_limit=args.time_limit, repeats=args.repeats,
                           candidates=args.candidates, sample=args.sample,
-                          layouts=not args.no_layouts)
+                          layouts=not args.no_layouts, retimes=args.retime)
         e = row["end_to_end"]
         print(f"{name}: {row['original_us']['median_us'] / 1e3:.2f} ms -> "
               f"{row['optimized_us']['median_us'] / 1e3:.2f} ms ({row['speedup']:.2f}x); "
               f"search {row['search_seconds']:.1f} s; measured {e['measured']} graphs"
               f"{', original kept (no candidate faster)' if e['original_kept'] else ''}",
               flush=True)
+        if row["retimed_speedups"]:
+            again = row["retimed_speedups"]
+            print(f"{name}: graph {row['kept_digest']} retimed {len(again)} times: "
+                  f"{', '.join(f'{x:.2f}x' for x in again)} (spread {max(again) - min(again):.2f})",
+                  flush=True)
         rows.append({**row, "settings": settings})
         # written after each model, so that a run cut off (a lent machine's time limit)
         # keeps the rows it finished
@@ -834,6 +839,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-layouts", action="store_true",
                    help="do not time the NHWC forms of the graphs with convolutions "
                         "(default: timed as candidates, see layout_candidates)")
+    b.add_argument("--retime", type=int, default=0, metavar="N",
+                   help="time the original and the kept graph N more times, each as long as "
+                        "the final timing, to see how far one fixed pair's speedup moves (0)")
     return p
 
 

@@ -27,10 +27,11 @@ def test_bench_runs_and_writes_well_formed_results(tmp_path, capsys):
     out = tmp_path / "results"
     # the suite in two pieces, as on a lent GPU machine (10 minutes a command): the second
     # run keeps the first one's row
-    for model in ("resnext50", "nasrnn"):
+    for model, retime in (("resnext50", "0"), ("nasrnn", "2")):
         assert main(["bench", "--small", "--cost-model", "analytic", "--repeats", "20",
-                     "--budget", "10", "--out", str(out), model]) == 0
+                     "--budget", "10", "--out", str(out), "--retime", retime, model]) == 0
     text = capsys.readouterr().out
+    assert "nasrnn: graph " in text and "retimed 2 times" in text
     assert "kept from the earlier results on this device: resnext50" in text
     assert text.rindex("| nasrnn |") > text.rindex("| resnext50 |")  # registry order
     (j,) = out.glob("*.json")
@@ -48,10 +49,33 @@ def test_bench_runs_and_writes_well_formed_results(tmp_path, capsys):
         assert a["median_us"] <= o["median_us"] + (o["max_us"] - o["min_us"]), r["model"]
         e = r["end_to_end"]
         assert len(e["times_us"]) == len(e["estimates_us"]) == e["measured"] >= 1
+    assert rows["resnext50"]["retimed_speedups"] == []
+    (a, b) = rows["nasrnn"]["retimed_speedups"]
+    assert a > 0 and b > 0
+    assert all(len(r["kept_digest"]) == 12 for r in rows.values())
     # NasRNN's eight matmuls per input merge (TASO's headline rewrite for it)
     assert any(k.startswith("merge-matmul-matmul") for k in rows["nasrnn"]["applied"])
     assert j.with_suffix(".md").read_text().count("|") > 20
     assert j.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_graph_digest_names_a_graph_by_its_content():
+    """Two graphs built apart with the same operators get one digest; a rewrite changes it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from models import MODELS
+    from taso_jax.search import backtracking_search, get_cost_model
+
+    from taso_jax.bench import graph_digest
+
+    a, b = (MODELS["nasrnn"].build(**MODELS["nasrnn"].SMALL) for _ in range(2))
+    assert graph_digest(a) == graph_digest(b)
+    assert graph_digest(a) != graph_digest(MODELS["nasrnn"].build())  # other shapes
+    subs = [s for s in taso_jax.default_substitutions() if s.proof_status == "proved"]
+    r = backtracking_search(a, subs, get_cost_model("analytic"), budget=3)
+    assert r.graph.key != a.key and graph_digest(r.graph) != graph_digest(a)
 
 
 def test_merge_rows_keeps_other_models_at_the_same_size_only():
