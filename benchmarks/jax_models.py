@@ -9,6 +9,9 @@ For each model, in a fresh persistent graph cache:
   user calls them, in one loop, interleaved in alternating order (medians, min and max of
   ``--repeats`` rounds, in microseconds; the speedup is the median of the per-round ratios,
   which the machine's drifting load does not bias);
+* for models with a hand-rewritten form (``jax_models.HAND_REWRITTEN``: NasRNN with its
+  matmuls merged by hand), ``jax.jit`` of that form in the same loop: the speedup a person
+  gets by hand on this machine, the ceiling to read the optimized speedup against;
 * the first call in a second process that shares the graph cache (``--no-second-process``
   skips it);
 * the decorator's per-call overhead over ``jax.jit`` where it runs the original: the median
@@ -70,8 +73,13 @@ def bench(name: str, repeats: int, budget: int, time_limit: float, cost_model: s
     if opt.fallback_reason:
         raise SystemExit(f"{name}: fell back to jax.jit: {opt.fallback_reason}")
     ref = jax.jit(fn)
-    ta, tb = time_interleaved([lambda: ref(weights, *inputs), lambda: opt(weights, *inputs)],
-                              repeats, warmup=2)
+    fns = [lambda: ref(weights, *inputs), lambda: opt(weights, *inputs)]
+    hand = jax_models.HAND_REWRITTEN.get(name)
+    if hand is not None:
+        hand_fn, hand_weights = hand(fn, weights, inputs)
+        hand_fn = jax.jit(hand_fn)
+        fns.append(lambda: hand_fn(hand_weights, *inputs))
+    ta, tb, *th = time_interleaved(fns, repeats, warmup=2)
     ratios = np.asarray(ta) / np.asarray(tb)
     r = opt._last.result
     row = {"model": name, "operators_before": sum(opt.graph.op_counts().values()),
@@ -84,6 +92,9 @@ def bench(name: str, repeats: int, budget: int, time_limit: float, cost_model: s
            "rounds_won": int(np.sum(ratios > 1.0)), "repeats": repeats,
            "runs": "jax.jit original" if opt.original_kept else "optimized",
            "max_abs_err": opt._last.report["check"]["max_abs_err"]}
+    if th:
+        row["hand_us"] = float(np.median(th[0]))
+        row["hand_speedup"] = float(np.median(np.asarray(ta) / np.asarray(th[0])))
     if second_process:
         cmd = [sys.executable, __file__, "--second-process", name, "--budget", str(budget),
                "--time-limit", str(time_limit), "--cost-model", cost_model]
@@ -143,17 +154,19 @@ def main(argv=None) -> int:
           f"cost model; times: median (min-max) of {a.repeats} interleaved rounds; speedup: "
           "median of the per-round ratios\n")
     print("| model | operators | jax.jit (us) | optimized (us) | speedup | rounds won | runs | "
-          "first call | of which search | second process | substitutions applied |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "by hand | first call | of which search | second process | substitutions applied |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ap = ", ".join(f"{k} x{v}" for k, v in
                        sorted(r["applied"].items(), key=lambda kv: -kv[1])[:3]) or "none"
         j, o = r["jit_us"], r["optimized_us"]
         sp = r.get("second_process")
         second = f"{sp['seconds']:.1f} s" + ("" if sp["cache_hit"] else " (miss)") if sp else "-"
+        by_hand = f"{r['hand_speedup']:.2f}x" if "hand_speedup" in r else "-"
         print(f"| {r['model']} | {r['operators_before']} -> {r['operators_after']} | "
               f"{j[0]:.0f} ({j[1]:.0f}-{j[2]:.0f}) | {o[0]:.0f} ({o[1]:.0f}-{o[2]:.0f}) | "
               f"{r['speedup']:.2f}x | {r['rounds_won']}/{r['repeats']} | {r['runs']} | "
+              f"{by_hand} | "
               f"{r['first_call_s']:.1f} s | "
               f"{r['first_call_stages_s'].get('search', 0.0):.1f} s | {second} | {ap} |")
     for r in rows:

@@ -238,6 +238,27 @@ def make_nasrnn(batch: int = 1, hidden: int = 512, steps: int = 4):
     return fn, weights, (xs, h0)
 
 
+def hand_merged_nasrnn(fn, weights, inputs):
+    """NasRNN (either form) rewritten by hand as TASO's merges leave it: per step one
+    ``x @ Wx + h @ Wh`` with the eight weights of each side concatenated ahead of time, then
+    split. A ceiling to read the optimizer's speedup against, timed in the same loop.
+
+    Returns ``(hand_fn, hand_weights)``: call ``hand_fn(hand_weights, *inputs)``.
+    """
+    merged = {"wx": jnp.concatenate(weights["wx"], axis=1),
+              "wh": jnp.concatenate(weights["wh"], axis=1)}
+
+    def hand(w, xs, h):
+        for t in range(xs.shape[0]):
+            m = jnp.split(xs[t] @ w["wx"] + h @ w["wh"], 8, axis=-1)
+            s = [jax.nn.sigmoid(m[0]) * jnp.tanh(m[1]), jax.nn.relu(m[2]) * jax.nn.sigmoid(m[3]),
+                 jax.nn.sigmoid(m[4]) * jnp.tanh(m[5]), jnp.tanh(m[6]) * jax.nn.relu(m[7])]
+            h = jnp.tanh((s[0] + s[1]) * (s[2] + s[3]))
+        return h
+
+    return hand, merged
+
+
 def make_nasrnn_1d(hidden: int = 512, steps: int = 2):
     """The NasRNN cell of :func:`make_nasrnn` on 1-D vectors: ``x`` and ``h`` of shape
     ``(hidden,)``, so every matmul is ``vector @ matrix``."""
@@ -334,3 +355,7 @@ MODELS = {"flax_resnet50": make_flax_resnet50, "flax_bert_block": make_flax_bert
           "flax_lstm": make_flax_lstm, "flax_vit_block": make_flax_vit_block,
           "eqx_attention": make_eqx_attention, "flax_causal_lm": make_flax_causal_lm,
           "flax_cnn_bn": make_flax_cnn_bn, "stax_resnet": make_stax_resnet}
+
+#: Hand-rewritten forms of some models (``(fn, weights, inputs) -> (fn, weights)``): the
+#: rewrite the optimizer should find, written by hand, to time beside it.
+HAND_REWRITTEN = {"nasrnn": hand_merged_nasrnn, "nasrnn_1d": hand_merged_nasrnn}
