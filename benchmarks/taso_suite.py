@@ -22,9 +22,10 @@ from pathlib import Path
 MODELS_DIR = Path(__file__).resolve().parent.parent / "examples" / "models"
 sys.path.insert(0, str(MODELS_DIR.parent))
 from models import MODELS  # noqa: E402
-from taso_jax.search import backtracking_search, get_cost_model  # noqa: E402
+from taso_jax.search import backtracking_search  # noqa: E402
 from taso_jax.search.choose import device_name  # noqa: E402
 from taso_jax.search.cost import COST_CACHE_ENV  # noqa: E402
+from taso_jax.search.options import OptimizeOptions  # noqa: E402
 
 import taso_jax  # noqa: E402
 from taso_jax._io import atomic_write  # noqa: E402
@@ -43,8 +44,12 @@ def _deeper(name: str, k: int, small: bool) -> dict:
 
 
 def depth_scaling(cost_model: str, small: bool, budget: int) -> list[dict]:
-    """Search seconds on ResNet-50 (stages) and NasNet-A (cells) repeated 1, 2 and 4 times."""
-    cm = get_cost_model(cost_model)
+    """Search seconds on ResNet-50 (stages) and NasNet-A (cells) repeated 1, 2 and 4 times.
+
+    The cost model is made as the optimizer and ``taso-jax bench`` make it (on XLA:CPU,
+    convolutions priced in NHWC, the layout the end-to-end choice keeps).
+    """
+    cm = OptimizeOptions(cost_model=cost_model).make_cost_model()
     subs = [s for s in taso_jax.default_substitutions() if s.proof_status == "proved"]
     rows = []
     for name in ("resnet50", "nasnet_a"):
