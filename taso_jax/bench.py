@@ -36,8 +36,8 @@ from taso_jax.search.choose import (
 )
 from taso_jax.search.options import ANALYTIC_SHARE, OptimizeOptions, usable_rules
 
-__all__ = ["bench_graph", "graph_digest", "rule_family", "merge_rows", "read_results",
-           "results_path", "write_results", "format_table"]
+__all__ = ["bench_graph", "search_and_choose", "graph_digest", "rule_family", "merge_rows",
+           "read_results", "results_path", "write_results", "format_table"]
 
 
 def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 100,
@@ -71,17 +71,8 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
     """
     opts = OptimizeOptions(budget=budget, time_limit=time_limit, cost_model=cost_model,
                            substitutions=substitutions, layout_candidates=layouts)
-    subs, _ = usable_rules(opts.load_rules(), allow_unverified=False)
-    t0 = time.perf_counter()
-    cost_model = opts.make_cost_model()
-    r = backtracking_search(graph, subs, cost_model, budget=budget,
-                            time_limit=time_limit, keep=max(1, candidates))
-    add_analytic_candidate(r, graph, subs, cost_model, budget=budget,
-                           time_limit=time_limit * ANALYTIC_SHARE)
-    add_near_tie_candidate(r, subs, cost_model, time_limit=time_limit * ANALYTIC_SHARE)
-    search_seconds = time.perf_counter() - t0  # both searches
-    # The choice the optimizer makes (no sampled graphs among those it may keep)...
-    e2e = choose_fastest(r, repeats=max(5, repeats // 5), layouts=layouts)
+    r, e2e, search_seconds = search_and_choose(graph, opts, repeats=repeats,
+                                               candidates=candidates)
     if sample > 0:  # ...and the cost model's rank correlation over more graphs, apart
         e2e.update(_rank_correlation(r, sample))
     # Short calls get more rounds: under load the median of 50 per-round ratios of a 3 ms
@@ -114,6 +105,31 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
         "kept_digest": graph_digest(r.graph),
         "retimed_speedups": retimed,
     }
+
+
+def search_and_choose(graph: Graph, opts: OptimizeOptions, repeats: int = 50,
+                      candidates: int = 4) -> tuple:
+    """The bench's search and end-to-end choice for ``graph``, as ``taso-jax optimize`` makes them.
+
+    A backtracking search keeping its ``candidates`` cheapest graphs under the options' cost
+    model (``opts.make_cost_model()``), the analytic and near-tie candidates, then
+    :func:`choose_fastest` with ``max(5, repeats // 5)`` rounds, NHWC forms included where
+    ``opts.layout_candidates``. Proved rules only. Returns ``(result, end_to_end, seconds)``:
+    the :class:`~taso_jax.search.SearchResult` whose ``graph`` is the graph kept, what
+    :func:`choose_fastest` measured, and the seconds of both searches.
+    """
+    subs, _ = usable_rules(opts.load_rules(), allow_unverified=False)
+    t0 = time.perf_counter()
+    cost_model = opts.make_cost_model()
+    r = backtracking_search(graph, subs, cost_model, budget=opts.budget,
+                            time_limit=opts.time_limit, keep=max(1, candidates))
+    add_analytic_candidate(r, graph, subs, cost_model, budget=opts.budget,
+                           time_limit=opts.time_limit * ANALYTIC_SHARE)
+    add_near_tie_candidate(r, subs, cost_model, time_limit=opts.time_limit * ANALYTIC_SHARE)
+    search_seconds = time.perf_counter() - t0  # both searches
+    # The choice the optimizer makes (no sampled graphs among those it may keep)
+    e2e = choose_fastest(r, repeats=max(5, repeats // 5), layouts=opts.layout_candidates)
+    return r, e2e, search_seconds
 
 
 def graph_digest(graph: Graph) -> str:
