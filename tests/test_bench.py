@@ -484,6 +484,42 @@ def test_a_timing_loop_of_short_calls_runs_more_rounds_when_asked():
     assert 3 < len(longer[0]) == len(longer[1]) <= 15
 
 
+def test_every_function_of_a_timing_loop_takes_every_position_alike():
+    import time as _time
+    from collections import Counter
+
+    from taso_jax.ir.executor import time_interleaved
+
+    calls: list[str] = []
+
+    def timed(name):
+        def f():
+            calls.append(name)
+            _time.sleep(0.006)  # one call fills a sample: one call per function a round
+        return f
+
+    for names in ("ab", "abc", "abcd"):
+        calls.clear()
+        n = len(names)
+        time_interleaved([timed(c) for c in names], repeats=2 * n, warmup=0)
+        rounds = [calls[len(calls) - 2 * n * n:][i:i + n] for i in range(0, 2 * n * n, n)]
+        # each function first, second, ... equally often
+        for pos in range(n):
+            assert Counter(r[pos] for r in rounds) == Counter({c: 2 for c in names})
+        # with three or more, no function runs twice in a row (its weights still cached),
+        # and each runs after each of its neighbours in the list equally often
+        if n > 2:
+            flat = [c for r in rounds for c in r]
+            assert all(a != b for a, b in zip(flat, flat[1:], strict=False))
+            after = Counter((r[i - 1], r[i]) for r in rounds for i in range(1, n))
+            for i, c in enumerate(names):
+                before, behind = names[i - 1], names[(i + 1) % n]
+                assert after[(before, c)] + after[(behind, c)] == 2 * (n - 1)
+                assert abs(after[(before, c)] - after[(behind, c)]) <= 1
+        else:  # two: the order reversed every other round, as before
+            assert rounds[:2] == [["a", "b"], ["b", "a"]]
+
+
 def test_no_candidate_is_timed_where_one_comparison_cannot_end_before_the_deadline():
     import time
 

@@ -415,15 +415,16 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
     """Microseconds per call of each ``fn()``, sampled round robin ``repeats`` times.
 
     Each is warmed up first; interleaving makes machine noise hit all of them alike, so
-    their medians can be compared (a ratio taken in one loop); the order is reversed every
-    other round, so no function always runs first. A sample is the mean of enough calls
-    (each one blocked on) that the fastest function's sample lasts ``min_sample_us``
-    (default :data:`MIN_SAMPLE_US`): one call of a 2 ms function on 2 shared cores varies
-    by +-50% from call to call, and a round's verdict then says little. With a
-    ``deadline`` (a ``time.perf_counter()`` value) the rounds stop once it has passed and at
-    least :data:`MIN_ROUNDS` were run. With ``min_seconds``, rounds go on past ``repeats``
-    until the loop has lasted that long, up to ``5 * repeats`` rounds: short calls get
-    more rounds, long ones no more.
+    their medians can be compared (a ratio taken in one loop); the rounds rotate the order,
+    forwards then backwards, so every function runs in every position, and after each of
+    its neighbours in ``fns``, equally often. A sample
+    is the mean of enough calls (each one blocked on) that the fastest function's sample
+    lasts ``min_sample_us`` (default :data:`MIN_SAMPLE_US`): one call of a 2 ms function
+    on 2 shared cores varies by +-50% from call to call, and a round's verdict then says
+    little. With a ``deadline`` (a ``time.perf_counter()`` value) the rounds stop once it
+    has passed and at least :data:`MIN_ROUNDS` were run. With ``min_seconds``, rounds go on
+    past ``repeats`` until the loop has lasted that long, up to ``5 * repeats`` rounds:
+    short calls get more rounds, long ones no more.
     """
     block = _blocker()
     for _ in range(warmup):
@@ -434,15 +435,26 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
     calls = max(1, min(MAX_CALLS, math.ceil(want / max(min(once), 1.0))))
     times: list[list[float]] = [[] for _ in fns]
     pairs = list(zip(fns, times, strict=True))
+    orders = [pairs[k:] + pairs[:k] for k in range(len(pairs))]
+    if len(pairs) > 2:
+        back = pairs[::-1]
+        orders += [back[k:] + back[:k] for k in range(len(back))]
     started = time.perf_counter()
     for r in range(5 * repeats if min_seconds > 0 else repeats):
         if deadline is not None and r >= MIN_ROUNDS and time.perf_counter() > deadline:
             break
         if r >= repeats and time.perf_counter() - started >= min_seconds:
             break
-        # every other round in reverse order: the function run second in a round measured
-        # 3-5% slower than the same function run first (flax BERT block, 2 cores)
-        for fn, ts in (pairs if r % 2 == 0 else reversed(pairs)):
+        # each round starts one function further on, the functions in order, then as many
+        # rounds in reverse order: every function runs in every position, and after each of
+        # its neighbours in the list, equally often. The function run second in a round
+        # measured 3-5% slower than the same function run first (flax BERT block, 2 cores),
+        # and the function run just before matters too: on a 1-D NasRNN (16 MB of weights,
+        # a 32 MB cache) one compiled function measured 1.59x when it always ran right after
+        # jax.jit of the original, and 1.94-2.07x when it ran after a function sharing its
+        # weights (docs/benchmarks.md, 2026-11-27). For two functions this is the order
+        # reversed every other round, as before.
+        for fn, ts in orders[r % len(orders)]:
             t0 = time.perf_counter()
             for _ in range(calls):
                 block(fn())
