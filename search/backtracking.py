@@ -47,7 +47,8 @@ from taso_jax.search.rules import Substitution
 from taso_jax.ir.graph import Graph, Tensor
 
 __all__ = ["SearchResult", "SearchState", "Candidate", "backtracking_search", "greedy_descent",
-           "add_analytic_candidate", "add_near_tie_candidate", "NEAR_TIE"]
+           "add_analytic_candidate", "add_near_tie_candidate", "add_ablation_candidate",
+           "NEAR_TIE"]
 
 
 @dataclass(frozen=True)
@@ -775,6 +776,51 @@ def add_near_tie_candidate(result: SearchResult, substitutions: Sequence[Substit
     finally:
         if timed:
             cost_model.deadline = before
+    result.candidates.append(added)
+    return added
+
+
+def add_ablation_candidate(result: SearchResult, graph: Graph,
+                           substitutions: Sequence[Substitution], cost_model: CostModel,
+                           alpha: float = 1.05, budget: int = 100,
+                           time_limit: float = 6.0) -> Candidate | None:
+    """Search ``graph`` again without one rule that every candidate applies; add its best.
+
+    A rule can price well kernel by kernel and lose in the whole graph, and when every
+    candidate applies it the end-to-end choice never times a graph without it. On a 1-D
+    NasRNN on this project's 2-core CPU, stacking two steps' inputs into one 2-row matmul
+    (``merge-matmul-matmul-3``) priced 250 us against 375 us for two 1-row matmuls measured
+    alone, and every one of the search's five candidates stacked them; the graph merged
+    without stacking ran 1.59-1.82x faster than ``jax.jit`` of the original where the
+    stacked one ran 1.22-1.47x, in the same loops (docs/benchmarks.md, 2026-11-27).
+
+    The rule left out is, among those on every candidate's path, the one the candidates
+    apply least often in all (a structural choice made in a few places rather than the
+    bulk of the rewrites; ties by name). A search under ``cost_model`` with the other
+    rules, limited to ``time_limit`` seconds, gives a graph that, when another than the
+    input and the candidates already kept, is appended to ``result.candidates`` with
+    ``judged`` set: the end-to-end choice times it like any candidate and keeps it only if
+    it runs faster. ``result.graph`` is not changed.
+
+    Returns the candidate added, or ``None`` (no rule on every candidate's path, or nothing
+    new found).
+    """
+    paths = [c.path for c in result.candidates if c.path]
+    if not paths:
+        return None
+    shared = set(paths[0]).intersection(*map(set, paths[1:]))
+    if not shared:
+        return None
+    uses = Counter(name for p in paths for name in p)
+    left_out = min(shared, key=lambda name: (uses[name], name))
+    rest = [s for s in substitutions if s.name != left_out]
+    second = backtracking_search(graph, rest, cost_model, alpha=alpha, budget=budget,
+                                 time_limit=time_limit, keep=1)
+    if second.graph.key in {graph.key, *(c.graph.key for c in result.candidates)}:
+        return None
+    path = next((c.path for c in second.candidates if c.graph.key == second.graph.key),
+                tuple(name for name, k in second.applied.items() for _ in range(k)))
+    added = Candidate(second.cost_after, second.graph, path, judged=True)
     result.candidates.append(added)
     return added
 

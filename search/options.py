@@ -18,6 +18,7 @@ from typing import Any
 
 from taso_jax.search.backtracking import (
     SearchResult,
+    add_ablation_candidate,
     add_analytic_candidate,
     add_near_tie_candidate,
     backtracking_search,
@@ -40,7 +41,8 @@ SEARCH_SHARE = 0.7
 #: analytic cost model may use when the measured one is searched with an end-to-end choice
 #: (:func:`taso_jax.search.backtracking.add_analytic_candidate`); the near-tie candidate
 #: (:func:`taso_jax.search.backtracking.add_near_tie_candidate`) may take as long again,
-#: out of the end-to-end choice's share.
+#: out of the end-to-end choice's share, and so may the search without one rule
+#: (:func:`taso_jax.search.backtracking.add_ablation_candidate`), where time is left.
 ANALYTIC_SHARE = 0.1
 
 #: Graphs besides the input that a search run here holds in ``result.visited`` (the
@@ -52,8 +54,10 @@ VISITED_HELD = 8
 #: disk under it: :mod:`taso_jax.frontends.graph_cache`). 2: convolutions priced in NHWC on
 #: XLA:CPU, and the analytic search's best graph among the candidates. 3: the NHWC layout
 #: candidate runs pools in NHWC too. 4: the best graph with its rules' near ties taken is
-#: a candidate (:func:`taso_jax.search.backtracking.add_near_tie_candidate`).
-SEARCH_REVISION = 4
+#: a candidate (:func:`taso_jax.search.backtracking.add_near_tie_candidate`). 5: so is the
+#: best graph of a search without one rule every candidate applies
+#: (:func:`taso_jax.search.backtracking.add_ablation_candidate`).
+SEARCH_REVISION = 5
 
 #: The runtimes a result can be made fast in.
 TARGETS = ("xla", "onnxruntime")
@@ -248,6 +252,13 @@ def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = 
                                budget=opts.budget, time_limit=opts.time_limit * ANALYTIC_SHARE)
         add_near_tie_candidate(result, subs, cost_model,
                                time_limit=opts.time_limit * ANALYTIC_SHARE)
+        # a search without one rule every candidate applies, only where the end-to-end
+        # choice keeps its whole share of the time limit after it
+        if deadline - time.perf_counter() >= opts.time_limit * (1 - SEARCH_SHARE
+                                                                 + ANALYTIC_SHARE):
+            add_ablation_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
+                                   budget=opts.budget,
+                                   time_limit=opts.time_limit * ANALYTIC_SHARE)
     layouts = chooser is None and opts.layout_candidates and has_nchw_convolutions(graph)
     if opts.end_to_end > 0 and (len(result.candidates) > 1 or layouts):
         if chooser is None:

@@ -23,6 +23,7 @@ from taso_jax._io import atomic_write
 from taso_jax.ir.executor import MIN_SAMPLE_US
 from taso_jax.ir.graph import Graph
 from taso_jax.search.backtracking import (
+    add_ablation_candidate,
     add_analytic_candidate,
     add_near_tie_candidate,
     backtracking_search,
@@ -48,7 +49,9 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
 
     The search keeps its ``candidates`` cheapest graphs; they, the best graph of a second search
     under the analytic cost model (:func:`add_analytic_candidate`, measured cost models only),
-    the best graph with its rules' near ties taken (:func:`add_near_tie_candidate`), and the
+    the best graph with its rules' near ties taken (:func:`add_near_tie_candidate`), the
+    best graph of a search without one rule every candidate applies
+    (:func:`add_ablation_candidate`), and the
     NHWC forms of the input and of the cheapest (``layouts``) are timed end to end and the
     fastest confirmed faster is kept (:func:`choose_fastest`), as ``taso-jax optimize`` does.
     The cost model's rank correlation is taken apart, over the input and ``sample`` more of the
@@ -66,8 +69,9 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
     machine's drifting load does not bias), ``speedup_of_medians``, ``end_to_end`` (what
     :func:`choose_fastest` measured, with the rank correlation), ``kept_digest`` (a content
     hash of the graph kept, equal across processes for equal graphs: :func:`graph_digest`),
-    ``retimed_speedups`` (one per retime). ``search_seconds`` covers
-    both searches (results written before this, on 2026-11-24, cover the measured one only).
+    ``retimed_speedups`` (one per retime). ``search_seconds`` covers every search: the
+    measured one and the analytic one (results written before 2026-11-24 cover the measured
+    one only), and since 2026-11-27 the search without one rule.
     """
     opts = OptimizeOptions(budget=budget, time_limit=time_limit, cost_model=cost_model,
                            substitutions=substitutions, layout_candidates=layouts)
@@ -112,11 +116,11 @@ def search_and_choose(graph: Graph, opts: OptimizeOptions, repeats: int = 50,
     """The bench's search and end-to-end choice for ``graph``, as ``taso-jax optimize`` makes them.
 
     A backtracking search keeping its ``candidates`` cheapest graphs under the options' cost
-    model (``opts.make_cost_model()``), the analytic and near-tie candidates, then
+    model (``opts.make_cost_model()``), the analytic, near-tie and ablation candidates, then
     :func:`choose_fastest` with ``max(5, repeats // 5)`` rounds, NHWC forms included where
     ``opts.layout_candidates``. Proved rules only. Returns ``(result, end_to_end, seconds)``:
     the :class:`~taso_jax.search.SearchResult` whose ``graph`` is the graph kept, what
-    :func:`choose_fastest` measured, and the seconds of both searches.
+    :func:`choose_fastest` measured, and the seconds of the searches (all of them).
     """
     subs, _ = usable_rules(opts.load_rules(), allow_unverified=False)
     t0 = time.perf_counter()
@@ -126,7 +130,9 @@ def search_and_choose(graph: Graph, opts: OptimizeOptions, repeats: int = 50,
     add_analytic_candidate(r, graph, subs, cost_model, budget=opts.budget,
                            time_limit=opts.time_limit * ANALYTIC_SHARE)
     add_near_tie_candidate(r, subs, cost_model, time_limit=opts.time_limit * ANALYTIC_SHARE)
-    search_seconds = time.perf_counter() - t0  # both searches
+    add_ablation_candidate(r, graph, subs, cost_model, budget=opts.budget,
+                           time_limit=opts.time_limit * ANALYTIC_SHARE)
+    search_seconds = time.perf_counter() - t0  # every search
     # The choice the optimizer makes (no sampled graphs among those it may keep)
     e2e = choose_fastest(r, repeats=max(5, repeats // 5), layouts=opts.layout_candidates)
     return r, e2e, search_seconds

@@ -539,6 +539,54 @@ def test_the_best_graph_with_its_rules_near_ties_taken_is_a_candidate_judged_end
     assert add_near_tie_candidate(r3, SUBS, cm) is None  # no rule on the path
 
 
+def test_a_search_without_the_rule_every_candidate_applies_adds_a_judged_candidate():
+    """Four matmuls: two inputs by two weights. Stacking the inputs (rows) and concatenating
+    the weights (columns) each merge them; a cost model that prices only matmuls, 10 us each,
+    leads every candidate through both rules. The ablation candidate is the best graph of a
+    search without the one the candidates apply least often: its path has none of it."""
+    from taso_jax.search.backtracking import add_ablation_candidate
+    from taso_jax.search.choose import measured_set
+    from taso_jax.search.cost import CostModel
+
+    b = taso_jax.new_graph(seed=0)
+    x1, x2 = b.new_input((1, 8), name="x1"), b.new_input((1, 8), name="x2")
+    w1, w2 = b.new_weight((8, 8)), b.new_weight((8, 8))
+    for x in (x1, x2):
+        for w in (w1, w2):
+            b.mark_output(b.matmul(x, w))
+    g = b.graph()
+
+    class MatmulsOnly(CostModel):
+        def _cost(self, node):
+            return 10.0 if node.op == "matmul" else 0.0
+
+    cm = MatmulsOnly()
+    # the general forms of the two merges (the rule set also holds a narrower column merge,
+    # which would stand in for the general one left out)
+    rules = [s for s in SUBS if s.name in ("merge-matmul-matmul-2", "merge-matmul-matmul-3")]
+    assert len(rules) == 2
+    r = backtracking_search(g, rules, cm, budget=50, keep=3)
+    assert r.cost_after == 10.0  # one matmul left
+    paths = [c.path for c in r.candidates]
+    shared = set(paths[0]).intersection(*map(set, paths[1:]))
+    assert shared
+    uses = Counter(name for p in paths for name in p)
+    left_out = min(shared, key=lambda name: (uses[name], name))
+    added = add_ablation_candidate(r, g, rules, cm, budget=50)
+    assert added is not None and added.judged and r.candidates[-1] is added
+    assert left_out not in added.path and added.path
+    assert added.graph.key not in {c.graph.key for c in r.candidates[:-1]} | {g.key}
+    assert added.cost == cm.graph_cost(added.graph) < cm.graph_cost(g)
+    assert r.cost_after == 10.0 and r.graph.key != added.graph.key  # the result unchanged
+    assert added.graph.key in {gr.key for _, gr, _ in measured_set(r)}  # timed end to end
+    np.testing.assert_allclose(  # the same function
+        *(np.asarray(taso_jax.compile_graph(gr)(np.ones((1, 8), np.float32),
+                                                np.arange(8, dtype=np.float32)[None])[0])
+          for gr in (g, added.graph)), rtol=1e-6)
+    r2 = backtracking_search(g, rules, cm, budget=0, greedy=False)
+    assert add_ablation_candidate(r2, g, rules, cm) is None  # no candidate has a path
+
+
 def test_a_trimmed_queue_finds_the_same_graph(monkeypatch):
     # The queue keeps its cheapest entries only; those further back are never popped, so a
     # search that trims hard ends where an untrimmed one does.
