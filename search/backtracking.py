@@ -789,8 +789,8 @@ def add_ablation_candidate(result: SearchResult, graph: Graph,
     A rule can price well kernel by kernel and lose in the whole graph, and when every
     candidate applies it the end-to-end choice never times a graph without it. On a 1-D
     NasRNN on this project's 2-core CPU, stacking two steps' inputs into one 2-row matmul
-    (``merge-matmul-matmul-3``) priced 250 us against 375 us for two 1-row matmuls measured
-    alone, and every one of the search's five candidates stacked them; the graph merged
+    (``merge-matmul-matmul-3``) took about 250 us against 380-440 us for two 1-row matmuls
+    timed alone, and every one of the search's five candidates stacked them; the graph merged
     without stacking ran 1.59-1.82x faster than ``jax.jit`` of the original where the
     stacked one ran 1.22-1.47x, in the same loops (docs/benchmarks.md, 2026-11-27).
 
