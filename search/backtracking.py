@@ -130,6 +130,15 @@ class SearchResult:
     visited: list = field(default_factory=list)
     end_to_end: dict = field(default_factory=dict)
 
+    @property
+    def path(self) -> tuple[str, ...]:
+        """Names of the substitutions applied on the way to ``graph``.
+
+        In order where a candidate records it, else grouped by name (from ``applied``).
+        """
+        return next((c.path for c in self.candidates if c.graph.key == self.graph.key),
+                    tuple(name for name, k in self.applied.items() for _ in range(k)))
+
 
 def _relevant(subs: Sequence[Substitution], graph: Graph) -> list[Substitution]:
     ops = graph.by_op
@@ -690,9 +699,7 @@ def add_analytic_candidate(result: SearchResult, graph: Graph,
     finally:
         if timed:
             cost_model.deadline = before
-    path = next((c.path for c in second.candidates if c.graph.key == second.graph.key),
-                tuple(name for name, k in second.applied.items() for _ in range(k)))
-    added = Candidate(cost, second.graph, path)
+    added = Candidate(cost, second.graph, second.path)
     result.candidates.append(added)
     return added
 
@@ -740,8 +747,7 @@ def add_near_tie_candidate(result: SearchResult, substitutions: Sequence[Substit
         cost_model.deadline = t0 + time_limit
     state = SearchState()
     graph = result.graph
-    path = next((c.path for c in result.candidates if c.graph.key == graph.key),
-                tuple(name for name, k in result.applied.items() for _ in range(k)))
+    path = result.path
     taken: list[str] = []
     seen = {graph.key}
     refused: set = set()
@@ -818,9 +824,7 @@ def add_ablation_candidate(result: SearchResult, graph: Graph,
                                  time_limit=time_limit, keep=1)
     if second.graph.key in {graph.key, *(c.graph.key for c in result.candidates)}:
         return None
-    path = next((c.path for c in second.candidates if c.graph.key == second.graph.key),
-                tuple(name for name, k in second.applied.items() for _ in range(k)))
-    added = Candidate(second.cost_after, second.graph, path, judged=True)
+    added = Candidate(second.cost_after, second.graph, second.path, judged=True)
     result.candidates.append(added)
     return added
 

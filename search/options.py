@@ -31,7 +31,8 @@ from taso_jax.ir.executor import forget_compiled
 from taso_jax.ir.graph import Graph, GraphBuilder
 from taso_jax.ir.layout import has_nchw_convolutions
 
-__all__ = ["OptimizeOptions", "search_graph", "usable_rules", "TARGETS"]
+__all__ = ["OptimizeOptions", "search_graph", "add_second_opinions", "usable_rules",
+           "TARGETS"]
 
 #: Share of ``time_limit`` that the backtracking search may use; the end-to-end choice
 #: (compiling and timing the candidates) has the rest.
@@ -202,6 +203,31 @@ def usable_rules(subs: Sequence[Substitution], allow_unverified: bool,
                   "unverified_left_out": 0 if allow_unverified else unproved}
 
 
+def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Substitution],
+                        cost_model: CostModel, opts: OptimizeOptions,
+                        deadline: float | None = None) -> None:
+    """Add the candidates that second-guess the search's cost model to ``result``.
+
+    The best graph of a search under the analytic cost model
+    (:func:`~taso_jax.search.backtracking.add_analytic_candidate`), the best graph with its
+    rules' near ties taken (:func:`~taso_jax.search.backtracking.add_near_tie_candidate`)
+    and the best graph of a search without one rule every candidate applies
+    (:func:`~taso_jax.search.backtracking.add_ablation_candidate`), each limited to
+    ``ANALYTIC_SHARE`` of ``opts.time_limit`` seconds. With a ``deadline`` (a
+    ``time.perf_counter()`` value: the end of the whole optimization), the last runs only
+    where the end-to-end choice keeps its whole share of the time limit after it.
+    ``result.graph`` is not changed.
+    """
+    share = opts.time_limit * ANALYTIC_SHARE
+    add_analytic_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
+                           budget=opts.budget, time_limit=share)
+    add_near_tie_candidate(result, subs, cost_model, time_limit=share)
+    if deadline is None or deadline - time.perf_counter() >= opts.time_limit * (
+            1 - SEARCH_SHARE + ANALYTIC_SHARE):
+        add_ablation_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
+                               budget=opts.budget, time_limit=share)
+
+
 def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = None, *,
                  progress: Callable[[int, float], None] | None = None,
                  chooser: Callable[[SearchResult], dict] | None = None,
@@ -248,17 +274,7 @@ def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = 
                                  progress=progress, keep=max(1, opts.end_to_end),
                                  record=VISITED_HELD)
     if second:
-        add_analytic_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
-                               budget=opts.budget, time_limit=opts.time_limit * ANALYTIC_SHARE)
-        add_near_tie_candidate(result, subs, cost_model,
-                               time_limit=opts.time_limit * ANALYTIC_SHARE)
-        # a search without one rule every candidate applies, only where the end-to-end
-        # choice keeps its whole share of the time limit after it
-        if deadline - time.perf_counter() >= opts.time_limit * (1 - SEARCH_SHARE
-                                                                 + ANALYTIC_SHARE):
-            add_ablation_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
-                                   budget=opts.budget,
-                                   time_limit=opts.time_limit * ANALYTIC_SHARE)
+        add_second_opinions(result, graph, subs, cost_model, opts, deadline)
     layouts = chooser is None and opts.layout_candidates and has_nchw_convolutions(graph)
     if opts.end_to_end > 0 and (len(result.candidates) > 1 or layouts):
         if chooser is None:

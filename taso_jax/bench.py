@@ -22,12 +22,7 @@ import numpy as np
 from taso_jax._io import atomic_write
 from taso_jax.ir.executor import MIN_SAMPLE_US
 from taso_jax.ir.graph import Graph
-from taso_jax.search.backtracking import (
-    add_ablation_candidate,
-    add_analytic_candidate,
-    add_near_tie_candidate,
-    backtracking_search,
-)
+from taso_jax.search.backtracking import backtracking_search
 from taso_jax.search.choose import (
     choose_fastest,
     device_name,
@@ -35,7 +30,7 @@ from taso_jax.search.choose import (
     rank_correlation,
     time_graphs,
 )
-from taso_jax.search.options import ANALYTIC_SHARE, OptimizeOptions, usable_rules
+from taso_jax.search.options import OptimizeOptions, add_second_opinions, usable_rules
 
 __all__ = ["bench_graph", "search_and_choose", "graph_digest", "rule_family", "merge_rows",
            "read_results", "results_path", "write_results", "format_table"]
@@ -47,12 +42,11 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
                 retimes: int = 0) -> dict:
     """Optimize ``graph`` and time it against the original, for one row of the benchmark.
 
-    The search keeps its ``candidates`` cheapest graphs; they, the best graph of a second search
-    under the analytic cost model (:func:`add_analytic_candidate`, measured cost models only),
-    the best graph with its rules' near ties taken (:func:`add_near_tie_candidate`), the
-    best graph of a search without one rule every candidate applies
-    (:func:`add_ablation_candidate`), and the
-    NHWC forms of the input and of the cheapest (``layouts``) are timed end to end and the
+    The search keeps its ``candidates`` cheapest graphs; they, the candidates that
+    second-guess its cost model (:func:`~taso_jax.search.options.add_second_opinions`: the
+    analytic search's best graph, measured cost models only; the best graph with its rules'
+    near ties taken; the best graph of a search without one rule every candidate applies),
+    and the NHWC forms of the input and of the cheapest (``layouts``) are timed end to end and the
     fastest confirmed faster is kept (:func:`choose_fastest`), as ``taso-jax optimize`` does.
     The cost model's rank correlation is taken apart, over the input and ``sample`` more of the
     graphs the search visited (never kept). Then the original and the chosen graph are timed
@@ -116,7 +110,7 @@ def search_and_choose(graph: Graph, opts: OptimizeOptions, repeats: int = 50,
     """The bench's search and end-to-end choice for ``graph``, as ``taso-jax optimize`` makes them.
 
     A backtracking search keeping its ``candidates`` cheapest graphs under the options' cost
-    model (``opts.make_cost_model()``), the analytic, near-tie and ablation candidates, then
+    model (``opts.make_cost_model()``), the candidates of :func:`add_second_opinions`, then
     :func:`choose_fastest` with ``max(5, repeats // 5)`` rounds, NHWC forms included where
     ``opts.layout_candidates``. Proved rules only. Returns ``(result, end_to_end, seconds)``:
     the :class:`~taso_jax.search.SearchResult` whose ``graph`` is the graph kept, what
@@ -127,11 +121,7 @@ def search_and_choose(graph: Graph, opts: OptimizeOptions, repeats: int = 50,
     cost_model = opts.make_cost_model()
     r = backtracking_search(graph, subs, cost_model, budget=opts.budget,
                             time_limit=opts.time_limit, keep=max(1, candidates))
-    add_analytic_candidate(r, graph, subs, cost_model, budget=opts.budget,
-                           time_limit=opts.time_limit * ANALYTIC_SHARE)
-    add_near_tie_candidate(r, subs, cost_model, time_limit=opts.time_limit * ANALYTIC_SHARE)
-    add_ablation_candidate(r, graph, subs, cost_model, budget=opts.budget,
-                           time_limit=opts.time_limit * ANALYTIC_SHARE)
+    add_second_opinions(r, graph, subs, cost_model, opts)
     search_seconds = time.perf_counter() - t0  # every search
     # The choice the optimizer makes (no sampled graphs among those it may keep)
     e2e = choose_fastest(r, repeats=max(5, repeats // 5), layouts=opts.layout_candidates)
