@@ -41,6 +41,7 @@ from taso_jax.search.cost import COST_CACHE_ENV  # noqa: E402
 from taso_jax.search.options import OptimizeOptions  # noqa: E402
 
 from taso_jax._io import atomic_write  # noqa: E402
+from taso_jax._malloc import malloc_setting, restart_with_hugepages  # noqa: E402
 from taso_jax.bench import FINAL_SECONDS, MAX_FINAL_ROUNDS, graph_digest, search_and_choose  # noqa: E402
 
 
@@ -49,6 +50,7 @@ def _spread(values: list[float]) -> float:
 
 
 def main() -> int:
+    restart_with_hugepages()  # steadier timings (taso_jax._malloc); TASO_JAX_HUGEPAGES=off: not
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?", default="nasnet_a", choices=sorted(MODELS))
     ap.add_argument("--runs", type=int, default=3, help="cold-cache searches (kept graphs)")
@@ -100,7 +102,7 @@ def _run(args, graph) -> int:
     print(f"\n{args.model}{' (small)' if args.small else ''}; device {device_name()}; "
           f"{datetime.date.today()}; {len(runs)} cold-cache searches, {args.loops} loops of "
           f"{rounds} rounds{'; one core kept busy' if args.busy_core else ''}; original "
-          f"{first / 1000:.1f} ms\n")
+          f"{first / 1000:.1f} ms; malloc {malloc_setting()}\n")
     print("| kept graph | rewrites | " + " | ".join(f"loop {j + 1}" for j in range(len(loops)))
           + " | timing spread |")
     print("|---|---|" + "---|" * len(loops) + "---|")
@@ -111,7 +113,7 @@ def _run(args, graph) -> int:
     if args.json:
         out = {"model": args.model, "small": args.small, "device": device_name(),
                "date": datetime.date.today().isoformat(), "busy_core": args.busy_core,
-               "rounds": rounds, "original_us": first,
+               "rounds": rounds, "original_us": first, "malloc": malloc_setting(),
                "runs": [{k: v for k, v in run.items() if k != "graph"} for run in runs],
                "speedups_by_loop": loops, "choice_spread": choice, "timing_spread": timing}
         atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=1)))

@@ -29,6 +29,7 @@ from taso_jax.search.options import OptimizeOptions  # noqa: E402
 
 import taso_jax  # noqa: E402
 from taso_jax._io import atomic_write  # noqa: E402
+from taso_jax._malloc import restart_with_hugepages  # noqa: E402
 from taso_jax.bench import results_path  # noqa: E402
 from taso_jax.cli import main as cli  # noqa: E402
 
@@ -65,6 +66,7 @@ def depth_scaling(cost_model: str, small: bool, budget: int) -> list[dict]:
 
 
 def main() -> int:
+    restart_with_hugepages()  # steadier timings (taso_jax._malloc); TASO_JAX_HUGEPAGES=off: not
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="*", help="models to bench (default: all six)")
     ap.add_argument("--small", action="store_true")

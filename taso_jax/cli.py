@@ -641,6 +641,7 @@ def _load_bench_models(models_dir: str | None) -> dict:
 
 
 def _bench(args) -> int:
+    from taso_jax._malloc import malloc_setting
     from taso_jax.bench import bench_graph, format_table, merge_rows, read_results, write_results
     from taso_jax.search.choose import device_name
     from taso_jax.search.options import OptimizeOptions
@@ -659,9 +660,11 @@ def _bench(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from e
     print(f"device: {device_name()}; cost model: {args.cost_model}; "
-          f"{'small' if args.small else 'full-size'} models", flush=True)
+          f"{'small' if args.small else 'full-size'} models; malloc: {malloc_setting()}",
+          flush=True)
     settings = {k: getattr(args, k) for k in ("cost_model", "budget", "time_limit", "repeats",
                                               "candidates", "sample", "small", "no_layouts")}
+    settings["malloc"] = malloc_setting()  # what the timings ran under (taso_jax._malloc)
     # made as the optimizer makes it: on XLA:CPU with layout candidates, convolutions are
     # priced in NHWC, the form the end-to-end choice keeps (an instance made here priced
     # them in NCHW, so the bench searched by other prices than the graphs it then ran)
@@ -811,7 +814,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep candidates that were not proved (stamped as such)")
     g.add_argument("-q", "--quiet", action="store_true")
     b = sub.add_parser("bench", parents=[common],
-                       help="time TASO's benchmark models: jax.jit vs optimized")
+                       help="time TASO's benchmark models: jax.jit vs optimized",
+                       epilog="On Linux with glibc 2.35+, the command starts itself again "
+                              "with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 for steadier "
+                              "timings (TASO_JAX_HUGEPAGES=off: not).")
     b.add_argument("models", nargs="*", help="model names (default: all six)")
     b.add_argument("--small", action="store_true", help="small shapes (a quick run on a CPU)")
     b.add_argument("--cost-model", choices=["measured", "analytic"], default=d.cost_model)
@@ -859,6 +865,12 @@ def main(argv: list[str] | None = None) -> int:
         # A failing opaque region inside jax.jit is logged by JAX with its traceback before
         # the error reaches us; the one line below says it, --debug shows it.
         logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
+    if args.command == "bench" and argv is None:
+        # a process of its own (the taso-jax command): start it again on huge pages, for
+        # steadier timings (taso_jax._malloc; TASO_JAX_HUGEPAGES=off keeps the default)
+        from taso_jax._malloc import restart_with_hugepages
+
+        restart_with_hugepages()
     try:
         if args.command == "optimize":
             return _optimize(args)

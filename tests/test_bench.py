@@ -15,6 +15,7 @@ from taso_jax.search.backtracking import Candidate
 from taso_jax.search.choose import choose_fastest, device_name, paired_speedup, rank_correlation
 
 import taso_jax
+from taso_jax._malloc import malloc_setting
 from taso_jax.bench import MAX_FINAL_ROUNDS, merge_rows, read_results, results_path
 from taso_jax.cli import main
 
@@ -37,6 +38,9 @@ def test_bench_runs_and_writes_well_formed_results(tmp_path, capsys):
     (j,) = out.glob("*.json")
     doc = json.loads(j.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     assert doc["device"].startswith("cpu:") and doc["date"] and doc["settings"]["small"]
+    # which malloc the timings ran under (in-process: no restart, this process's own)
+    assert doc["settings"]["malloc"] == malloc_setting()
+    assert f"malloc: {malloc_setting()}" in text
     rows = {r["model"]: r for r in doc["results"]}
     assert set(rows) == {"nasrnn", "resnext50"}
     for r in rows.values():
