@@ -1,16 +1,17 @@
 """Steadier CPU timings: glibc's malloc on transparent huge pages, for benchmark processes.
 
 XLA:CPU takes each call's buffers from ``malloc``. With glibc's defaults, buffers above the
-mmap threshold are mapped and unmapped on every call, so every call faults its memory in
-again in 4 KiB pages. On the 2-core host of docs/benchmarks.md, TASO's NasNet-A (an
-input-sized graph of 1,000 operators) then took 1,300-1,600 minor page faults a call, and
+mmap threshold can be mapped and unmapped on every call, so that every call faults its
+memory in again in 4 KiB pages. On the 2-core host of docs/benchmarks.md, TASO's NasNet-A
+(446 operators) took 1,300-1,600 minor page faults a call, and
 the same compiled graph's median call moved between 152 and 226 ms from one 3-second loop
 to the next on an idle machine. Its CPU time moved with it, so this is neither the other
 core's load nor the timer. With the glibc tunable ``glibc.malloc.hugetlb=1`` (glibc 2.35
-and later: malloc asks for transparent huge pages with ``madvise``) the same graph took no
-faults and ran 104-106 ms, four loops out of four. One graph pair's speedup then moved by
-0.03-0.07 between loops with one of the two cores busy, against 0.27-0.35 before
-(docs/benchmarks.md, 2026-11-27).
+and later: malloc asks for transparent huge pages with ``madvise``) the same graph took
+0-12 faults a call and ran 105-106 ms, four loops out of four. With one of the two cores
+busy, one graph pair's speedup (the median of per-round ratios) then moved by 0.07 between
+loops, against 0.27-0.35 with the default malloc; idle, the medians still moved, but the
+minima held (docs/benchmarks.md, 2026-11-27).
 
 glibc reads its tunables once, at process start, so a process that wants them has to be
 started again: :func:`restart_with_hugepages` does that for the benchmark scripts and
