@@ -97,12 +97,13 @@ def _run(args, graph) -> int:
     for _ in range(args.loops):
         times = [t["times_us"] for t in time_graphs(graphs, repeats=rounds)]
         loops.append([paired_speedup(times[0], t)["speedup"] for t in times[1:]])
+    malloc = malloc_setting()
     choice = [_spread(speedups) for speedups in loops]  # per loop, across kept graphs
     timing = [_spread([loop[i] for loop in loops]) for i in range(len(runs))]  # per graph
     print(f"\n{args.model}{' (small)' if args.small else ''}; device {device_name()}; "
           f"{datetime.date.today()}; {len(runs)} cold-cache searches, {args.loops} loops of "
           f"{rounds} rounds{'; one core kept busy' if args.busy_core else ''}; original "
-          f"{first / 1000:.1f} ms; malloc {malloc_setting()}\n")
+          f"{first / 1000:.1f} ms; malloc {malloc}\n")
     print("| kept graph | rewrites | " + " | ".join(f"loop {j + 1}" for j in range(len(loops)))
           + " | timing spread |")
     print("|---|---|" + "---|" * len(loops) + "---|")
@@ -113,7 +114,7 @@ def _run(args, graph) -> int:
     if args.json:
         out = {"model": args.model, "small": args.small, "device": device_name(),
                "date": datetime.date.today().isoformat(), "busy_core": args.busy_core,
-               "rounds": rounds, "original_us": first, "malloc": malloc_setting(),
+               "rounds": rounds, "original_us": first, "malloc": malloc,
                "runs": [{k: v for k, v in run.items() if k != "graph"} for run in runs],
                "speedups_by_loop": loops, "choice_spread": choice, "timing_spread": timing}
         atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=1)))

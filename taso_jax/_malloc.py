@@ -3,9 +3,9 @@
 XLA:CPU takes each call's buffers from ``malloc``. With glibc's defaults, buffers above the
 mmap threshold can be mapped and unmapped on every call, so that every call faults its
 memory in again in 4 KiB pages. On the 2-core host of docs/benchmarks.md, TASO's NasNet-A
-(446 operators) took 1,300-1,600 minor page faults a call, and
-the same compiled graph's median call moved between 152 and 226 ms from one 3-second loop
-to the next on an idle machine. Its CPU time moved with it, so this is neither the other
+(446 operators) took 1,300-1,600 minor page faults a call, and the same compiled graph's
+median call moved between 152 and 226 ms from one 3-second loop to the next on an idle
+machine. Its CPU time moved with it, so this is neither the other
 core's load nor the timer. With the glibc tunable ``glibc.malloc.hugetlb=1`` (glibc 2.35
 and later: malloc asks for transparent huge pages with ``madvise``) the same graph took
 0-12 faults a call and ran 105-106 ms, four loops out of four. With one of the two cores
@@ -22,6 +22,7 @@ allocator the user's model runs under.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -34,8 +35,12 @@ HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 HUGEPAGES_ENV = "TASO_JAX_HUGEPAGES"
 
 
+@functools.cache
 def _glibc_with_hugetlb() -> bool:
-    """Whether this is Linux with a glibc that knows ``glibc.malloc.hugetlb`` (2.35+)."""
+    """Whether this is Linux with a glibc that knows ``glibc.malloc.hugetlb`` (2.35+).
+
+    Cached: ``platform.libc_ver`` reads the interpreter's executable to find out.
+    """
     if not sys.platform.startswith("linux"):
         return False
     lib, version = platform.libc_ver()

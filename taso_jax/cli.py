@@ -659,12 +659,12 @@ def _bench(args) -> int:
         earlier = [] if args.fresh else read_results(args.out, device_name())
     except ValueError as e:
         raise UsageError(str(e)) from e
-    print(f"device: {device_name()}; cost model: {args.cost_model}; "
-          f"{'small' if args.small else 'full-size'} models; malloc: {malloc_setting()}",
-          flush=True)
     settings = {k: getattr(args, k) for k in ("cost_model", "budget", "time_limit", "repeats",
                                               "candidates", "sample", "small", "no_layouts")}
     settings["malloc"] = malloc_setting()  # what the timings ran under (taso_jax._malloc)
+    print(f"device: {device_name()}; cost model: {args.cost_model}; "
+          f"{'small' if args.small else 'full-size'} models; malloc: {settings['malloc']}",
+          flush=True)
     # made as the optimizer makes it: on XLA:CPU with layout candidates, convolutions are
     # priced in NHWC, the form the end-to-end choice keeps (an instance made here priced
     # them in NCHW, so the bench searched by other prices than the graphs it then ran)
