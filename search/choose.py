@@ -2,10 +2,10 @@
 
 The cost model ranks graphs; the device decides. :func:`choose_fastest` times the input and
 the search's cheapest candidates under ``jax.jit`` on the current device, interleaved, and
-keeps the fastest by median only if a head-to-head loop against the input confirms it faster
-(:func:`paired_speedup`), so the optimizer never returns a graph that runs slower than its
-input by more than the noise of the measurement. :func:`rank_correlation` says how well the
-cost model's order agreed with the measured one.
+keeps the fastest (ranked by its fastest round, :func:`floor_us`) only if a head-to-head
+loop against the input confirms it faster (:func:`paired_speedup`), so the optimizer never
+returns a graph that runs slower than its input by more than the noise of the measurement.
+:func:`rank_correlation` says how well the cost model's order agreed with the measured one.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
            "measured_set", "keep_fastest", "paired_speedup", "confirm_faster", "with_layouts",
            "compiled_runs", "compiled_run", "screen_in_pairs", "signed_rank_greater",
-           "NHWC_LAYOUT"]
+           "floor_us", "NHWC_LAYOUT"]
 
 #: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
 NHWC_LAYOUT = "layout:nhwc"
@@ -170,7 +170,7 @@ def confirm_faster(loop, first: tuple | None = None,
 #: to five times its rounds): 10 rounds of a 5 ms call last 0.1 s, a few scheduler time
 #: slices on a loaded machine.
 SCREEN_SECONDS = 0.5
-#: Candidates :func:`keep_fastest` confirms at most, in order of screened median.
+#: Candidates :func:`keep_fastest` confirms at most, in order of screened fastest round.
 CONFIRM_TRIES = 2
 #: Candidates whose estimates lie within this fraction of each other are one candidate to
 #: the end-to-end choice (the cheapest is timed; see :func:`measured_set`).
@@ -180,7 +180,7 @@ CONFIRM_MAX_ROUNDS = 100
 #: Seconds :func:`confirm_faster` keeps looking, at most, while undecided.
 CONFIRM_MAX_SECONDS = 10.0
 #: A confirmed candidate is timed head to head against the next candidate not yet tried
-#: whose screened median lies within this fraction of its own (:func:`keep_fastest`).
+#: whose screened fastest round lies within this fraction of its own (:func:`keep_fastest`).
 DUEL_WITHIN = 0.05
 
 
@@ -419,8 +419,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     ``candidates`` (the cheapest by estimate) and ``sample`` more of its ``visited`` graphs,
     spread evenly over their estimated costs, are compiled and timed against the input
     one at a time, each in its own interleaved loop (screening, :func:`screen_in_pairs`:
-    two compiled graphs are held at once, not all of them). The fastest candidate by
-    median is then timed against the input alone in
+    two compiled graphs are held at once, not all of them). The fastest candidate by its
+    fastest round (:func:`floor_us`) is then timed against the input alone in
     a fresh loop of ``repeats`` rounds (confirmation), and it replaces ``result.graph``
     (``cost_after`` and ``applied`` follow it) only if :func:`paired_speedup` says it ran
     faster there; otherwise the input is kept, so the result is never slower than the input
@@ -437,11 +437,12 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     where the other two runs reached 1.80x).
 
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
-    "rank_correlation", "device", "repeats", "paired"}``: medians in microseconds, the rank
+    "rank_correlation", "device", "repeats", "paired", "floors_us"}``: medians in
+    microseconds (``floors_us``: the fastest rounds, which ranked the candidates), the rank
     correlation (Spearman) between the cost model's estimates and the measured medians over
     the graphs timed (``None`` when fewer than three graphs were timed, or all estimates are
     equal), and the confirmation's :func:`paired_speedup` (``None`` when no candidate's
-    median was below the input's).
+    fastest round was below the input's).
     """
     graphs = measured_set(result, sample, deadline)
     if layouts:
@@ -516,9 +517,11 @@ def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | Non
 
     Returns ``(times, best, run)``: ``times[0]`` are the input's times from the best
     candidate's loop and ``times[best]`` that candidate's; every other candidate's times
-    are scaled by the ratio of the input's medians in the best loop and in its own, so
-    that medians compare across loops. ``best`` is 0 when there was no candidate (then
-    ``times`` has the input's times from a loop of its own); ``run`` is what runs it.
+    are scaled by the ratio of the input's fastest rounds in the best loop and in its own,
+    so that times compare across loops. Candidates rank by their fastest round over the
+    input's fastest round in the same loop (:func:`floor_us`). ``best`` is 0 when there
+    was no candidate (then ``times`` has the input's times from a loop of its own);
+    ``run`` is what runs it.
     """
     loops: list[tuple[list[float], list[float]]] = []
     best, best_run, slowest = 0, None, 0.0
@@ -549,15 +552,29 @@ def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | Non
     if not best:
         return [loop(base, base)[0]], 0, None
     ref = loops[best - 1][0]
-    scale = float(np.median(ref))
-    times = [ref] + [[t * scale / float(np.median(b)) for t in c] for b, c in loops]
+    scale = floor_us(ref)
+    times = [ref] + [[t * scale / floor_us(b) for t in c] for b, c in loops]
     times[best] = loops[best - 1][1]
     return times, best, best_run
 
 
+def floor_us(times: Sequence[float]) -> float:
+    """The fastest of one graph's round times (any unit): what screening ranks by.
+
+    Load on a shared machine only ever adds time to a call, so the fastest round is the
+    estimate of a graph's own cost that the load disturbs least. On 2 cores with one kept
+    busy and malloc on huge pages (:mod:`taso_jax._malloc`), one NasNet-A pair timed in
+    loops of 10 rounds gave a ratio of fastest rounds with a standard deviation of 0.036
+    across 20 loops, and a ratio of medians 0.143 (idle: 0.072 and 0.201). Screening by
+    medians let one cold-cache run of three keep an NCHW graph at 1.18x where the other two
+    kept NHWC graphs at 1.57x and 1.61x.
+    """
+    return float(np.min(times))
+
+
 def _relative(base: Sequence[float], candidate: Sequence[float]) -> float:
-    """A candidate's median time over the input's median, both from one loop."""
-    return float(np.median(candidate)) / float(np.median(base))
+    """A candidate's fastest round over the input's (:func:`floor_us`), both from one loop."""
+    return floor_us(candidate) / floor_us(base)
 
 
 def measured_set(result, sample: int = 0, deadline: float | None = None) -> list[tuple]:
@@ -580,9 +597,10 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
 
     ``times[i]`` are graph ``i``'s round times from screening (as :func:`screen_in_pairs`
     gives them: ``times[0]`` and ``times[best]`` from one loop, the others scaled to it).
-    The candidate ``best`` (default: the smallest median), if its median is below the
-    input's, is tested (and, if it fails and ``confirm`` is given, the next by median whose
-    median is below the input's, up to :data:`CONFIRM_TRIES` in all) with
+    Candidates rank by their fastest screened round (:func:`floor_us`). The candidate
+    ``best`` (default: the fastest), if its fastest round is below the input's, is tested (and, if
+    it fails and ``confirm`` is given, the next whose fastest round is below the input's,
+    up to :data:`CONFIRM_TRIES` in all) with
     :func:`paired_speedup` on ``confirm(i) -> (input times, candidate times)``, a fresh
     head-to-head loop (on the screening rounds when ``confirm`` is ``None`` or its loop
     ran fewer than 5 rounds; otherwise :func:`confirm_faster`, which adds a loop when the
@@ -590,7 +608,7 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     and replaces the input only if it ran faster.
     With ``duel(i, j) -> (i's times, j's times)``, one head-to-head loop of two candidates,
     a confirmed candidate is then timed against the next candidate not yet tried whose
-    screened median is within :data:`DUEL_WITHIN` of its own, and gives way to it if
+    screened fastest round is within :data:`DUEL_WITHIN` of its own, and gives way to it if
     :func:`confirm_faster` finds it faster (a candidate faster than one confirmed faster
     than the input). Screening times each candidate against the input in its own loop, so
     two candidates a few percent apart can screen in either order on a loaded machine: on
@@ -603,16 +621,17 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     ``None``.
     """
     medians = [float(np.median(t)) for t in times]
+    floors = [floor_us(t) for t in times]  # what candidates are ranked by
     if best is None:
-        best = min(range(1, len(graphs)), key=lambda i: (medians[i], i), default=0)
+        best = min(range(1, len(graphs)), key=lambda i: (floors[i], i), default=0)
     test, chosen = None, 0
-    # The best by screened median first; if it fails, the runner-up (up to CONFIRM_TRIES).
+    # The best by screened fastest round first; if it fails, the runner-up (up to CONFIRM_TRIES).
     # The best of several candidates that run alike is the luckiest: on TASO's NasRNN under
     # load a near-unchanged graph screened at 4.0 ms against 6.2 ms for the input, failed
     # its confirmation, and the graph with 70 matmuls merged (4.9 ms) was never confirmed.
-    runners = sorted((i for i in range(1, len(graphs)) if i != best and medians[i] < medians[0]),
-                     key=lambda i: (medians[i], i))
-    order = ([best] if best and medians[best] < medians[0] else []) + runners
+    runners = sorted((i for i in range(1, len(graphs)) if i != best and floors[i] < floors[0]),
+                     key=lambda i: (floors[i], i))
+    order = ([best] if best and floors[best] < floors[0] else []) + runners
     for i in order[:CONFIRM_TRIES if confirm is not None else 1]:
         first = confirm(i) if confirm is not None else None
         if first is None or len(first[0]) < 5:  # no loop, or one cut short by the deadline
@@ -627,7 +646,7 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     if duel is not None and chosen:
         untried = order[order.index(chosen) + 1:]
         rival = next((j for j in untried
-                      if medians[j] <= medians[chosen] * (1.0 + DUEL_WITHIN)), None)
+                      if floors[j] <= floors[chosen] * (1.0 + DUEL_WITHIN)), None)
         if rival is not None:
             first = duel(chosen, rival)
             if len(first[0]) >= 5:  # not cut short by the deadline
@@ -640,6 +659,6 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     estimates = [c for c, _, _ in graphs]
     rho = rank_correlation(estimates, medians)
     return {"measured": len(graphs), "original_kept": chosen == 0, "chosen": chosen,
-            "times_us": list(medians), "estimates_us": estimates,
+            "times_us": list(medians), "floors_us": floors, "estimates_us": estimates,
             "rank_correlation": None if rho != rho else rho, "device": device,
             "repeats": repeats, "paired": test, "duel": contest, **extra}

@@ -356,10 +356,12 @@ def end_to_end_line(e: dict) -> str:
                         f"screening, was not faster head to head (won {d['wins']} of "
                         f"{d['rounds']} rounds, {d['speedup']:.2f}x)")
     runtime = e.get("runtime", "jax.jit")
+    floors = ("; fastest rounds, which ranked them: "
+              + ", ".join(f"{t:.0f}" for t in e["floors_us"]) + " us") if e.get("floors_us") else ""
     baseline = "the input file" if runtime == "onnxruntime" else "the input graph"
     return (f"end-to-end choice ({e['device']}, {runtime}, median of {e['repeats']}): "
             f"timed {baseline} and {e['measured'] - 1} candidates ("
-            + ", ".join(f"{t:.0f}" for t in e["times_us"]) + f" us); {verdict}")
+            + ", ".join(f"{t:.0f}" for t in e["times_us"]) + " us" + floors + f"); {verdict}")
 
 
 def format_report(r: dict) -> str:

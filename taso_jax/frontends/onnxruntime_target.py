@@ -294,16 +294,17 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     Screening holds two sessions at a time (:func:`~taso_jax.search.choose.screen_in_pairs`):
     each candidate is exported and timed against the original in its own interleaved loop
     of ``repeats`` rounds, and only the best one so far is remembered (its session is made
-    again to confirm it). The best candidate by
-    median is kept only if :func:`~taso_jax.search.choose.paired_speedup` confirms it
-    faster than the original in a fresh head-to-head loop; otherwise ``result.graph``
-    becomes the input graph (``original_kept``). ``result`` is changed in place. Near ties
-    are not timed head to head (``duel`` of :func:`~taso_jax.search.choose.keep_fastest`):
+    again to confirm it). The best candidate by its fastest round
+    (:func:`~taso_jax.search.choose.floor_us`) is kept only if
+    :func:`~taso_jax.search.choose.paired_speedup` confirms it faster than the original in
+    a fresh head-to-head loop; otherwise ``result.graph`` becomes the input graph
+    (``original_kept``). ``result`` is changed in place. Near ties are not timed head to
+    head (``duel`` of :func:`~taso_jax.search.choose.keep_fastest`):
     that would hold three sessions.
 
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
-    "rank_correlation", "device", "repeats", "paired", "runtime"}`` (medians in
-    microseconds; ``times_us[0]`` is the original).
+    "rank_correlation", "device", "repeats", "paired", "runtime", "floors_us"}`` (medians
+    and fastest rounds in microseconds; ``times_us[0]`` is the original).
     """
     import onnxruntime as ort
 
