@@ -565,9 +565,10 @@ def floor_us(times: Sequence[float]) -> float:
     estimate of a graph's own cost that the load disturbs least. On 2 cores with one kept
     busy and malloc on huge pages (:mod:`taso_jax._malloc`), one NasNet-A pair timed in
     loops of 10 rounds gave a ratio of fastest rounds with a standard deviation of 0.036
-    across 20 loops, and a ratio of medians 0.143 (idle: 0.072 and 0.201). Screening by
-    medians let one cold-cache run of three keep an NCHW graph at 1.18x where the other two
-    kept NHWC graphs at 1.57x and 1.61x.
+    across 20 loops, and a ratio of medians 0.143 (idle: 0.072 and 0.201). Three cold-cache
+    NasNet-A searches, their kept graphs then timed side by side, spread by 0.22-0.30x when
+    screening ranked by medians and by 0.09-0.13x when it ranked by fastest rounds
+    (``benchmarks/choice_spread.py --busy-core``, 2026-11-27).
     """
     return float(np.min(times))
 
@@ -598,9 +599,9 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     ``times[i]`` are graph ``i``'s round times from screening (as :func:`screen_in_pairs`
     gives them: ``times[0]`` and ``times[best]`` from one loop, the others scaled to it).
     Candidates rank by their fastest screened round (:func:`floor_us`). The candidate
-    ``best`` (default: the fastest), if its fastest round is below the input's, is tested (and, if
-    it fails and ``confirm`` is given, the next whose fastest round is below the input's,
-    up to :data:`CONFIRM_TRIES` in all) with
+    ``best`` (default: the fastest), if its fastest round is below the input's, is tested
+    (and, if it fails and ``confirm`` is given, the next whose fastest round is below the
+    input's, up to :data:`CONFIRM_TRIES` in all) with
     :func:`paired_speedup` on ``confirm(i) -> (input times, candidate times)``, a fresh
     head-to-head loop (on the screening rounds when ``confirm`` is ``None`` or its loop
     ran fewer than 5 rounds; otherwise :func:`confirm_faster`, which adds a loop when the
