@@ -54,6 +54,24 @@ def _spread(values: list[float]) -> float:
     return max(values) - min(values) if values else 0.0
 
 
+def _spreads(loops: list[list[float]]) -> tuple[list[float], list[float]]:
+    """``(choice spread per loop, across kept graphs; timing spread per graph, across loops)``."""
+    return ([_spread(speedups) for speedups in loops],
+            [_spread([loop[i] for loop in loops]) for i in range(len(loops[0]) if loops else 0)])
+
+
+def _print_table(runs: list[dict], loops: list[list[float]]) -> None:
+    """A markdown table: a row per kept graph (its speedup in each loop), then the spreads."""
+    choice, timing = _spreads(loops)
+    print("| kept graph | rewrites | " + " | ".join(f"loop {j + 1}" for j in range(len(loops)))
+          + " | timing spread |")
+    print("|---|---|" + "---|" * len(loops) + "---|")
+    for i, run in enumerate(runs):
+        print(f"| {run['digest']} | {sum(run['applied'].values())} | "
+              + " | ".join(f"{loop[i]:.2f}x" for loop in loops) + f" | {timing[i]:.2f} |")
+    print("| choice spread | | " + " | ".join(f"{c:.2f}" for c in choice) + " | |")
+
+
 def main() -> int:
     restart_with_hugepages()  # steadier timings (taso_jax._malloc); TASO_JAX_HUGEPAGES=off: not
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -91,7 +109,6 @@ def _run(args, graph) -> int:
                          "applied": dict(r.applied), "search_s": search_s,
                          "run_s": time.perf_counter() - t0,
                          "original_us": e2e["times_us"][0],  # as the choice screened it
-                         "screened_speedup": e2e["times_us"][0] / min(e2e["times_us"]),
                          "end_to_end": {k: v for k, v in e2e.items() if k != "device"}})
             print(f"run {i + 1}: graph {runs[-1]['digest']}, {sum(r.applied.values())} rewrites "
                   f"({', '.join(f'{k} x{v}' for k, v in r.applied.items())}), "
@@ -106,29 +123,15 @@ def _run(args, graph) -> int:
         loops.append([paired_speedup(times[0], t)["speedup"] for t in times[1:]])
         floor_loops.append([timed[0]["min_us"] / t["min_us"] for t in timed[1:]])
     malloc = malloc_setting()
-    choice = [_spread(speedups) for speedups in loops]  # per loop, across kept graphs
-    timing = [_spread([loop[i] for loop in loops]) for i in range(len(runs))]  # per graph
+    choice, timing = _spreads(loops)
     print(f"\n{args.model}{' (small)' if args.small else ''}; device {device_name()}; "
           f"{datetime.date.today()}; {len(runs)} cold-cache searches, {args.loops} loops of "
           f"{rounds} rounds{'; one core kept busy' if args.busy_core else ''}; original "
           f"{first / 1000:.1f} ms; malloc {malloc}\n")
-    print("| kept graph | rewrites | " + " | ".join(f"loop {j + 1}" for j in range(len(loops)))
-          + " | timing spread |")
-    print("|---|---|" + "---|" * len(loops) + "---|")
-    for i, run in enumerate(runs):
-        print(f"| {run['digest']} | {sum(run['applied'].values())} | "
-              + " | ".join(f"{loop[i]:.2f}x" for loop in loops) + f" | {timing[i]:.2f} |")
-    print("| choice spread | | " + " | ".join(f"{c:.2f}" for c in choice) + " | |")
+    _print_table(runs, loops)
     print("\nThe same loops, speedups as the ratio of fastest rounds (original's over the kept "
           "graph's):\n")
-    print("| kept graph | " + " | ".join(f"loop {j + 1}" for j in range(len(loops)))
-          + " | timing spread |")
-    print("|---|" + "---|" * len(loops) + "---|")
-    for i, run in enumerate(runs):
-        fl = [loop[i] for loop in floor_loops]
-        print(f"| {run['digest']} | " + " | ".join(f"{f:.2f}x" for f in fl)
-              + f" | {_spread(fl):.2f} |")
-    print("| choice spread | " + " | ".join(f"{_spread(f):.2f}" for f in floor_loops) + " | |")
+    _print_table(runs, floor_loops)
     if args.json:
         out = {"model": args.model, "small": args.small, "device": device_name(),
                "date": datetime.date.today().isoformat(), "busy_core": args.busy_core,
