@@ -474,6 +474,46 @@ def test_a_kernel_priced_below_a_smaller_one_of_its_family_is_priced_relative_to
     assert cost.CONTRADICTION * 48.0 < 60.0
 
 
+def test_the_forms_of_a_convolution_with_other_groups_are_priced_beside_the_first(
+        tmp_path, monkeypatch):
+    """A depthwise convolution priced alone at 480 us (a loaded moment), then its form at 44
+    groups: that one is timed beside the depthwise one (750 against 500 us in alternating
+    rounds) and priced at 480 x 750 / 500, not at its 620 us alone. A convolution of other
+    sizes is priced alone; in a later process, the first form found in the cache is the
+    anchor of the next one measured."""
+    from taso_jax.search.cost import sibling_key
+
+    import taso_jax.ir.executor as executor
+    from taso_jax.ir.graph import new_graph
+
+    def conv(groups, channels=88):
+        b = new_graph()
+        x = b.new_input((1, channels, 14, 14))
+        b.mark_output(b.conv2d(x, b.new_weight((channels, channels // groups, 3, 3)),
+                               groups=groups))
+        return next(m for m in b.graph().nodes if m.op == "conv2d")
+
+    depthwise, halved, dense, other = conv(88), conv(44), conv(1), conv(8, channels=64)
+    assert sibling_key(depthwise) == sibling_key(halved) == sibling_key(dense)
+    assert sibling_key(other) != sibling_key(depthwise)
+    alone = {88: 480.0, 44: 620.0, 1: 300.0, 8: 90.0}  # by groups
+    calm = {88: 500.0, 44: 750.0, 1: 375.0}
+    cm = MeasuredCostModel(cache_path=str(tmp_path / "c.sqlite"), calibrate=False)
+    monkeypatch.setattr(cm, "_measure", lambda n: (alone[n.attr_dict["groups"]], 1.0))
+    monkeypatch.setattr(cm, "_runner", lambda n: [n.attr_dict["groups"]] * 3)
+    monkeypatch.setattr(executor, "time_function",
+                        lambda run, repeats, warmup: [calm[run], calm[run] + 1])
+    assert cm.node_cost(depthwise) == 480.0 and cm.paired == 0
+    assert cm.node_cost(halved) == pytest.approx(480.0 * 750.0 / 500.0) and cm.paired == 1
+    assert cm.node_cost(other) == 90.0 and cm.paired == 1
+    warm = MeasuredCostModel(cache_path=str(tmp_path / "c.sqlite"), calibrate=False)
+    monkeypatch.setattr(warm, "_measure", lambda n: (alone[n.attr_dict["groups"]], 1.0))
+    monkeypatch.setattr(warm, "_runner", lambda n: [n.attr_dict["groups"]] * 3)
+    assert warm.node_cost(halved) == pytest.approx(720.0) and warm.paired == 0  # cached
+    assert warm.node_cost(dense) == pytest.approx(720.0 * 375.0 / 750.0) and warm.paired == 1
+    assert cm.node_cost(depthwise) == 480.0 and cm.paired == 1  # handed out once, kept
+
+
 def test_a_kernel_dearer_than_its_work_explains_is_priced_relative_to_a_smaller_one(
         tmp_path, monkeypatch):
     """A 512x1024 matmul measured at 111 us in a slow phase, against 35 us for the
