@@ -326,6 +326,13 @@ def search_report(name: str, graph: Graph, result, options: OptimizeOptions, sub
     }
 
 
+def _rival(duel: dict) -> str:
+    """Why a duel's rival was timed against the confirmed candidate, in a few words."""
+    if duel.get("reason") == "median":
+        return "ahead of it by its median round in screening"
+    return f"within {DUEL_WITHIN:.0%} of it in screening"
+
+
 def end_to_end_line(e: dict) -> str:
     """The report's line on an end-to-end choice.
 
@@ -344,17 +351,17 @@ def end_to_end_line(e: dict) -> str:
         verdict = f"kept the input: no candidate ran faster in a paired test{rounds}"
     elif d and d["faster"]:
         verdict = (f"candidate {d['against']} was confirmed faster than the input"
-                   f"{rounds}; candidate {k}, within {DUEL_WITHIN:.0%} of it in "
-                   f"screening, ran faster still head to head (won {d['wins']} of "
-                   f"{d['rounds']} rounds, {d['speedup']:.2f}x): kept candidate {k} "
-                   f"({ts[k]:.0f} us vs {ts[0]:.0f} us for the input in screening)")
+                   f"{rounds}; candidate {k}, {_rival(d)}, ran faster still head to "
+                   f"head (won {d['wins']} of {d['rounds']} rounds, {d['speedup']:.2f}x): "
+                   f"kept candidate {k} ({ts[k]:.0f} us vs {ts[0]:.0f} us for the input in "
+                   "screening)")
     else:
         verdict = (f"kept candidate {k}, the fastest confirmed faster ({ts[k]:.0f} us vs "
                    f"{ts[0]:.0f} us for the input, {ts[0] / max(ts[k], 1e-9):.2f}x{rounds})")
         if d:
-            verdict += (f"; candidate {d['candidate']}, within {DUEL_WITHIN:.0%} in "
-                        f"screening, was not faster head to head (won {d['wins']} of "
-                        f"{d['rounds']} rounds, {d['speedup']:.2f}x)")
+            verdict += (f"; candidate {d['candidate']}, {_rival(d)}, was not faster head "
+                        f"to head (won {d['wins']} of {d['rounds']} rounds, "
+                        f"{d['speedup']:.2f}x)")
     runtime = e.get("runtime", "jax.jit")
     floors = ("; fastest rounds, which ranked them: "
               + ", ".join(f"{t:.0f}" for t in e["floors_us"]) + " us") if e.get("floors_us") else ""

@@ -272,11 +272,49 @@ def test_a_near_tie_is_settled_head_to_head():
     r = SearchResult(g, 10.0, 7.0, {}, 1, 4, 0.0, "budget")
     e = keep_fastest(r, graphs, screened, 20, "cpu", confirm=confirm, best=1, duel=duel)
     assert duels and e["chosen"] == 1 and not e["duel"]["faster"]
-    assert "candidate 2, within 5% in screening, was not faster" in end_to_end_line(e)
+    assert "candidate 2, within 5% of it in screening, was not faster" in end_to_end_line(e)
     # no rival within DUEL_WITHIN: no duel
     duels.clear()
     e = keep_fastest(r, graphs, [screened[0], [54.0] * 20, [60.0] * 20, [65.0] * 20], 20,
                      "cpu", confirm=confirm, best=1, duel=duel)
+    assert not duels and e["chosen"] == 1 and e["duel"] is None
+
+
+def test_a_candidate_ranked_first_by_one_lucky_round_duels_the_best_by_median():
+    """Candidate 1's fastest screened round (a lucky one) ranks it first, but candidate 2's
+    median is lower: once 1 is confirmed faster than the input, 2 is timed against it head
+    to head and kept where it runs faster; a rival slower by median is not timed."""
+    from taso_jax.search.choose import keep_fastest
+
+    from taso_jax.report import end_to_end_line
+
+    g, slow = _matmul_graphs()
+    graphs = [(10.0, g, ()), (9.0, slow, ("nchw",)), (8.0, g, ("nhwc",))]
+    truth = {0: 1.0, 1: 1.1, 2: 1.5}
+    rng = np.random.default_rng(2)
+    duels = []
+
+    def times(i):
+        return list(100 * np.exp(rng.normal(0, 0.02, 20)) / truth[i])
+
+    def duel(i, j):
+        duels.append((i, j))
+        return times(i), times(j)
+
+    lucky = [72.0] + [91.0] * 19  # one round at the speed of an idle machine
+    steady = [80.0] * 20  # fastest round 11% behind the lucky one: no rival by floors
+    r = SearchResult(g, 10.0, 8.0, {}, 1, 3, 0.0, "budget")
+    e = keep_fastest(r, graphs, [[100.0] * 20, lucky, steady], 20, "cpu",
+                     confirm=lambda i: (times(0), times(i)), duel=duel)
+    assert duels == [(1, 2)] * len(duels) and duels
+    assert e["chosen"] == 2 and e["duel"]["reason"] == "median" and e["duel"]["faster"]
+    assert "candidate 2, ahead of it by its median round in screening, ran faster" in \
+        end_to_end_line(e)
+    # a rival whose median is behind the confirmed candidate's is not timed
+    duels.clear()
+    r = SearchResult(g, 10.0, 8.0, {}, 1, 3, 0.0, "budget")
+    e = keep_fastest(r, graphs, [[100.0] * 20, [72.0] + [74.0] * 19, steady], 20, "cpu",
+                     confirm=lambda i: (times(0), times(i)), duel=duel)
     assert not duels and e["chosen"] == 1 and e["duel"] is None
 
 
