@@ -57,8 +57,13 @@ VISITED_HELD = 8
 #: candidate runs pools in NHWC too. 4: the best graph with its rules' near ties taken is
 #: a candidate (:func:`taso_jax.search.backtracking.add_near_tie_candidate`). 5: so is the
 #: best graph of a search without one rule every candidate applies
-#: (:func:`taso_jax.search.backtracking.add_ablation_candidate`).
-SEARCH_REVISION = 5
+#: (:func:`taso_jax.search.backtracking.add_ablation_candidate`). 6: the greedy descent runs
+#: a rule that rewrites one node into its own operator several times in a row where the
+#: last form is the cheapest (:func:`taso_jax.search.backtracking._chain_step`), and forms
+#: of a convolution with other groups are priced side by side
+#: (:meth:`taso_jax.search.cost.MeasuredCostModel._measure_beside`); the end-to-end choice
+#: duels a confirmed candidate with one ahead of it by median.
+SEARCH_REVISION = 6
 
 #: The runtimes a result can be made fast in.
 TARGETS = ("xla", "onnxruntime")

@@ -722,6 +722,36 @@ def test_a_pair_step_does_not_retry_a_sideways_rewrite_that_enabled_nothing(monk
     assert nears and not any(n is not None for n in nears)
 
 
+def test_the_descent_halves_a_convolutions_groups_to_its_cheapest_form_past_dearer_ones():
+    """A depthwise convolution over 16 channels priced 100 us, 150 at 8 groups, 120 at 4,
+    40 at 2 and 90 dense: one halving at a time never pays, so the descent used to make it
+    dense; it now runs the halving three times in a row and keeps the 2-group form."""
+    from taso_jax.search.backtracking import greedy_descent
+
+    from taso_jax.ir.executor import evaluate
+
+    prices = {16: 100.0, 8: 150.0, 4: 120.0, 2: 40.0, 1: 90.0}
+
+    class ByGroups(AnalyticCostModel):
+        def _cost(self, node):
+            if node.op == "conv2d":
+                return prices[node.attr_dict["groups"]]
+            return 0.0 if node.weight_only else 1.0
+
+    b = taso_jax.new_graph(seed=0)
+    x = b.new_input((1, 16, 8, 8), name="x")
+    b.mark_output(b.conv2d(x, b.new_weight((16, 1, 3, 3)), groups=16))
+    g = b.graph()
+    out, cost, applied = greedy_descent(g, SUBS, ByGroups(), 60.0)
+    convs = [n for n in out.nodes if n.op == "conv2d"]
+    assert [n.attr_dict["groups"] for n in convs] == [2]
+    assert applied == ["expand-conv2d-2"] * 3
+    assert cost == pytest.approx(ByGroups().graph_cost(g) - 60.0)
+    x = np.random.default_rng(0).standard_normal((1, 16, 8, 8)).astype("float32")
+    np.testing.assert_allclose(np.asarray(evaluate(out, [x])[0]),
+                               np.asarray(evaluate(g, [x])[0]), rtol=1e-5, atol=1e-5)
+
+
 def test_a_kernel_not_yet_measured_has_a_floor_below_its_measured_price(tmp_path):
     """The floor (FLOPs at the CPU's peak rate, plus a launch) measures nothing, stays below
     the time measured afterwards, and is the price itself once that is known."""
