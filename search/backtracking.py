@@ -471,21 +471,25 @@ def _chain_step(graph: Graph, cost: float, sub: Substitution, matches: list,
     cheaper forms further on (a 3x3 convolution on 1x14x14x88 NHWC on this project's CPU:
     480 us depthwise, 749 us at 44 groups, 221 us at 11), and on a loaded machine whether
     the first step looks cheaper is a coin toss: cold-cache searches of NasNet-A halved
-    between 42 and 112 of its convolutions' groups. ``memo`` maps ``(rule, signature)`` of a
-    node whose chain did not pay to ``True``; prices never change, so it need not be
-    tried again wherever the node appears. A chain is not taken where one rewrite of the
-    node by a rule of ``rivals`` (other rules of one source node) is estimated as cheap:
-    halving a 32-group convolution five times ends in the dense form that
-    ``expand-conv2d`` makes in one step, which that rule takes in its turn. Returns
-    ``(graph, cost, names, steps)`` as :func:`_pair_step` does, or ``None``.
+    between 42 and 112 of its convolutions' groups. A chain is not taken where one rewrite
+    of the node by a rule of ``rivals`` (other rules of one source node) is estimated as
+    cheap: halving a 32-group convolution five times ends in the dense form that
+    ``expand-conv2d`` makes in one step, which that rule takes in its turn. ``memo`` maps
+    ``(rule, kernel signature)`` to the length of the chain taken, 0 where none was: a
+    chain's price changes only the rewritten node's, and prices never change, so a kernel
+    met again (NasNet-A repeats each cell's convolutions) is rewritten that many times
+    without trying the forms past it. Returns ``(graph, cost, names, steps)`` as
+    :func:`_pair_step` does, or ``None``.
     """
     op = sub.source[0].op
     for m in matches:
         key = (sub.name, cost_model.signature(m.nodes[0]))
-        if key in memo:
+        known = memo.get(key)
+        if known == 0:
             continue
         g, match, steps, best = graph, m, [], (cost * (1 - 1e-9), 0)
-        for k in range(1, depth + 1):
+        limit = depth if known is None else known
+        for k in range(1, limit + 1):
             rw = prepare(sub, g, match, state.matching)
             if not rw:
                 break
@@ -497,22 +501,22 @@ def _chain_step(graph: Graph, cost: float, sub: Substitution, matches: list,
             c2 = cost_model.graph_cost(g2)
             if c2 < best[0]:
                 best = (c2, k)
-            nodes = g2.node_set
-            made = {n for n in rw.created if n.op == op and n in nodes}
-            g = g2
-            if {cost_model.signature(n) for n in made} == {cost_model.signature(match.nodes[0])}:
+            made = {n for n in rw.created if n.op == op and n in g2.node_set}
+            before, g = match.nodes[0], g2
+            if {cost_model.signature(n) for n in made} == {cost_model.signature(before)}:
                 break  # the same kernel again (a dense convolution "made dense")
+            if k == limit:
+                break
             match = next(iter(find_matches(sub, g2, state.matching, near=made)), None)
             if match is None:
                 break
-        if best[1] and not _rival_as_cheap(graph, cost, m.nodes[0], rivals, best[0],
-                                           cost_model, state):
-            k = best[1]
-            for g_before, _, _, _ in steps[:k - 1]:
-                if g_before is not graph:
-                    g_before.forget_caches()
+        k = best[1]
+        if k and known is None and _rival_as_cheap(graph, cost, m.nodes[0], rivals, best[0],
+                                                   cost_model, state):
+            k = 0
+        memo[key] = k
+        if k:
             return steps[k - 1][1], best[0], [sub.name] * k, steps[:k]
-        memo[key] = True
     return None
 
 

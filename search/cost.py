@@ -563,8 +563,8 @@ class MeasuredCostModel(CostModel):
         from one cold cache to the next (a 3x3 convolution on 1x14x14x88 NHWC, depthwise
         and at 44 groups: 480 and 749 us, 474 and 592 us, 773 and 628 us in three caches,
         so that halving its groups paid in the third only), and searches halved 149 to 193
-        of its grouped convolutions. Other kernels, and the
-        first form priced, are timed alone (:meth:`_measure`).
+        of its grouped convolutions. Other kernels, and the first form priced, are timed
+        alone (:meth:`_measure`).
         """
         siblings = sibling_key(node)
         anchor = self._anchors.get(siblings) if siblings is not None else None
