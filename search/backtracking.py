@@ -44,7 +44,7 @@ from taso_jax.search.match import Match, MatchState, Rewrite, find_matches, prep
 from taso_jax.search.pattern import NodeRef
 from taso_jax.search.rules import Substitution
 
-from taso_jax.ir.graph import Graph, Tensor
+from taso_jax.ir.graph import Graph, Tensor, intern_node, leaf_node
 
 __all__ = ["SearchResult", "SearchState", "Candidate", "backtracking_search", "greedy_descent",
            "add_analytic_candidate", "add_near_tie_candidate", "add_ablation_candidate",
@@ -474,50 +474,74 @@ def _chain_step(graph: Graph, cost: float, sub: Substitution, matches: list,
     between 42 and 112 of its convolutions' groups. A chain is not taken where one rewrite
     of the node by a rule of ``rivals`` (other rules of one source node) is estimated as
     cheap: halving a 32-group convolution five times ends in the dense form that
-    ``expand-conv2d`` makes in one step, which that rule takes in its turn. ``memo`` maps
-    ``(rule, kernel signature)`` to the length of the chain taken, 0 where none was: a
-    chain's price changes only the rewritten node's, and prices never change, so a kernel
-    met again (NasNet-A repeats each cell's convolutions) is rewritten that many times
-    without trying the forms past it. Returns ``(graph, cost, names, steps)`` as
-    :func:`_pair_step` does, or ``None``.
+    ``expand-conv2d`` makes in one step, which that rule takes in its turn.
+
+    The chain runs on a copy of the node alone, on leaves of its input types
+    (:func:`_chain_on_copy`), and its last form is built into ``graph`` in one rewrite: a
+    chain changes only its node's price, and rebuilding the whole graph at every step made
+    NasNet-A's search at 4x depth (1,481 operators) half as slow again. ``memo`` maps
+    ``(rule, kernel signature)`` to the length of the chain taken, 0 where none was:
+    prices never change, so a kernel met again is not tried again. Returns ``(graph,
+    cost, names, steps)`` as :func:`_pair_step` does (one step), or ``None``.
     """
-    op = sub.source[0].op
     for m in matches:
-        key = (sub.name, cost_model.signature(m.nodes[0]))
-        known = memo.get(key)
-        if known == 0:
+        node = m.nodes[0]
+        key = (sub.name, cost_model.signature(node))
+        if memo.get(key) == 0 or len(node.outputs) != 1:
             continue
-        g, match, steps, best = graph, m, [], (cost * (1 - 1e-9), 0)
-        limit = depth if known is None else known
-        for k in range(1, limit + 1):
-            rw = prepare(sub, g, match, state.matching)
-            if not rw:
-                break
-            rebuilt: dict = {}
-            g2 = g.replace(rw.mapping, rebuilt)
-            if g2.key == g.key:
-                break
-            steps.append((g, g2, rw.mapping, rebuilt))
-            c2 = cost_model.graph_cost(g2)
-            if c2 < best[0]:
-                best = (c2, k)
-            made = {n for n in rw.created if n.op == op and n in g2.node_set}
-            before, g = match.nodes[0], g2
-            if {cost_model.signature(n) for n in made} == {cost_model.signature(before)}:
-                break  # the same kernel again (a dense convolution "made dense")
-            if k == limit:
-                break
-            match = next(iter(find_matches(sub, g2, state.matching, near=made)), None)
-            if match is None:
-                break
-        k = best[1]
-        if k and known is None and _rival_as_cheap(graph, cost, m.nodes[0], rivals, best[0],
-                                                   cost_model, state):
+        k, delta, form = _chain_on_copy(node, sub, cost_model, state,
+                                        depth if key not in memo else memo[key])
+        if k and key not in memo and _rival_as_cheap(graph, cost, node, rivals,
+                                                      cost + delta, cost_model, state):
             k = 0
         memo[key] = k
-        if k:
-            return steps[k - 1][1], best[0], [sub.name] * k, steps[:k]
+        if k:  # only the node's price changes (an upper bound if its form reads less)
+            mapping = {node.outputs[0]: form}
+            rebuilt: dict = {}
+            g2 = graph.replace(mapping, rebuilt)
+            return g2, cost + delta, [sub.name] * k, [(graph, g2, mapping, rebuilt)]
     return None
+
+
+def _chain_on_copy(node, sub: Substitution, cost_model: CostModel, state: SearchState,
+                   depth: int) -> tuple[int, float, Tensor | None]:
+    """``(k, price change in us, output)``: the cheapest of ``sub``'s chain on ``node``.
+
+    The chain runs on a copy of ``node`` built on leaves of its input types (weights
+    where the input is weight-only), one step per rewrite of the node the last step made,
+    up to ``depth`` steps; its cheapest form, if cheaper than ``node``, is rebuilt on
+    ``node``'s own inputs: ``output`` replaces ``node``'s output. ``k`` is 0, and
+    ``output`` ``None``, where no form is cheaper.
+    """
+    leaves = [leaf_node("weight" if t.node.weight_only else "input", f"chain_{i}", t.type)
+              for i, t in enumerate(node.inputs)]
+    copy = intern_node(node.op, node.attrs, tuple(n.outputs[0] for n in leaves), node.types)
+    g = Graph(tuple(n for n in leaves if n.op == "input"), (copy.outputs[0],), ("y",))
+    base = cost_model.graph_cost(g)
+    best, forms = (base * (1 - 1e-9), 0), [g]
+    match = next(iter(find_matches(sub, g, state.matching, near={copy})), None)
+    for k in range(1, depth + 1):
+        rw = prepare(sub, g, match, state.matching) if match is not None else None
+        if not rw:
+            break
+        g2 = g.replace(rw.mapping)
+        if g2.key == g.key:
+            break
+        forms.append(g2)
+        c2 = cost_model.graph_cost(g2)
+        if c2 < best[0]:
+            best = (c2, k)
+        made = {n for n in rw.created if n.op == node.op and n in g2.node_set}
+        if {cost_model.signature(n) for n in made} == {cost_model.signature(match.nodes[0])}:
+            break  # the same kernel again (a dense convolution "made dense")
+        g, match = g2, (next(iter(find_matches(sub, g2, state.matching, near=made)), None)
+                        if k < depth else None)
+    c, k = best
+    if not k:
+        return 0, 0.0, None
+    on_node = forms[k].replace({leaf.outputs[0]: t for leaf, t in zip(leaves, node.inputs,
+                                                                       strict=True)})
+    return k, c - base, on_node.outputs[0]
 
 
 def _rival_as_cheap(graph: Graph, cost: float, node, rivals: Sequence[Substitution],
