@@ -44,7 +44,7 @@ from taso_jax.search.match import Match, MatchState, Rewrite, find_matches, prep
 from taso_jax.search.pattern import NodeRef
 from taso_jax.search.rules import Substitution
 
-from taso_jax.ir.graph import Graph, Tensor, intern_node, leaf_node
+from taso_jax.ir.graph import LEAF_OPS, Graph, Tensor, intern_node, leaf_node
 
 __all__ = ["SearchResult", "SearchState", "Candidate", "backtracking_search", "greedy_descent",
            "add_analytic_candidate", "add_near_tie_candidate", "add_ablation_candidate",
@@ -509,7 +509,11 @@ def _chain_on_copy(node, sub: Substitution, cost_model: CostModel, state: Search
 
     The chain runs on a copy of ``node`` built on leaves of its input types (weights
     where the input is weight-only), one step per rewrite of the node the last step made,
-    up to ``depth`` steps; its cheapest form, if cheaper than ``node``, is rebuilt on
+    up to ``depth`` steps. A form whose kernel is not measured yet and whose floor
+    (:meth:`~taso_jax.search.cost.CostModel.node_floor`, its arithmetic at the device's peak)
+    is no cheaper than the best form so far ends the chain unmeasured: each halving doubles
+    the arithmetic, so no form past it can pay (a depthwise convolution over 256 channels is
+    not timed in its dense form). The cheapest form, if cheaper than ``node``, is rebuilt on
     ``node``'s own inputs: ``output`` replaces ``node``'s output. ``k`` is 0, and
     ``output`` ``None``, where no form is cheaper.
     """
@@ -528,6 +532,10 @@ def _chain_on_copy(node, sub: Substitution, cost_model: CostModel, state: Search
         if g2.key == g.key:
             break
         forms.append(g2)
+        new = [n for n in g2.nodes if not n.weight_only and n.op not in LEAF_OPS]
+        if any(cost_model.would_measure(n) for n in new) and \
+                sum(cost_model.node_floor(n) for n in new) >= best[0]:
+            break  # not timed: no cheaper at its arithmetic's floor, nor the forms past it
         c2 = cost_model.graph_cost(g2)
         if c2 < best[0]:
             best = (c2, k)

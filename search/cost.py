@@ -116,6 +116,14 @@ class CostModel:
         """
         return self.node_cost(node)
 
+    def would_measure(self, node: Node) -> bool:
+        """Whether pricing ``node`` would time a kernel.
+
+        Never here (a model that measures nothing); :class:`MeasuredCostModel`: where its
+        kernel is not in the cache yet.
+        """
+        return False
+
     def _cost(self, node: Node) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -359,6 +367,10 @@ class MeasuredCostModel(CostModel):
         if not self.calibrate:
             return micros
         return max(micros - self.call_overhead_us, 0.0) + self._analytic.launch_us
+
+    def would_measure(self, node: Node) -> bool:
+        """Whether :meth:`node_cost` would time a kernel for ``node`` (see ``_would_measure``)."""
+        return self._known(node) is None and self._would_measure(node)
 
     def _would_measure(self, node: Node) -> bool:
         """Whether :meth:`node_cost` would time a kernel for ``node``.
