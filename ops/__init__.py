@@ -104,6 +104,11 @@ class OpDef:
             IEEE float arithmetic). Constants are folded with it at import, so that an ONNX
             file's shape arithmetic loads no JAX (silero_vad_16k_op15: 263 -> 104 MB); the
             registry tests check it against ``ref``.
+        grouped_kernel_axis: for an operator whose ``groups`` attribute splits its channels,
+            the axis of its kernel (input 1) that holds one group's input channels (OIHW: 1,
+            HWIO: 2); ``None`` otherwise. Forms of one such operator that differ only in
+            ``groups`` are priced side by side by the measured cost model
+            (:func:`taso_jax.search.cost.sibling_key`).
     """
 
     name: str
@@ -122,6 +127,7 @@ class OpDef:
     channels_last: str | None = None
     doc: str = ""
     numpy_ref: Callable[..., Any] | None = None
+    grouped_kernel_axis: int | None = None
 
     def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """Fill defaults, reject unknown names, and freeze values into a sorted tuple.

@@ -239,6 +239,7 @@ declare(OpDef(
         ([TensorType((1, 8, 6, 6), _F32), TensorType((8, 1, 3, 3), _F32)], {"groups": 8}),
     ),
     axioms=_CONV2D_LAWS,
+    grouped_kernel_axis=1,
     doc="2-D convolution, NCHW x OIHW -> NCHW, with groups and fused activation (ONNX Conv)"))
 
 
@@ -310,6 +311,7 @@ declare(OpDef(
         ([TensorType((1, 9, 9, 4), _F32), TensorType((3, 1, 4, 4), _F32)],
          {"padding": (1, 0, 2, 1), "dilations": (2, 1), "activation": "tanh"}),
     ),
+    grouped_kernel_axis=2,
     doc="2-D convolution, NHWC x HWIO -> NHWC, with groups and fused activation; conv2d in "
         "the layouts XLA:CPU prefers (exported to ONNX as Transpose, Conv, Transpose)"))
 

@@ -596,6 +596,10 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
     table: dict[int, list] = {}
     refused: set = set()  # matches that did not pay (see _prepared)
     memo: dict = {}  # (rule, kernel signature) -> length of its chain taken (_chain_step)
+    # chainable rule -> the other rules of one source node of its operator (_chain_step)
+    rivals = {id(sub): [r for r in substitutions if r is not sub and len(r.source) == 1
+                        and r.source[0].op == sub.source[0].op]
+              for sub in substitutions if _chainable(sub)}
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
@@ -620,10 +624,8 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                         break
                 else:  # no single rewrite pays: maybe a run of them on one node does
                     chain = (_chain_step(graph, cost, sub, matches, cost_model, state, memo,
-                                         [r for r in substitutions if r is not sub
-                                          and len(r.source) == 1
-                                          and r.source[0].op == sub.source[0].op])
-                             if _chainable(sub) else None)
+                                         rivals[id(sub)])
+                             if id(sub) in rivals else None)
                     if chain is None:
                         continue
                     g2, c2, names, ((before, after, mapping, rebuilt),) = chain

@@ -213,22 +213,18 @@ MEASURE_METHOD = 3
 CONTRADICTION = 1.1
 MAX_RETIMED = 32
 
-#: Operators whose ``groups`` attribute splits their channels, each with its kernel's
-#: input-channel axis (OIHW: 1, HWIO: 2). Forms of one convolution that differ only in
-#: ``groups`` are siblings (:func:`sibling_key`): a halving or densifying rewrite trades one
-#: for another, so they are priced side by side (:meth:`MeasuredCostModel._measure_beside`).
-GROUPED_KERNEL_AXIS = {"conv2d": 1, "conv2d_nhwc": 2}
-
-
 def sibling_key(node: Node) -> tuple | None:
     """What ``node`` shares with every form of it that differs only in ``groups``, or ``None``.
 
-    For a convolution (:data:`GROUPED_KERNEL_AXIS`): the operator, the attributes but
-    ``groups``, the data input's type, and the kernel's shape without its input-channel
-    axis (a 1x176x14x14 NCHW input with a 176x1x5x5 depthwise kernel and with a 176x22x5x5
-    kernel at ``groups=8`` share it). ``None`` for every other operator.
+    For an operator that declares its kernel's input-channel axis (``grouped_kernel_axis``
+    in :mod:`taso_jax.ops`, the convolutions): the operator, the attributes but ``groups``,
+    the data input's type, and the kernel's shape without that axis (a 1x176x14x14 NCHW
+    input with a 176x1x5x5 depthwise kernel and with a 176x22x5x5 kernel at ``groups=8``
+    share it). Halving and densifying rewrites trade such forms, so they are priced side
+    by side (:meth:`MeasuredCostModel._measure_beside`). ``None`` for other operators.
     """
-    axis = GROUPED_KERNEL_AXIS.get(node.op)
+    opdef = OPS.get(node.op)
+    axis = opdef.grouped_kernel_axis if opdef is not None else None
     if axis is None or len(node.inputs) < 2:
         return None
     kernel = node.inputs[1]
