@@ -8,7 +8,8 @@
 #
 #   bash benchmarks/device_jax_models.sh nasrnn nasrnn_1d flax_resnet50
 #
-# Any arguments name the models (default: all but tiny_attention, as benchmarks/jax_models.py).
+# Any arguments name the models (default: all but tiny_attention, as benchmarks/jax_models.py);
+# DTYPE=bfloat16 runs them with bfloat16 weights and inputs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
@@ -25,6 +26,7 @@ for m in "${models[@]}"; do
     over=0
     [ "$m" = "${models[-1]}" ] && over=2000
     python3 benchmarks/jax_models.py "$m" --repeats "${REPEATS:-30}" --overhead-rounds "$over" \
+        --dtype "${DTYPE:-float32}" \
         --json "$OUT/row_$m.json" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tee -a "$OUT/log.txt" \
         || { echo "$m: no row (exit status above)" | tee -a "$OUT/log.txt"; continue; }
     python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))" \

@@ -46,9 +46,27 @@ from taso_jax._io import atomic_write  # noqa: E402
 from taso_jax.frontends.graph_cache import GRAPH_CACHE_ENV  # noqa: E402
 from taso_jax.ir.executor import time_interleaved  # noqa: E402
 
+DTYPE = "float32"  # --dtype: the element type of every model's float weights and inputs
+
+
+def _in_dtype(tree):
+    """``tree`` with its floating-point array leaves cast to :data:`DTYPE`."""
+    if DTYPE == "float32":
+        return tree
+    import jax.numpy as jnp
+
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(DTYPE) if hasattr(x, "dtype") and jnp.issubdtype(
+            x.dtype, jnp.floating) else x, tree)
+
+
+def _model(name: str):
+    fn, weights, inputs = jax_models.MODELS[name]()
+    return fn, _in_dtype(weights), _in_dtype(inputs)
+
 
 def _decorate(name: str, budget: int, time_limit: float, cost_model: str):
-    fn, weights, inputs = jax_models.MODELS[name]()
+    fn, weights, inputs = _model(name)
     opt = taso_jax.optimize(fn, weight_argnums=0, budget=budget, time_limit=time_limit,
                             cost_model=cost_model)
     return fn, weights, inputs, opt
@@ -97,7 +115,7 @@ def bench(name: str, repeats: int, budget: int, time_limit: float, cost_model: s
         row["hand_speedup"] = float(np.median(np.asarray(ta) / np.asarray(th[0])))
     if second_process:
         cmd = [sys.executable, __file__, "--second-process", name, "--budget", str(budget),
-               "--time-limit", str(time_limit), "--cost-model", cost_model]
+               "--time-limit", str(time_limit), "--cost-model", cost_model, "--dtype", DTYPE]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ)
         row["second_process"] = json.loads(out.stdout.strip().splitlines()[-1])
     return row
@@ -111,7 +129,7 @@ def overhead(name: str, rounds: int) -> dict | None:
     function itself. ``None`` where it measured the staged graph (weight-only work folded)
     faster.
     """
-    fn, weights, inputs = jax_models.MODELS[name]()
+    fn, weights, inputs = _model(name)
     opt = taso_jax.optimize(fn, weight_argnums=0, substitutions=[])
     jax.block_until_ready(opt(weights, *inputs))
     if not opt.original_kept:
@@ -136,7 +154,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-second-process", action="store_true")
     p.add_argument("--second-process", metavar="MODEL", help=argparse.SUPPRESS)
     p.add_argument("--json")
+    p.add_argument("--dtype", default="float32",
+                   help="element type of the float weights and inputs, e.g. bfloat16")
     a = p.parse_args(argv)
+    global DTYPE
+    DTYPE = a.dtype
     if a.second_process:  # the child: one first call, its figures as one JSON line
         print(json.dumps(first_call(a.second_process, a.budget, a.time_limit, a.cost_model)))
         return 0
@@ -150,7 +172,8 @@ def main(argv=None) -> int:
             for m in a.models]
     over = [o for m in ("tiny_attention", "eqx_mlp") if a.overhead_rounds > 0
             for o in [overhead(m, a.overhead_rounds)] if o is not None]
-    print(f"\ndevice {device} ({os.cpu_count()} cores), jax {jax.__version__}, {a.cost_model} "
+    print(f"\ndevice {device} ({os.cpu_count()} cores), jax {jax.__version__}, {DTYPE}, "
+          f"{a.cost_model} "
           f"cost model; times: median (min-max) of {a.repeats} interleaved rounds; speedup: "
           "median of the per-round ratios\n")
     print("| model | operators | jax.jit (us) | optimized (us) | speedup | rounds won | runs | "
@@ -181,7 +204,7 @@ def main(argv=None) -> int:
             print(f"| {o['model']} | {o['jit_us']:.1f} | {o['decorated_us']:.1f} | "
                   f"{o['overhead_us']:.2f} ({100 * o['overhead_us'] / o['jit_us']:.1f}%) |")
     if a.json:
-        data = json.dumps({"device": device, "jax": jax.__version__, "rows": rows,
+        data = json.dumps({"device": device, "jax": jax.__version__, "dtype": DTYPE, "rows": rows,
                            "overhead": over}, indent=1)
         atomic_write(a.json, lambda tmp: Path(tmp).write_text(data))
     return 0

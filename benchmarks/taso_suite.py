@@ -80,6 +80,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--cost-cache", help="SQLite kernel cost cache (sets TASO_JAX_COST_CACHE)")
     ap.add_argument("--fresh", action="store_true", help="drop earlier rows of this device")
+    ap.add_argument("--dtype", default="float32", help="element type of inputs and weights")
     ap.add_argument("--retime", type=int, default=0, metavar="N",
                     help="time each model's original and kept graph N more times")
     mode = ap.add_mutually_exclusive_group()
@@ -93,7 +94,7 @@ def main() -> int:
         rc = cli(["bench", "--cost-model", args.cost_model, "--budget", str(args.budget),
                   "--repeats", str(args.repeats), "--out", args.out,
                   "--time-limit", str(args.time_limit), "--candidates", str(args.candidates),
-                  "--sample", str(args.sample), "--retime", str(args.retime),
+                  "--sample", str(args.sample), "--retime", str(args.retime), "--dtype", args.dtype,
                   "--models-dir", str(MODELS_DIR), *args.models]
                  + (["--small"] if args.small else []) + (["--fresh"] if args.fresh else []))
     if rc or args.no_scaling:

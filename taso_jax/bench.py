@@ -21,7 +21,7 @@ import numpy as np
 
 from taso_jax._io import atomic_write
 from taso_jax.ir.executor import MIN_SAMPLE_US
-from taso_jax.ir.graph import Graph
+from taso_jax.ir.graph import Graph, TensorType, leaf_node, rebuild_node, topo_order
 from taso_jax.search.backtracking import backtracking_search
 from taso_jax.search.choose import (
     choose_fastest,
@@ -32,8 +32,8 @@ from taso_jax.search.choose import (
 )
 from taso_jax.search.options import OptimizeOptions, add_second_opinions, usable_rules
 
-__all__ = ["bench_graph", "search_and_choose", "graph_digest", "rule_family", "merge_rows",
-           "read_results", "results_path", "write_results", "format_table"]
+__all__ = ["bench_graph", "with_float_dtype", "search_and_choose", "graph_digest", "rule_family",
+           "merge_rows", "read_results", "results_path", "write_results", "format_table"]
 
 
 def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 100,
@@ -103,6 +103,42 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
         "kept_digest": graph_digest(r.graph),
         "retimed_speedups": retimed,
     }
+
+
+def with_float_dtype(graph: Graph, dtype: str) -> Graph:
+    """``graph`` with its floating-point inputs and weights of element type ``dtype``.
+
+    Every operator is rebuilt on the new leaves, so its output types follow (the shape rules
+    carry the input's element type). For the benchmark suite in reduced precision
+    (``taso-jax bench --dtype bfloat16``); ``dtype`` is a NumPy or ml_dtypes name.
+
+    Raises:
+        TypeError: ``dtype`` is not a floating-point type.
+    """
+    import jax.numpy as jnp
+
+    target = jnp.dtype(dtype)
+    if not jnp.issubdtype(target, jnp.floating):
+        raise TypeError(f"{dtype!r} is not a floating-point type")
+
+    def floating(t: TensorType) -> bool:
+        return bool(jnp.issubdtype(jnp.dtype(t.dtype), jnp.floating))
+
+    new, weights = {}, dict(graph.weights)
+    for n in topo_order(graph.outputs + tuple(t for i in graph.inputs for t in i.outputs)):
+        if n.op in ("input", "weight"):
+            t = n.types[0]
+            if floating(t):
+                new[n] = leaf_node(n.op, n.name, TensorType(t.shape, target.name))
+                if n.op == "weight":
+                    weights[n.name] = np.asarray(weights[n.name]).astype(target)
+            else:
+                new[n] = n
+        else:
+            new[n] = rebuild_node(n, [type(t)(new[t.node], t.index) for t in n.inputs])
+    return Graph(tuple(new[i] for i in graph.inputs),
+                 tuple(type(t)(new[t.node], t.index) for t in graph.outputs),
+                 graph.output_names, weights, graph.meta)
 
 
 def search_and_choose(graph: Graph, opts: OptimizeOptions, repeats: int = 50,

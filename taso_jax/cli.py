@@ -642,7 +642,14 @@ def _load_bench_models(models_dir: str | None) -> dict:
 
 def _bench(args) -> int:
     from taso_jax._malloc import malloc_setting
-    from taso_jax.bench import bench_graph, format_table, merge_rows, read_results, write_results
+    from taso_jax.bench import (
+        bench_graph,
+        format_table,
+        merge_rows,
+        read_results,
+        with_float_dtype,
+        write_results,
+    )
     from taso_jax.search.choose import device_name
     from taso_jax.search.options import OptimizeOptions
 
@@ -660,7 +667,8 @@ def _bench(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from e
     settings = {k: getattr(args, k) for k in ("cost_model", "budget", "time_limit", "repeats",
-                                              "candidates", "sample", "small", "no_layouts")}
+                                              "candidates", "sample", "small", "no_layouts",
+                                              "dtype")}
     settings["malloc"] = malloc_setting()  # what the timings ran under (taso_jax._malloc)
     print(f"device: {device_name()}; cost model: {args.cost_model}; "
           f"{'small' if args.small else 'full-size'} models; malloc: {settings['malloc']}",
@@ -675,6 +683,8 @@ def _bench(args) -> int:
     for name in names:
         m = models[name]
         graph = m.build(**m.SMALL) if args.small else m.build()
+        if args.dtype != "float32":
+            graph = with_float_dtype(graph, args.dtype)
         row = bench_graph(name, graph, cost_model=cost_model, budget=args.budget,
                           time_limit=args.time_limit, repeats=args.repeats,
                           candidates=args.candidates, sample=args.sample,
@@ -845,6 +855,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-layouts", action="store_true",
                    help="do not time the NHWC forms of the graphs with convolutions "
                         "(default: timed as candidates, see layout_candidates)")
+    b.add_argument("--dtype", default="float32",
+                   help="element type of the models' inputs and weights, e.g. bfloat16 "
+                        "(float32)")
     b.add_argument("--retime", type=int, default=0, metavar="N",
                    help="time the original and the kept graph N more times, each as long as "
                         "the final timing, to see how far one fixed pair's speedup moves (0)")

@@ -355,6 +355,16 @@ def _malloc_trim():
 _TRIM = False
 
 
+def _is_float(dtype) -> bool:
+    """Whether ``dtype`` is a floating type, bfloat16 and the other ml_dtypes floats included.
+
+    NumPy does not count ml_dtypes' ``bfloat16`` among ``np.floating``; JAX does.
+    """
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
+
+
 def random_array(shape, dtype, rng: np.random.Generator, high: int | None = None
                  ) -> np.ndarray:
     """A random array of ``shape`` and ``dtype``.
@@ -366,7 +376,7 @@ def random_array(shape, dtype, rng: np.random.Generator, high: int | None = None
     """
     if np.dtype(dtype) == np.bool_:
         return rng.integers(0, 2, shape).astype(bool)
-    if np.issubdtype(np.dtype(dtype), np.floating) and high is None:
+    if _is_float(dtype) and high is None:
         return rng.standard_normal(shape).astype(dtype)
     return rng.integers(0, 8 if high is None else high, shape).astype(dtype)
 
