@@ -11,7 +11,6 @@ returns a graph that runs slower than its input by more than the noise of the me
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -245,12 +244,19 @@ def start_choice(result, graphs: list[tuple], deadline: float | None, make_base,
 
 
 def device_name() -> str:
-    """The current JAX device: ``"gpu:NVIDIA H100 80GB HBM3"``, or ``"cpu:N cores"``."""
+    """The current JAX device: ``"gpu:NVIDIA H100 80GB HBM3"``, or ``"cpu:N cores"``.
+
+    ``N`` counts the cores this process may run on (:func:`~taso_jax._machine.usable_cores`),
+    not the machine's: a process pinned to one core is ``"cpu:1 core"``.
+    """
     import jax
+
+    from taso_jax._machine import usable_cores
 
     dev = jax.devices()[0]
     if dev.platform == "cpu":
-        return f"cpu:{os.cpu_count()} cores"
+        n = usable_cores()
+        return f"cpu:{n} core{'s' if n != 1 else ''}"
     return f"{dev.platform}:{getattr(dev, 'device_kind', '') or dev.platform}"
 
 

@@ -241,8 +241,10 @@ CPU_CORE_PEAK_GFLOPS = 256.0
 
 
 def cpu_peak_gflops() -> float:
-    """:data:`CPU_CORE_PEAK_GFLOPS` on every core of this machine (``os.cpu_count()``)."""
-    return CPU_CORE_PEAK_GFLOPS * (os.cpu_count() or 1)
+    """:data:`CPU_CORE_PEAK_GFLOPS` on every core this process may use (GFLOP/s)."""
+    from taso_jax._machine import usable_cores
+
+    return CPU_CORE_PEAK_GFLOPS * usable_cores()
 
 #: Environment variable naming the SQLite file of measured kernel costs, where it is set.
 COST_CACHE_ENV = "TASO_JAX_COST_CACHE"
@@ -393,7 +395,7 @@ class MeasuredCostModel(CostModel):
     def peak_gflops(self) -> float | None:
         """An upper bound on this device's float32 arithmetic rate (GFLOP/s), or ``None``.
 
-        On a CPU, :data:`CPU_CORE_PEAK_GFLOPS` times ``os.cpu_count()``; on other devices
+        On a CPU, :data:`CPU_CORE_PEAK_GFLOPS` times the usable cores; on other devices
         ``None`` (a GPU's tensor cores leave no bound worth the risk), and kernels not yet
         measured get no floor but the launch.
         """

@@ -13,12 +13,12 @@ optimizations: what a user of the ONNX file runs.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
+from taso_jax._machine import usable_cores
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
 from taso_jax.search.choose import keep_fastest, measured_set, screen_in_pairs, start_choice
 from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel, cpu_peak_gflops
@@ -221,7 +221,7 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
     def _device() -> str:
         import onnxruntime as ort
 
-        return f"onnxruntime {ort.__version__}:{os.cpu_count()} cores"
+        return f"onnxruntime {ort.__version__}:{usable_cores()} cores"
 
     @staticmethod
     def _fallback() -> AnalyticCostModel:
