@@ -191,7 +191,7 @@ def main(argv=None) -> int:
               f"{r['speedup']:.2f}x | {r['rounds_won']}/{r['repeats']} | {r['runs']} | "
               f"{by_hand} | "
               f"{r['first_call_s']:.1f} s | "
-              f"{r['first_call_stages_s'].get('search', 0.0):.1f} s | {second} | {ap} |")
+              f"{r['first_call_stages_s'].get('search and choice', 0.0):.1f} s | {second} | {ap} |")
     for r in rows:
         st = ", ".join(f"{k} {v:.1f} s" for k, v in r["first_call_stages_s"].items())
         print(f"\n{r['model']} first call: {st}", end="")

@@ -1,15 +1,14 @@
-"""One options record for every way in: the Python API, the command line and the decorator.
+"""One options record for every way in, and the one search pipeline.
 
 :class:`OptimizeOptions` holds the search's settings with the one set of defaults that
 ``taso_jax.optimize``, ``taso_jax.search_graph``, ``taso-jax optimize`` and
-``@taso_jax.optimize`` share; :func:`search_graph` runs TASO's backtracking search with them
+``@taso_jax.optimize`` share; :func:`run_search` runs TASO's backtracking search with them
 and, unless ``end_to_end=0``, the end-to-end choice (:func:`taso_jax.search.choose.choose_fastest`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,26 +24,22 @@ from taso_jax.search.backtracking import (
 )
 from taso_jax.search.choose import choose_fastest
 from taso_jax.search.cost import COST_MODEL_NAMES, AnalyticCostModel, CostModel, get_cost_model
+from taso_jax.search.limits import SHARES, Deadline
 from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
 
 from taso_jax.ir.executor import forget_compiled
-from taso_jax.ir.graph import Graph, GraphBuilder
+from taso_jax.ir.graph import Graph
 from taso_jax.ir.layout import has_nchw_convolutions
 
-__all__ = ["OptimizeOptions", "search_graph", "add_second_opinions", "usable_rules",
+__all__ = ["OptimizeOptions", "run_search", "add_second_opinions", "usable_rules",
            "TARGETS"]
 
-#: Share of ``time_limit`` that the backtracking search may use; the end-to-end choice
-#: (compiling and timing the candidates) has the rest.
-SEARCH_SHARE = 0.7
+#: Share of ``time_limit`` that the backtracking search may use (:data:`SHARES`).
+SEARCH_SHARE = SHARES["search"]
 
-#: Share of ``time_limit``, out of :data:`SEARCH_SHARE`, that a second search under the
-#: analytic cost model may use when the measured one is searched with an end-to-end choice
-#: (:func:`taso_jax.search.backtracking.add_analytic_candidate`); the near-tie candidate
-#: (:func:`taso_jax.search.backtracking.add_near_tie_candidate`) may take as long again,
-#: out of the end-to-end choice's share, and so may the search without one rule
-#: (:func:`taso_jax.search.backtracking.add_ablation_candidate`), where time is left.
-ANALYTIC_SHARE = 0.1
+#: Share of ``time_limit`` each search that second-guesses the cost model may use
+#: (:data:`SHARES`).
+ANALYTIC_SHARE = SHARES["second_opinion"]
 
 #: Graphs besides the input that a search run here holds in ``result.visited`` (the
 #: cheapest ones; at least the candidates kept): the end-to-end choice needs no more, and
@@ -210,72 +205,74 @@ def usable_rules(subs: Sequence[Substitution], allow_unverified: bool,
 
 def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Substitution],
                         cost_model: CostModel, opts: OptimizeOptions,
-                        deadline: float | None = None) -> None:
+                        deadline: Deadline | None = None) -> None:
     """Add the candidates that second-guess the search's cost model to ``result``.
 
     The best graph of a search under the analytic cost model
     (:func:`~taso_jax.search.backtracking.add_analytic_candidate`), the best graph with its
     rules' near ties taken (:func:`~taso_jax.search.backtracking.add_near_tie_candidate`)
     and the best graph of a search without one rule every candidate applies
-    (:func:`~taso_jax.search.backtracking.add_ablation_candidate`), each limited to
-    ``ANALYTIC_SHARE`` of ``opts.time_limit`` seconds. With a ``deadline`` (a
-    ``time.perf_counter()`` value: the end of the whole optimization), the last runs only
-    where the end-to-end choice keeps its whole share of the time limit after it.
-    ``result.graph`` is not changed.
+    (:func:`~taso_jax.search.backtracking.add_ablation_candidate`), each limited to the
+    ``second_opinion`` share of the ``deadline``'s span (default: ``opts.time_limit`` from
+    now). The last runs only where the end-to-end choice keeps its ``choice_reserve``
+    share after it. ``result.graph`` is not changed.
     """
-    share = opts.time_limit * ANALYTIC_SHARE
+    deadline = deadline or Deadline.start(opts.time_limit)
+    share = deadline.seconds * SHARES["second_opinion"]
     add_analytic_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
                            budget=opts.budget, time_limit=share)
     add_near_tie_candidate(result, subs, cost_model, time_limit=share)
-    if deadline is None or deadline - time.perf_counter() >= opts.time_limit * (
-            1 - SEARCH_SHARE + ANALYTIC_SHARE):
+    if deadline.left() >= deadline.seconds * (SHARES["choice_reserve"]
+                                              + SHARES["second_opinion"]):
         add_ablation_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
                                budget=opts.budget, time_limit=share)
 
 
-def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = None, *,
-                 progress: Callable[[int, float], None] | None = None,
-                 chooser: Callable[[SearchResult], dict] | None = None,
-                 **changes) -> SearchResult:
-    """Run the backtracking search, then the end-to-end choice, and return the result.
+def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel,
+               opts: OptimizeOptions, *, deadline: Deadline | None = None,
+               chooser: Callable[..., dict] | None = None,
+               progress: Callable[[int, float], None] | None = None,
+               second_opinions: bool = True) -> SearchResult:
+    """The one search pipeline: backtracking search, second opinions, end-to-end choice.
+
+    This is the only place these are put together; every front door reaches it through
+    :class:`taso_jax.optimizer.Optimizer`.
 
     Args:
-        graph: a :class:`~taso_jax.ir.graph.Graph` (unchanged), or a
-            :class:`~taso_jax.ir.graph.GraphBuilder` (its unused tensors become outputs, as
-            in TASO).
-        options: the settings (:class:`OptimizeOptions`; its defaults when ``None``).
+        graph: the input graph (unchanged).
+        subs: the rules to search with (already filtered: :func:`usable_rules`).
+        cost_model: the cost model to price graphs with.
+        opts: the settings (``alpha``, ``budget``, ``time_limit``, ``end_to_end``,
+            ``layout_candidates``).
+        deadline: the end of the whole optimization (default: ``opts.time_limit`` from
+            now). Of what is left of it when the pipeline starts (at least 5% of its span),
+            the backtracking search gets its ``search`` share, each second opinion its
+            ``second_opinion`` share, the end-to-end choice what is left.
+        chooser: the end-to-end choice, ``chooser(result, deadline=...) -> dict`` with
+            ``deadline`` a ``time.perf_counter()`` value; it replaces ``result.graph`` by
+            the fastest graph timed. Default :func:`~taso_jax.search.choose.choose_fastest`
+            (``jax.jit`` on this device).
         progress: ``progress(iterations, best cost in microseconds)`` after each expansion.
-        chooser: the end-to-end choice, ``chooser(result, deadline=...) -> dict``: it
-            replaces ``result.graph`` by the fastest graph timed, in fewer rounds once
-            ``deadline`` (a ``time.perf_counter()`` value) has passed; default
-            :func:`~taso_jax.search.choose.choose_fastest` (``jax.jit`` on this device).
-            ``target="onnxruntime"`` needs one (the ONNX front door gives it).
-        **changes: settings that override ``options`` (``budget=30``, ``end_to_end=0``...).
+        second_opinions: whether the searches that second-guess a measured cost model run
+            (:func:`add_second_opinions`; never under the analytic model or without an
+            end-to-end choice).
 
     Returns:
-        A :class:`~taso_jax.search.backtracking.SearchResult`; ``result.rules`` counts the
-        rules used, and ``result.end_to_end`` what was timed when candidates were measured.
-
-    Raises:
-        ValueError: a setting out of range, or a rule file that is not one.
-        TypeError: an unknown setting.
+        A :class:`~taso_jax.search.backtracking.SearchResult`; ``result.end_to_end`` holds
+        what was timed when candidates were measured, ``result.unmeasurable`` the kernels
+        the cost model could not time.
     """
-    opts = (options or OptimizeOptions()).replace(**changes)
-    if opts.target != "xla" and (chooser is None or isinstance(opts.cost_model, str)
-                                 and opts.cost_model == "measured"):
-        raise ValueError(f"target {opts.target!r} needs its cost model and end-to-end choice "
-                         "(use taso_jax.search_graph or taso-jax optimize --target)")
-    if isinstance(graph, GraphBuilder):
-        graph = graph.graph()
-    subs, counts = usable_rules(opts.load_rules(), opts.allow_unverified)
-    deadline = time.perf_counter() + opts.time_limit
-    cost_model = opts.make_cost_model()
-    second = (opts.end_to_end > 0 and opts.target == "xla"
+    if deadline is None:
+        deadline = Deadline.start(opts.time_limit)
+    else:  # the shares are of what import and rule loading left
+        deadline = Deadline.start(max(deadline.left(), 0.05 * min(deadline.seconds,
+                                                                   opts.time_limit)))
+    second = (second_opinions and opts.end_to_end > 0
               and not isinstance(cost_model, AnalyticCostModel))
-    share = (SEARCH_SHARE - (ANALYTIC_SHARE if second else 0.0)
-             if opts.end_to_end > 0 else 1.0)
+    limit = deadline.seconds * (SHARES["search"] - (SHARES["second_opinion"] if second else 0.0)
+                                if opts.end_to_end > 0 else 1.0)
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
-                                 budget=opts.budget, time_limit=opts.time_limit * share,
+                                 budget=opts.budget, time_limit=limit,
                                  progress=progress, keep=max(1, opts.end_to_end),
                                  record=VISITED_HELD)
     if second:
@@ -284,9 +281,8 @@ def search_graph(graph: Graph | GraphBuilder, options: OptimizeOptions | None = 
     if opts.end_to_end > 0 and (len(result.candidates) > 1 or layouts):
         if chooser is None:
             chooser = partial(choose_fastest, layouts=opts.layout_candidates)
-        result.end_to_end = chooser(result, deadline=deadline)
+        result.end_to_end = chooser(result, deadline=deadline.at)
         # the candidates that lost are not run again: free their executables and weights
         forget_compiled(keep=(graph, result.graph))
-    result.rules = counts
     result.unmeasurable = list(getattr(cost_model, "unmeasurable", ()))
     return result

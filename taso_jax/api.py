@@ -3,36 +3,57 @@
 from __future__ import annotations
 
 from taso_jax.frontends.decorator import optimize_function
-from taso_jax.frontends.onnxruntime_target import resolve_target
 from taso_jax.ir.graph import Graph, GraphBuilder
+from taso_jax.optimizer import Optimizer
 from taso_jax.search import options as _options
-from taso_jax.verify.runner import rules_for
 
 __all__ = ["optimize", "search_graph"]
+
+#: Keywords of :func:`search_graph` and :func:`optimize` on a graph besides the options.
+_RUN_KEYWORDS = ("check", "rtol", "atol")
 
 
 def search_graph(graph, options: _options.OptimizeOptions | None = None, *, progress=None,
                  **changes):
-    """:func:`taso_jax.search.options.search_graph`, with a rule file's proofs checked.
+    """Optimize ``graph`` with statistics: :meth:`taso_jax.optimizer.Optimizer.run`.
 
-    A ``substitutions`` rule file path is read with
-    :func:`taso_jax.verify.runner.load_proved_rules`: its rules are proved again unless
-    ``trust_proofs=True``. Arguments, result and errors are those of
-    :func:`taso_jax.search.options.search_graph`. With ``target="onnxruntime"`` kernels and
-    candidates are timed in onnxruntime against the input graph's own export
-    (:func:`taso_jax.frontends.onnxruntime_target.resolve_target`).
+    Args:
+        graph: a :class:`~taso_jax.ir.graph.Graph` (unchanged), or a
+            :class:`~taso_jax.ir.graph.GraphBuilder` (its unused tensors are the outputs).
+        options: the settings (:class:`~taso_jax.search.options.OptimizeOptions`).
+        progress: ``progress(iterations, best cost in microseconds)`` after each expansion.
+        **changes: settings that override ``options`` (``budget=30``, ``end_to_end=0``...),
+            and ``check`` (default ``True``: a rewritten graph is compared with the input
+            under ``jax.jit`` at two input scales, and the input is returned, with a
+            ``RuntimeWarning``, where they differ), ``rtol``, ``atol`` (its tolerances).
+
+    A rule file named by ``substitutions`` is proved again unless ``trust_proofs=True``
+    (:func:`taso_jax.verify.runner.load_proved_rules`). With ``target="onnxruntime"``
+    kernels and candidates are timed in onnxruntime against the input graph's own export.
+
+    Returns:
+        The :class:`~taso_jax.search.backtracking.SearchResult`; its ``graph`` is the graph
+        delivered (the input where nothing faster was confirmed or the check failed),
+        ``outcome`` the :class:`~taso_jax.outcome.Outcome`, ``rules`` the rule counts and
+        ``end_to_end`` what was timed.
+
+    Raises:
+        ValueError: a setting out of range, or a rule file that is not one.
+        TypeError: an unknown setting.
     """
-    opts = (options or _options.OptimizeOptions()).replace(**changes)
-    opts, chooser = resolve_target(opts)
-    return _options.search_graph(graph, opts, progress=progress, chooser=chooser,
-                                 substitutions=rules_for(opts))
+    run = {k: changes.pop(k) for k in _RUN_KEYWORDS if k in changes}
+    outcome = Optimizer(options, **changes).run(graph, progress=progress, **run)
+    result = outcome.result
+    result.graph, result.outcome = outcome.graph, outcome
+    return result
 
 
 def optimize(graph=None, **options):
     """Optimize a graph, or make a JAX function faster (a decorator used like ``jax.jit``).
 
     On a :class:`~taso_jax.ir.graph.Graph` (or a ``GraphBuilder``): return the fastest
-    equivalent graph found (TASO's ``taso.optimize``). The options are those of
+    equivalent graph found (TASO's ``taso.optimize``), checked against the input under
+    ``jax.jit`` (:func:`search_graph`; ``check=False`` skips that). The options are those of
     :class:`~taso_jax.search.options.OptimizeOptions` (``alpha=1.05, budget=100,
     time_limit=60.0, cost_model="measured", substitutions=None, allow_unverified=False,
     end_to_end=4, trust_proofs=False, target="xla", layout_candidates=True``). The input

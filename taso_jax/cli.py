@@ -28,6 +28,10 @@ from taso_jax._text import one_line
 
 __all__ = ["main"]
 
+#: Built-in examples ``taso-jax optimize`` runs without a model (:mod:`taso_jax.examples`).
+EXAMPLES = ("nasrnn", "resnet_module")
+DEFAULT_EXAMPLE = "nasrnn"
+
 
 class UsageError(Exception):
     """A problem with the user's input; printed as one line, exit code 2."""
@@ -103,11 +107,25 @@ def _optimize(args) -> int:
     """``taso-jax optimize``: its scratch folder lives as long as the run."""
     import tempfile
 
-    started = time.perf_counter()
-    deadline = started + args.time_limit  # bounds the whole run (argument checked below)
+    from taso_jax.search.limits import Deadline
+
+    try:  # one deadline bounds the whole run, import included
+        deadline = Deadline.start(args.time_limit)
+    except ValueError as e:
+        raise UsageError(f"--time-limit must be a positive number of seconds, got "
+                         f"{args.time_limit}") from e
     notes = []
     with tempfile.TemporaryDirectory(prefix="taso_jax_") as scratch:
-        return _optimize_in(args, started, deadline, notes, scratch)
+        return _optimize_in(args, deadline, notes, scratch)
+
+
+def _check_tolerances(args) -> None:
+    """``--rtol`` and ``--atol`` must be finite and >= 0 (a NaN tolerance passes nothing)."""
+    import math
+
+    for flag, value in (("--rtol", args.rtol), ("--atol", args.atol)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"{flag} must be a finite number >= 0, got {value}")
 
 
 def _converted_reference(model: str, graph, notes: list, scratch: str, refused):
@@ -138,9 +156,12 @@ def _converted_reference(model: str, graph, notes: list, scratch: str, refused):
     return path, references
 
 
-def _optimize_in(args, started: float, deadline: float, notes: list, scratch: str) -> int:
-    import time
+def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
+    """Import the model, run the optimizer, check and write: the command's pipeline.
 
+    Every way out prints an :class:`~taso_jax.outcome.Outcome` and writes its JSON, so the
+    text report and ``--json`` are renderings of one record.
+    """
     import numpy as np
     import onnx
 
@@ -152,24 +173,24 @@ def _optimize_in(args, started: float, deadline: float, notes: list, scratch: st
         load_onnx,
         with_symbolic_dims,
     )
+    from taso_jax.frontends.onnxruntime_target import OnnxRuntimeTarget
     from taso_jax.ir.executor import forget_compiled
+    from taso_jax.optimizer import Optimizer, XlaTarget
+    from taso_jax.outcome import Outcome, Verdict
     from taso_jax.report import (
         check_onnx,
-        format_report,
         measure_onnxruntime,
         measure_speed,
         reference_runs,
         search_report,
     )
     from taso_jax.search.cost import get_cost_model
-    from taso_jax.search.options import OptimizeOptions, search_graph
-    from taso_jax.verify.runner import rules_for
+    from taso_jax.search.options import OptimizeOptions
 
     if args.model is None:
-        from taso_jax.examples import resnet_module
+        from taso_jax.examples import example
 
-        graph = resnet_module()
-        name = "built-in example: ResNet module from TASO's README"
+        graph, name = example(args.example)
         original = None
     else:
         name = args.model
@@ -182,8 +203,7 @@ def _optimize_in(args, started: float, deadline: float, notes: list, scratch: st
         external_data = _external_data_files(args.model)
         protected.update((p, "an external-data file of the input model")
                          for p in external_data)
-    if args.rtol < 0 or (args.atol is not None and args.atol < 0):
-        raise UsageError("--rtol and --atol must be >= 0")
+    _check_tolerances(args)
     if args.output:
         check_output_path(args.output, "-o", protected)
         protected[os.path.realpath(args.output)] = "the output model (-o)"
@@ -209,11 +229,11 @@ def _optimize_in(args, started: float, deadline: float, notes: list, scratch: st
                                                             scratch, e)
                 external_data = set()
         except ValueSizedModel as e:
-            return _pass_through(args, name, e, external_data, started)
+            return _pass_through(args, name, e, external_data, deadline)
         if graph.meta.get("opaque"):
             notes.append("kept as opaque nodes: " + ", ".join(
                 f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
-    # (for --target onnxruntime, resolve_target below makes its own, without the cache)
+    # (for --target onnxruntime, its target makes its own cost model, without the cache)
     cost_model = (get_cost_model("measured", cache_path=False)
                   if args.cost_model == "measured" and args.no_cost_cache
                   and args.target == "xla" else args.cost_model)
@@ -226,10 +246,12 @@ def _optimize_in(args, started: float, deadline: float, notes: list, scratch: st
                                   layout_candidates=False)
     except ValueError as e:
         raise UsageError("--" + str(e).replace("_", "-")) from e
+    target = XlaTarget() if args.target == "xla" else OnnxRuntimeTarget(
+        original, references[0][1] if original is not None else None,
+        opset=int(graph.meta.get("opset", 17)), cache=not args.no_cost_cache)
     try:
-        options = options.replace(substitutions=args.substitutions,
-                                  trust_proofs=args.trust_proofs)
-        subs = rules_for(options)
+        optimizer = Optimizer(options.replace(substitutions=args.substitutions,
+                                              trust_proofs=args.trust_proofs), target=target)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise UsageError(f"{args.substitutions}: not a valid substitution file ({e})") from e
     from tqdm import tqdm
@@ -241,28 +263,17 @@ def _optimize_in(args, started: float, deadline: float, notes: list, scratch: st
         bar.update(1)
         bar.set_postfix_str(f"best {best:.1f} us")
 
-    chooser = None
-    if options.target != "xla":
-        from taso_jax.frontends.onnxruntime_target import resolve_target
-
-        options, chooser = resolve_target(
-            options, original, references[0][1] if original is not None else None,
-            opset=int(graph.meta.get("opset", 17)), cache=not args.no_cost_cache)
-    # The time limit bounds the whole run: the search and its end-to-end choice get what
-    # importing the model left of it.
-    left = max(deadline - time.perf_counter(), 0.05 * args.time_limit)
-    result = search_graph(graph, options, substitutions=subs, progress=progress,
-                          chooser=chooser, time_limit=left)
+    result = optimizer.search(graph, deadline, progress)
     bar.close()
-    report = search_report(name, graph, result, options, subs, notes)
+    report = search_report(name, graph, result, optimizer.options, optimizer.rules, notes)
     report["time_limit"] = args.time_limit
-    if not args.no_time and options.target == "xla":
+    if not args.no_time and args.target == "xla":
         # For --target onnxruntime the timings are onnxruntime's (the end-to-end choice
         # and the check below): that process then never imports JAX (about 145 MB).
-        if time.perf_counter() < deadline:
+        if not deadline.passed():
             try:
                 report["time"] = measure_speed(graph, result.graph, repeats=args.repeats,
-                                               deadline=deadline)
+                                               deadline=deadline.at)
             except Exception as e:  # noqa: BLE001 - the report's own timing only
                 report["notes"].append("the report's own jax.jit timing failed, and is left "
                                        f"out: {type(e).__name__}: {one_line(str(e), 200)}")
@@ -273,12 +284,16 @@ def _optimize_in(args, started: float, deadline: float, notes: list, scratch: st
     # the export and the onnxruntime sessions of the check come (about 300 MB, ResNet-50).
     forget_compiled()
     unchanged = result.graph.key == graph.key
-    if unchanged and original is not None:
-        # Nothing beat the input: the user's own file is written back byte for byte (its
-        # symbolic sizes, names and metadata included), so it cannot be slower or wrong.
-        return _write_input(args, original, external_data, graph, report, started)
+    e2e = report.get("end_to_end") or {}
+    if unchanged:
+        verdict = Verdict.TIME_LIMIT if e2e.get("skipped") else Verdict.UNCHANGED
+        outcome = Outcome(verdict, report, graph, why=e2e.get("skipped"), result=result)
+        if original is not None:
+            # Nothing beat the input: the user's own file is written back byte for byte
+            # (its symbolic sizes, names and metadata included): not slower, not wrong.
+            return _write_input(args, original, external_data, graph, outcome, deadline)
     fold = True  # weight-only subgraphs computed by JAX, or for onnxruntime by onnxruntime
-    if options.target == "onnxruntime":
+    if args.target == "onnxruntime":
         from taso_jax.frontends.onnxruntime_target import onnxruntime_folded_values as fold
     optimized = export_onnx(result.graph, fold=fold)
     # One serialized copy serves the checks, the timing and the write (each serialization
@@ -315,8 +330,10 @@ def _optimize_in(args, started: float, deadline: float, notes: list, scratch: st
         if not noise["ok"] and np.isfinite(err) and err <= 2 * noise["max_abs_err"]:
             report["check"].update(ok=True, noise_floor=noise["max_abs_err"])
     if not report["check"]["ok"]:
-        report["wall_seconds"] = time.perf_counter() - started
-        print(format_report(report))
+        report["wall_seconds"] = _elapsed(deadline)
+        print(Outcome(Verdict.FALLBACK, report, graph, result=result,
+                      why="the optimized model's outputs differ from the original's; "
+                          "nothing written").to_text())
         applied = (f"substitutions applied: {', '.join(sorted(result.applied))}"
                    if result.applied else "no substitution was applied, so the fault is in "
                    "taso_jax's import or export of this model (please report it)")
@@ -326,25 +343,34 @@ def _optimize_in(args, started: float, deadline: float, notes: list, scratch: st
     if symbolic:
         data, general = _keep_sizes_open(data, general, original, graph, report, args), None
         if data is None:  # it runs at the sizes bound only, which no one asked for
-            report["applied"], report["operators_after"] = {}, report["operators_before"]
-            report["cost"] = {**report["cost"], "after_us": report["cost"]["before_us"]}
-            report.pop("check", None)
-            return _write_input(args, original, external_data, graph, report, started,
-                                why="the optimized graph runs at the sizes it was "
-                                    "optimized at only")
+            outcome = Outcome(Verdict.BOUND_SIZES_ONLY, report, graph, result=result,
+                              why="the optimized graph runs at the sizes it was optimized "
+                                  "at only")
+            return _write_input(args, original, external_data, graph, outcome, deadline)
     if not args.no_time and not unchanged:
         report["onnxruntime"] = measure_onnxruntime(reference, data, references[0][1],
-                                                    deadline=deadline)
+                                                    deadline=deadline.at)
     if args.output:  # the bytes onnx.save would write for this proto
         atomic_write(args.output, lambda tmp: Path(tmp).write_bytes(data))
         report["written"] = args.output
-    report["wall_seconds"] = time.perf_counter() - started
-    print(format_report(report))
-    _write_json(args.json, report)
+    report["wall_seconds"] = _elapsed(deadline)
+    verdict = Verdict.UNCHANGED if unchanged else Verdict.REWRITTEN
+    _emit(args, Outcome(verdict, report, graph if unchanged else result.graph, result=result))
     return 0
 
 
-def _pass_through(args, name: str, error, external_data, started: float) -> int:
+def _elapsed(deadline) -> float:
+    """Seconds since ``deadline`` was started."""
+    return deadline.seconds - (deadline.at - time.perf_counter())
+
+
+def _emit(args, outcome) -> None:
+    """Print ``outcome``'s text report and write its JSON to ``--json``."""
+    print(outcome.to_text())
+    _write_json(args.json, outcome.to_json())
+
+
+def _pass_through(args, name: str, error, external_data, deadline) -> int:
     """Write the input back unchanged: its sizes follow input values (exit 0).
 
     No static graph can be imported from such a model (``error``, a
@@ -357,7 +383,8 @@ def _pass_through(args, name: str, error, external_data, started: float) -> int:
         ModelError: onnxruntime cannot load the model (exit 2).
     """
     from taso_jax.frontends.onnx_io import ModelError
-    from taso_jax.report import _session, format_pass_through
+    from taso_jax.outcome import Outcome, Verdict
+    from taso_jax.report import _session
 
     try:
         _session(args.model)
@@ -368,9 +395,8 @@ def _pass_through(args, name: str, error, external_data, started: float) -> int:
               "not_optimized_because": error.hint,
               "kept_input_because": "its sizes follow input values"}
     _write_copy(args, args.model, external_data, report)
-    report["wall_seconds"] = time.perf_counter() - started
-    print(format_pass_through(report))
-    _write_json(args.json, report)
+    report["wall_seconds"] = _elapsed(deadline)
+    _emit(args, Outcome(Verdict.PASS_THROUGH, report, why="its sizes follow input values"))
     return 0
 
 
@@ -397,26 +423,24 @@ def _write_copy(args, original: str, external_data, report: dict) -> None:
         report["written"] = args.output
 
 
-def _write_input(args, original: str, external_data, graph, report: dict, started: float,
-                 why: str | None = None) -> int:
+def _write_input(args, original: str, external_data, graph, outcome, deadline) -> int:
     """Write the user's own file back as the result (byte for byte), print the report.
 
-    Used when no faster graph was found, or (``why``) when the faster one cannot replace
-    the input (:func:`_write_copy`).
+    Used when no faster graph was found (``outcome``'s verdict is unchanged or the time
+    limit), or when the faster one cannot replace the input (it holds at the bound sizes
+    only): :func:`_write_copy`. The outcome's report gains the written path and the copy.
     """
-    from taso_jax.report import format_report
+    from taso_jax.outcome import Outcome
 
-    report["check"] = {"ok": True, "max_abs_err": 0.0, "rtol": args.rtol,
-                       "atol": args.atol if args.atol is not None else 0.0,
-                       "outputs": len(graph.outputs), "identical": True}
-    if why:
-        report["kept_input_because"] = why
+    report = dict(outcome.report)
+    if outcome.why:
+        report["kept_input_because"] = outcome.why
     _write_copy(args, original, external_data, report)
     if report.get("written_copy_of_input") == "converted":
         report["written_opset"] = int(graph.meta["opset"])
-    report["wall_seconds"] = time.perf_counter() - started
-    print(format_report(report))
-    _write_json(args.json, report)
+    report["wall_seconds"] = _elapsed(deadline)
+    _emit(args, Outcome(outcome.verdict, report, graph, why=outcome.why,
+                        result=outcome.result))
     return 0
 
 
@@ -753,7 +777,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     o = sub.add_parser("optimize", parents=[common],
                        help="optimize an ONNX model (or the built-in example)")
-    o.add_argument("model", nargs="?", help="ONNX file; omit for the built-in example")
+    o.add_argument("model", nargs="?", help="ONNX file; omit for a built-in example")
+    o.add_argument("--example", choices=sorted(EXAMPLES), default=DEFAULT_EXAMPLE,
+                   help="the built-in example run without a model: nasrnn (two NasRNN cells, "
+                        "the default) or resnet_module (the module of TASO's README)")
     o.add_argument("-o", "--output", help="output ONNX file (default MODEL.opt.onnx)")
     o.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="static shape for an input with symbolic dimensions (repeatable)")

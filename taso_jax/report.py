@@ -14,7 +14,7 @@ from taso_jax.search.options import OptimizeOptions
 __all__ = ["measure_speed", "measure_onnxruntime", "compare_onnx", "check_onnx",
            "reference_runs", "compare_outputs", "other_bindings", "check_other_sizes",
            "search_report", "format_report", "RTOL", "ATOL", "CHECK_SCALES",
-           "ONNXRUNTIME_WARN"]
+           "ONNXRUNTIME_WARN", "check_graphs"]
 
 #: Outputs agree when ``|a - b| <= ATOL * max|b| + RTOL * |b|`` elementwise (float32 sums
 #: reassociate when convolutions are merged or batchnorm is folded).
@@ -184,6 +184,44 @@ def check_onnx(original, optimized, graph: Graph, rtol: float = RTOL,
             break
     worst["scales"] = [s for s, _, _ in runs]
     return worst
+
+
+def check_graphs(original: Graph, optimized: Graph, rtol: float = RTOL,
+                 atol: float | None = None, scales=CHECK_SCALES, seed: int = 1) -> dict:
+    """Compare two graphs' outputs under ``jax.jit`` at each input scale; ok if all are.
+
+    The check the Python API makes where no independent executor of the original is at
+    hand: both graphs are compiled with :func:`~taso_jax.ir.executor.compile_graph` and run
+    on the same seeded random inputs, floats scaled by each of ``scales`` (integer and
+    boolean inputs, and inputs the graph uses as indices, are not scaled). Tolerances as in
+    :func:`compare_outputs`. Returns the comparison of the worst scale, with ``"scales"``
+    and ``"failed_scale"`` (the first failing one, or ``None``), and ``"reference"``.
+    """
+    from taso_jax.ir.executor import compile_graph
+
+    base = random_inputs(original, seed=seed)
+    indices = original.meta.get("integer_input_bounds") or {}
+    run_a, run_b = compile_graph(original), compile_graph(optimized)
+    worst = None
+    for scale in scales:
+        xs = [x * np.asarray(scale, x.dtype) if np.issubdtype(x.dtype, np.floating)
+              and n.name not in indices else x for n, x in zip(original.inputs, base,
+                                                              strict=True)]
+        reference = [np.asarray(y) for y in _as_list(run_a(*xs))]
+        got = [np.asarray(y) for y in _as_list(run_b(*xs))]
+        r = compare_outputs(got, reference, rtol, atol)
+        r["failed_scale"] = None if r["ok"] else scale
+        if worst is None or (worst["ok"] and not r["ok"]) or (
+                r["ok"] == worst["ok"] and r["max_abs_err"] > worst["max_abs_err"]):
+            worst = r
+        if not r["ok"]:
+            break
+    worst.update(scales=list(scales), reference="jax.jit of the input graph")
+    return worst
+
+
+def _as_list(out) -> list:
+    return list(out) if isinstance(out, list | tuple) else [out]
 
 
 def other_bindings(graph: Graph, symbolic: dict) -> list[dict[str, tuple[int, ...]]]:
@@ -410,7 +448,7 @@ def format_report(r: dict) -> str:
     if r.get("wall_seconds") is not None:
         lines.append(f"total time: {r['wall_seconds']:.1f} s (limit {r['time_limit']:g} s: "
                      "import, search, kernel measurement and end-to-end choice)")
-    lines.append(f"search: {s['seconds']:.1f} s, {s['iterations']} graphs expanded, "
+    lines.append(f"backtracking search: {s['seconds']:.1f} s, {s['iterations']} graphs expanded, "
                  f"{s['explored']} explored, stopped: {s['stopped']}, "
                  f"{s['substitutions']} substitutions")
     e = r.get("end_to_end") or {}

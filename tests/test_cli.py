@@ -125,8 +125,8 @@ def test_wrong_substitution_is_caught_and_nothing_written(tmp_path, capsys, monk
     out = tmp_path / "out.onnx"
     # --end-to-end 0: the wrong graph must reach the output check, not lose to the input on
     # timing noise (all it drops is two cheap relus).
-    code = main(["optimize", "--substitutions", str(subs), "-o", str(out), *FAST, "--no-time",
-                 "--allow-unverified", "--end-to-end", "0"])
+    code = main(["optimize", "--example", "resnet_module", "--substitutions", str(subs), "-o",
+                 str(out), *FAST, "--no-time", "--allow-unverified", "--end-to-end", "0"])
     err = capsys.readouterr().err
     assert code == 1
     assert "wrong_drop_relu" in err and "nothing written" in err
@@ -167,12 +167,12 @@ def test_cost_cache_location_and_opt_out(tmp_path):
 
 def test_an_internal_error_is_one_line_and_exit_1_with_the_traceback_under_debug(
         tmp_path, capsys, monkeypatch):
-    import taso_jax.search.options as options
+    import taso_jax.optimizer as optimizer
 
     def broken(*a, **k):
         raise RuntimeError("the search broke\nsecond line")
 
-    monkeypatch.setattr(options, "search_graph", broken)
+    monkeypatch.setattr(optimizer, "run_search", broken)
     out = tmp_path / "o.onnx"
     src = tmp_path / "m.onnx"
     src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())

@@ -54,7 +54,7 @@ def _result(case: str) -> dict:
     by_name = {s.name: s for s in _RULES}
     g = _graph(case)
     r = taso_jax.search_graph(g, cost_model="analytic", budget=BUDGET, time_limit=1e9,
-                              substitutions=_RULES, end_to_end=0)
+                              substitutions=_RULES, end_to_end=0, check=False)
     laws = Counter()
     for name, n in r.applied.items():
         laws[by_name[name].law] += n

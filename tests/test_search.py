@@ -84,7 +84,7 @@ def test_the_analytic_search_adds_its_best_graph_as_a_candidate(monkeypatch):
     from taso_jax.search import options as options_module
     from taso_jax.search.backtracking import add_analytic_candidate
     from taso_jax.search.cost import CostModel
-    from taso_jax.search.options import search_graph
+    from taso_jax.search.options import OptimizeOptions, run_search
 
     class SplitHater(CostModel):
         name = "split-hater"
@@ -112,15 +112,14 @@ def test_the_analytic_search_adds_its_best_graph_as_a_candidate(monkeypatch):
         seen.extend(c.graph.key for c in result.candidates)
         return {}
 
-    search_graph(g, cost_model=SplitHater(), substitutions=SUBS, budget=20, end_to_end=2,
-                 chooser=chooser)
+    run_search(g, SUBS, SplitHater(), OptimizeOptions(budget=20, end_to_end=2), chooser=chooser)
     assert added.graph.key in seen
     calls = []
     monkeypatch.setattr(options_module, "add_analytic_candidate",
                         lambda *a, **k: calls.append(a[3]))
     for cost_model, end_to_end in ((AnalyticCostModel(), 2), (SplitHater(), 0)):
-        search_graph(g, cost_model=cost_model, substitutions=SUBS, budget=20,
-                     end_to_end=end_to_end, chooser=chooser)
+        run_search(g, SUBS, cost_model, OptimizeOptions(budget=20, end_to_end=end_to_end),
+                   chooser=chooser)
     assert calls == []  # analytic already, or no end-to-end choice to time it
 
 

@@ -52,11 +52,10 @@ from taso_jax.frontends.jaxpr_io import (
 )
 from taso_jax.ir.executor import StagedGraph, time_interleaved
 from taso_jax.ir.graph import Graph
-from taso_jax.report import compare_outputs, format_report, search_report
+from taso_jax.report import compare_outputs, search_report
 from taso_jax.search.backtracking import SearchResult
 from taso_jax.search.choose import confirm_faster, device_name
-from taso_jax.search.options import SEARCH_REVISION, OptimizeOptions, search_graph
-from taso_jax.verify.runner import rules_for
+from taso_jax.search.options import SEARCH_REVISION, OptimizeOptions
 
 __all__ = ["OptimizedFunction", "optimize_function"]
 
@@ -73,6 +72,14 @@ DECORATOR_TIME_LIMIT = 10.0
 #: Signatures (shapes, dtypes, static values) kept compiled per decorated function at most;
 #: the least recently called is dropped (60 shapes had held 413 MB against jax.jit's 176).
 SIGNATURE_CACHE = 32
+
+#: The first call's stage that searches: the backtracking search, the searches that
+#: second-guess its cost model, and the end-to-end choice among their candidates (the
+#: report's ``search`` seconds count the backtracking search alone).
+SEARCH_STAGE = "search and choice"
+
+#: How ``original_kept`` starts where the time limit passed after the search.
+_PAST_LIMIT = "not compiled, checked or timed against jax.jit"
 #: Interleaved runs of each when the optimized function is timed against the original.
 BASELINE_REPEATS = 25
 
@@ -360,6 +367,7 @@ class OptimizedFunction:
         normalize_argnums(fn, None, (), donate_argnames, "donate")
         options.setdefault("time_limit", DECORATOR_TIME_LIMIT)
         self.options = OptimizeOptions().replace(**options)
+        self._optimizer_made = None
         if self.options.target != "xla":
             raise ValueError(f"taso_jax.optimize: target={self.options.target!r} applies to "
                              "ONNX models and graphs; a decorated function runs under jax.jit "
@@ -743,7 +751,8 @@ class OptimizedFunction:
         graph = traced.to_graph(_fn_name(self.fn))
         leaves, kinds, paths = traced.leaves, traced.kinds, traced.paths
         opts = self.options
-        subs = rules_for(opts)
+        optimizer = self._optimizer()
+        subs = optimizer.rules
         key = graph_cache.cache_key(graph, self._cache_parts(subs))
         lap("import")
         hit = graph_cache.load(key, graph)
@@ -755,8 +764,8 @@ class OptimizedFunction:
                                   explored=0, seconds=0.0, stopped="graph cache")
             entry.cache_hit = True
         else:
-            result = search_graph(graph, opts, substitutions=subs)
-        lap("search")
+            result = optimizer.search(graph)
+        lap(SEARCH_STAGE)
         staged = StagedGraph(result.graph)
         weight_index = {p: j for j, p in enumerate(
             p for p, k in zip(paths, kinds, strict=True) if k == "weight")}
@@ -798,7 +807,7 @@ class OptimizedFunction:
             # 8 s more on a 120 ms stax ResNet) are skipped, and the original runs, which is
             # never slower. Not stored in the graph cache: a later process, its kernel costs
             # cached, may get further.
-            entry.original_kept = (f"not compiled, checked or timed against jax.jit: the "
+            entry.original_kept = (f"{_PAST_LIMIT}: the "
                                    f"time limit ({self.options.time_limit:g} s) had passed "
                                    "after the search")
             entry.report["original_kept"] = entry.original_kept
@@ -872,6 +881,14 @@ class OptimizedFunction:
                     "full_precision": entry.full_precision,
                     "check": _stored_check(entry.report.get("check"))})
         entry.report["original_kept"] = entry.original_kept
+
+    def _optimizer(self):
+        """The :class:`~taso_jax.optimizer.Optimizer` of this function's options, made once."""
+        from taso_jax.optimizer import Optimizer
+
+        if self._optimizer_made is None:
+            self._optimizer_made = Optimizer(self.options)
+        return self._optimizer_made
 
     def _donated_inputs(self, traced: TracedFunction, args, static_pos) -> tuple[int, ...]:
         """Positions, among the runtime stage's arguments, of the donated input leaves."""
@@ -1032,24 +1049,39 @@ class OptimizedFunction:
         return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),
                 "device": device_name(), "repeats": repeats}
 
-    def report(self, time: bool = True, repeats: int = 30) -> str:
-        """The report for the last call's signature, as text (see ``taso-jax optimize``).
+    def outcome(self, time: bool = False, repeats: int = 30):
+        """The :class:`~taso_jax.outcome.Outcome` of the last call's signature.
 
-        It gives the substitutions applied, the estimated cost and, with ``time=True``, the
-        measured time before and after.
+        Its verdict: :attr:`~taso_jax.outcome.Verdict.REWRITTEN` where the optimized graph
+        runs, :attr:`~taso_jax.outcome.Verdict.UNCHANGED` where ``jax.jit`` of the original
+        runs because it is as fast, :attr:`~taso_jax.outcome.Verdict.TIME_LIMIT` where the
+        time limit passed after the search, :attr:`~taso_jax.outcome.Verdict.FALLBACK`
+        where the pipeline failed. With ``time=True`` the report's ``time`` is measured now
+        (:meth:`measure`, ``repeats`` rounds).
         """
+        from taso_jax.outcome import Outcome, Verdict
+
         e = self._entry()
+        r = dict(e.report or {})
+        if r:
+            r["first_call"] = dict(e.first_call)
         if e.fallback is not None:
-            return (f"{_fn_name(self.fn)}: not optimized, running jax.jit of the original "
-                    f"function ({e.fallback})")
-        r = dict(e.report)
-        r["first_call"] = dict(e.first_call)
-        if e.original_kept:
-            r["notes"] = [*r.get("notes", []),
-                          f"running jax.jit of the original function: {e.original_kept}"]
+            return Outcome(Verdict.FALLBACK, r, e.graph, why=e.fallback)
         if time and e.last_call is not None:
             r["time"] = self.measure(repeats)
-        return format_report(r)
+        if e.original_kept:
+            verdict = (Verdict.TIME_LIMIT if e.original_kept.startswith(_PAST_LIMIT)
+                       else Verdict.UNCHANGED)
+            return Outcome(verdict, r, e.graph, why=e.original_kept)
+        return Outcome(Verdict.REWRITTEN, r, e.result.graph if e.result else None)
+
+    def report(self, time: bool = True, repeats: int = 30) -> str:
+        """The report for the last call's signature, as text (:meth:`outcome` rendered).
+
+        It gives what runs and why, the substitutions applied, the estimated cost and, with
+        ``time=True``, the measured time before and after.
+        """
+        return f"{_fn_name(self.fn)}: " + self.outcome(time, repeats).to_text()
 
 
 def optimize_function(fn=None, **options):

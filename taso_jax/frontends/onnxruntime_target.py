@@ -25,7 +25,8 @@ from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel, cpu_peak_
 from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["OnnxRuntimeCostModel", "ort_session", "graph_session", "onnxruntime_folded_values",
-           "time_onnx_models", "choose_fastest_onnxruntime", "resolve_target"]
+           "time_onnx_models", "choose_fastest_onnxruntime", "resolve_target",
+           "OnnxRuntimeTarget"]
 
 def ort_session(model, spinning: bool = True, external: dict | None = None,
                 trim: bool = False):
@@ -342,37 +343,72 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
                         confirm=confirm, best=best, runtime="onnxruntime")
 
 
+class OnnxRuntimeTarget:
+    """onnxruntime as the runtime a result must be fast in (``target="onnxruntime"``).
+
+    It owns the cost model (one-node ONNX models timed in onnxruntime:
+    :class:`OnnxRuntimeCostModel`) and the end-to-end choice (the exported candidates timed
+    against the user's own file: :func:`choose_fastest_onnxruntime`). The searches that
+    second-guess a measured cost model are not run for it.
+
+    Args:
+        original: the user's ONNX model (bytes or path) that candidates are timed against;
+            ``None``: the input graph's own export.
+        inputs: the feeds to time on, by input name; ``None``: random ones.
+        opset: the ONNX opset the one-node models are written at (13 at least).
+        cache: whether kernel costs are cached on disk (the measured model's SQLite file).
+    """
+
+    name = "onnxruntime"
+    runtime = "onnxruntime"
+    second_opinions = False
+
+    def __init__(self, original=None, inputs: dict | None = None, opset: int = 17,
+                 cache: bool = True):
+        self.original, self.inputs, self.opset, self.cache = original, inputs, opset, cache
+
+    def cost_model(self, options: OptimizeOptions):
+        """The cost model for ``options.cost_model``: a measured model times in onnxruntime.
+
+        ``"measured"`` (the name, or an XLA :class:`~taso_jax.search.cost.MeasuredCostModel`)
+        becomes :class:`OnnxRuntimeCostModel`; ``"analytic"`` and other instances stay.
+        """
+        cm = options.cost_model
+        if cm == "measured" or isinstance(cm, MeasuredCostModel) \
+                and not isinstance(cm, OnnxRuntimeCostModel):
+            return OnnxRuntimeCostModel(cache_path=None if self.cache else False,
+                                        opset=self.opset)
+        return options.make_cost_model()
+
+    def chooser(self, options: OptimizeOptions):
+        """The end-to-end choice: ``chooser(result, deadline=None) -> dict``."""
+
+        def chooser(result, deadline: float | None = None):
+            from taso_jax.frontends.onnx_io import export_onnx
+            from taso_jax.ir.executor import random_inputs
+
+            graph = result.visited[0].graph
+            feeds = self.inputs if self.inputs is not None else dict(zip(
+                (n.name for n in graph.inputs), random_inputs(graph), strict=True))
+            model = (self.original if self.original is not None
+                     else export_onnx(graph).SerializeToString())
+            return choose_fastest_onnxruntime(result, model, feeds, deadline=deadline)
+
+        return chooser
+
+
 def resolve_target(options: OptimizeOptions, original=None, inputs: dict | None = None,
                    opset: int = 17, cache: bool = True):
     """The options and end-to-end chooser that ``options.target`` asks for.
 
-    For ``"xla"`` the options are returned as they are, with ``None`` (the default chooser,
-    :func:`~taso_jax.search.choose.choose_fastest`). For ``"onnxruntime"`` a ``"measured"``
-    cost model (the name, or an XLA :class:`~taso_jax.search.cost.MeasuredCostModel`)
-    becomes :class:`OnnxRuntimeCostModel` at ``opset``, with the kernel cost cache unless
-    ``cache`` is false (``"analytic"`` or another instance stays),
-    and the chooser times candidates against ``original`` (ONNX bytes or path; the input
-    graph's own export when ``None``) on ``inputs`` (random ones when ``None``).
+    For ``"xla"`` the options are returned as they are, with ``None`` (the default chooser).
+    For ``"onnxruntime"``, the options with :meth:`OnnxRuntimeTarget.cost_model` as their
+    cost model, and :meth:`OnnxRuntimeTarget.chooser` (arguments as for
+    :class:`OnnxRuntimeTarget`).
 
     Returns ``(options, chooser)``.
     """
     if options.target == "xla":
         return options, None
-    if options.cost_model == "measured" or isinstance(options.cost_model, MeasuredCostModel) \
-            and not isinstance(options.cost_model, OnnxRuntimeCostModel):
-        # a measured cost model times kernels where the result will run: in onnxruntime
-        options = options.replace(cost_model=OnnxRuntimeCostModel(
-            cache_path=None if cache else False, opset=opset))
-
-    def chooser(result, deadline: float | None = None):
-        from taso_jax.frontends.onnx_io import export_onnx
-        from taso_jax.ir.executor import random_inputs
-
-        graph = result.visited[0].graph
-        feeds = inputs if inputs is not None else dict(zip(
-            (n.name for n in graph.inputs), random_inputs(graph), strict=True))
-        model = original if original is not None else export_onnx(graph).SerializeToString()
-        return choose_fastest_onnxruntime(result, model, feeds, deadline=deadline)
-
-    return options, chooser
-
+    target = OnnxRuntimeTarget(original, inputs, opset, cache)
+    return options.replace(cost_model=target.cost_model(options)), target.chooser(options)

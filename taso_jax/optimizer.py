@@ -1,0 +1,167 @@
+"""The optimizer every front door runs: built once from the options, run on a graph.
+
+:class:`Optimizer` loads and proves the rules once, takes a target (the runtime the result
+must be fast in: :class:`XlaTarget` or
+:class:`~taso_jax.frontends.onnxruntime_target.OnnxRuntimeTarget`, each owning its cost
+model and its end-to-end choice), and runs the one search pipeline
+(:func:`~taso_jax.search.options.run_search`) under one
+:class:`~taso_jax.search.limits.Deadline`. The front doors only import or trace, run, then
+write or compile:
+
+* the command line (``taso-jax optimize``): ONNX import -> :meth:`Optimizer.search` ->
+  export, output check in onnxruntime -> :class:`~taso_jax.outcome.Outcome` -> written model
+  and report;
+* the Python API (``taso_jax.optimize(graph)``): :meth:`Optimizer.run` -> ``Outcome``, whose
+  graph was checked against the input graph under ``jax.jit``;
+* the decorator (``@taso_jax.optimize``): trace -> :meth:`Optimizer.search` -> compile, check
+  against ``jax.jit`` of the function, time against it -> ``Outcome``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+from taso_jax.frontends.onnxruntime_target import OnnxRuntimeTarget
+from taso_jax.ir.graph import Graph, GraphBuilder
+from taso_jax.outcome import Outcome, Verdict
+from taso_jax.report import RTOL, check_graphs, search_report
+from taso_jax.search.backtracking import SearchResult
+from taso_jax.search.cost import CostModel
+from taso_jax.search.limits import Deadline
+from taso_jax.search.options import OptimizeOptions, run_search, usable_rules
+from taso_jax.verify.runner import rules_for
+
+__all__ = ["Optimizer", "XlaTarget", "target_for"]
+
+
+class XlaTarget:
+    """XLA as the runtime a result must be fast in (``target="xla"``: ``jax.jit`` here).
+
+    Its cost model is the options' own (:meth:`OptimizeOptions.make_cost_model`: kernels
+    timed under ``jax.jit`` on this device, convolutions priced in NHWC on a CPU), and its
+    end-to-end choice :func:`~taso_jax.search.choose.choose_fastest` (the default of
+    :func:`~taso_jax.search.options.run_search`, NHWC forms included where
+    ``layout_candidates``). The searches that second-guess a measured cost model run.
+    """
+
+    name = "xla"
+    runtime = "jax.jit"
+    second_opinions = True
+
+    def cost_model(self, options: OptimizeOptions) -> CostModel:
+        """The cost model ``options`` name."""
+        return options.make_cost_model()
+
+    def chooser(self, options: OptimizeOptions) -> Callable | None:
+        """``None``: the pipeline's default end-to-end choice."""
+        return None
+
+
+def target_for(options: OptimizeOptions, **onnxruntime) -> XlaTarget | OnnxRuntimeTarget:
+    """The target ``options.target`` names; ``onnxruntime`` keywords go to its target."""
+    if options.target == "onnxruntime":
+        return OnnxRuntimeTarget(**onnxruntime)
+    return XlaTarget()
+
+
+class Optimizer:
+    """One optimization setup: options, proved rules, target and cost model, made once.
+
+    Args:
+        options: the settings (:class:`~taso_jax.search.options.OptimizeOptions`; its
+            defaults when ``None``), with ``changes`` applied.
+        target: the runtime to be fast in; default :func:`target_for` the options (the ONNX
+            front door passes an :class:`OnnxRuntimeTarget` that knows the user's file). A
+            string is the option ``target`` (``"xla"`` or ``"onnxruntime"``).
+        rules: the rules to search with, proof stamps as given; default
+            :func:`~taso_jax.verify.runner.rules_for` the options (a rule file's rules are
+            proved again unless ``trust_proofs``). Unproved rules are left out unless
+            ``allow_unverified``.
+
+    Raises:
+        ValueError: a setting out of range, a target that is not the options', or a rule
+            file that is not one.
+        TypeError: an unknown setting.
+    """
+
+    def __init__(self, options: OptimizeOptions | None = None, *, target=None, rules=None,
+                 **changes):
+        if isinstance(target, str):  # the option's name (``target="onnxruntime"``)
+            changes["target"], target = target, None
+        opts = (options or OptimizeOptions()).replace(**changes)
+        self.target = target if target is not None else target_for(opts)
+        if self.target.name != opts.target:
+            raise ValueError(f"target {self.target.name!r} given for options of target "
+                             f"{opts.target!r}")
+        self.cost_model = self.target.cost_model(opts)
+        self.options = opts.replace(cost_model=self.cost_model) \
+            if isinstance(opts.cost_model, str) and opts.target != "xla" else opts
+        subs = rules if rules is not None else rules_for(opts)
+        self.rules, self.rule_counts = usable_rules(subs, opts.allow_unverified, stacklevel=4)
+
+    def search(self, graph: Graph | GraphBuilder, deadline: Deadline | None = None,
+               progress: Callable[[int, float], None] | None = None) -> SearchResult:
+        """The search pipeline on ``graph``: search, second opinions, end-to-end choice.
+
+        ``deadline`` (default: ``options.time_limit`` from now) bounds all of it. Returns
+        the :class:`~taso_jax.search.backtracking.SearchResult`, with ``rules`` (the counts
+        of rules used and left out) set. ``graph`` is not changed.
+        """
+        if isinstance(graph, GraphBuilder):
+            graph = graph.graph()
+        result = run_search(graph, self.rules, self.cost_model, self.options,
+                            deadline=deadline, chooser=self.target.chooser(self.options),
+                            progress=progress, second_opinions=self.target.second_opinions)
+        result.rules = dict(self.rule_counts)
+        return result
+
+    def run(self, graph: Graph | GraphBuilder, *, check: bool = True,
+            deadline: Deadline | None = None, name: str = "graph",
+            progress: Callable[[int, float], None] | None = None,
+            rtol: float = RTOL, atol: float | None = None) -> Outcome:
+        """Optimize ``graph`` and check the result against it: the Python API's pipeline.
+
+        After :meth:`search`, a rewritten graph is compared with the input graph under
+        ``jax.jit`` at the input scales of :data:`~taso_jax.report.CHECK_SCALES`
+        (:func:`~taso_jax.report.check_graphs`, tolerances ``rtol``/``atol``). Where it
+        differs, the input is delivered (:attr:`Verdict.FALLBACK`) with a
+        ``RuntimeWarning``; ``check=False`` turns the check off (then a wrong rule given
+        with ``trust_proofs`` or as objects goes unnoticed). Never slower: the end-to-end
+        choice (``end_to_end > 0``) keeps the input unless a candidate is confirmed faster.
+
+        Returns:
+            The :class:`~taso_jax.outcome.Outcome`; its ``graph`` is the graph delivered.
+
+        Raises:
+            ValueError: ``rtol`` or ``atol`` negative or not finite.
+        """
+        _check_tolerances(rtol, atol)
+        if isinstance(graph, GraphBuilder):
+            graph = graph.graph()
+        deadline = deadline or Deadline.start(self.options.time_limit)
+        result = self.search(graph, deadline, progress)
+        report = search_report(name, graph, result, self.options, self.rules)
+        e2e = report.get("end_to_end") or {}
+        if result.graph.key == graph.key:
+            verdict = Verdict.TIME_LIMIT if e2e.get("skipped") else Verdict.UNCHANGED
+            return Outcome(verdict, report, graph, why=e2e.get("skipped"), result=result)
+        if check:
+            report["check"] = check_graphs(graph, result.graph, rtol=rtol, atol=atol)
+            if not report["check"]["ok"]:
+                why = (f"its outputs differ from the input graph's (max abs error "
+                       f"{report['check']['max_abs_err']:.3g}); substitutions applied: "
+                       f"{', '.join(sorted(result.applied))}")
+                warnings.warn(f"taso_jax.optimize: returning the input graph: {why}",
+                              RuntimeWarning, stacklevel=3)
+                return Outcome(Verdict.FALLBACK, report, graph, why=why, result=result)
+        return Outcome(Verdict.REWRITTEN, report, result.graph, result=result)
+
+
+def _check_tolerances(rtol: float, atol: float | None) -> None:
+    """Raise ``ValueError`` unless the tolerances are finite and non-negative."""
+    import math
+
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value}")

@@ -1,0 +1,182 @@
+"""What one optimization delivered, as one record that every report renders.
+
+:class:`Outcome` is what :meth:`taso_jax.optimizer.Optimizer.run` returns and what the front
+doors print: the text report (:meth:`Outcome.to_text`) and the ``--json`` report
+(:meth:`Outcome.to_json`) are two renderings of the same record, so they cannot disagree on
+what was kept, the speed-up delivered, or whether the input was copied.
+
+The verdict says which graph the user gets and why (:class:`Verdict`). Where a faster graph
+was found but the input is delivered (it holds at the bound sizes only, the time limit
+passed, the output check failed), the faster graph's figures are reported under
+``found_not_delivered``, never as the result's.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from taso_jax.ir.graph import Graph
+from taso_jax.report import format_pass_through, format_report
+
+__all__ = ["Outcome", "Verdict"]
+
+
+class Verdict(enum.StrEnum):
+    """Which graph an optimization delivers, and why; equal to its string value."""
+
+    REWRITTEN = "rewritten"  # the optimized graph, checked and (where timed) faster
+    UNCHANGED = "unchanged"  # nothing faster was found: the input
+    BOUND_SIZES_ONLY = "bound_sizes_only"  # a faster graph holds at the bound sizes only
+    TIME_LIMIT = "time_limit"  # the limit passed before a faster graph was confirmed
+    FALLBACK = "fallback"  # the pipeline failed, or the output check: the input runs
+    PASS_THROUGH = "pass_through"  # not imported (sizes follow input values): the input
+
+    @property
+    def delivers_input(self) -> bool:
+        """Whether the user gets the input (or the original function) back."""
+        return self is not Verdict.REWRITTEN
+
+    @property
+    def sentence(self) -> str:
+        """The verdict in words, for the text report."""
+        return _SENTENCES[self]
+
+
+_SENTENCES = {
+    Verdict.REWRITTEN: "rewritten",
+    Verdict.UNCHANGED: "the input, unchanged: no faster equivalent graph was found",
+    Verdict.BOUND_SIZES_ONLY: "the input: the faster graph found holds at the sizes it was "
+                              "optimized at only",
+    Verdict.TIME_LIMIT: "the input: the time limit passed before a faster graph was confirmed",
+    Verdict.FALLBACK: "not optimized, the input runs: the optimizing pipeline failed",
+    Verdict.PASS_THROUGH: "the input, not imported",
+}
+
+#: Report entries that describe the rewritten graph: under a verdict that delivers the input
+#: they move to ``found_not_delivered``.
+_FOUND_KEYS = ("time", "onnxruntime", "applied", "end_to_end", "check", "laws", "proof")
+
+
+def _frozen(value):
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: _frozen(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _thawed(value):
+    if isinstance(value, Mapping):
+        return {k: _thawed(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thawed(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of one optimization: the verdict, the graph delivered, and the details.
+
+    Attributes:
+        verdict: which graph is delivered and why (:class:`Verdict`).
+        report: the details, read-only: ``model``, ``notes``, ``target``,
+            ``operators_before/after`` (operator counts), ``cost`` (``model``,
+            ``before_us``, ``after_us``: estimated microseconds), ``search`` (``seconds``,
+            ``iterations``, ``explored``, ``stopped``: a
+            :class:`~taso_jax.search.limits.StopReason` value), ``rules``, ``applied``
+            (substitution name -> count), ``end_to_end`` (the end-to-end choice), and where
+            made ``check`` (the output check), ``time`` (``jax.jit`` microseconds before and
+            after, ``speedup``), ``onnxruntime``, ``written`` (the output path),
+            ``written_copy_of_input``, ``wall_seconds`` and ``time_limit`` (seconds). Entries
+            describing a graph that was not delivered are as measured for it.
+        graph: the graph delivered, where there is one (the input graph when the verdict
+            delivers the input; ``None`` for a model that was not imported).
+        why: why the input is delivered, in words (``None`` for :attr:`Verdict.REWRITTEN`).
+        result: the :class:`~taso_jax.search.backtracking.SearchResult` of the search, where
+            one ran (its ``graph`` is the best graph found, delivered or not).
+    """
+
+    verdict: Verdict
+    report: Mapping[str, Any] = field(default_factory=dict)
+    graph: Graph | None = field(default=None, compare=False)
+    why: str | None = None
+    result: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "report", _frozen(dict(self.report)))
+
+    @property
+    def speedup(self) -> float | None:
+        """The measured speed-up of what is delivered over the input, or ``None``.
+
+        1.0 wherever the input is delivered; for a rewritten graph, the measured
+        ``jax.jit`` speed-up (``--target onnxruntime``: the onnxruntime one), ``None``
+        where it was not timed.
+        """
+        if self.verdict.delivers_input:
+            return 1.0
+        target = self.report.get("target", "xla")
+        timing = self.report.get("onnxruntime" if target == "onnxruntime" else "time")
+        return float(timing["speedup"]) if timing and "speedup" in timing else None
+
+    def to_json(self) -> dict:
+        """The ``--json`` report: the details, with the delivered graph's figures on top.
+
+        Under a verdict that delivers the input, the entries measured for the graph not
+        delivered move to ``found_not_delivered``, and ``applied`` is empty. ``outcome``
+        holds ``verdict``, ``delivered`` (``"input"`` or ``"optimized"``), ``speedup`` and
+        ``why``.
+        """
+        d = _thawed(self.report)
+        if self.verdict.delivers_input and self.verdict is not Verdict.PASS_THROUGH:
+            found = {k: d.pop(k) for k in _FOUND_KEYS if d.get(k)}
+            if self.verdict is Verdict.UNCHANGED:  # how the input came to be kept stays
+                d.update((k, found[k]) for k in ("end_to_end", "check") if k in found)
+                if "time" in found:  # one graph, timed twice: its own time is the answer
+                    t = found["time"]
+                    d["time"] = {**t, "after_us": t["before_us"], "speedup": 1.0}
+            elif found:
+                d["found_not_delivered"] = found
+                if self.verdict is Verdict.FALLBACK and "check" in found:
+                    d["check"] = found["check"]  # the check that failed is the story
+            d["applied"] = {}
+            if "operators_before" in d:
+                d["operators_after"] = dict(d["operators_before"])
+            if "cost" in d:
+                d["cost"] = {**d["cost"], "after_us": d["cost"]["before_us"]}
+            if d.get("written") and "check" not in d:  # the input, byte for byte
+                d["check"] = {"ok": True, "identical": True, "max_abs_err": 0.0,
+                              "outputs": len(self.graph.outputs) if self.graph else None}
+        d["outcome"] = {"verdict": self.verdict.value,
+                        "delivered": "input" if self.verdict.delivers_input else "optimized",
+                        "speedup": self.speedup, "why": self.why}
+        return d
+
+    def to_text(self) -> str:
+        """The text report: :meth:`to_json` rendered for a person, verdict line first."""
+        d = self.to_json()
+        speedup = self.speedup
+        head = f"result: {self.verdict.sentence}"
+        if self.verdict is Verdict.REWRITTEN and speedup is not None:
+            runtime = "onnxruntime" if d.get("target") == "onnxruntime" else "jax.jit"
+            head += f", {speedup:.2f}x faster under {runtime}"
+        if self.why and self.verdict.delivers_input:
+            head += f" ({self.why})"
+        if self.verdict is Verdict.PASS_THROUGH:
+            return head + "\n" + format_pass_through(d)
+        if "search" not in d:  # failed before the search reported
+            return head
+        lines = [head, format_report(d)]
+        found = d.get("found_not_delivered")
+        if found:
+            t = found.get("time") or found.get("onnxruntime")
+            applied = ", ".join(f"{k} x{v}" for k, v in sorted(found.get("applied", {}).items()))
+            lines.append("found, not delivered: "
+                         + (f"a graph timed at {t['speedup']:.2f}x ({t['before_us']:.1f} us -> "
+                            f"{t['after_us']:.1f} us)" if t and "speedup" in t else "a graph")
+                         + (f" with {applied}" if applied else ""))
+        return "\n".join(lines)
