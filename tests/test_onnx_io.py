@@ -512,7 +512,7 @@ def test_shapes_left_open_are_read_off_a_run_that_is_fed_the_weights(monkeypatch
     # that does not run that way runs whole.
     from onnx import TensorProto, helper, numpy_helper
 
-    from taso_jax.frontends import onnx_io
+    from taso_jax.frontends import onnx_tensor_types
 
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.standard_normal((64, 8, 3, 3)).astype(np.float32), "w")
@@ -540,7 +540,7 @@ def test_shapes_left_open_are_read_off_a_run_that_is_fed_the_weights(monkeypatch
         raise RuntimeError("a constant is needed here")
 
     sizes.clear()
-    monkeypatch.setattr(onnx_io, "_weights_as_inputs", refuse)
+    monkeypatch.setattr(onnx_tensor_types, "_weights_as_inputs", refuse)
     g2 = taso_jax.load_onnx(model)
     assert max(sizes) > w.ByteSize()  # run whole
     assert [t.shape for n in g2.nodes for t in n.outputs] == \
@@ -784,7 +784,7 @@ def test_many_open_shapes_come_from_onnxruntime_inference_and_few_probe_outputs(
     every tensor holds every activation at once (467 MB against 124 MB)."""
     from onnx import TensorProto, helper
 
-    from taso_jax.frontends import onnx_io
+    from taso_jax.frontends import onnx_import, onnx_io, onnx_tensor_types
 
     n = onnx_io.INFER_OVER + 5
     nodes = [helper.make_node("Relu" if k % 2 else "Neg", [f"t{k}"], [f"t{k + 1}"])
@@ -793,19 +793,19 @@ def test_many_open_shapes_come_from_onnxruntime_inference_and_few_probe_outputs(
                    [helper.make_tensor_value_info(f"t{n}", TensorProto.FLOAT, [2, 3])])
     expect = taso_jax.load_onnx(model)
     monkeypatch.chdir(tmp_path)  # onnxruntime's tool saves a model here when it gives up
-    real = onnx_io._value_types
+    real = onnx_import._value_types
     # ONNX's inference knows the inputs alone
-    monkeypatch.setattr(onnx_io, "_value_types",
+    monkeypatch.setattr(onnx_import, "_value_types",
                         lambda m: {k: v for k, v in real(m).items() if k == "t0"})
     probed = []
-    probe = onnx_io._probe_run
-    monkeypatch.setattr(onnx_io, "_probe_run",
+    probe = onnx_tensor_types._probe_run
+    monkeypatch.setattr(onnx_tensor_types, "_probe_run",
                         lambda m, outs, *a: probed.append(len(outs)) or probe(m, outs, *a))
     g = taso_jax.load_onnx(model)
     assert g.op_counts() == expect.op_counts() and probed == []  # no run needed
     assert not list(tmp_path.iterdir())
     # onnxruntime's inference unavailable: probe runs of at most PROBE_OUTPUTS each
-    monkeypatch.setattr(onnx_io, "_missing_types_by_inference", lambda *a: None)
+    monkeypatch.setattr(onnx_tensor_types, "_missing_types_by_inference", lambda *a: None)
     probed.clear()
     g = taso_jax.load_onnx(model)
     assert g.op_counts() == expect.op_counts()

