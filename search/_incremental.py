@@ -168,6 +168,8 @@ def _carry_table(table: dict, change: _Change, new: Graph, reach: dict, by_id: d
                  state: SearchState) -> dict:
     """Each rule's matches moved to ``new`` across ``change`` (one rewrite, or a run).
 
+    ``table``, ``reach`` and ``by_id`` (the rules) are keyed by rule id.
+
     They come in the order :func:`~taso_jax.search.match.find_matches` would give them in
     ``new`` (topological, first source node first), so the descent applies the same
     rewrites in the same order as matching afresh would. Rules whose matches cannot be

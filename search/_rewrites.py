@@ -27,10 +27,11 @@ class SearchState:
 
     Attributes:
         matching: rejection counts and first-node bindings (:class:`MatchState`).
-        pair_hits: substitution name -> times it was part of a successful pair step (pairs
-            that worked once are tried first: a model repeats its patterns).
-        pair_failed: sideways rewrites after which no second rewrite paid, by rule name and
-            the nodes near what they created (see :func:`_pair_step`).
+        pair_hits: rule id -> times it was part of a successful pair step (pairs that
+            worked once are tried first: a model repeats its patterns).
+        pair_failed: sideways rewrites after which no second rewrite paid, by rule id and
+            the nodes near what they created
+            (see :func:`~taso_jax.search.descent._pair_step`).
     """
 
     matching: MatchState = field(default_factory=MatchState)
@@ -119,7 +120,7 @@ def _refusal_key(sub: Substitution, m) -> tuple | None:
     The rule, the matched nodes and the bindings; ``None`` where a binding cannot be hashed.
     """
     try:
-        key = (id(sub), m.nodes, tuple(m.vars.items()), tuple(m.sym.items()))
+        key = (sub.id, m.nodes, tuple(m.vars.items()), tuple(m.sym.items()))
         hash(key)
     except TypeError:
         return None

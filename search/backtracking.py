@@ -142,7 +142,7 @@ class _Entry:
     Children are queued unbuilt (``graph`` None, ``cost`` the estimate, an upper bound) and
     built when popped: most are never expanded.
 
-    ``parent`` and ``matches`` (the parent's matches per rule index) and ``mapping`` (the
+    ``parent`` and ``matches`` (the parent's matches per rule id) and ``mapping`` (the
     rewrite's tensor mapping) are what let a child's matches be found incrementally;
     ``rebuilt`` (old node -> rebuilt node) is filled when the child is built.
     """
@@ -235,8 +235,7 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
         start_path = tuple(names)
     tie = itertools.count()
     queue = [_Entry(start_cost, next(tie), start, start_path)]
-    reach = [_reach(sub) for sub in substitutions]
-    index = {id(sub): k for k, sub in enumerate(substitutions)}
+    reach = {sub.id: _reach(sub) for sub in substitutions}
     seen = {graph.key, start.key}
     # best_cost bounds the alpha relaxation: the cheapest graph built, or the cheapest
     # estimate queued (estimates are upper bounds, so that cost is reachable).
@@ -272,20 +271,20 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
                 continue
         g, gc = entry.graph, entry.cost
         iterations += 1
-        table: dict[int, list] = {}
+        table: dict[str, list] = {}
         change = near_cache = None
         if entry.parent is not None:
             change = _Change(entry.parent, g, entry.mapping, entry.rebuilt)
             near_cache = {}
         for sub in _relevant(substitutions, g):
-            k = index[id(sub)]
-            previous = None if change is None or reach[k] is None else entry.matches.get(k)
+            rid = sub.id
+            previous = None if change is None or reach[rid] is None else entry.matches.get(rid)
             if previous is None:
                 found = list(find_matches(sub, g, state.matching))
             else:
-                found = _incremental_matches(g, sub, reach[k], previous, change, near_cache,
+                found = _incremental_matches(g, sub, reach[rid], previous, change, near_cache,
                                              state)
-            table[k] = found or ()  # most rules match nowhere: one shared empty tuple
+            table[rid] = found or ()  # most rules match nowhere: one shared empty tuple
             for rw, estimate in _prepared(g, gc, sub, cost_model, alpha * best_cost, state,
                                           matches=found):
                 heapq.heappush(queue, _Entry(estimate, next(tie), None, (*entry.path, sub.name),

@@ -30,7 +30,7 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
     batchnorm) into a convolution: distributing is cost-neutral, the fold that follows is
     not. At most ``max_tries`` sideways rewrites are tried (pairs that worked earlier in
     this search come first); ``table`` holds each rule's matches in ``graph`` where known
-    (by ``id`` of the rule, as :func:`greedy_descent` keeps them). Returns ``(graph, cost,
+    (by rule id, as :func:`greedy_descent` keeps them). Returns ``(graph, cost,
     [name1, name2], steps)`` or ``None``; ``steps`` are the two rewrites as
     ``(graph before, graph after, mapping, rebuilt)``, for carrying matches across them.
     """
@@ -39,12 +39,12 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
     target = cost * (1 - 1e-9)
     hits = state.pair_hits
     first = _relevant(substitutions, graph)
-    first.sort(key=lambda s: -hits[s.name])
+    first.sort(key=lambda s: -hits[s.id])
     table = table or {}
     for sub in first:
         for rw, g1, c1, rebuilt1 in _cheaper(graph, cost, sub, cost_model,
                                              alpha * cost * (1 + 1e-9), state,
-                                             matches=table.get(id(sub))):
+                                             matches=table.get(sub.id)):
             tries += 1
             if time.perf_counter() > deadline or tries > max_tries:
                 return None
@@ -59,7 +59,7 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
             # node it rewrites has other readers is seen one edge further), and its cost
             # change is local. The same nodes around the same rewrite fail again: on
             # NasNet-A, 69% of the sideways rewrites tried were such repeats.
-            failed = (sub.name, frozenset(near))
+            failed = (sub.id, frozenset(near))
             if failed in state.pair_failed:
                 continue
             new_ops = {n.op for n in new}
@@ -67,13 +67,13 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
             # matched near the new nodes: a rule's first source node is bound among them
             second = [s for s in _relevant(substitutions, g1)
                       if s.source[0].op in near_ops and any(p.op in new_ops for p in s.source)]
-            second.sort(key=lambda s: -hits[s.name])
+            second.sort(key=lambda s: -hits[s.id])
             for sub2 in second:
                 for rw2, g2, c2, rebuilt2 in _cheaper(g1, c1, sub2, cost_model, target, state,
                                                       near):
                     if new & set(rw2.match.nodes) and c2 < target:
-                        hits[sub.name] += 1
-                        hits[sub2.name] += 1
+                        hits[sub.id] += 1
+                        hits[sub2.id] += 1
                         return g2, c2, [sub.name, sub2.name], [
                             (graph, g1, rw.mapping, rebuilt1), (g1, g2, rw2.mapping, rebuilt2)]
             state.pair_failed.add(failed)
@@ -114,13 +114,13 @@ def _chain_step(graph: Graph, cost: float, sub: Substitution, matches: list,
     (:func:`_chain_on_copy`), and its last form is built into ``graph`` in one rewrite: a
     chain changes only its node's price, and rebuilding the whole graph at every step took
     NasNet-A's search at 4x depth (1,481 operators, costs cached) to 30 s, against 23 s
-    so. ``memo`` maps ``(rule, kernel signature)`` to the length of the chain taken, 0
+    so. ``memo`` maps ``(rule id, kernel signature)`` to the length of the chain taken, 0
     where none was: prices never change, so a kernel met again is not tried again. Returns
     ``(graph, cost, names, steps)`` as :func:`_pair_step` does (one step), or ``None``.
     """
     for m in matches:
         node = m.nodes[0]
-        key = (sub.name, cost_model.signature(node))
+        key = (sub.id, cost_model.signature(node))
         if memo.get(key) == 0 or len(node.outputs) != 1:
             continue
         k, delta, form = _chain_on_copy(node, sub, cost_model, state,
@@ -223,16 +223,17 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
     deadline = t0 + time_limit
     cost = cost_model.graph_cost(graph)
     applied: list[str] = []
-    reach = {id(sub): _reach(sub) for sub in substitutions}
-    by_id = {id(sub): sub for sub in substitutions}
-    # Matches per rule in the current graph, carried across each rewrite
+    reach = {sub.id: _reach(sub) for sub in substitutions}
+    by_id = {sub.id: sub for sub in substitutions}
+    # Matches per rule id in the current graph, carried across each rewrite
     # (:func:`_incremental_matches`) instead of found again over the whole graph.
-    table: dict[int, list] = {}
+    table: dict[str, list] = {}
     refused: set = set()  # matches that did not pay (see _prepared)
-    memo: dict = {}  # (rule, kernel signature) -> length of its chain taken (_chain_step)
-    # chainable rule -> the other rules of one source node of its operator (_chain_step)
-    rivals = {id(sub): [r for r in substitutions if r is not sub and len(r.source) == 1
-                        and r.source[0].op == sub.source[0].op]
+    memo: dict = {}  # (rule id, kernel signature) -> length of its chain taken (_chain_step)
+    # chainable rule's id -> the other rules of one source node of its operator
+    # (_chain_step)
+    rivals = {sub.id: [r for r in substitutions if r.id != sub.id and len(r.source) == 1
+                       and r.source[0].op == sub.source[0].op]
               for sub in substitutions if _chainable(sub)}
     improved = True
     while improved and time.perf_counter() < deadline:
@@ -245,9 +246,9 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
             # across the whole run at once
             while again and time.perf_counter() < deadline:
                 again = False
-                matches = table.get(id(sub))
+                matches = table.get(sub.id)
                 if matches is None:
-                    matches = table[id(sub)] = list(find_matches(sub, graph, state.matching))
+                    matches = table[sub.id] = list(find_matches(sub, graph, state.matching))
                 for rw, _ in _prepared(graph, cost, sub, cost_model, cost * (1 - 1e-9), state,
                                        matches=matches, refused=refused):
                     rebuilt: dict = {}
@@ -258,16 +259,16 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                         break
                 else:  # no single rewrite pays: maybe a run of them on one node does
                     chain = (_chain_step(graph, cost, sub, matches, cost_model, state, memo,
-                                         rivals[id(sub)])
-                             if id(sub) in rivals else None)
+                                         rivals[sub.id])
+                             if sub.id in rivals else None)
                     if chain is None:
                         continue
                     g2, c2, names, ((before, after, mapping, rebuilt),) = chain
                     step = _Change(before, after, mapping, rebuilt)
                     applied += names[:-1]
                 run = step if run is None else run.then(step, g2.node_set)
-                table[id(sub)] = _carry_table({id(sub): matches}, step, g2, reach,
-                                              by_id, state).get(id(sub))
+                table[sub.id] = _carry_table({sub.id: matches}, step, g2, reach,
+                                             by_id, state).get(sub.id)
                 graph.forget_caches()  # a step behind: kept for the choice only
                 graph, cost = g2, c2
                 applied.append(sub.name)
@@ -275,10 +276,10 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                 if on_step:
                     on_step(cost, graph, tuple(applied))
             if run is not None:
-                own = table.pop(id(sub))
+                own = table.pop(sub.id)
                 table = _carry_table(table, run, graph, reach, by_id, state)
                 if own is not None:
-                    table[id(sub)] = own
+                    table[sub.id] = own
         if not improved:
             step = _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state,
                               table=table)

@@ -323,7 +323,7 @@ def test_the_descent_carries_matches_across_a_run_of_rewrites_as_matching_afresh
     sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
     from models import MODELS
 
-    by_id = {id(s): s for s in SUBS}
+    by_id = {s.id: s for s in SUBS}
     carry, then = bt._carry_table, bt._Change.then
     spans = []  # rewrites each change carried across
 
