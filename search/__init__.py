@@ -6,6 +6,8 @@
 * :mod:`.match`: matching a rule in a graph (:class:`~.match.Match`, falsy
   :class:`~.match.NoMatch` with a reason) and building its target;
 * :mod:`.backtracking`: the cost-based backtracking search (TASO, SOSP 2019, Algorithm 2);
+* :mod:`.descent`: the greedy descent that runs before it (pairs and chains of rewrites);
+* :mod:`.second_opinions`: extra searches whose graphs second-guess the cost model;
 * :mod:`.cost`: analytic and measured cost models;
 * :mod:`.choose`: timing the cheapest candidates end to end;
 * :mod:`.options`: :class:`~.options.OptimizeOptions` and :func:`~.options.search_graph`.

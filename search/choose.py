@@ -372,7 +372,7 @@ def _measured_set(result, sample: int) -> list[tuple]:
 
     Candidates whose estimates are within :data:`ESTIMATE_TIE` of a cheaper candidate's are
     left out, but for those added to be ``judged``
-    (:func:`taso_jax.search.backtracking.add_near_tie_candidate`): the cost model sees
+    (:func:`taso_jax.search.second_opinions.add_near_tie_candidate`): the cost model sees
     them as one graph, and timing several and keeping the fastest picks noise (TASO's
     NasRNN under load: ten candidates at 2,729-2,738 us, the fastest of them screened at
     1.5x and ran 1.0x head to head).

@@ -102,7 +102,7 @@ class MatchState:
     rejected: Counter = field(default_factory=Counter)
     # (first source node, its variables' shapes) -> {host node: bindings}
     _first: dict = field(default_factory=dict, repr=False)
-    _first_of_rule: dict = field(default_factory=dict, repr=False)  # id(rule) -> (rule, dict)
+    _first_of_rule: dict = field(default_factory=dict, repr=False)  # rule id -> dict
     # (rule id, bound variables' types, symbols) whose target the shape rules rejected: a
     # single-node source such as expand-conv2d matches every convolution in every graph
     _bad_targets: set = field(default_factory=set, repr=False)
@@ -115,13 +115,13 @@ class MatchState:
         rules have 112 distinct first nodes. One dict per rule kept about 15 MB of bindings
         after ten expansions of a 254-operator ShuffleNet.
         """
-        entry = self._first_of_rule.get(id(rule))
-        if entry is None or entry[0] is not rule:
+        found = self._first_of_rule.get(rule.id)
+        if found is None:  # the rule's content, hence its first node, gives the dict
             p = rule.source[0]
             key = (p, tuple(rule.variable_shapes[r.name] for r in p.inputs
                             if not isinstance(r, NodeRef)))
-            entry = self._first_of_rule[id(rule)] = (rule, self._first.setdefault(key, {}))
-        return entry[1]
+            found = self._first_of_rule[rule.id] = self._first.setdefault(key, {})
+        return found
 
 
 def unify_shape(pattern: tuple, shape: tuple[int, ...], sym: dict) -> dict | None:
@@ -363,7 +363,7 @@ def prepare(rule: Substitution, graph: Graph, match: Match,
     if state is None:
         return _prepare(rule, graph, match)
     try:  # the target's shapes depend on the bound types alone, not on the graph
-        key = (id(rule), tuple((k, t.type) for k, t in match.vars.items()),
+        key = (rule.id, tuple((k, t.type) for k, t in match.vars.items()),
                tuple(match.sym.items()))
         known_bad = key in state._bad_targets
     except TypeError:  # an unhashable attribute value: not remembered

@@ -15,17 +15,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from taso_jax.search.backtracking import (
-    SearchResult,
-    add_ablation_candidate,
-    add_analytic_candidate,
-    add_near_tie_candidate,
-    backtracking_search,
-)
+from taso_jax.search.backtracking import SearchResult, backtracking_search
 from taso_jax.search.choose import choose_fastest
 from taso_jax.search.cost import COST_MODEL_NAMES, AnalyticCostModel, CostModel, get_cost_model
 from taso_jax.search.limits import SHARES, Deadline
 from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
+from taso_jax.search.second_opinions import (
+    add_ablation_candidate,
+    add_analytic_candidate,
+    add_near_tie_candidate,
+)
 
 from taso_jax.ir.executor import forget_compiled
 from taso_jax.ir.graph import Graph
@@ -50,11 +49,11 @@ VISITED_HELD = 8
 #: disk under it: :mod:`taso_jax.frontends.graph_cache`). 2: convolutions priced in NHWC on
 #: XLA:CPU, and the analytic search's best graph among the candidates. 3: the NHWC layout
 #: candidate runs pools in NHWC too. 4: the best graph with its rules' near ties taken is
-#: a candidate (:func:`taso_jax.search.backtracking.add_near_tie_candidate`). 5: so is the
+#: a candidate (:func:`taso_jax.search.second_opinions.add_near_tie_candidate`). 5: so is the
 #: best graph of a search without one rule every candidate applies
-#: (:func:`taso_jax.search.backtracking.add_ablation_candidate`). 6: the greedy descent runs
+#: (:func:`taso_jax.search.second_opinions.add_ablation_candidate`). 6: the greedy descent runs
 #: a rule that rewrites one node into its own operator several times in a row where the
-#: last form is the cheapest (:func:`taso_jax.search.backtracking._chain_step`), and forms
+#: last form is the cheapest (:func:`taso_jax.search.descent._chain_step`), and forms
 #: of a convolution with other groups are priced side by side
 #: (:meth:`taso_jax.search.cost.MeasuredCostModel._measure_beside`); the end-to-end choice
 #: duels a confirmed candidate with one ahead of it by median.
@@ -209,10 +208,10 @@ def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Subst
     """Add the candidates that second-guess the search's cost model to ``result``.
 
     The best graph of a search under the analytic cost model
-    (:func:`~taso_jax.search.backtracking.add_analytic_candidate`), the best graph with its
-    rules' near ties taken (:func:`~taso_jax.search.backtracking.add_near_tie_candidate`)
+    (:func:`~taso_jax.search.second_opinions.add_analytic_candidate`), the best graph with its
+    rules' near ties taken (:func:`~taso_jax.search.second_opinions.add_near_tie_candidate`)
     and the best graph of a search without one rule every candidate applies
-    (:func:`~taso_jax.search.backtracking.add_ablation_candidate`), each limited to the
+    (:func:`~taso_jax.search.second_opinions.add_ablation_candidate`), each limited to the
     ``second_opinion`` share of the ``deadline``'s span (default: ``opts.time_limit`` from
     now). The last runs only where the end-to-end choice keeps its ``choice_reserve``
     share after it. ``result.graph`` is not changed.

@@ -82,9 +82,9 @@ def test_the_analytic_search_adds_its_best_graph_as_a_candidate(monkeypatch):
     the analytic model's best graph (the two convolutions merged) is then added to the
     candidates, priced by the first model, for the end-to-end choice to time."""
     from taso_jax.search import options as options_module
-    from taso_jax.search.backtracking import add_analytic_candidate
     from taso_jax.search.cost import CostModel
     from taso_jax.search.options import OptimizeOptions, run_search
+    from taso_jax.search.second_opinions import add_analytic_candidate
 
     class SplitHater(CostModel):
         name = "split-hater"
@@ -317,12 +317,12 @@ def test_the_descent_carries_matches_across_a_run_of_rewrites_as_matching_afresh
     import sys
     from pathlib import Path
 
-    import taso_jax.search.backtracking as bt
+    import taso_jax.search.descent as bt
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
     from models import MODELS
 
-    by_id = {id(s): s for s in SUBS}
+    by_id = {s.id: s for s in SUBS}
     carry, then = bt._carry_table, bt._Change.then
     spans = []  # rewrites each change carried across
 
@@ -543,9 +543,9 @@ def test_the_best_graph_with_its_rules_near_ties_taken_is_a_candidate_judged_end
     ``y`` (priced the same: a near tie it cannot see past); the near-tie candidate merges
     both. It is timed even though its estimate ties the best graph's, and a rewrite priced
     beyond the ratio is not taken."""
-    from taso_jax.search.backtracking import add_near_tie_candidate
     from taso_jax.search.choose import measured_set
     from taso_jax.search.cost import CostModel
+    from taso_jax.search.second_opinions import add_near_tie_candidate
 
     b = taso_jax.new_graph(seed=0)
     x, y = b.new_input((1, 8, 8, 8), name="x"), b.new_input((1, 16, 8, 8), name="y")
@@ -584,9 +584,9 @@ def test_a_search_without_the_rule_every_candidate_applies_adds_a_judged_candida
     10 us each, every candidate concatenates weights, and only the best also stacks. The
     ablation candidate is the best graph of a search without the column merge: the rows
     stacked, two matmuls."""
-    from taso_jax.search.backtracking import add_ablation_candidate
     from taso_jax.search.choose import measured_set
     from taso_jax.search.cost import CostModel
+    from taso_jax.search.second_opinions import add_ablation_candidate
 
     b = taso_jax.new_graph(seed=0)
     x1, x2 = b.new_input((1, 8), name="x1"), b.new_input((1, 8), name="x2")
@@ -696,7 +696,7 @@ def test_a_pair_step_does_not_retry_a_sideways_rewrite_that_enabled_nothing(monk
     import time
     from pathlib import Path
 
-    import taso_jax.search.backtracking as bt
+    import taso_jax.search.descent as bt
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
     from models import MODELS
@@ -725,7 +725,7 @@ def test_the_descent_halves_a_convolutions_groups_to_its_cheapest_form_past_dear
     """A depthwise convolution over 16 channels priced 100 us, 150 at 8 groups, 120 at 4,
     40 at 2 and 90 dense: one halving at a time never pays, so the descent used to make it
     dense; it now runs the halving three times in a row and keeps the 2-group form."""
-    from taso_jax.search.backtracking import greedy_descent
+    from taso_jax.search.descent import greedy_descent
 
     from taso_jax.ir.executor import evaluate
 
@@ -779,8 +779,8 @@ def test_the_descent_prepares_a_match_that_did_not_pay_only_once(monkeypatch):
     split costs 1e9, so no merge pays) is remembered and not prepared again (a 1,051-operator
     Thai segmenter's descent: 44,214 prepares -> 7,559, the same 90 steps). The descent's
     steps and result are the same with and without the memory."""
-    from taso_jax.search import backtracking, match
-    from taso_jax.search.backtracking import SearchState, _prepared
+    from taso_jax.search import _rewrites, descent, match
+    from taso_jax.search._rewrites import SearchState, _prepared
 
     class SplitHater(AnalyticCostModel):
         def _cost(self, node):
@@ -794,7 +794,7 @@ def test_the_descent_prepares_a_match_that_did_not_pay_only_once(monkeypatch):
                 and list(find_matches(s, g, state.matching)))
     calls = []
     real = match.prepare
-    monkeypatch.setattr(backtracking, "prepare",
+    monkeypatch.setattr(_rewrites, "prepare",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     refused: set = set()
     assert list(_prepared(g, cost, rule, model, cost, state, refused=refused)) == []
@@ -803,16 +803,16 @@ def test_the_descent_prepares_a_match_that_did_not_pay_only_once(monkeypatch):
     assert list(_prepared(g, cost, rule, model, cost, state, refused=refused)) == []
     assert len(calls) == first  # none prepared again
     # the descent: the same steps and graph without the memory
-    out, c, names = backtracking.greedy_descent(g, SUBS, AnalyticCostModel(), 60)
-    monkeypatch.setattr(backtracking, "_refusal_key", lambda sub, m: None)
-    out2, c2, names2 = backtracking.greedy_descent(g, SUBS, AnalyticCostModel(), 60)
+    out, c, names = descent.greedy_descent(g, SUBS, AnalyticCostModel(), 60)
+    monkeypatch.setattr(_rewrites, "_refusal_key", lambda sub, m: None)
+    out2, c2, names2 = descent.greedy_descent(g, SUBS, AnalyticCostModel(), 60)
     assert names and (out2.key, c2, names2) == (out.key, c, names)
 
 
 def test_a_search_collects_garbage_less_often_and_restores_the_collector():
     import gc
 
-    from taso_jax.search.backtracking import SEARCH_GC_THRESHOLD
+    from taso_jax.search._gc_tuning import SEARCH_GC_THRESHOLD
 
     g = resnet_module()
     before = gc.get_threshold()

@@ -1,0 +1,297 @@
+"""The greedy descent that precedes the backtracking search: strictly cheaper rewrites first.
+
+:func:`greedy_descent` takes every rewrite that pays, first found first; where none does,
+a pair (a sideways rewrite that enables a cheaper one: :func:`_pair_step`), or a chain (one
+rule applied several times in a row to one node: :func:`_chain_step`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from taso_jax.search._incremental import _carry_table, _Change, _near, _reach
+from taso_jax.search._rewrites import SearchState, _cheaper, _estimate, _prepared, _relevant
+from taso_jax.search.cost import CostModel
+from taso_jax.search.match import find_matches, prepare
+from taso_jax.search.rules import Substitution
+
+from taso_jax.ir.graph import LEAF_OPS, Graph, Tensor, intern_node, leaf_node
+
+__all__ = ["greedy_descent", "CHAIN_DEPTH"]
+
+
+def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: SearchState,
+               max_tries: int = 64, table: dict | None = None):
+    """One sideways rewrite (cost within ``alpha``) that enables a strictly cheaper one.
+
+    The second rewrite is looked for only near the nodes the first one created, so a try
+    costs little. This is what folds a shift-then-scale (``(y + a) * b``, as flax writes
+    batchnorm) into a convolution: distributing is cost-neutral, the fold that follows is
+    not. At most ``max_tries`` sideways rewrites are tried (pairs that worked earlier in
+    this search come first); ``table`` holds each rule's matches in ``graph`` where known
+    (by rule id, as :func:`greedy_descent` keeps them). Returns ``(graph, cost,
+    [name1, name2], steps)`` or ``None``; ``steps`` are the two rewrites as
+    ``(graph before, graph after, mapping, rebuilt)``, for carrying matches across them.
+    """
+    tries = 0
+    old = graph.node_set
+    target = cost * (1 - 1e-9)
+    hits = state.pair_hits
+    first = _relevant(substitutions, graph)
+    first.sort(key=lambda s: -hits[s.id])
+    table = table or {}
+    for sub in first:
+        for rw, g1, c1, rebuilt1 in _cheaper(graph, cost, sub, cost_model,
+                                             alpha * cost * (1 + 1e-9), state,
+                                             matches=table.get(sub.id)):
+            tries += 1
+            if time.perf_counter() > deadline or tries > max_tries:
+                return None
+            if c1 > alpha * cost:
+                continue
+            new = {n for n in rw.created if n not in old}
+            if not new:
+                continue
+            near = _near(g1, new, radius=4)
+            # Whether a second rewrite pays depends on these nodes alone: its match holds a
+            # new node and lies within the radius (it spans at most 3 edges, and whether a
+            # node it rewrites has other readers is seen one edge further), and its cost
+            # change is local. The same nodes around the same rewrite fail again: on
+            # NasNet-A, 69% of the sideways rewrites tried were such repeats.
+            failed = (sub.id, frozenset(near))
+            if failed in state.pair_failed:
+                continue
+            new_ops = {n.op for n in new}
+            near_ops = {n.op for n in near}
+            # matched near the new nodes: a rule's first source node is bound among them
+            second = [s for s in _relevant(substitutions, g1)
+                      if s.source[0].op in near_ops and any(p.op in new_ops for p in s.source)]
+            second.sort(key=lambda s: -hits[s.id])
+            for sub2 in second:
+                for rw2, g2, c2, rebuilt2 in _cheaper(g1, c1, sub2, cost_model, target, state,
+                                                      near):
+                    if new & set(rw2.match.nodes) and c2 < target:
+                        hits[sub.id] += 1
+                        hits[sub2.id] += 1
+                        return g2, c2, [sub.name, sub2.name], [
+                            (graph, g1, rw.mapping, rebuilt1), (g1, g2, rw2.mapping, rebuilt2)]
+            state.pair_failed.add(failed)
+    return None
+
+
+#: The most times :func:`_chain_step` applies one rule in a row to the node it rewrote: a
+#: depthwise convolution over 176 channels halves its groups four times to reach 11.
+CHAIN_DEPTH = 8
+
+
+def _chainable(sub: Substitution) -> bool:
+    """Whether ``sub`` rewrites one node into one of the same operator, which it may match.
+
+    Halving a convolution's groups (``expand-conv2d-2``) is such a rule.
+    """
+    return len(sub.source) == 1 and any(t.op == sub.source[0].op for t in sub.target)
+
+
+def _chain_step(graph: Graph, cost: float, sub: Substitution, matches: list,
+                cost_model: CostModel, state: SearchState, memo: dict,
+                rivals: Sequence[Substitution] = (), depth: int = CHAIN_DEPTH):
+    """``sub`` applied ``k`` times in a row to one node, where the ``k``-th form is cheapest.
+
+    Each step rewrites the node the last one created (:func:`_chainable`), so one halving
+    at a time reaches every group count of a convolution; the form kept is the cheapest
+    of the chain, at whatever price the steps between. Priced one step at a time, a
+    depthwise convolution whose first halving costs more than it saves never reaches the
+    cheaper forms further on (a 3x3 convolution on 1x14x14x88 NHWC on this project's CPU:
+    480 us depthwise, 749 us at 44 groups, 221 us at 11), and on a loaded machine whether
+    the first step looks cheaper is a coin toss: cold-cache searches of NasNet-A halved
+    between 42 and 112 of its convolutions' groups. A chain is not taken where one rewrite
+    of the node by a rule of ``rivals`` (other rules of one source node) is estimated as
+    cheap: halving a 32-group convolution five times ends in the dense form that
+    ``expand-conv2d`` makes in one step, which that rule takes in its turn.
+
+    The chain runs on a copy of the node alone, on leaves of its input types
+    (:func:`_chain_on_copy`), and its last form is built into ``graph`` in one rewrite: a
+    chain changes only its node's price, and rebuilding the whole graph at every step took
+    NasNet-A's search at 4x depth (1,481 operators, costs cached) to 30 s, against 23 s
+    so. ``memo`` maps ``(rule id, kernel signature)`` to the length of the chain taken, 0
+    where none was: prices never change, so a kernel met again is not tried again. Returns
+    ``(graph, cost, names, steps)`` as :func:`_pair_step` does (one step), or ``None``.
+    """
+    for m in matches:
+        node = m.nodes[0]
+        key = (sub.id, cost_model.signature(node))
+        if memo.get(key) == 0 or len(node.outputs) != 1:
+            continue
+        k, delta, form = _chain_on_copy(node, sub, cost_model, state,
+                                        depth if key not in memo else memo[key])
+        if k and key not in memo and _rival_as_cheap(graph, cost, node, rivals,
+                                                      cost + delta, cost_model, state):
+            k = 0
+        memo[key] = k
+        if k:  # only the node's price changes (an upper bound if its form reads less)
+            mapping = {node.outputs[0]: form}
+            rebuilt: dict = {}
+            g2 = graph.replace(mapping, rebuilt)
+            return g2, cost + delta, [sub.name] * k, [(graph, g2, mapping, rebuilt)]
+    return None
+
+
+def _chain_on_copy(node, sub: Substitution, cost_model: CostModel, state: SearchState,
+                   depth: int) -> tuple[int, float, Tensor | None]:
+    """``(k, price change in us, output)``: the cheapest of ``sub``'s chain on ``node``.
+
+    The chain runs on a copy of ``node`` built on leaves of its input types (weights
+    where the input is weight-only), one step per rewrite of the node the last step made,
+    up to ``depth`` steps. A form whose kernel is not measured yet and whose floor
+    (:meth:`~taso_jax.search.cost.CostModel.node_floor`, its arithmetic at the device's peak)
+    is no cheaper than the best form so far ends the chain unmeasured: each halving doubles
+    the arithmetic, so no form past it can pay (a depthwise convolution over 256 channels is
+    not timed in its dense form). The cheapest form, if cheaper than ``node``, is rebuilt on
+    ``node``'s own inputs: ``output`` replaces ``node``'s output. ``k`` is 0, and
+    ``output`` ``None``, where no form is cheaper.
+    """
+    leaves = [leaf_node("weight" if t.node.weight_only else "input", f"chain_{i}", t.type)
+              for i, t in enumerate(node.inputs)]
+    copy = intern_node(node.op, node.attrs, tuple(n.outputs[0] for n in leaves), node.types)
+    g = Graph(tuple(n for n in leaves if n.op == "input"), (copy.outputs[0],), ("y",))
+    base = cost_model.graph_cost(g)
+    best, forms = (base * (1 - 1e-9), 0), [g]
+    match = next(iter(find_matches(sub, g, state.matching, near={copy})), None)
+    for k in range(1, depth + 1):
+        rw = prepare(sub, g, match, state.matching) if match is not None else None
+        if not rw:
+            break
+        g2 = g.replace(rw.mapping)
+        if g2.key == g.key:
+            break
+        forms.append(g2)
+        new = [n for n in g2.nodes if not n.weight_only and n.op not in LEAF_OPS]
+        if any(cost_model.would_measure(n) for n in new) and \
+                sum(cost_model.node_floor(n) for n in new) >= best[0]:
+            break  # not timed: no cheaper at its arithmetic's floor, nor the forms past it
+        c2 = cost_model.graph_cost(g2)
+        if c2 < best[0]:
+            best = (c2, k)
+        made = {n for n in rw.created if n.op == node.op and n in g2.node_set}
+        if {cost_model.signature(n) for n in made} == {cost_model.signature(match.nodes[0])}:
+            break  # the same kernel again (a dense convolution "made dense")
+        g, match = g2, (next(iter(find_matches(sub, g2, state.matching, near=made)), None)
+                        if k < depth else None)
+    c, k = best
+    if not k:
+        return 0, 0.0, None
+    on_node = forms[k].replace({leaf.outputs[0]: t for leaf, t in zip(leaves, node.inputs,
+                                                                       strict=True)})
+    return k, c - base, on_node.outputs[0]
+
+
+def _rival_as_cheap(graph: Graph, cost: float, node, rivals: Sequence[Substitution],
+                    price: float, cost_model: CostModel, state: SearchState) -> bool:
+    """Whether one rewrite of ``node`` by a rule of ``rivals`` is as cheap as a chain.
+
+    As cheap: estimated (:func:`_estimate`) at ``price`` microseconds or less, the whole
+    graph's cost.
+    """
+    for rival in rivals:
+        for m in find_matches(rival, graph, state.matching, near={node}):
+            rw = prepare(rival, graph, m, state.matching) if m.nodes[0] is node else None
+            if rw and _estimate(graph, cost, rw, cost_model) <= price * (1 + 1e-9):
+                return True
+    return False
+
+
+def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
+                   time_limit: float, state: SearchState | None = None, alpha: float = 1.05,
+                   on_step: Callable[[float, Graph, tuple], None] | None = None,
+                   ) -> tuple[Graph, float, list[str]]:
+    """Apply strictly cost-reducing rewrites, first found first, until none is left.
+
+    Large models contain the same pattern many times (one batchnorm per convolution); the
+    backtracking search would spend one expansion on each. This descent takes them all in
+    one pass, and the search then explores from its result. When no single rewrite is
+    cheaper, it looks for a pair: a sideways rewrite (within ``alpha``) followed, near the
+    nodes it created, by a cheaper one (see ``_pair_step``). A rule that rewrites one node
+    into its own operator (halving a convolution's groups) is also run several times in a
+    row on one node where the last form is cheaper, whatever the forms between cost
+    (``_chain_step``). Returns the graph, its cost and the names of the substitutions
+    applied, in order; ``on_step(cost, graph, names)`` is called after each step. ``state``
+    is the search's (a fresh one when ``None``).
+    """
+    state = state if state is not None else SearchState()
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit
+    cost = cost_model.graph_cost(graph)
+    applied: list[str] = []
+    reach = {sub.id: _reach(sub) for sub in substitutions}
+    by_id = {sub.id: sub for sub in substitutions}
+    # Matches per rule id in the current graph, carried across each rewrite
+    # (:func:`_incremental_matches`) instead of found again over the whole graph.
+    table: dict[str, list] = {}
+    refused: set = set()  # matches that did not pay (see _prepared)
+    memo: dict = {}  # (rule id, kernel signature) -> length of its chain taken (_chain_step)
+    # chainable rule's id -> the other rules of one source node of its operator
+    # (_chain_step)
+    rivals = {sub.id: [r for r in substitutions if r.id != sub.id and len(r.source) == 1
+                       and r.source[0].op == sub.source[0].op]
+              for sub in substitutions if _chainable(sub)}
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for sub in _relevant(substitutions, graph):
+            again = True
+            run = None  # the change this rule's rewrites made so far, composed: a rule's
+            # rewrites come in runs (NasNet-A at 4x depth: 314 rewrites, 3 runs), and
+            # during a run only its own matches are read; the other rules' are carried
+            # across the whole run at once
+            while again and time.perf_counter() < deadline:
+                again = False
+                matches = table.get(sub.id)
+                if matches is None:
+                    matches = table[sub.id] = list(find_matches(sub, graph, state.matching))
+                for rw, _ in _prepared(graph, cost, sub, cost_model, cost * (1 - 1e-9), state,
+                                       matches=matches, refused=refused):
+                    rebuilt: dict = {}
+                    g2 = graph.replace(rw.mapping, rebuilt)
+                    c2 = cost_model.graph_cost(g2)
+                    if c2 < cost * (1 - 1e-9):
+                        step = _Change(graph, g2, rw.mapping, rebuilt)
+                        break
+                else:  # no single rewrite pays: maybe a run of them on one node does
+                    chain = (_chain_step(graph, cost, sub, matches, cost_model, state, memo,
+                                         rivals[sub.id])
+                             if sub.id in rivals else None)
+                    if chain is None:
+                        continue
+                    g2, c2, names, ((before, after, mapping, rebuilt),) = chain
+                    step = _Change(before, after, mapping, rebuilt)
+                    applied += names[:-1]
+                run = step if run is None else run.then(step, g2.node_set)
+                table[sub.id] = _carry_table({sub.id: matches}, step, g2, reach,
+                                             by_id, state).get(sub.id)
+                graph.forget_caches()  # a step behind: kept for the choice only
+                graph, cost = g2, c2
+                applied.append(sub.name)
+                again = improved = True
+                if on_step:
+                    on_step(cost, graph, tuple(applied))
+            if run is not None:
+                own = table.pop(sub.id)
+                table = _carry_table(table, run, graph, reach, by_id, state)
+                if own is not None:
+                    table[sub.id] = own
+        if not improved:
+            step = _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state,
+                              table=table)
+            if step is not None:
+                graph, cost = step[0], step[1]
+                applied += step[2]
+                improved = True
+                (g0, g1, m1, r1), (_, g2, m2, r2) = step[3]  # matches, two rewrites on
+                both = _Change(g0, g1, m1, r1).then(_Change(g1, g2, m2, r2), g2.node_set)
+                table = _carry_table(table, both, graph, reach, by_id, state)
+                g0.forget_caches()
+                g1.forget_caches()
+                if on_step:
+                    on_step(cost, graph, tuple(applied))
+    return graph, cost, applied
