@@ -223,3 +223,34 @@ def test_generate_checks_its_output_paths_before_any_work(tmp_path, capsys, monk
     assert (tmp_path / "substitutions.json").read_text() == "mine"
     assert time.perf_counter() - started < 5  # refused before generating anything
 
+
+def test_a_forged_checkpoint_line_does_not_make_a_false_rule_proved(tmp_path, capsys):
+    import hashlib
+
+    import taso_jax.verify.runner as runner
+    from taso_jax.verify.laws import all_axioms
+    src, ckpt = tmp_path / "rules.json", tmp_path / "proofs.jsonl"
+    save_substitutions([WRONG], src)
+    axioms = hashlib.sha256("\n".join(f"{n}: {a.law}" for n, a in all_axioms())
+                            .encode()).hexdigest()
+    limits = {"rlimit": 20_000, "axioms": axioms[:16]}  # a small limit: a quick "no"
+    result = {"status": "proved", "axioms": ["ewadd-commutative"], "seconds": 0.1}
+
+    def line(**extra):
+        return json.dumps({"id": WRONG.id, "limits": limits, "result": result, **extra})
+
+    ckpt.write_text("\n".join([
+        line(),  # the format of the earlier checkpoints: no digest
+        line(digest="0" * 64),  # a wrong digest
+        line(digest=runner.checkpoint_digest(WRONG.id, "f" * 64, limits, result)),  # other axioms
+        line(digest=runner.checkpoint_digest(WRONG.id, axioms, {**limits, "rlimit": 1},
+                                             result)),  # other limits
+    ]) + "\n")
+    assert main(["verify", str(src), "--workers", "1", "-q", "--checkpoint", str(ckpt),
+                 "--rlimit", "20000"]) == 1
+    out = capsys.readouterr().out
+    assert "proved: 0" in out and "from the checkpoint" not in out
+    # the line this program writes, for the real result, is taken on a rerun
+    stamped, stats = runner.verify_substitutions([WRONG], workers=1, checkpoint=ckpt,
+                                                 rlimit=20_000)
+    assert stats["resumed"] == 1 and stamped[0].proof_status != "proved"
