@@ -230,6 +230,27 @@ def _check_generate_options(args) -> None:
         args.output = DEFAULT_GENERATE_OUTPUT
 
 
+def check_output_folder(path: str, option: str) -> None:
+    """Refuse an output folder that cannot be made or written, before any long work starts.
+
+    The path must be a folder or not exist yet; then the nearest existing folder above it
+    must be writable (it is made with its parents when written).
+
+    Raises:
+        UsageError: naming the option and the path.
+    """
+    full = os.path.abspath(path)
+    if os.path.lexists(full) and not os.path.isdir(full):
+        raise UsageError(f"{option} {path!r} exists and is not a folder")
+    probe = full
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{option} {path!r}: {probe!r} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path!r}: folder {probe!r} is not writable")
+
+
 def _check_workers(args) -> None:
     """``--workers``: from 1 to 4 per core (each is a process, with Z3 or JAX loaded)."""
     most = 4 * (os.cpu_count() or 1)
@@ -790,6 +811,7 @@ def _bench(args) -> int:
     from taso_jax.search.choose import device_name
     from taso_jax.search.options import OptimizeOptions
 
+    check_output_folder(args.out, "--out")
     models = _load_bench_models(args.models_dir)
     names = args.models or list(models)
     unknown = [n for n in names if n not in models]
