@@ -172,10 +172,13 @@ def _check_proof_files(args) -> None:
 
     The input rule file (``verify FILE``) and an existing ``--checkpoint`` must be regular
     files of at most :data:`MAX_RULE_FILE_BYTES`; the checkpoint (appended to, never
-    replaced), ``-o`` and ``--report`` get :func:`check_output_path`, none of them an input
-    or another output.
+    replaced), ``-o`` and ``--report`` get :func:`check_output_path`, none of them an input,
+    the shipped rule set or another output.
     """
-    protected = {}
+    from importlib.resources import files
+
+    shipped = str(files("taso_jax").joinpath("data/substitutions.json"))
+    protected = {os.path.realpath(shipped): "the shipped rule set"}
     rule_file = getattr(args, "file", None)
     if rule_file:
         check_input_file(rule_file, "rule file", MAX_RULE_FILE_BYTES)

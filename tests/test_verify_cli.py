@@ -162,6 +162,11 @@ def test_verify_never_writes_over_its_input_file(tmp_path, capsys):
     assert main(["verify", str(src), "-q", "--report", str(tmp_path)]) == 2
     _one_error_line(capsys, "--report", "is not a regular file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rules.json"]
+    from importlib.resources import files
+
+    shipped = str(files("taso_jax").joinpath("data/substitutions.json"))
+    assert main(["verify", "-q", "-o", shipped]) == 2
+    _one_error_line(capsys, "the shipped rule set")
 
 
 def test_verify_without_report_leaves_an_existing_unproved_txt_alone(
