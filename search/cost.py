@@ -652,45 +652,15 @@ class MeasuredCostModel(CostModel):
 
 
 def _open_cache(path: str) -> sqlite3.Connection | None:
-    """The SQLite cost cache at ``path``, created if absent (WAL mode, 10 s busy timeout).
+    """The SQLite cost cache at ``path``, or ``None`` where none can be used.
 
-    A file that is not a readable cost cache (corrupt, or another kind of file) is moved
-    aside to ``path + ".corrupt"`` with a warning and a new cache is started; a cache that
-    cannot be opened or written (a read-only file or folder) gives a warning and ``None``:
-    costs are then measured without a cache.
+    See :func:`taso_jax.search._cost_cache.open_cost_cache`: a file that is not this
+    program's cache (an ONNX model named by mistake) is never written or moved; a damaged
+    cache of its own is moved aside to a free ``.corrupt`` name.
     """
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    except OSError as e:
-        warnings.warn(f"kernel cost cache {path}: {e.strerror}; measuring without a cache",
-                      RuntimeWarning, stacklevel=3)
-        return None
-    for attempt in range(2):
-        try:
-            db = sqlite3.connect(path, timeout=10.0, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("CREATE TABLE IF NOT EXISTS cost (device TEXT, key TEXT, "
-                       "micros REAL, PRIMARY KEY (device, key))")
-            columns = {row[1] for row in db.execute("PRAGMA table_info(cost)")}
-            if "spread" not in columns:  # caches written before spreads were recorded
-                db.execute("ALTER TABLE cost ADD COLUMN spread REAL")
-            if "method" not in columns:  # before the method was recorded: measured again
-                db.execute("ALTER TABLE cost ADD COLUMN method INTEGER")
-            db.execute("SELECT count(*) FROM cost").fetchone()
-            db.commit()
-            return db
-        except sqlite3.DatabaseError as e:
-            corrupt = "not a database" in str(e) or "malformed" in str(e)
-            if attempt == 0 and corrupt and os.path.isfile(path):
-                aside = path + ".corrupt"
-                os.replace(path, aside)
-                warnings.warn(f"kernel cost cache {path} is not a valid cache ({e}); moved to "
-                              f"{aside} and started anew", RuntimeWarning, stacklevel=3)
-                continue
-            warnings.warn(f"kernel cost cache {path} cannot be used ({e}); measuring without a "
-                          "cache", RuntimeWarning, stacklevel=3)
-            return None
-    return None
+    from taso_jax.search._cost_cache import open_cost_cache
+
+    return open_cost_cache(path)
 
 
 #: The cost models that can be named by a string.

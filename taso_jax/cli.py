@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
+import stat
 import sys
 import time
 import traceback
@@ -103,12 +105,173 @@ def check_output_path(path: str, option: str, protected: dict[str, str]) -> None
         raise UsageError(f"{option} {path!r}: folder {folder!r} is not writable")
 
 
+#: Largest model file read: protobuf's limit, 2 GiB (onnx cannot parse a larger file; larger
+#: weights live in external-data files, which are not counted).
+MAX_MODEL_BYTES = 2 ** 31
+#: Largest rule file or checkpoint read: 256 MiB, about a hundred times the shipped set.
+MAX_RULE_FILE_BYTES = 2 ** 28
+
+
+def check_input_file(path: str, what: str, limit: int) -> None:
+    """Refuse an input that is not a regular file of at most ``limit`` bytes, before reading.
+
+    A device (``/dev/zero`` reads until memory runs out), a pipe (blocks forever) or a folder
+    is never opened: only ``os.stat`` looks at it. A path that does not exist passes, for
+    the reader to report in its own words.
+
+    Raises:
+        UsageError: naming ``what`` (``"model"``, ``"--substitutions"``) and the path.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UsageError(f"{what} {path!r}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{what} {path!r} is not a regular file (a folder, a device or a "
+                         "pipe is not read)")
+    if st.st_size > limit:
+        raise UsageError(f"{what} {path!r} is {st.st_size:,} bytes, more than the "
+                         f"{limit:,} read at most")
+
+
+def check_tolerances(args) -> None:
+    """Refuse ``--rtol`` or ``--atol`` (``None``: the default) that is not finite and >= 0.
+
+    Raises:
+        UsageError: naming the option and its value.
+    """
+    for option, value in (("--rtol", args.rtol), ("--atol", args.atol)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"{option} {value}: a tolerance must be a finite number >= 0")
+
+
+def _check_optimize_inputs(args) -> None:
+    """``optimize``'s input files and tolerances, before anything is read (exit 2)."""
+    if args.model is not None:
+        check_input_file(args.model, "model", MAX_MODEL_BYTES)
+    if args.substitutions is not None:
+        check_input_file(args.substitutions, "--substitutions", MAX_RULE_FILE_BYTES)
+    check_tolerances(args)
+
+
+def check_outputs(outputs, protected: dict[str, str]) -> None:
+    """:func:`check_output_path` for each ``(path, option, what)``; ``None`` paths are skipped.
+
+    Each checked path joins ``protected`` as ``"<what> (<option>)"``, so that no two of a
+    command's outputs are one file and none is one of its inputs.
+
+    Raises:
+        UsageError: naming the option and the path.
+    """
+    for path, option, what in outputs:
+        if path:
+            check_output_path(path, option, protected)
+            protected[os.path.realpath(path)] = f"{what} ({option})"
+
+
+def _check_proof_files(args) -> None:
+    """``verify``'s and ``generate``'s files, before any work (exit 2).
+
+    The input rule file (``verify FILE``) and an existing ``--checkpoint`` must be regular
+    files of at most :data:`MAX_RULE_FILE_BYTES`; the checkpoint (appended to, never
+    replaced), ``-o`` and ``--report`` get :func:`check_output_path`, none of them an input,
+    the shipped rule set or another output.
+    """
+    from importlib.resources import files
+
+    shipped = str(files("taso_jax").joinpath("data/substitutions.json"))
+    protected = {os.path.realpath(shipped): "the shipped rule set"}
+    rule_file = getattr(args, "file", None)
+    if rule_file:
+        check_input_file(rule_file, "rule file", MAX_RULE_FILE_BYTES)
+        protected[os.path.realpath(rule_file)] = "the input rule file"
+    if args.checkpoint:
+        check_input_file(args.checkpoint, "--checkpoint", MAX_RULE_FILE_BYTES)
+    check_outputs([(args.checkpoint, "--checkpoint", "the checkpoint"),
+                   (args.output, "-o", "the output file"),
+                   (args.report, "--report", "the report file")], protected)
+
+
+#: Lines of not-proved rules printed when no ``--report`` file is named.
+_UNPROVED_SHOWN = 20
+
+
+def _list_unproved(path: str | None, failed, leaving_out: str = "") -> None:
+    """Write the rules not proved to ``path`` (``--report``), or print some of them.
+
+    No report file is written unless one is named: a default file in the working folder
+    would replace whatever was there.
+    """
+    if path:
+        _write_unproved(path, failed)
+        print(f"not proved, listed in: {path}{leaving_out}")
+        return
+    print(f"not proved{leaving_out}:")
+    for s in failed[:_UNPROVED_SHOWN]:
+        print("  " + _unproved_line(s).rstrip("\n"))
+    if len(failed) > _UNPROVED_SHOWN:
+        print(f"  ... and {len(failed) - _UNPROVED_SHOWN} more (--report FILE lists them "
+              "all)")
+
+
+#: ``generate``'s output file when no ``-o`` is given; never replaced unless named.
+DEFAULT_GENERATE_OUTPUT = "substitutions.json"
+
+
+def _check_generate_options(args) -> None:
+    """``generate``'s numbers and default output, before any work (exit 2)."""
+    from taso_jax.verify.generator import MAX_OPS_LIMIT
+
+    if not 1 <= args.max_ops <= MAX_OPS_LIMIT:
+        raise UsageError(f"--max-ops {args.max_ops}: must be from 1 to {MAX_OPS_LIMIT} "
+                         "(each operator more multiplies the enumeration about 20 times; the "
+                         "shipped domains stop at 3)")
+    if args.seed < 0:
+        raise UsageError(f"--seed {args.seed}: must be >= 0")
+    if args.output is None:
+        if os.path.lexists(DEFAULT_GENERATE_OUTPUT):
+            raise UsageError(f"{DEFAULT_GENERATE_OUTPUT} (the default -o) already exists; "
+                             f"name it with -o to replace it, or choose another path")
+        args.output = DEFAULT_GENERATE_OUTPUT
+
+
+def check_output_folder(path: str, option: str) -> None:
+    """Refuse an output folder that cannot be made or written, before any long work starts.
+
+    The path must be a folder or not exist yet; then the nearest existing folder above it
+    must be writable (it is made with its parents when written).
+
+    Raises:
+        UsageError: naming the option and the path.
+    """
+    full = os.path.abspath(path)
+    if os.path.lexists(full) and not os.path.isdir(full):
+        raise UsageError(f"{option} {path!r} exists and is not a folder")
+    probe = full
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{option} {path!r}: {probe!r} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path!r}: folder {probe!r} is not writable")
+
+
+def _check_workers(args) -> None:
+    """``--workers``: from 1 to 4 per core (each is a process, with Z3 or JAX loaded)."""
+    most = 4 * (os.cpu_count() or 1)
+    if args.workers is not None and not 1 <= args.workers <= most:
+        raise UsageError(f"--workers {args.workers}: must be from 1 to {most} (4 per core)")
+
+
 def _optimize(args) -> int:
     """``taso-jax optimize``: its scratch folder lives as long as the run."""
     import tempfile
 
     from taso_jax.search.limits import Deadline
 
+    _check_optimize_inputs(args)
     try:  # one deadline bounds the whole run, import included
         deadline = Deadline.start(args.time_limit)
     except ValueError as e:
@@ -117,15 +280,6 @@ def _optimize(args) -> int:
     notes = []
     with tempfile.TemporaryDirectory(prefix="taso_jax_") as scratch:
         return _optimize_in(args, deadline, notes, scratch)
-
-
-def _check_tolerances(args) -> None:
-    """``--rtol`` and ``--atol`` must be finite and >= 0 (a NaN tolerance passes nothing)."""
-    import math
-
-    for flag, value in (("--rtol", args.rtol), ("--atol", args.atol)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise UsageError(f"{flag} must be a finite number >= 0, got {value}")
 
 
 def _converted_reference(model: str, graph, notes: list, scratch: str, refused):
@@ -203,7 +357,6 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
         external_data = _external_data_files(args.model)
         protected.update((p, "an external-data file of the input model")
                          for p in external_data)
-    _check_tolerances(args)
     if args.output:
         check_output_path(args.output, "-o", protected)
         protected[os.path.realpath(args.output)] = "the output model (-o)"
@@ -501,16 +654,18 @@ def _write_json(path: str | None, report: dict) -> None:
         atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def _unproved_line(s) -> str:
+    """A report line: status, name, law and the failed instance, tab-separated."""
+    proof = s.provenance["proof"]
+    at = proof.get("failed_instance")
+    return (f"{proof['status']}\t{s.name}\t{s.law}"
+            + (f"\tat {json.dumps(at)}" if at else "") + "\n")
+
+
 def _write_unproved(path: str, failed) -> None:
     from taso_jax._io import atomic_write
 
-    def line(s) -> str:
-        proof = s.provenance["proof"]
-        at = proof.get("failed_instance")
-        return (f"{proof['status']}\t{s.name}\t{s.law}"
-                + (f"\tat {json.dumps(at)}" if at else "") + "\n")
-
-    lines = [line(s) for s in failed]
+    lines = [_unproved_line(s) for s in failed]
 
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
@@ -533,6 +688,9 @@ def _verify_progress(total: int, quiet: bool):
 
 def _generate(args) -> int:
     _check_cluster(args)
+    _check_workers(args)
+    _check_generate_options(args)
+    _check_proof_files(args)
     from tqdm import tqdm
 
     from taso_jax.search.rules import save_substitutions
@@ -579,9 +737,8 @@ def _generate(args) -> int:
               f"values only), not proved {c['unproved']}, unknown {c['unknown']}; "
               f"{vstats['seconds']:.1f} s")
         if failed:
-            _write_unproved(args.report, failed)
-            print(f"not proved, listed in: {args.report}"
-                  + ("" if args.allow_unverified else " (left out of the output)"))
+            _list_unproved(args.report, failed,
+                           "" if args.allow_unverified else " (left out of the output)")
         subs = stamped if args.allow_unverified else proved
         settings.update(rlimit=args.rlimit, timeout_ms=args.timeout_ms,
                         axioms=vstats["axioms"],
@@ -595,18 +752,11 @@ def _generate(args) -> int:
 
 
 def _check_cluster(args) -> None:
-    """Check ``--cluster`` and ``--checkpoint`` before any work (exit 2 when bad)."""
+    """Check ``--cluster`` before any work (exit 2 when bad); files: _check_proof_files."""
     import importlib.util
 
     if args.cluster is not None and importlib.util.find_spec("distributed") is None:
         raise UsageError("--cluster needs Dask: pip install 'taso_jax[cluster]'")
-    if args.checkpoint:
-        # appended to, never replaced; but never one of the command's other files
-        protected = {os.path.realpath(p): what for p, what in (
-            (getattr(args, "file", None), "the input rule file"),
-            (getattr(args, "output", None), "the output file (-o)"),
-            (getattr(args, "report", None), "the report file (--report)")) if p}
-        check_output_path(args.checkpoint, "--checkpoint", protected)
 
 
 def _limits(args) -> str:
@@ -616,6 +766,8 @@ def _limits(args) -> str:
 
 def _verify(args) -> int:
     _check_cluster(args)
+    _check_workers(args)
+    _check_proof_files(args)
     from taso_jax.search.rules import (
         default_substitutions,
         load_substitutions,
@@ -641,8 +793,7 @@ def _verify(args) -> int:
                                      if stats["resumed"] else ")"))
     failed = [s for s in stamped if s.proof_status != "proved"]
     if failed:
-        _write_unproved(args.report, failed)
-        print(f"not proved, listed in: {args.report}")
+        _list_unproved(args.report, failed)
     if args.output:
         save_substitutions(stamped, args.output)
         print(f"written with proof stamps: {args.output}")
@@ -681,6 +832,7 @@ def _bench(args) -> int:
     from taso_jax.search.choose import device_name
     from taso_jax.search.options import OptimizeOptions
 
+    check_output_folder(args.out, "--out")
     models = _load_bench_models(args.models_dir)
     names = args.models or list(models)
     unknown = [n for n in names if n not in models]
@@ -822,33 +974,41 @@ def build_parser() -> argparse.ArgumentParser:
                         "or onnxruntime against the input file) and keep the fastest, so the "
                         f"result is never slower there ({d.end_to_end}; 0: off)")
     o.add_argument("--rtol", type=float, default=RTOL,
-                   help=f"output check: relative tolerance ({RTOL})")
+                   help=f"output check: relative tolerance, finite and >= 0 ({RTOL})")
     o.add_argument("--atol", type=float, default=None,
-                   help=f"output check: absolute tolerance (default {ATOL} x the largest "
-                        "reference magnitude of each output)")
+                   help=f"output check: absolute tolerance, finite and >= 0 (default {ATOL} "
+                        "x the largest reference magnitude of each output)")
     o.add_argument("--json", help="also write the report as JSON to this file")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     v = sub.add_parser("verify", parents=[common],
                        help="prove substitutions from the operator axioms (Z3)")
     v.add_argument("file", nargs="?", help="substitution JSON file (default: shipped set)")
-    v.add_argument("-o", "--output", help="write the set with proof stamps to this file")
-    v.add_argument("--report", default="unproved.txt",
-                   help="file listing the substitutions not proved (unproved.txt)")
+    v.add_argument("-o", "--output", help="write the set with proof stamps to this file "
+                   "(never the input file)")
+    v.add_argument("--report", default=None, metavar="FILE",
+                   help="write the substitutions not proved to FILE, one a line (default: no "
+                        "file; the first 20 are printed)")
     _limit_flags(v)
-    v.add_argument("--workers", type=int, default=None, help="processes (one per core)")
+    v.add_argument("--workers", type=int, default=None,
+                   help="processes, 1 to 4 per core (one per core)")
     v.add_argument("-q", "--quiet", action="store_true")
     g = sub.add_parser("generate", parents=[common],
                        help="generate substitutions and prove them (Z3)")
-    g.add_argument("--max-ops", type=int, default=3, help="operators per side at most (3)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-ops", type=int, default=3,
+                   help="operators per side at most, 1 to 4; the shipped domains stop at 3 (3)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the fingerprints, >= 0 (0)")
     g.add_argument("--domains", default=None,
                    help="comma-separated domain names (default: every domain in "
                         "taso_jax.verify.generator.DEFAULT_DOMAINS)")
-    g.add_argument("-o", "--output", default="substitutions.json")
+    g.add_argument("-o", "--output", default=None,
+                   help="output rule file (default substitutions.json, which is written only "
+                        "where no such file exists: name it with -o to replace it)")
     _limit_flags(g)
-    g.add_argument("--workers", type=int, default=None, help="processes (one per core)")
-    g.add_argument("--report", default="unproved.txt",
-                   help="file listing the candidates not proved (unproved.txt)")
+    g.add_argument("--workers", type=int, default=None,
+                   help="processes, 1 to 4 per core (one per core)")
+    g.add_argument("--report", default=None, metavar="FILE",
+                   help="write the candidates not proved to FILE, one a line (default: no "
+                        "file; the first 20 are printed)")
     g.add_argument("--no-verify", action="store_true",
                    help="skip verification (the output is then unverified)")
     g.add_argument("--allow-unverified", action="store_true",

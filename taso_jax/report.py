@@ -297,10 +297,14 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
     reference is exact. Non-finite values must match exactly: NaN with NaN, +inf with +inf.
 
     Returns ``{"ok", "max_abs_err", "rtol", "atol", "outputs"}``; ``max_abs_err`` is
-    ``inf`` when a non-finite value does not match.
+    ``inf`` when a non-finite value does not match. A NaN tolerance (``rtol``, ``atol`` or a
+    ``floor``) fails every float output: no comparison passes by a NaN.
     """
     ok, worst = len(actual) == len(reference), 0.0
     floors = list(floor) if floor is not None else [0.0] * len(reference)
+    tolerances = [rtol, *floors] + ([] if atol is None else [atol])
+    if np.isnan(np.asarray(tolerances, np.float64)).any():
+        ok = False  # a NaN tolerance passes nothing, even where every value is NaN
     for a, b, low in zip(actual, reference, floors, strict=False):
         a, b = np.asarray(a), np.asarray(b)
         if a.shape != b.shape:
@@ -321,12 +325,14 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
         if not np.all(finite | same):
             ok, worst = False, float("inf")
         scale = float(np.max(np.abs(b[np.isfinite(b)]), initial=0.0))
-        tol = max(ATOL * scale if atol is None else atol, low) + rtol * np.abs(b)
+        # np.maximum and the negated test carry a NaN tolerance through: it fails, never
+        # passes (err > nan is False, and Python's max(nan, x) can drop the NaN)
+        tol = np.maximum(ATOL * scale if atol is None else atol, low) + rtol * np.abs(b)
         with np.errstate(invalid="ignore"):  # inf - inf where both are inf: masked out
             err = np.where(finite, np.abs(a - b), 0.0)
-        if np.any(err > tol):
+        if not np.all((err <= tol) | ~finite):  # non-finite values: compared above
             ok = False
-        worst = max(worst, float(err.max()))
+        worst = max(worst, float(np.max(err)) if not np.isnan(err).any() else float("inf"))
     out = {"ok": bool(ok), "max_abs_err": worst, "rtol": rtol,
            "atol": f"{ATOL} x max|output|" if atol is None else atol,
            "outputs": len(reference)}

@@ -612,3 +612,16 @@ def test_no_candidate_is_timed_where_one_comparison_cannot_end_before_the_deadli
     assert e["original_kept"] and r.graph is g and e["measured"] == 1 and e["skipped"]
     assert "kept the input, no candidate timed: the time limit had passed" in end_to_end_line(e)
     assert no_time_to_compare(1.0, 0.1, time.perf_counter() - 1.0) == e["skipped"]
+
+
+def test_bench_refuses_an_out_folder_it_cannot_write_before_any_work(tmp_path, capsys):
+    from taso_jax.cli import main
+
+    a_file = tmp_path / "results"
+    a_file.write_text("mine")
+    assert main(["bench", "--small", "--out", str(a_file)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "--out" in err[0] and "not a folder" in err[0], err
+    assert a_file.read_text() == "mine"
+    assert main(["bench", "--small", "--out", str(a_file / "below")]) == 2
+    assert "not a folder" in capsys.readouterr().err

@@ -455,3 +455,44 @@ def test_one_line_keeps_the_error_of_a_traceback_inside_a_message():
                                  "InvalidArgument: node input 'h' is missing")
     long = one_line("word " * 100, 60)
     assert len(long) <= 60 and long.endswith("...") and not long.endswith(" ...")
+
+
+def _returns_soon(call, seconds=20):
+    """``call()``'s value; fails (rather than hang) when it blocks, e.g. opening a FIFO."""
+    import threading
+
+    box = []
+    t = threading.Thread(target=lambda: box.append(call()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert box, "blocked"
+    return box[0]
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "folder", "substitutions"])
+def test_optimize_reads_only_regular_files(tmp_path, capsys, kind):
+    import os
+
+    args = ["optimize", *FAST, "--no-time"]
+    if kind == "device":
+        args.insert(1, "/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(tmp_path / "m.onnx")
+        args.insert(1, str(tmp_path / "m.onnx"))
+    elif kind == "folder":
+        args.insert(1, str(tmp_path))
+    else:
+        args += ["--substitutions", "/dev/zero"]
+    assert _returns_soon(lambda: main(args)) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "is not a regular file" in err[0], err
+    assert ("--substitutions" if kind == "substitutions" else "model") in err[0]
+
+
+@pytest.mark.parametrize("flag", ["--rtol", "--atol"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_optimize_refuses_a_tolerance_that_is_not_finite_and_non_negative(capsys, flag,
+                                                                          value):
+    assert main(["optimize", *FAST, "--no-time", flag, value]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and flag in err[0], err

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 
+import pytest
 from taso_jax.search.rules import (
     PNode,
     Substitution,
@@ -134,3 +138,124 @@ def test_an_interrupted_verification_resumes_from_its_checkpoint(tmp_path, monke
     calls.clear()
     _, other = runner.verify_substitutions(subs, workers=1, checkpoint=ckpt, rlimit=10**7)
     assert other["resumed"] == 0 and len(calls) == 3
+
+
+def _one_error_line(capsys, *expected):
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("taso-jax: error:"), err
+    for text in expected:
+        assert text in err[0], err[0]
+
+
+def test_verify_never_writes_over_its_input_file(tmp_path, capsys):
+    src = tmp_path / "rules.json"
+    save_substitutions([WRONG], src)
+    before = src.read_bytes()
+    for flag in ("--report", "-o", "--checkpoint"):
+        assert main(["verify", str(src), "-q", "--workers", "1", flag, str(src)]) == 2
+        _one_error_line(capsys, flag, "the input rule file")
+        assert src.read_bytes() == before
+    # nor one output over another, nor a folder
+    out = tmp_path / "out.json"
+    assert main(["verify", str(src), "-q", "-o", str(out), "--report", str(out)]) == 2
+    _one_error_line(capsys, "--report", "the output file (-o)")
+    assert main(["verify", str(src), "-q", "--report", str(tmp_path)]) == 2
+    _one_error_line(capsys, "--report", "is not a regular file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rules.json"]
+    from importlib.resources import files
+
+    shipped = str(files("taso_jax").joinpath("data/substitutions.json"))
+    assert main(["verify", "-q", "-o", shipped]) == 2
+    _one_error_line(capsys, "the shipped rule set")
+
+
+def test_verify_without_report_leaves_an_existing_unproved_txt_alone(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "rules.json"
+    save_substitutions([WRONG], src)
+    (tmp_path / "unproved.txt").write_text("my notes\n")
+    assert main(["verify", str(src), "--workers", "1", "-q"]) == 1
+    assert (tmp_path / "unproved.txt").read_text() == "my notes\n"
+    out = capsys.readouterr().out
+    assert "not proved:" in out and "wrong:relu-distributes" in out  # printed instead
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rules.json", "unproved.txt"]
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "folder"])
+def test_verify_reads_only_regular_rule_files(tmp_path, capsys, kind):
+    path = {"device": "/dev/zero", "folder": str(tmp_path)}.get(kind, str(tmp_path / "p"))
+    if kind == "fifo":
+        os.mkfifo(path)
+    assert _returns_soon(lambda: main(["verify", path, "-q"])) == 2
+    _one_error_line(capsys, "rule file", "is not a regular file")
+
+
+def _returns_soon(call, seconds=20):
+    """``call()``'s value; fails (rather than hang) when it blocks, e.g. opening a FIFO."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(call()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert box, "blocked"
+    return box[0]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--max-ops", "1000000000"], "--max-ops"), (["--max-ops", "0"], "--max-ops"),
+    (["--seed", "-1"], "--seed"), (["--workers", "0"], "--workers"),
+    (["--workers", "100000"], "--workers")])
+def test_generate_refuses_out_of_range_numbers_before_any_work(tmp_path, capsys, args,
+                                                               expected):
+    out = tmp_path / "s.json"
+    assert main(["generate", "-q", "-o", str(out), *args]) == 2
+    _one_error_line(capsys, expected)
+    assert not out.exists()
+
+
+def test_generate_checks_its_output_paths_before_any_work(tmp_path, capsys, monkeypatch):
+    started = time.perf_counter()
+    assert main(["generate", "-q", "-o", str(tmp_path)]) == 2
+    _one_error_line(capsys, "-o", "is not a regular file")
+    assert main(["generate", "-q", "-o", str(tmp_path / "s.json"), "--report",
+                 str(tmp_path / "s.json")]) == 2
+    _one_error_line(capsys, "--report", "the output file (-o)")
+    # the default output is written only where no such file is
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "substitutions.json").write_text("mine")
+    assert main(["generate", "-q"]) == 2
+    _one_error_line(capsys, "substitutions.json", "already exists")
+    assert (tmp_path / "substitutions.json").read_text() == "mine"
+    assert time.perf_counter() - started < 5  # refused before generating anything
+
+
+def test_a_forged_checkpoint_line_does_not_make_a_false_rule_proved(tmp_path, capsys):
+    import hashlib
+
+    import taso_jax.verify.runner as runner
+    from taso_jax.verify.laws import all_axioms
+    src, ckpt = tmp_path / "rules.json", tmp_path / "proofs.jsonl"
+    save_substitutions([WRONG], src)
+    axioms = hashlib.sha256("\n".join(f"{n}: {a.law}" for n, a in all_axioms())
+                            .encode()).hexdigest()
+    limits = {"rlimit": 20_000, "axioms": axioms[:16]}  # a small limit: a quick "no"
+    result = {"status": "proved", "axioms": ["ewadd-commutative"], "seconds": 0.1}
+
+    def line(**extra):
+        return json.dumps({"id": WRONG.id, "limits": limits, "result": result, **extra})
+
+    ckpt.write_text("\n".join([
+        line(),  # the format of the earlier checkpoints: no digest
+        line(digest="0" * 64),  # a wrong digest
+        line(digest=runner.checkpoint_digest(WRONG.id, "f" * 64, limits, result)),  # other axioms
+        line(digest=runner.checkpoint_digest(WRONG.id, axioms, {**limits, "rlimit": 1},
+                                             result)),  # other limits
+    ]) + "\n")
+    assert main(["verify", str(src), "--workers", "1", "-q", "--checkpoint", str(ckpt),
+                 "--rlimit", "20000"]) == 1
+    out = capsys.readouterr().out
+    assert "proved: 0" in out and "from the checkpoint" not in out
+    # the line this program writes, for the real result, is taken on a rerun
+    stamped, stats = runner.verify_substitutions([WRONG], workers=1, checkpoint=ckpt,
+                                                 rlimit=20_000)
+    assert stats["resumed"] == 1 and stamped[0].proof_status != "proved"

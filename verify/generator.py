@@ -48,7 +48,8 @@ from taso_jax.search.rules import Substitution, name_rules
 from taso_jax.ir.executor import evaluate, run_node
 from taso_jax.ir.graph import Graph, Node, Tensor, leaf_node, make_node, topo_order
 
-__all__ = ["Domain", "DEFAULT_DOMAINS", "generate", "GeneratorStats", "check_substitution"]
+__all__ = ["Domain", "DEFAULT_DOMAINS", "generate", "GeneratorStats", "check_substitution",
+           "MAX_OPS_LIMIT"]
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,12 @@ MATMUL_ROWS_DOMAIN = Domain(
     ops=(("matmul", {}), ("ewadd", {}), ("concat", {"axis": -2})),
     split_axes=(-2,), max_ops=3, weight_ops=0, slice_merges=True, class_pairs=False,
     merged_ops=("matmul",))
+
+#: The most operators per side ``taso-jax generate --max-ops`` accepts: TASO's own bound. The
+#: shipped domains stop at their own ``max_ops`` (3 at most) whatever is asked; a domain
+#: without one is enumerated to the run's bound, and each operator more multiplies a dense
+#: domain's enumeration about 20 times (time and memory).
+MAX_OPS_LIMIT = 4
 
 DEFAULT_DOMAINS = (CONV_DOMAIN, MATMUL_DOMAIN, AFFINE_DOMAIN, GCONV_DOMAIN, CONV_BRANCH_DOMAIN,
                    MATMUL_BRANCH_DOMAIN, MATMUL_ROWS_DOMAIN)

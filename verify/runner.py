@@ -8,7 +8,8 @@ worker processes, or the address of a running scheduler, ``tcp://host:8786``). D
 than Ray: it installs as two pure-Python wheels, its local cluster starts in about two
 seconds on a 2-core machine, and a real cluster is one ``dask scheduler`` plus ``dask
 worker`` per machine. A ``checkpoint`` file (JSON lines, one finished proof per line, keyed
-by rule id and limits) lets an interrupted run resume where it stopped.
+by rule id, limits and axioms, with a digest the loader recomputes) lets an interrupted run
+resume where it stopped.
 
 The result of each proof is written into ``provenance["proof"]``: ``{"status", "axioms",
 "seconds", "rlimit"}`` (and ``"timeout_ms"`` when a wall-clock limit was set). Proofs are
@@ -115,8 +116,46 @@ def dask_client(cluster: str, workers: int):
             local.close()
 
 
-def _read_checkpoint(path, limits: dict) -> dict[str, dict]:
-    """Finished proofs in a checkpoint file made with the same limits: rule id -> result."""
+#: What a checkpoint line's digest covers, besides the proof: bump it when that changes.
+_CHECKPOINT_FORMAT = "taso_jax.checkpoint/2"
+_STATUSES = ("proved", "unproved", "unknown")
+
+
+def _prover_settings() -> dict:
+    """The prover's settings that a proof's status depends on, besides the limits."""
+    import inspect
+
+    from taso_jax.verify.prover import Prover
+
+    params = inspect.signature(Prover.__init__).parameters
+    return {k: params[k].default for k in ("max_instances", "max_quantifier_instances")}
+
+
+def checkpoint_digest(rule_id: str, axioms: str, limits: dict, result: dict) -> str:
+    """SHA-256 (hex) that ties a checkpoint line's ``result`` to what it was proved under.
+
+    It covers the rule's content id, the full digest of the axiom set (``axioms``), the
+    limits, the prover's settings (:func:`_prover_settings`) and the result itself. The
+    loader recomputes it, so a line written for another rule, other axioms, other limits or
+    settings, by an older version, or edited by hand (a ``"proved"`` typed in) does not
+    count, and that proof is run again. It is a checksum, not a signature: it stops stale
+    and hand-made lines, not a forger who reads this function.
+    """
+    import hashlib
+
+    text = json.dumps({"format": _CHECKPOINT_FORMAT, "id": rule_id, "axioms": axioms,
+                       "limits": limits, "prover": _prover_settings(), "result": result},
+                      sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_checkpoint(path, limits: dict, axioms: str) -> dict[str, dict]:
+    """Finished proofs in a checkpoint file whose digests check out: rule id -> result.
+
+    A line counts only where its ``digest`` is :func:`checkpoint_digest` of its id and
+    result under ``axioms`` and ``limits`` (those of this run); any other line (cut short
+    by an interruption, of another run, forged) is skipped.
+    """
     done: dict[str, dict] = {}
     try:
         with open(path) as f:
@@ -125,8 +164,12 @@ def _read_checkpoint(path, limits: dict) -> dict[str, dict]:
                     rec = json.loads(line)
                 except ValueError:
                     continue  # a line cut short by the interruption
-                if (isinstance(rec, dict) and rec.get("limits") == limits
-                        and isinstance(rec.get("result"), dict) and "id" in rec):
+                if not (isinstance(rec, dict) and isinstance(rec.get("id"), str)
+                        and isinstance(rec.get("result"), dict)
+                        and rec["result"].get("status") in _STATUSES):
+                    continue
+                if rec.get("digest") == checkpoint_digest(rec["id"], axioms, limits,
+                                                          rec["result"]):
                     done[rec["id"]] = rec["result"]
     except FileNotFoundError:
         pass
@@ -150,7 +193,8 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
         cluster: ``None`` (a process pool here), ``"local"`` (a Dask ``LocalCluster`` of
             ``workers`` processes) or a Dask scheduler address.
         checkpoint: a file that records each finished proof as it arrives; proofs already
-            in it (same rule id, same limits) are not done again.
+            in it (same rule id, same limits, axioms and prover settings, with a digest
+            that checks out: :func:`checkpoint_digest`) are not done again.
 
     Returns:
         ``(stamped, stats)``: the substitutions with ``provenance["proof"]`` set, and
@@ -176,7 +220,8 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
     axioms = hashlib.sha256("\n".join(f"{n}: {a.law}" for n, a in all_axioms()).encode())
     checkpoint_limits = {**limits, "axioms": axioms.hexdigest()[:16]}
     results: list = [None] * len(subs)
-    done_before = _read_checkpoint(checkpoint, checkpoint_limits) if checkpoint else {}
+    done_before = (_read_checkpoint(checkpoint, checkpoint_limits, axioms.hexdigest())
+                   if checkpoint else {})
     for i, sub in enumerate(subs):
         if sub.id in done_before:
             results[i] = done_before[sub.id]
@@ -204,8 +249,10 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
             results[i] = r
             counts[r["status"]] += 1
             if log is not None:
-                log.write(json.dumps({"id": subs[i].id, "limits": checkpoint_limits,
-                                      "result": r}) + "\n")
+                log.write(json.dumps({
+                    "id": subs[i].id, "limits": checkpoint_limits, "result": r,
+                    "digest": checkpoint_digest(subs[i].id, axioms.hexdigest(),
+                                                checkpoint_limits, r)}) + "\n")
                 log.flush()
             if progress:
                 progress(done, counts)
