@@ -131,6 +131,26 @@ def _migrate(db: sqlite3.Connection) -> None:
         raise
 
 
+def _while_locked(step, *args) -> None:
+    """Run ``step`` again while SQLite says the database is locked, up to the busy timeout.
+
+    Switching an old cache to WAL journaling needs the file to itself, and SQLite answers
+    "database is locked" at once, without its busy handler, where another process holds a
+    read lock at that moment (four processes opening one old cache together).
+    """
+    import time
+
+    end = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            step(*args)
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > end:
+                raise
+            time.sleep(0.01)
+
+
 def open_cost_cache(path: str) -> sqlite3.Connection | None:
     """The SQLite cost cache at ``path``, created if absent; ``None`` where none can be used.
 
@@ -183,8 +203,8 @@ def open_cost_cache(path: str) -> sqlite3.Connection | None:
                 _warn(f"kernel cost cache {path} is another program's SQLite file; it is "
                       "left as it is and costs are measured without a cache")
                 return None
-            db.execute("PRAGMA journal_mode=WAL")
-            _migrate(db)
+            _while_locked(db.execute, "PRAGMA journal_mode=WAL")
+            _while_locked(_migrate, db)
             return db
         except sqlite3.DatabaseError as e:
             if db is not None:
