@@ -63,54 +63,55 @@ SEARCH_REVISION = 6
 TARGETS = ("xla", "onnxruntime")
 
 
+def _option(default, help: str, **kw):
+    """A field of :class:`OptimizeOptions` with its one description (``metadata["help"]``)."""
+    return field(default=default, metadata={"help": help}, **kw)
+
+
 @dataclass(frozen=True)
 class OptimizeOptions:
     """Settings of one optimization, with the defaults every front door uses.
 
-    Attributes:
-        alpha: alpha relaxation of the backtracking search (TASO, SOSP 2019, Section 5:
-            graphs up to ``alpha`` times costlier than the best are explored); >= 1.
-        budget: graphs expanded at most; >= 0.
-        time_limit: seconds for the whole optimization at most; > 0. The backtracking search
-            (kernel measurement included) gets :data:`SEARCH_SHARE` of it, the end-to-end
-            choice the rest (it times fewer rounds when short of time).
-        cost_model: ``"measured"`` (kernels timed with ``jax.jit`` on the current device,
-            cached on disk), ``"analytic"`` (FLOPs and bytes), or a
-            :class:`~taso_jax.search.cost.CostModel`.
-        substitutions: a list of :class:`~taso_jax.search.rules.Substitution`, a rule file
-            path, or ``None`` for the shipped set.
-        allow_unverified: also use rules the verifier has not proved (by default they are
-            left out with a ``UserWarning``; TASO, Section 4: only verified rules are sound).
-        trust_proofs: take the proof stamps of a rule file as they are. By default the front
-            doors prove a rule file's rules again (cached by the file's hash:
-            :func:`taso_jax.verify.runner.load_proved_rules`); the shipped set is trusted.
-        end_to_end: how many of the cheapest graphs are timed under ``jax.jit``, with the
-            input, to keep the fastest (never slower than the input beyond noise); 0 trusts
-            the cost model.
-        target: the runtime the result must be fast in: ``"xla"`` (``jax.jit`` on this
-            device) or ``"onnxruntime"`` (an ONNX model's own runtime: kernels and
-            candidates are timed there; the ONNX front door's
-            :func:`taso_jax.frontends.onnxruntime_target.resolve_target` sets it up).
-        layout_candidates: with the XLA target, the end-to-end choice also times the NHWC
-            form of the input and of the cheapest candidate where they have convolutions
-            (:func:`taso_jax.ir.layout.to_nhwc`; XLA:CPU runs NHWC convolutions up to ~2x
-            faster than NCHW). The ONNX command line turns it off: a written ONNX file is
-            NCHW whatever the choice.
+    Each setting is described once, in its field's ``help``; :meth:`help` gives it,
+    ``taso-jax optimize --help`` and the README's options table are rendered from it
+    (:meth:`markdown_table`), and the list below is too.
 
     Raises:
         ValueError: a setting out of its range (on construction).
     """
 
-    alpha: float = 1.05
-    budget: int = 100
-    time_limit: float = 60.0
-    cost_model: Any = "measured"
-    substitutions: Any = field(default=None, compare=False)
-    allow_unverified: bool = False
-    end_to_end: int = 4
-    trust_proofs: bool = False
-    target: str = "xla"
-    layout_candidates: bool = True
+    alpha: float = _option(
+        1.05, "TASO's alpha relaxation (SOSP 2019, Section 5): graphs up to alpha times "
+              "costlier than the best found are still explored; >= 1")
+    budget: int = _option(100, "graphs expanded at most; >= 0")
+    time_limit: float = _option(
+        60.0, "seconds for the whole optimization at most (import, kernel measurement, "
+              "search and end-to-end choice); > 0. The decorator's default is 10 s")
+    cost_model: Any = _option(
+        "measured", "how graphs are priced: \"measured\" (kernels timed on this device, "
+                    "cached in a SQLite file in the user cache directory), \"analytic\" "
+                    "(FLOPs and bytes), or a CostModel")
+    substitutions: Any = _option(
+        None, "the rules: a rule file path or a list of Substitution; None for the shipped "
+              "set", compare=False)
+    allow_unverified: bool = _option(
+        False, "also use rules the verifier has not proved (TASO, Section 4: only proved "
+               "rules are sound); the report marks each one applied [NOT PROVED]")
+    end_to_end: int = _option(
+        4, "how many of the cheapest graphs are timed on the target with the input, the "
+           "fastest confirmed faster being kept: never slower than the input beyond the "
+           "measurement's noise; 0 trusts the cost model")
+    trust_proofs: bool = _option(
+        False, "take a rule file's proof stamps as they are; by default its rules are "
+               "proved again (once per file content); the shipped set is trusted")
+    target: str = _option(
+        "xla", "the runtime the result must be fast in: \"xla\" (jax.jit on this device) "
+               "or \"onnxruntime\" (kernels and candidates timed in onnxruntime against "
+               "the input file)")
+    layout_candidates: bool = _option(
+        True, "the end-to-end choice also times the NHWC form of the input and of the "
+              "cheapest candidate (XLA:CPU runs NHWC convolutions up to 2x faster); the "
+              "ONNX command line, which writes NCHW files, turns it off")
 
     def __post_init__(self):
         checks = [("alpha", self.alpha >= 1.0, ">= 1"), ("budget", self.budget >= 0, ">= 0"),
@@ -124,6 +125,23 @@ class OptimizeOptions:
         if isinstance(self.cost_model, str) and self.cost_model not in COST_MODEL_NAMES:
             raise ValueError(f"cost_model must be one of {COST_MODEL_NAMES} or a CostModel, "
                              f"got {self.cost_model!r}")
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """The one description of setting ``name``.
+
+        Raises:
+            KeyError: an unknown setting.
+        """
+        return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}[name]
+
+    @classmethod
+    def markdown_table(cls) -> str:
+        """Every setting, its default and its description, as a Markdown table."""
+        rows = ["| option | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            rows.append(f"| `{f.name}` | `{f.default!r}` | {f.metadata['help']} |")
+        return "\n".join(rows)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -285,3 +303,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         forget_compiled(keep=(graph, result.graph))
     result.unmeasurable = list(getattr(cost_model, "unmeasurable", ()))
     return result
+
+
+OptimizeOptions.__doc__ += "\n    Attributes:\n" + "".join(
+    f"        {f.name}: {f.metadata['help']}.\n" for f in dataclasses.fields(OptimizeOptions))

@@ -940,39 +940,30 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("-o", "--output", help="output ONNX file (default MODEL.opt.onnx)")
     o.add_argument("--input-shape", action="append", metavar="NAME=D1,D2,...",
                    help="static shape for an input with symbolic dimensions (repeatable)")
-    o.add_argument("--alpha", type=float, default=d.alpha,
-                   help=f"alpha relaxation of the search, >= 1 ({d.alpha})")
-    o.add_argument("--budget", type=int, default=d.budget,
-                   help=f"graphs expanded at most ({d.budget})")
+    def described(name: str) -> str:  # the options record's one description
+        return f"{d.help(name)} (default {getattr(d, name)!r})"
+
+    o.add_argument("--alpha", type=float, default=d.alpha, help=described("alpha"))
+    o.add_argument("--budget", type=int, default=d.budget, help=described("budget"))
     o.add_argument("--time-limit", type=float, default=d.time_limit,
-                   help="seconds for the whole run at most: import, kernel measurement, search "
-                        f"and end-to-end choice ({d.time_limit:g})")
+                   help=described("time_limit"))
     o.add_argument("--cost-model", choices=["measured", "analytic"], default=d.cost_model,
-                   help=f"kernels timed on this device (cached), or FLOPs and bytes "
-                        f"({d.cost_model})")
+                   help=described("cost_model"))
     o.add_argument("--target", choices=list(TARGETS), default=d.target,
-                   help="the runtime the written model must be fast in: xla (jax.jit on this "
-                        "device) or onnxruntime (kernels and candidates timed in onnxruntime "
-                        "against the input file; the rewrites that pay under XLA often cost "
-                        f"there) ({d.target})")
+                   help=described("target"))
     o.add_argument("--no-cost-cache", action="store_true",
                    help="measure kernels afresh, without the SQLite cache in the user cache dir")
-    o.add_argument("--substitutions", help="substitution JSON file (default: shipped set)")
-    o.add_argument("--trust-proofs", action="store_true",
-                   help="take a --substitutions file's proof stamps as they are (default: "
-                        "prove its rules again, once per file content; the shipped set is "
-                        "trusted)")
+    o.add_argument("--substitutions", help=described("substitutions"))
+    o.add_argument("--trust-proofs", action="store_true", help=described("trust_proofs"))
     o.add_argument("--allow-unverified", action="store_true",
-                   help="also apply substitutions that are not proved (labelled in the report)")
+                   help=described("allow_unverified"))
     o.add_argument("--repeats", type=_positive_int, default=30,
                    help="timed runs per graph (30)")
     o.add_argument("--no-time", action="store_true",
                    help="skip the report's timing of both models (under jax.jit for --target "
                         "xla, and in onnxruntime)")
     o.add_argument("--end-to-end", type=int, default=d.end_to_end, metavar="K",
-                   help="time the K cheapest graphs found and the input on the target (jax.jit, "
-                        "or onnxruntime against the input file) and keep the fastest, so the "
-                        f"result is never slower there ({d.end_to_end}; 0: off)")
+                   help=described("end_to_end"))
     o.add_argument("--rtol", type=float, default=RTOL,
                    help=f"output check: relative tolerance, finite and >= 0 ({RTOL})")
     o.add_argument("--atol", type=float, default=None,

@@ -65,3 +65,16 @@ def test_new_operator_example_runs():
     assert "{'linear': 2," in out and "-> {'linear': 1," in out
     assert "merge-linear-linear" in out
     assert "onnxruntime, original vs optimized" in out and "ok: True" in out
+
+
+def test_the_readme_options_table_is_the_options_record_rendered():
+    from taso_jax.search.options import OptimizeOptions
+
+    assert OptimizeOptions.markdown_table() in (ROOT / "README.md").read_text()
+    # and --help gives each option's one description
+    from taso_jax.cli import build_parser
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["optimize"]
+                         .format_help().split())
+    for name in ("alpha", "budget", "time_limit", "end_to_end", "trust_proofs"):
+        assert " ".join(OptimizeOptions.help(name).split()) in help_text
