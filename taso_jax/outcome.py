@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from taso_jax.ir.graph import Graph
-from taso_jax.report import format_pass_through, format_report
+from taso_jax.report import end_to_end_line, format_pass_through, format_report
 
 __all__ = ["Outcome", "Verdict"]
 
@@ -135,7 +135,7 @@ class Outcome:
         if self.verdict.delivers_input and self.verdict is not Verdict.PASS_THROUGH:
             found = {k: d.pop(k) for k in _FOUND_KEYS if d.get(k)}
             if self.verdict is Verdict.UNCHANGED:  # how the input came to be kept stays
-                if "end_to_end" in found:
+                if "end_to_end" in found and not found.get("applied"):
                     d["end_to_end"] = found.pop("end_to_end")
                 if "time" in found:  # one graph, timed twice: its own time is the answer
                     t = found.pop("time")
@@ -180,4 +180,7 @@ class Outcome:
                          + (f"a graph timed at {t['speedup']:.2f}x ({t['before_us']:.1f} us -> "
                             f"{t['after_us']:.1f} us)" if t and "speedup" in t else "a graph")
                          + (f" with {applied}" if applied else ""))
+            if found.get("end_to_end"):
+                lines.append("  how it was chosen among the graphs: "
+                             + end_to_end_line(found["end_to_end"]))
         return "\n".join(lines)
