@@ -229,13 +229,13 @@ def test_failure_in_the_pipeline_falls_back_with_a_warning(monkeypatch):
 def test_wrong_rewrite_is_caught_by_the_check_and_falls_back(monkeypatch):
     from taso_jax.search.rules import PNode, Substitution
 
-    import taso_jax.frontends.decorator as decorator
+    import taso_jax.frontends.first_call as first_call
 
     # on CPU the default precision is full float32: nothing is compiled again to compare at
     # full precision
     again = []
-    monkeypatch.setattr(decorator, "_rounding_noise", lambda *a: again.append(1) or [0.0])
-    monkeypatch.setattr(decorator, "_at_full_precision", lambda f: again.append(1) or f)
+    monkeypatch.setattr(first_call, "_rounding_noise", lambda *a: again.append(1) or [0.0])
+    monkeypatch.setattr(first_call, "_at_full_precision", lambda f: again.append(1) or f)
 
     # relu(a) => a: wrong. Unproved, so it is left out unless allowed; allowed in, the
     # first-call check against jax.jit must catch it.
@@ -309,9 +309,9 @@ def test_the_check_allows_what_the_devices_default_precision_already_rounds(devi
                                                                             monkeypatch):
     from taso_jax.search.rules import PNode, Substitution
 
-    import taso_jax.frontends.decorator as decorator
+    import taso_jax.frontends.first_call as first_call
 
-    monkeypatch.setattr(decorator, "_default_precision_rounds", lambda: True)  # as on a GPU
+    monkeypatch.setattr(first_call, "_default_precision_rounds", lambda: True)  # as on a GPU
 
     # On GPUs, float32 products at the default precision round to TF32, so a regrouped graph
     # differs from jax.jit of the original by about that rounding. Simulated on CPU (which
@@ -347,21 +347,21 @@ def test_the_check_allows_what_the_devices_default_precision_already_rounds(devi
 
 def test_a_graph_the_default_precision_rounds_more_than_the_original_runs_at_full_precision(
         monkeypatch, tmp_path):
-    import taso_jax.frontends.decorator as decorator
+    import taso_jax.frontends.first_call as first_call
 
     # On a GPU, cuBLAS may run the merged matmuls at TF32 where the original's smaller ones
     # ran in float32 (NasRNN on an H200: 1.3e-3 off, the original's own noise 0). Simulated
     # on CPU: the optimized stages are off by 1e-2 unless traced at full float32 precision;
     # the original is not.
-    class RoundingStages(decorator.StagedGraph):
+    class RoundingStages(first_call.StagedGraph):
         def run(self, consts, *args):
             out = super().run(consts, *args)
             if jax.config.jax_default_matmul_precision != "highest":
                 out = tuple(o + 1e-2 for o in out)
             return out
 
-    monkeypatch.setattr(decorator, "StagedGraph", RoundingStages)
-    monkeypatch.setattr(decorator, "_default_precision_rounds", lambda: True)  # as on a GPU
+    monkeypatch.setattr(first_call, "StagedGraph", RoundingStages)
+    monkeypatch.setattr(first_call, "_default_precision_rounds", lambda: True)  # as on a GPU
     monkeypatch.setenv("TASO_JAX_GRAPH_CACHE", str(tmp_path))
     fn, weights, inputs = jax_models.make_nasrnn(hidden=32, steps=1)
     ref = jax.jit(fn)(weights, *inputs)
@@ -445,11 +445,11 @@ def test_an_unchanged_function_runs_jax_jit_of_the_original():
 
 
 def test_the_optimized_function_must_beat_jax_jit_of_the_original_when_timed(monkeypatch):
-    import taso_jax.frontends.decorator as decorator
+    import taso_jax.frontends.first_call as first_call
 
     # with timing on, a function the search did change is still measured against jax.jit
     # of the original; here the optimized run is made to look slow, so the original runs
-    monkeypatch.setattr(decorator, "MIN_SPEEDUP", 1e9)
+    monkeypatch.setattr(first_call, "MIN_SPEEDUP", 1e9)
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
     def cell(w, x):
@@ -465,8 +465,9 @@ def test_the_optimized_function_must_beat_jax_jit_of_the_original_when_timed(mon
 def test_a_kept_signature_dispatches_to_jax_jit_of_the_original(monkeypatch):
     """No staging on the fast path: later calls go straight to jax.jit of the function."""
     import taso_jax.frontends.decorator as decorator
+    import taso_jax.frontends.first_call as first_call
 
-    monkeypatch.setattr(decorator, "MIN_SPEEDUP", 1e9)  # the original is always kept
+    monkeypatch.setattr(first_call, "MIN_SPEEDUP", 1e9)  # the original is always kept
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
     def cell(w, x):
@@ -672,15 +673,15 @@ def test_background_mode_runs_the_original_until_the_checked_result_is_ready():
 
 
 def test_background_mode_never_swaps_in_a_wrong_result(monkeypatch):
-    import taso_jax.frontends.decorator as decorator
+    import taso_jax.frontends.first_call as first_call
 
-    real = decorator.compare_outputs
+    real = first_call.compare_outputs
 
     def always_differ(*a, **k):
         r = real(*a, **k)
         return {**r, "ok": False, "max_abs_err": 1.0}
 
-    monkeypatch.setattr(decorator, "compare_outputs", always_differ)
+    monkeypatch.setattr(first_call, "compare_outputs", always_differ)
     fn, weights, inputs = jax_models.make_nasrnn(hidden=32, steps=1)
     opt = taso_jax.optimize(fn, weight_argnums=0, mode="background", **OPTS)
     ref = jax.jit(fn)(weights, *inputs)
@@ -706,10 +707,10 @@ def test_lower_trace_and_jax_export_of_the_optimized_function():
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_donate_argnums_follows_jax_jit(monkeypatch, keep):
-    import taso_jax.frontends.decorator as decorator
+    import taso_jax.frontends.first_call as first_call
 
     if keep:
-        monkeypatch.setattr(decorator, "MIN_SPEEDUP", 1e9)  # the original runs (fast path)
+        monkeypatch.setattr(first_call, "MIN_SPEEDUP", 1e9)  # the original runs (fast path)
 
     def f(w, x):
         return x @ w["s"] + x @ w["t"]  # same shape as x: its buffer can be reused

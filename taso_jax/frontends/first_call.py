@@ -1,0 +1,413 @@
+"""The first call of a signature: trace, search, compile, check and time (a mixin).
+
+:class:`FirstCallPipeline` holds what ``@taso_jax.optimize`` does the first time it meets a
+call signature, and :class:`~taso_jax.frontends.decorator.OptimizedFunction` inherits it:
+``_build`` traces the function and fills an ``_Entry``; ``_optimize`` imports the
+jaxpr, reads the graph cache or runs the search, splits the result into jitted stages,
+compares its outputs with ``jax.jit`` of the original (allowing for the device's own
+rounding, else at full float32 precision, else falling back), times it against that
+original (``_keep_original``) and stores the decision in the graph cache. The helpers and
+constants here serve that pipeline alone; the call path that uses the finished entry is in
+:mod:`taso_jax.frontends.decorator`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taso_jax.frontends import graph_cache
+from taso_jax.frontends.jaxpr_io import TracedFunction, _fn_name, trace_function
+from taso_jax.frontends.signature_entry import _Entry, _hashable, _is_tracer, _leaf_signature
+from taso_jax.ir.executor import StagedGraph, time_interleaved
+from taso_jax.report import compare_outputs, search_report
+from taso_jax.search.backtracking import SearchResult
+from taso_jax.search.choose import confirm_faster, device_name
+from taso_jax.search.options import SEARCH_REVISION
+
+__all__ = ["FirstCallPipeline"]
+
+#: The optimized function must beat ``jax.jit`` of the original by this factor (median of
+#: the per-round ratios) and pass a signed-rank test
+#: (:func:`taso_jax.search.choose.paired_speedup`) to be used. Medians of two functions
+#: compared as a whole spread up to ~10% on a 2-core CPU (a flax BERT block with nothing
+#: rewritten was once taken as 1.05x faster and ran 0.72x); the paired test sees each
+#: round's load on both.
+MIN_SPEEDUP = 1.03
+
+#: The first call's stage that searches: the backtracking search, the searches that
+#: second-guess its cost model, and the end-to-end choice among their candidates (the
+#: report's ``search`` seconds count the backtracking search alone).
+SEARCH_STAGE = "search and choice"
+
+#: How ``original_kept`` starts where the time limit passed after the search.
+_PAST_LIMIT = "not compiled, checked or timed against jax.jit"
+#: Interleaved runs of each when the optimized function is timed against the original.
+BASELINE_REPEATS = 25
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("taso_jax")
+    except Exception:  # not installed as a distribution (a source checkout)
+        return "source"
+
+
+class _Fallback(Exception):
+    """Internal: the optimized pipeline failed for this signature."""
+
+
+NOISE_MARGIN = 4.0
+"""How many times the reference's own rounding noise an optimized output may differ by.
+
+Two results that each carry up to the noise differ by up to twice it; twice that again
+leaves room for the largest of many elements' errors."""
+
+
+def _rounding_noise(flat_fn: Callable, values, reference) -> list[float]:
+    """Per output, how far the original moves between default and full float32 precision.
+
+    That is the largest change of ``reference``, ``jax.jit(flat_fn)(*values)`` at the
+    device's default precision, when its matrix products and convolutions run at full
+    float32 precision (``jax.default_matmul_precision("highest")``).
+
+    On CPU the default is full precision and every entry is 0. On NVIDIA GPUs from Ampere
+    on, float32 ``dot_general`` and convolutions at the default precision round their
+    operands to TF32 (10 mantissa bits), so a rewrite that regroups the arithmetic (a
+    batchnorm scale folded into a convolution kernel, say) differs from ``jax.jit`` of the
+    original by about that rounding, which the fixed relative tolerance of
+    :func:`taso_jax.report.compare_outputs` (1e-3) does not cover through 50 layers.
+    Integer, boolean and empty outputs get 0; non-finite elements are skipped. Runs one more
+    compile of the original, so it is called only after a failed comparison.
+    """
+    with jax.default_matmul_precision("highest"):
+        exact = jax.tree_util.tree_leaves(jax.jit(flat_fn)(*values))
+    noise = []
+    for r, e in zip(reference, exact, strict=True):
+        r, e = np.asarray(r), np.asarray(e)
+        if r.size == 0 or not np.issubdtype(r.dtype, np.inexact):
+            noise.append(0.0)
+            continue
+        wide = np.result_type(r.dtype, np.float64)
+        diff = np.abs(r.astype(wide) - e.astype(wide))
+        noise.append(float(np.max(diff[np.isfinite(diff)], initial=0.0)))
+    return noise
+
+
+def _default_precision_rounds() -> bool:
+    """Whether the default backend's default float32 precision may round matrix products.
+
+    XLA:CPU computes float32 products in float32 at the default precision; GPUs may use TF32
+    and TPUs bfloat16 passes. Where it does not round, comparing again at full precision
+    would only compile the same function twice.
+    """
+    return jax.default_backend() != "cpu"
+
+
+def _at_full_precision(stage: Callable) -> Callable:
+    """``stage`` traced with its matrix products and convolutions at full float32 precision.
+
+    ``jax.default_matmul_precision("highest")`` is read when ``lax.dot_general`` and
+    ``lax.conv_general_dilated`` are traced, and stored in each equation, so a ``jax.jit`` of
+    the result runs at that precision with no per-call cost. Used where the optimized graph
+    at the device's default precision differs from the original by more than the original's
+    own rounding (see :meth:`FirstCallPipeline._optimize`).
+    """
+    @functools.wraps(stage)
+    def at_full_precision(*args):
+        with jax.default_matmul_precision("highest"):
+            return stage(*args)
+
+    return at_full_precision
+
+
+def _stored_check(check: dict | None) -> dict | None:
+    """The JSON-able part of an output check's result, for the graph cache."""
+    if check is None:
+        return None
+    return {k: v for k, v in check.items() if k != "reference"
+            and isinstance(v, bool | int | float | str | type(None))}
+
+
+
+class FirstCallPipeline:
+    """The first-call pipeline of :class:`~taso_jax.frontends.decorator.OptimizedFunction`.
+
+    A mixin: it reads the host's ``fn``, ``_flat_fn``, ``options``, ``check``,
+    ``_positions`` and ``_optimizer_made``, and calls its ``_execute``, ``_folded`` and
+    ``_user_jit``.
+    """
+
+    def _build(self, args, weight_pos, static_pos) -> _Entry:
+        fn = self._flat_fn
+        t_trace = time.perf_counter()
+        try:
+            traced = trace_function(fn, args, weight_pos, static_pos, non_arrays="static")
+        except Exception as e:  # the user's function does not trace: jax.jit would fail too
+            e.add_note(f"taso_jax.optimize traces {_fn_name(fn)} like jax.jit: Python control "
+                       "flow on array values is not allowed (use jax.lax.cond / jnp.where, or "
+                       "mark the argument with static_argnums)")
+            raise
+        trace_s = time.perf_counter() - t_trace
+        kinds, array_index = traced.kinds, traced.array_index
+        entry = _Entry(out_tree=traced.out_tree, jit_original=jax.jit(traced.flat_fn),
+                       kinds=kinds, array_index=array_index)
+        # jax.jit of the user's function can run it: every leaf an array, every static
+        # argument hashable (our own static handling also takes unhashable ones, by id)
+        entry.all_arrays = len(array_index) == traced.n_flat and all(
+            _hashable(args[i]) for i in static_pos)
+        entry.key_leaves = traced.key_leaves
+        inputs_at = {i for i, k in zip(array_index, kinds, strict=True) if k == "input"}
+        entry.same_object = [i for i in range(traced.n_flat) if i not in inputs_at]
+        entry.input_signature = [(i, _leaf_signature(x)) for i, x, k in
+                                 zip(array_index, traced.leaves, kinds, strict=True)
+                                 if k == "input"]
+        t0 = time.perf_counter()
+        try:
+            # The first call may come from inside jax.jit, grad or vmap of this function: the
+            # search's timings and the output check run on concrete arrays, not staged out.
+            with jax.ensure_compile_time_eval():
+                self._optimize(entry, traced, args, static_pos)
+        except Exception as e:  # anything in our pipeline: fall back, never a wrong answer
+            entry.fallback = f"{type(e).__name__}: {e}"
+            warnings.warn(f"taso_jax.optimize({_fn_name(fn)}): falling back to jax.jit "
+                          f"of the original function ({entry.fallback})",
+                          RuntimeWarning, stacklevel=3)
+        entry.optimize_seconds = time.perf_counter() - t0
+        entry.first_call = {"trace": trace_s, **entry.first_call,
+                            "total": trace_s + entry.optimize_seconds}
+        return entry
+
+    def _optimize(self, entry, traced: TracedFunction, args, static_pos):
+        clock = started = time.perf_counter()
+        stages = entry.first_call
+
+        def lap(name):
+            nonlocal clock
+            now = time.perf_counter()
+            stages[name] = stages.get(name, 0.0) + now - clock
+            clock = now
+
+        graph = traced.to_graph(_fn_name(self.fn))
+        leaves, kinds, paths = traced.leaves, traced.kinds, traced.paths
+        opts = self.options
+        optimizer = self._optimizer()
+        subs = optimizer.rules
+        key = graph_cache.cache_key(graph, self._cache_parts(subs))
+        lap("import")
+        hit = graph_cache.load(key, graph)
+        if hit is not None:
+            optimized, info = hit
+            result = SearchResult(graph=optimized, cost_before=info.get("cost_before", 0.0),
+                                  cost_after=info.get("cost_after", 0.0),
+                                  applied=info.get("applied", Counter()), iterations=0,
+                                  explored=0, seconds=0.0, stopped="graph cache")
+            entry.cache_hit = True
+        else:
+            result = optimizer.search(graph)
+        lap(SEARCH_STAGE)
+        staged = StagedGraph(result.graph)
+        weight_index = {p: j for j, p in enumerate(
+            p for p, k in zip(paths, kinds, strict=True) if k == "weight")}
+        entry.weight_slots = [weight_index.get(name, name) for name in staged.weight_names]
+        entry.constants = {name: result.graph.weights[name] for name in staged.weight_names
+                           if name not in weight_index}
+        entry.graph, entry.result, entry.staged = graph, result, staged
+        donated = self._donated_inputs(traced, args, static_pos)
+
+        def compile_stages(full_precision: bool) -> None:
+            fold, run = staged.fold, staged.run
+            if full_precision:
+                fold, run = _at_full_precision(fold), _at_full_precision(run)
+            entry.full_precision = full_precision
+            entry.fold, entry.run = jax.jit(fold), jax.jit(run)
+            entry.folded_for = ()
+            if donated:  # the user's calls donate; the check and the timing must not
+                entry.run_donating = jax.jit(run, donate_argnums=donated)
+
+        compile_stages(bool(hit is not None and hit[1].get("full_precision")))
+        notes = []
+        if graph.meta.get("opaque"):
+            notes.append("kept as opaque equations: " + ", ".join(
+                f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
+        if entry.cache_hit:
+            notes.append("optimized graph and decision read from the graph cache "
+                         f"({graph_cache.graph_cache_dir()}); no search was run")
+        entry.report = search_report(_fn_name(self.fn), graph, result, opts, subs, notes)
+        if hit is not None and hit[1].get("original_kept"):
+            # Decided in an earlier process on this device: the original runs, so there is
+            # nothing to compile or check.
+            entry.original_kept = hit[1]["original_kept"] + " (decided earlier; graph cache)"
+            entry.report["original_kept"] = entry.original_kept
+            return
+        if (hit is None and self.options.end_to_end > 0
+                and time.perf_counter() - started > self.options.time_limit):
+            # The time limit bounds the first call. Past it after the search, the compile,
+            # check and timing against jax.jit that the optimized function needs (3 s and
+            # 8 s more on a 120 ms stax ResNet) are skipped, and the original runs, which is
+            # never slower. Not stored in the graph cache: a later process, its kernel costs
+            # cached, may get further.
+            entry.original_kept = (f"{_PAST_LIMIT}: the "
+                                   f"time limit ({self.options.time_limit:g} s) had passed "
+                                   "after the search")
+            entry.report["original_kept"] = entry.original_kept
+            return
+        checked_before = (hit is not None and self.check is True
+                          and (hit[1].get("check") or {}).get("ok") is True)
+        if checked_before:
+            # The process that stored this graph compared it with jax.jit of the same
+            # function (the key covers the jaxpr) and stored it only because it matched;
+            # compiling the original again to repeat that is what check="always" is for.
+            entry.report["check"] = {**hit[1]["check"],
+                                     "reference": "jax.jit of the original function, in the "
+                                                  "process that stored the graph cache entry"}
+            entry.folded_for = ()
+        elif self.check:
+            rng = np.random.default_rng(0)
+            values = [rng.standard_normal(np.shape(x)).astype(jnp.result_type(x))
+                      if _is_tracer(x) else x for x in leaves]
+            weights = [v for v, k in zip(values, kinds, strict=True) if k == "weight"]
+            inputs = [v for v, k in zip(values, kinds, strict=True) if k == "input"]
+            ref = jax.tree_util.tree_leaves(entry.jit_original(*values))
+            ref = [np.asarray(x) for x in ref]
+            floor = None
+
+            def compare() -> dict:
+                got = entry.run(self._folded(entry, weights, True), *inputs)
+                got = [np.asarray(x) for x in got]
+                check = compare_outputs(got, ref, floor=floor)
+                if floor is not None:
+                    check.update(rounding_noise=max(noise), noise_margin=NOISE_MARGIN)
+                return check
+
+            check = compare()
+            rounds = not check["ok"] and _default_precision_rounds()
+            if rounds:
+                noise = _rounding_noise(traced.flat_fn, values, ref)
+                if any(noise):
+                    floor = [NOISE_MARGIN * n for n in noise]
+                    check = compare()
+            if rounds and not check["ok"] and not entry.full_precision:
+                # At the default precision a GPU may round the optimized graph's products to
+                # TF32 where the original's ran in full float32: cuBLAS multiplies a 1x512
+                # row by a 512x512 matrix in float32, and by the 512x4096 matrix of eight
+                # merged ones with TF32 tensor cores (NasRNN on an H200: 1.3e-3 from
+                # jax.jit of the original, whose own rounding noise was 0). The optimized
+                # graph then runs with its products at full precision if that matches.
+                compile_stages(True)
+                again = compare()
+                if again["ok"]:
+                    check = {**again, "full_precision": True}
+                else:  # the report keeps the comparison at the default precision
+                    compile_stages(False)
+            check["reference"] = "jax.jit of the original function"
+            entry.report["check"] = check
+            if not check["ok"]:
+                raise _Fallback(f"optimized outputs differ from the original's (max abs error "
+                                f"{check['max_abs_err']:.3g}); substitutions applied: "
+                                f"{sorted(result.applied)}")
+            entry.folded_for = ()
+        lap("compile and check")
+        if hit is not None:
+            entry.original_kept = None  # the earlier process measured the optimized faster
+        else:
+            entry.original_kept = self._keep_original(entry, traced, result, args, static_pos)
+            lap("timing against jax.jit")
+            timed = "baseline" in entry.report or self.options.end_to_end == 0
+            if timed:
+                graph_cache.store(key, result.graph, graph, {
+                    "cost_before": result.cost_before, "cost_after": result.cost_after,
+                    "applied": dict(result.applied), "original_kept": entry.original_kept,
+                    "full_precision": entry.full_precision,
+                    "check": _stored_check(entry.report.get("check"))})
+        entry.report["original_kept"] = entry.original_kept
+
+    def _optimizer(self):
+        """The :class:`~taso_jax.optimizer.Optimizer` of this function's options, made once."""
+        from taso_jax.optimizer import Optimizer
+
+        if self._optimizer_made is None:
+            self._optimizer_made = Optimizer(self.options)
+        return self._optimizer_made
+
+    def _donated_inputs(self, traced: TracedFunction, args, static_pos) -> tuple[int, ...]:
+        """Positions, among the runtime stage's arguments, of the donated input leaves."""
+        donate_pos = self._positions.get(len(args), (set(), set(), set()))[2]
+        if not donate_pos:
+            return ()
+        arg_of_flat = [i for i, a in enumerate(args) if i not in static_pos
+                       for _ in jax.tree_util.tree_leaves(a)]
+        inputs = [j for j, k in zip(traced.array_index, traced.kinds, strict=True)
+                  if k == "input"]
+        # run(consts, *inputs): input k is argument k + 1
+        return tuple(k + 1 for k, j in enumerate(inputs) if arg_of_flat[j] in donate_pos)
+
+    def _cache_parts(self, subs) -> list[str]:
+        """What besides the graph an optimized graph depends on (the graph cache's key)."""
+        o = self.options
+        rules = hashlib.sha256(" ".join(sorted(s.id for s in subs)).encode()).hexdigest()
+        settings = (f"alpha={o.alpha} budget={o.budget} time_limit={o.time_limit} "
+                    f"cost={o.cost_model_name} e2e={o.end_to_end} layouts={o.layout_candidates} "
+                    f"unverified={o.allow_unverified} check={bool(self.check)} "
+                    f"search_revision={SEARCH_REVISION}")
+        return [device_name(), jax.__version__, _package_version(), settings, rules]
+
+    def _keep_original(self, entry: _Entry, traced: TracedFunction, result, args,
+                       static_pos) -> str | None:
+        """Why ``jax.jit`` of the original function should run instead, or ``None``.
+
+        The baseline is what the user would run: ``jax.jit(fn)(*args)``. With
+        ``end_to_end > 0`` it and the optimized function, with this wrapper's own per-call
+        work (flattening the arguments, recognizing the weights), are timed in one loop,
+        interleaved, on the call's arguments, and the optimized one must be confirmed faster
+        by :func:`~taso_jax.search.choose.confirm_faster` (at least :data:`MIN_SPEEDUP`; an
+        undecided first loop with the optimized ahead is extended by as many rounds once, and
+        a "faster" verdict must hold in one more loop);
+        with ``end_to_end=0``, a graph that the search left
+        unchanged and that has no weight-only work to fold runs the original.
+        """
+        graph = entry.graph
+        if self.options.end_to_end == 0:
+            unchanged = result.graph.key == graph.key and not any(
+                n.weight_only and n.op != "weight" for n in graph.nodes)
+            return "the search changed nothing" if unchanged else None
+        if any(_is_tracer(x) for x in traced.leaves):
+            return None  # called under a transformation: nothing concrete to time
+        kinds = traced.kinds
+        dyn = tuple(None if i in static_pos else a for i, a in enumerate(args))
+        if entry.all_arrays:  # what the user would run: jax.jit of the function itself
+            user_jit = self._user_jit(static_pos)
+
+            def original():
+                return user_jit(*args)
+        else:  # non-array leaves (a string in a config dict) are static, as we treat them
+            leaves = traced.leaves
+
+            def original():
+                return entry.jit_original(*leaves)
+
+        def optimized():  # what a call that hits the signature cache does
+            flat, _ = jax.tree_util.tree_flatten(dyn)
+            return self._execute(entry, [flat[i] for i in entry.array_index], kinds, True)
+
+        test, ta, tb = confirm_faster(
+            lambda: time_interleaved([original, optimized], BASELINE_REPEATS),
+            min_speedup=MIN_SPEEDUP)
+        a, b = float(np.median(ta)), float(np.median(tb))
+        entry.report["baseline"] = {"jit_us": a, "optimized_us": b, "repeats": len(ta),
+                                    "paired": test, "device": device_name()}
+        if test["faster"]:
+            return None
+        return (f"jax.jit of the original is as fast or faster: {a:.1f} us against {b:.1f} us "
+                f"optimized (medians of {len(ta)}, interleaved; the optimized won "
+                f"{test['wins']} of {len(ta)} rounds, {test['speedup']:.2f}x)")
