@@ -40,20 +40,19 @@ class Verdict(enum.StrEnum):
         """Whether the user gets the input (or the original function) back."""
         return self is not Verdict.REWRITTEN
 
-    @property
-    def sentence(self) -> str:
-        """The verdict in words, for the text report."""
-        return _SENTENCES[self]
+    def sentence(self, delivered_input: str = "the input") -> str:
+        """The verdict in words, for the text report; ``delivered_input`` names the input."""
+        return _SENTENCES[self].format(input=delivered_input)
 
 
 _SENTENCES = {
     Verdict.REWRITTEN: "rewritten",
-    Verdict.UNCHANGED: "the input, unchanged: no faster equivalent graph was found",
-    Verdict.BOUND_SIZES_ONLY: "the input: the faster graph found holds at the sizes it was "
+    Verdict.UNCHANGED: "{input}, unchanged: no faster equivalent graph was found",
+    Verdict.BOUND_SIZES_ONLY: "{input}: the faster graph found holds at the sizes it was "
                               "optimized at only",
-    Verdict.TIME_LIMIT: "the input: the time limit passed before a faster graph was confirmed",
-    Verdict.FALLBACK: "not optimized, the input runs: the optimizing pipeline failed",
-    Verdict.PASS_THROUGH: "the input, not imported",
+    Verdict.TIME_LIMIT: "{input}: the time limit passed before a faster graph was confirmed",
+    Verdict.FALLBACK: "not optimized, {input}: the optimizing pipeline failed",
+    Verdict.PASS_THROUGH: "{input}, not imported",
 }
 
 #: Report entries that describe the rewritten graph: under a verdict that delivers the input
@@ -157,11 +156,15 @@ class Outcome:
                         "speedup": self.speedup, "why": self.why}
         return d
 
-    def to_text(self) -> str:
-        """The text report: :meth:`to_json` rendered for a person, verdict line first."""
+    def to_text(self, delivered_input: str = "the input") -> str:
+        """The text report: :meth:`to_json` rendered for a person, verdict line first.
+
+        ``delivered_input`` is what the user gets where the input is delivered, in words
+        (the decorator: ``"running jax.jit of the original function"``).
+        """
         d = self.to_json()
         speedup = self.speedup
-        head = f"result: {self.verdict.sentence}"
+        head = f"result: {self.verdict.sentence(delivered_input)}"
         if self.verdict is Verdict.REWRITTEN and speedup is not None:
             runtime = "onnxruntime" if d.get("target") == "onnxruntime" else "jax.jit"
             head += f", {speedup:.2f}x faster under {runtime}"

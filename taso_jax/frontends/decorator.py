@@ -591,7 +591,8 @@ class OptimizedFunction(FirstCallPipeline):
         It gives what runs and why, the substitutions applied, the estimated cost and, with
         ``time=True``, the measured time before and after.
         """
-        return f"{_fn_name(self.fn)}: " + self.outcome(time, repeats).to_text()
+        return f"{_fn_name(self.fn)}: " + self.outcome(time, repeats).to_text(
+            delivered_input="running jax.jit of the original function")
 
 
 def optimize_function(fn=None, **options):
