@@ -406,11 +406,27 @@ def _prepare(rule: Substitution, graph: Graph, match: Match) -> Rewrite | NoMatc
     return Rewrite(match, mapping, tuple(built))
 
 
-def _creates_cycle(graph: Graph, matched: set[Node], var_tensors) -> bool:
-    """Whether a bound variable depends on a matched node (the rewrite would be cyclic)."""
+#: Nodes :func:`_creates_cycle` walks before it asks the graph's ancestor sets instead.
+CYCLE_WALK = 64
+
+
+def _creates_cycle(graph: Graph, matched: set[Node], var_tensors,
+                   walk: int = CYCLE_WALK) -> bool:
+    """Whether a bound variable depends on a matched node (the rewrite would be cyclic).
+
+    Only variables produced after the first matched node (in topological order) can, and
+    only through nodes between the two. Those are walked back, at most ``walk`` of them;
+    where the walk is longer (a weight that two matmuls far apart in an unrolled RNN
+    share: every pair of them matches), one ``&`` of the graph's ancestor sets
+    (:attr:`~taso_jax.ir.graph.Graph.ancestor_bits`, built once per graph) answers
+    instead: a walk per match made matching quadratic in the graph's size.
+    """
     pos = graph.positions
     first = min(pos[n] for n in matched)
-    stack = [t.node for t in var_tensors if pos[t.node] >= first]
+    late = [t.node for t in var_tensors if pos[t.node] >= first]
+    if not late:
+        return False
+    stack = list(late)
     seen: set[Node] = set()
     while stack:
         n = stack.pop()
@@ -419,6 +435,12 @@ def _creates_cycle(graph: Graph, matched: set[Node], var_tensors) -> bool:
         if n in seen:
             continue
         seen.add(n)
+        if len(seen) > walk:
+            bits = graph.ancestor_bits
+            mask = 0
+            for m in matched:
+                mask |= 1 << pos[m]
+            return any(bits[v] & mask for v in late)
         stack.extend(t.node for t in n.inputs if pos[t.node] >= first)
     return False
 
