@@ -96,7 +96,7 @@ def until(items: Iterable, at: float) -> Iterator:
     """The items of ``items`` while ``time.perf_counter()`` is at most ``at``.
 
     What lets a search stop inside one pass over a rule's matches: on a 20,000-operator
-    unrolled RNN one rule matches 1.4 million pairs of steps.
+    unrolled RNN one rule matches 2.8 million (ordered) pairs of steps.
     """
     for item in items:
         if time.perf_counter() > at:
