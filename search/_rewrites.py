@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from taso_jax.search.cost import CostModel
+from taso_jax.search.limits import until
 from taso_jax.search.match import MatchState, Rewrite, find_matches, prepare
 from taso_jax.search.rules import Substitution
 
@@ -79,7 +80,8 @@ def _sides(graph: Graph, rw: Rewrite, cost_model: CostModel) -> tuple[list, floa
 
 def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
               limit: float, state: SearchState, near: set | None = None,
-              matches: list | None = None, refused: set | None = None):
+              matches: list | None = None, refused: set | None = None,
+              deadline: float | None = None):
     """Yield ``(rewrite, estimate)`` for valid rewrites estimated below ``limit``.
 
     ``estimate`` (microseconds, an upper bound on the rewritten graph's cost) comes from
@@ -88,10 +90,13 @@ def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostMode
     (optional, kept by the caller across rewrites) holds the matches found here not to
     pay (:func:`_refusal_key`), which are then skipped: the greedy descent steps by a
     strictly cheaper rewrite at a time, and a match that did not pay keeps its nodes and
-    its price unless a step rebuilt them.
+    its price unless a step rebuilt them. Past ``deadline`` (a ``time.perf_counter()``
+    value, optional) no more matches are prepared.
     """
     if matches is None:
-        matches = find_matches(sub, graph, state.matching, near=near)
+        matches = find_matches(sub, graph, state.matching, near=near, deadline=deadline)
+    if deadline is not None:
+        matches = until(matches, deadline)
     for m in matches:
         key = _refusal_key(sub, m) if refused is not None else None
         if key is not None and key in refused:
@@ -129,14 +134,16 @@ def _refusal_key(sub: Substitution, m) -> tuple | None:
 
 def _cheaper(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
              limit: float, state: SearchState, near: set | None = None,
-             matches: list | None = None):
+             matches: list | None = None, deadline: float | None = None):
     """Yield ``(rewrite, new_graph, new_cost, rebuilt)`` for rewrites estimated cheap.
 
     Rewrites whose estimate is below ``limit`` are built and priced exactly; ``rebuilt``
     maps the old nodes that the rewrite rebuilt to their new versions
-    (:meth:`Graph.replace`). ``matches`` are the rule's matches in ``graph`` when known.
+    (:meth:`Graph.replace`). ``matches`` are the rule's matches in ``graph`` when known;
+    past ``deadline`` none is looked at.
     """
-    for rw, _ in _prepared(graph, cost, sub, cost_model, limit, state, near, matches):
+    for rw, _ in _prepared(graph, cost, sub, cost_model, limit, state, near, matches,
+                           deadline=deadline):
         rebuilt: dict = {}
         g2 = graph.replace(rw.mapping, rebuilt)
         yield rw, g2, cost_model.graph_cost(g2), rebuilt

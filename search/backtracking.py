@@ -45,6 +45,7 @@ from taso_jax.search._incremental import _Change, _incremental_matches, _reach
 from taso_jax.search._rewrites import SearchState, _prepared, _relevant
 from taso_jax.search.cost import AnalyticCostModel, CostModel
 from taso_jax.search.descent import greedy_descent
+from taso_jax.search.limits import StopReason
 from taso_jax.search.match import find_matches
 from taso_jax.search.rules import Substitution
 
@@ -99,6 +100,10 @@ class SearchResult:
             fewer.
         end_to_end: when candidates were timed on the device, what was measured and chosen
             (see :func:`taso_jax.search.choose.choose_fastest`).
+        out_of_time_in: the phase of the pipeline that was running when the whole time
+            limit passed (``"import"``: before the search, ``"search"``, ``"second
+            opinions"``, ``"end-to-end choice"``;
+            set by :func:`taso_jax.search.options.run_search`), ``""`` where it did not.
     """
 
     graph: Graph
@@ -114,6 +119,7 @@ class SearchResult:
     candidates: list = field(default_factory=list)
     visited: list = field(default_factory=list)
     end_to_end: dict = field(default_factory=dict)
+    out_of_time_in: str = ""
 
     @property
     def path(self) -> tuple[str, ...]:
@@ -240,7 +246,8 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
     # best_cost bounds the alpha relaxation: the cheapest graph built, or the cheapest
     # estimate queued (estimates are upper bounds, so that cost is reachable).
     best_cost = start_cost
-    iterations, stopped = 0, "queue empty"
+    iterations, stopped = 0, StopReason.QUEUE_EMPTY
+    end = t0 + time_limit
 
     def build(entry: _Entry) -> bool:
         """Build, price and record an unbuilt entry; ``False`` if its graph was seen."""
@@ -255,10 +262,10 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
 
     while queue:
         if iterations >= budget:
-            stopped = "budget"
+            stopped = StopReason.BUDGET
             break
-        if time.perf_counter() - t0 > time_limit:
-            stopped = "time limit"
+        if stopped == StopReason.TIME_LIMIT or time.perf_counter() > end:
+            stopped = StopReason.TIME_LIMIT
             break
         entry = heapq.heappop(queue)
         if entry.graph is None:
@@ -277,16 +284,19 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
             change = _Change(entry.parent, g, entry.mapping, entry.rebuilt)
             near_cache = {}
         for sub in _relevant(substitutions, g):
+            if time.perf_counter() > end:  # one expansion of a large graph takes long
+                stopped = StopReason.TIME_LIMIT
+                break
             rid = sub.id
             previous = None if change is None or reach[rid] is None else entry.matches.get(rid)
             if previous is None:
-                found = list(find_matches(sub, g, state.matching))
+                found = list(find_matches(sub, g, state.matching, deadline=end))
             else:
                 found = _incremental_matches(g, sub, reach[rid], previous, change, near_cache,
                                              state)
             table[rid] = found or ()  # most rules match nowhere: one shared empty tuple
             for rw, estimate in _prepared(g, gc, sub, cost_model, alpha * best_cost, state,
-                                          matches=found):
+                                          matches=found, deadline=end):
                 heapq.heappush(queue, _Entry(estimate, next(tie), None, (*entry.path, sub.name),
                                              g, table, rw.mapping))
                 best_cost = min(best_cost, estimate)
@@ -300,7 +310,8 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
     # The cheapest children still queued unbuilt are built, so that the best graph and the
     # candidates are among what was priced exactly.
     built_after = tries = 0
-    while queue and built_after < keep and tries < 4 * keep:
+    while queue and built_after < keep and tries < 4 * keep and (
+            not tries or time.perf_counter() <= end):
         entry = heapq.heappop(queue)
         if entry.graph is None:
             tries += 1

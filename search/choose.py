@@ -183,6 +183,11 @@ CONFIRM_MAX_SECONDS = 10.0
 DUEL_WITHIN = 0.05
 
 
+#: A guess at the seconds ``jax.jit`` takes to trace and compile a graph, per node (weights
+#: included), on the high side: 1.2 ms of CPU on this project's CPU for a 5,000-operator
+#: chain of matmuls and elementwise operators (7,498 nodes), most of it tracing in Python.
+COMPILE_SECONDS_PER_NODE = 2e-3
+
 #: Why an end-to-end choice that began past its deadline kept the input.
 PAST_DEADLINE = "the time limit had passed when the choice began (--time-limit)"
 #: Calls one comparison of a candidate with the input makes at the least: two warm-up
@@ -217,21 +222,30 @@ def no_time_to_compare(make_seconds: float, call_seconds: float,
 
 
 def start_choice(result, graphs: list[tuple], deadline: float | None, make_base, call_us,
-                 device: str, **extra) -> tuple[object, dict | None]:
+                 device: str, make_guess: float = 0.0, **extra) -> tuple[object, dict | None]:
     """Make what runs the input, unless no comparison can end before ``deadline``.
 
     ``make_base()`` returns what runs the input (a compiled graph, an onnxruntime session);
     ``call_us(base)`` times one call of it in microseconds. Returns ``(base, None)``, or
     ``(None, report)`` where :func:`no_time_to_compare` says no candidate can be timed:
     ``result`` then keeps its input (:func:`keep_fastest`), and the report carries the
-    reason as ``"skipped"`` (and ``extra``). Past ``deadline`` already, not even the input
-    is made.
+    reason as ``"skipped"`` (and ``extra``). Past ``deadline`` already, or with less time
+    left than making the input and one candidate takes by ``make_guess`` (seconds to make
+    one, guessed from the input's size), not even the input is made: making it cannot be
+    interrupted (one XLA compilation of a 5,000-operator chain took 9 s of CPU).
     """
     if deadline is None or len(graphs) < 2:
         return make_base(), None
     if time.perf_counter() > deadline:
         return None, keep_fastest(result, graphs[:1], [[float("nan")]], 0, device,
                                   skipped=PAST_DEADLINE, **extra)
+    left = deadline - time.perf_counter()
+    if 2 * make_guess > left:
+        return None, keep_fastest(
+            result, graphs[:1], [[float("nan")]], 0, device, skipped=(
+                f"making the input and one candidate needs about {2 * make_guess:.1f} s "
+                f"(guessed from its size), and {left:.1f} s of the time limit was left "
+                "(--time-limit)"), **extra)
     started = time.perf_counter()
     base = make_base()
     made = time.perf_counter() - started
@@ -457,7 +471,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     xs = _inputs_for(graphs[0][1])
     base, skipped = start_choice(result, graphs, deadline, lambda: compiled_run(graphs[0][1], xs),
                                  lambda run: time_function(run, repeats=1, warmup=0)[0],
-                                 device_name())
+                                 device_name(),
+                                 make_guess=COMPILE_SECONDS_PER_NODE * len(graphs[0][1].nodes))
     if skipped:
         return skipped
 

@@ -44,7 +44,7 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
     for sub in first:
         for rw, g1, c1, rebuilt1 in _cheaper(graph, cost, sub, cost_model,
                                              alpha * cost * (1 + 1e-9), state,
-                                             matches=table.get(sub.id)):
+                                             matches=table.get(sub.id), deadline=deadline):
             tries += 1
             if time.perf_counter() > deadline or tries > max_tries:
                 return None
@@ -70,7 +70,7 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
             second.sort(key=lambda s: -hits[s.id])
             for sub2 in second:
                 for rw2, g2, c2, rebuilt2 in _cheaper(g1, c1, sub2, cost_model, target, state,
-                                                      near):
+                                                      near, deadline=deadline):
                     if new & set(rw2.match.nodes) and c2 < target:
                         hits[sub.id] += 1
                         hits[sub2.id] += 1
@@ -248,9 +248,10 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                 again = False
                 matches = table.get(sub.id)
                 if matches is None:
-                    matches = table[sub.id] = list(find_matches(sub, graph, state.matching))
+                    matches = table[sub.id] = list(find_matches(sub, graph, state.matching,
+                                                                deadline=deadline))
                 for rw, _ in _prepared(graph, cost, sub, cost_model, cost * (1 - 1e-9), state,
-                                       matches=matches, refused=refused):
+                                       matches=matches, refused=refused, deadline=deadline):
                     rebuilt: dict = {}
                     g2 = graph.replace(rw.mapping, rebuilt)
                     c2 = cost_model.graph_cost(g2)

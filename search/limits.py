@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Deadline", "SHARES", "StopReason"]
+__all__ = ["Deadline", "SHARES", "StopReason", "until"]
 
 #: Share of the whole time limit each phase may use at most, by name. ``search``: the
 #: backtracking search under the measured cost model, kernel measurement included (the
@@ -89,3 +90,15 @@ class Deadline:
     def keeps(self, name: str) -> bool:
         """Whether at least the share ``name`` of the whole limit is still left."""
         return self.left() >= SHARES[name] * self.seconds
+
+
+def until(items: Iterable, at: float) -> Iterator:
+    """The items of ``items`` while ``time.perf_counter()`` is at most ``at``.
+
+    What lets a search stop inside one pass over a rule's matches: on a 20,000-operator
+    unrolled RNN one rule matches 2.8 million (ordered) pairs of steps.
+    """
+    for item in items:
+        if time.perf_counter() > at:
+            return
+        yield item

@@ -17,6 +17,7 @@ search owns one state, so no search depends on another.
 from __future__ import annotations
 
 import functools
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -176,21 +177,24 @@ def _attrs_match(pattern: tuple, host: tuple, sym: dict) -> dict | None:
 
 
 def find_matches(rule: Substitution, graph: Graph, state: MatchState | None = None,
-                 near: set | None = None) -> Iterator[Match]:
+                 near: set | None = None, deadline: float | None = None) -> Iterator[Match]:
     """Yield every binding of ``rule``'s source in ``graph``.
 
     ``state`` (optional) counts rejections and caches first-node bindings; ``near``
     (optional) restricts the host of the first source node to a set of nodes (a local
-    search around a recent rewrite).
+    search around a recent rewrite). Past ``deadline`` (a ``time.perf_counter()`` value,
+    optional) no more host nodes are tried: the bindings found so far are yielded, and a
+    search that passes one stops (a rule can try millions of pairs of nodes in a large
+    graph before it yields).
     """
     state = state if state is not None else MatchState()
     order = _join_order(rule.source)
     if order == tuple(range(len(rule.source))):
-        yield from _find_matches(rule, graph, state, near, order)
+        yield from _find_matches(rule, graph, state, near, order, deadline)
         return
     # Bound in another order than the pattern's: yield in the order the pattern's would.
     pos = graph.positions
-    found = list(_find_matches(rule, graph, state, near, order))
+    found = list(_find_matches(rule, graph, state, near, order, deadline))
     found.sort(key=lambda m: tuple(pos[n] for n in m.nodes))
     yield from found
 
@@ -233,7 +237,8 @@ def _pending(i: int, k: int | str) -> str:
     return f"#{i}.{k}"
 
 
-def _find_matches(rule: Substitution, graph: Graph, state: MatchState, near, order):
+def _find_matches(rule: Substitution, graph: Graph, state: MatchState, near, order,
+                  deadline: float | None = None):
     stats = state.rejected
     shapes = rule.variable_shapes
     source = rule.source
@@ -296,6 +301,8 @@ def _find_matches(rule: Substitution, graph: Graph, state: MatchState, near, ord
         for h in dict.fromkeys(cands):
             if h in bound:
                 continue
+            if deadline is not None and time.perf_counter() > deadline:
+                return
             found = (first_bindings(h) if step == 0 else
                      _host_bindings(p, h, var, sym, host_of, shapes, stats))
             for var2, sym2 in found:
@@ -406,11 +413,27 @@ def _prepare(rule: Substitution, graph: Graph, match: Match) -> Rewrite | NoMatc
     return Rewrite(match, mapping, tuple(built))
 
 
-def _creates_cycle(graph: Graph, matched: set[Node], var_tensors) -> bool:
-    """Whether a bound variable depends on a matched node (the rewrite would be cyclic)."""
+#: Nodes :func:`_creates_cycle` walks before it asks the graph's ancestor sets instead.
+CYCLE_WALK = 64
+
+
+def _creates_cycle(graph: Graph, matched: set[Node], var_tensors,
+                   walk: int = CYCLE_WALK) -> bool:
+    """Whether a bound variable depends on a matched node (the rewrite would be cyclic).
+
+    Only variables produced after the first matched node (in topological order) can, and
+    only through nodes between the two. Those are walked back, at most ``walk`` of them;
+    where the walk is longer (a weight that two matmuls far apart in an unrolled RNN
+    share: every pair of them matches), one ``&`` of the graph's ancestor sets
+    (:attr:`~taso_jax.ir.graph.Graph.ancestor_bits`, built once per graph) answers
+    instead: a walk per match made matching quadratic in the graph's size.
+    """
     pos = graph.positions
     first = min(pos[n] for n in matched)
-    stack = [t.node for t in var_tensors if pos[t.node] >= first]
+    late = [t.node for t in var_tensors if pos[t.node] >= first]
+    if not late:
+        return False
+    stack = list(late)
     seen: set[Node] = set()
     while stack:
         n = stack.pop()
@@ -419,6 +442,12 @@ def _creates_cycle(graph: Graph, matched: set[Node], var_tensors) -> bool:
         if n in seen:
             continue
         seen.add(n)
+        if len(seen) > walk:
+            bits = graph.ancestor_bits
+            mask = 0
+            for m in matched:
+                mask |= 1 << pos[m]
+            return any(bits[v] & mask for v in late)
         stack.extend(t.node for t in n.inputs if pos[t.node] >= first)
     return False
 

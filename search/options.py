@@ -231,18 +231,24 @@ def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Subst
     and the best graph of a search without one rule every candidate applies
     (:func:`~taso_jax.search.second_opinions.add_ablation_candidate`), each limited to the
     ``second_opinion`` share of the ``deadline``'s span (default: ``opts.time_limit`` from
-    now). The last runs only where the end-to-end choice keeps its ``choice_reserve``
-    share after it. ``result.graph`` is not changed.
+    now) and to what is left of the ``deadline``; none starts once it has passed. The last
+    runs only where the end-to-end choice keeps its ``choice_reserve`` share after it.
+    ``result.graph`` is not changed.
     """
     deadline = deadline or Deadline.start(opts.time_limit)
-    share = deadline.seconds * SHARES["second_opinion"]
+    if deadline.passed():
+        return
     add_analytic_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
-                           budget=opts.budget, time_limit=share)
-    add_near_tie_candidate(result, subs, cost_model, time_limit=share)
+                           budget=opts.budget, time_limit=deadline.share_seconds("second_opinion"))
+    if deadline.passed():
+        return
+    add_near_tie_candidate(result, subs, cost_model,
+                           time_limit=deadline.share_seconds("second_opinion"))
     if deadline.left() >= deadline.seconds * (SHARES["choice_reserve"]
                                               + SHARES["second_opinion"]):
         add_ablation_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
-                               budget=opts.budget, time_limit=share)
+                               budget=opts.budget,
+                               time_limit=deadline.share_seconds("second_opinion"))
 
 
 def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel,
@@ -279,6 +285,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         what was timed when candidates were measured, ``result.unmeasurable`` the kernels
         the cost model could not time.
     """
+    late = deadline is not None and deadline.passed()  # import and rule loading took it all
     if deadline is None:
         deadline = Deadline.start(opts.time_limit)
     else:  # the shares are of what import and rule loading left
@@ -292,8 +299,12 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
                                  budget=opts.budget, time_limit=limit,
                                  progress=progress, keep=max(1, opts.end_to_end),
                                  record=VISITED_HELD)
+    if late or deadline.passed():
+        result.out_of_time_in = "import" if late else "search"
     if second:
         add_second_opinions(result, graph, subs, cost_model, opts, deadline)
+        if deadline.passed() and not result.out_of_time_in:
+            result.out_of_time_in = "second opinions"
     layouts = chooser is None and opts.layout_candidates and has_nchw_convolutions(graph)
     if opts.end_to_end > 0 and (len(result.candidates) > 1 or layouts):
         if chooser is None:
@@ -301,6 +312,8 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         result.end_to_end = chooser(result, deadline=deadline.at)
         # the candidates that lost are not run again: free their executables and weights
         forget_compiled(keep=(graph, result.graph))
+        if deadline.passed() and not result.out_of_time_in:
+            result.out_of_time_in = "end-to-end choice"
     result.unmeasurable = list(getattr(cost_model, "unmeasurable", ()))
     return result
 

@@ -122,7 +122,7 @@ def add_near_tie_candidate(result: SearchResult, substitutions: Sequence[Substit
             while changed and time.perf_counter() - t0 < time_limit:
                 changed = False
                 for sub in _relevant(rules, graph):
-                    for m in find_matches(sub, graph, state.matching):
+                    for m in find_matches(sub, graph, state.matching, deadline=t0 + time_limit):
                         key = _refusal_key(sub, m)
                         if key is not None and key in refused:
                             continue

@@ -360,6 +360,7 @@ def search_report(name: str, graph: Graph, result, options: OptimizeOptions, sub
                  "after_us": result.cost_after},
         "search": {"seconds": result.seconds, "iterations": result.iterations,
                    "explored": result.explored, "stopped": result.stopped,
+                   "out_of_time_in": getattr(result, "out_of_time_in", ""),
                    "alpha": options.alpha, "budget": options.budget,
                    "substitutions": len(substitutions)},
         "rules": dict(getattr(result, "rules", {})),
@@ -457,6 +458,8 @@ def format_report(r: dict) -> str:
     lines.append(f"backtracking search: {s['seconds']:.1f} s, {s['iterations']} graphs expanded, "
                  f"{s['explored']} explored, stopped: {s['stopped']}, "
                  f"{s['substitutions']} substitutions")
+    if s.get("out_of_time_in"):
+        lines.append(f"time limit reached during: {s['out_of_time_in']}")
     e = r.get("end_to_end") or {}
     if e:
         lines.append(end_to_end_line(e))

@@ -248,6 +248,23 @@ class Graph:
         return {n: i for i, n in enumerate(self.nodes)}
 
     @cached_property
+    def ancestor_bits(self) -> dict[Node, int]:
+        """Node -> its ancestors (itself included) as a bit set of :attr:`positions`.
+
+        Bit ``i`` of ``ancestor_bits[n]`` is set iff node ``nodes[i]`` is ``n`` or reaches
+        it: whether one node reaches another is one ``&``. Built in one pass over the nodes
+        (on a 20,000-operator chain about 50 ms and 25 MB: a node's set is as long as its
+        position), so it is read only where a walk would be long.
+        """
+        bits: dict[Node, int] = {}
+        for i, n in enumerate(self.nodes):
+            b = 1 << i
+            for t in n.inputs:
+                b |= bits[t.node]
+            bits[n] = b
+        return bits
+
+    @cached_property
     def consumers(self) -> dict[Tensor, list[Node]]:
         """Tensor -> nodes that read it (graph outputs are not listed)."""
         out: dict[Tensor, list[Node]] = {}

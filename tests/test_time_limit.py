@@ -1,0 +1,123 @@
+"""The time limit is a limit (issue 47): at any model size a run ends within it, plus a margin.
+
+The cycle check of a match does bounded work on a long graph, and ``taso-jax optimize`` of a
+generated 5,000-operator model (``benchmarks/time_limit.py``) ends within its time limit plus
+the margin that docs/benchmarks.md gives.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from taso_jax.search.match import CYCLE_WALK, _creates_cycle
+
+from taso_jax.cli import main
+from taso_jax.ir.graph import new_graph
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from time_limit import write_model  # noqa: E402
+
+#: Seconds past ``--time-limit`` a run may end (docs/benchmarks.md, "The time limit"): the
+#: model's import, one onnxruntime run of it, and the write of the result (about 4.5 s of
+#: CPU for 5,000 operators on this project's CPU), with room for a loaded machine.
+MARGIN = 12.0
+
+
+class _Counting(set):
+    """A set that counts its membership tests: the cycle check tests each node it walks."""
+
+    tests = 0
+
+    def __contains__(self, item):
+        self.tests += 1
+        return super().__contains__(item)
+
+
+@functools.lru_cache(maxsize=2)
+def _chain(n: int):
+    """A chain of ``n`` matmuls by one shared weight (an unrolled RNN): ``(graph, ws)``."""
+    b = new_graph()
+    x = b.new_input((2, 8))
+    w = b.new_weight((8, 8))
+    outs = []
+    for _ in range(n):
+        x = b.relu(b.matmul(x, w))
+        outs.append(x)
+    b.mark_output(x)
+    return b.graph(), outs
+
+
+def _walked(graph, matched, late) -> tuple[bool, int]:
+    counting = _Counting(matched)
+    return _creates_cycle(graph, counting, late), counting.tests
+
+
+def _brute(graph, matched, var_tensors) -> bool:
+    """Whether a matched node reaches a variable, by a full walk."""
+    stack, seen = [t.node for t in var_tensors], set()
+    while stack:
+        n = stack.pop()
+        if n in matched:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(t.node for t in n.inputs)
+    return False
+
+
+def test_the_cycle_check_walks_a_bounded_number_of_nodes():
+    g, outs = _chain(10_000)
+    nodes = g.by_op["matmul"]
+    first, last = nodes[0], nodes[-1]
+    # the pair (first matmul, last matmul) would read its own output: a cycle, far apart
+    cyclic, tests = _walked(g, {first, last}, [outs[-2]])
+    assert cyclic and tests <= CYCLE_WALK + 2
+    # the other way round: a variable upstream of every matched node is never walked
+    assert _walked(g, {last}, [outs[0]]) == (False, 0)
+    # near each other the walk answers alone, as before
+    assert _walked(g, {nodes[5], nodes[7]}, [outs[6]])[0]
+    assert not _walked(g, {nodes[5]}, [g.inputs[0].outputs[0]])[0]
+
+
+def test_the_cycle_check_agrees_with_a_full_walk():
+    g, outs = _chain(300)
+    mm = g.by_op["matmul"]
+    relus = g.by_op["relu"]
+    cases = [({mm[i], mm[j]}, [outs[k]]) for i, j, k in
+             [(0, 299, 298), (10, 20, 5), (10, 200, 150), (200, 10, 250), (3, 4, 2)]]
+    cases += [({relus[100]}, [outs[100]]), ({mm[150]}, [outs[149], outs[151]])]
+    for matched, late in cases:
+        for walk in (0, 4, CYCLE_WALK, 10**6):
+            assert _creates_cycle(g, matched, late, walk=walk) == _brute(g, matched, late)
+
+
+def test_cycle_checks_on_a_long_chain_are_fast():
+    # every pair of steps of an unrolled RNN matches merge-matmul-matmul-3; a walk per pair
+    # took O(N) each (issue 47: 431 s of a 20,000-operator model's search)
+    g, outs = _chain(10_000)
+    mm = g.by_op["matmul"]
+    t0 = time.perf_counter()
+    for i in range(0, 10_000, 10):
+        assert _creates_cycle(g, {mm[i], mm[-1]}, [outs[-2]])
+    assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("limit", [3])
+def test_optimize_ends_within_the_time_limit_on_a_5000_operator_model(tmp_path, limit,
+                                                                       capsys):
+    model = write_model(5000, str(tmp_path / "chain5000.onnx"))
+    report = tmp_path / "report.json"
+    t0 = time.perf_counter()
+    rc = main(["optimize", model, "-o", str(tmp_path / "out.onnx"), "--time-limit",
+               str(limit), "--cost-model", "analytic", "-q", "--json", str(report)])
+    wall = time.perf_counter() - t0
+    assert rc == 0
+    assert wall < limit + MARGIN, wall
+    rep = json.loads(report.read_text())
+    assert rep["wall_seconds"] < limit + MARGIN
+    assert (tmp_path / "out.onnx").exists()
