@@ -1,8 +1,8 @@
 """Elementwise operators with NumPy broadcasting (ONNX multidirectional broadcasting).
 
-Sources: ONNX operator spec (Add, Sub, Mul, Div, Pow, Relu, Sigmoid, Tanh, Gelu, Erf, Sqrt,
-Exp, Clip, Where, IsNaN, And, Not, Equal, Cast, Identity); TASO (Jia et al., SOSP 2019,
-Table 1) for ``ewadd``, ``ewmul``, ``scalar_mul`` and fused activations.
+Sources: ONNX operator spec (Add, Sub, Mul, Div, Mod, Pow, Relu, Sigmoid, Tanh, Gelu, Erf,
+Sqrt, Exp, Sign, Clip, Where, IsNaN, And, Not, Equal, Cast, Identity); TASO (Jia et al.,
+SOSP 2019, Table 1) for ``ewadd``, ``ewmul``, ``scalar_mul`` and fused activations.
 """
 
 from __future__ import annotations
@@ -88,13 +88,15 @@ _SCALAR_MUL_LAWS = (
 )
 
 
-def _binary(name, fn, onnx_type, doc, commutative=False, laws=(), numpy_ref=None):
+def _binary(name, fn, onnx_type, doc, commutative=False, laws=(), numpy_ref=None,
+            to_onnx=None):
     declare(OpDef(name=name, ref=fn, shape=_binary_shape, arity=2,
-                  to_onnx=_emit(onnx_type), commutative=commutative,
+                  to_onnx=to_onnx or _emit(onnx_type), commutative=commutative,
                   fusible=True, layout="elementwise",
                   examples=(([TensorType(*t) for t in _EX2[0]], {}),), axioms=laws, doc=doc,
                   numpy_ref=numpy_ref))
-    onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
+    if to_onnx is None:
+        onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
 
 _binary("ewadd", _jnp("add"), "Add", "a + b, broadcasting (ONNX Add; TASO ewadd)", True,
@@ -111,6 +113,25 @@ def _ewdiv(a, b):
 
 
 _binary("ewdiv", _ewdiv, "Div", "a / b, broadcasting; integers truncate toward zero (ONNX Div)")
+
+
+def _rem(a, b):
+    # C's remainder (lax.rem, ONNX Mod with fmod=1): the result has the dividend's sign, for
+    # integers and floats alike; jnp.remainder (Python's %) takes the divisor's instead
+    return jax.lax.rem(*jnp.broadcast_arrays(a, b))
+
+
+_binary("rem", _rem, "Mod", "a - b * trunc(a / b), broadcasting: the remainder of ewdiv, with "
+        "the sign of a (ONNX Mod with fmod=1, jax.lax.rem, C fmod)",
+        to_onnx=lambda ctx, ins, outs, **_: ctx.node("Mod", ins, outs, fmod=1))
+
+
+@onnx_importer("Mod")
+def _import_mod(ctx, ins, fmod=0, **_):
+    # fmod=0 (integers only) is the floored modulus, the divisor's sign: kept opaque
+    return [ctx.op("rem", ins)] if fmod else None
+
+
 _binary("pow", _jnp("power"), "Pow", "a ** b, broadcasting (ONNX Pow)")
 
 
@@ -148,6 +169,7 @@ _unary("sin", _jnp("sin"), "Sin", "sine (ONNX Sin)")
 _unary("cos", _jnp("cos"), "Cos", "cosine (ONNX Cos)")
 _unary("log", _jnp("log"), "Log", "natural logarithm (ONNX Log)")
 _unary("abs", _jnp("abs"), "Abs", "absolute value (ONNX Abs)")
+_unary("sign", _jnp("sign"), "Sign", "-1, 0 or 1 by the sign of x (ONNX Sign)")
 _unary("erfc", _lax("erfc"), None, "complementary error function 1 - erf(x) (jax.lax.erfc; "
        "written to ONNX as 1 - Erf)", to_onnx=_erfc_onnx)
 
@@ -321,7 +343,8 @@ def _import_identity(ctx, ins, training_mode=None, **_):
 for _prim, _op in (("add", "ewadd"), ("mul", "ewmul"), ("pow", "pow"), ("tanh", "tanh"),
                    ("logistic", "sigmoid"), ("erf", "erf"), ("sqrt", "sqrt"), ("exp", "exp"),
                    ("neg", "neg"), ("eq", "equal"), ("lt", "less"), ("sin", "sin"),
-                   ("cos", "cos"), ("log", "log"), ("erfc", "erfc"), ("abs", "abs")):
+                   ("cos", "cos"), ("log", "log"), ("erfc", "erfc"), ("abs", "abs"),
+                   ("sign", "sign"), ("rem", "rem")):
     jaxpr_importer(_prim)(lambda ctx, ins, _op=_op, **_: [ctx.op(_op, ins)])
 
 
@@ -329,9 +352,11 @@ for _prim, _op in (("add", "ewadd"), ("mul", "ewmul"), ("pow", "pow"), ("tanh", 
 def _import_sub_div(ctx, ins, **_):
     # x - c and x / c with a weight-only c become x + (-c) and x * (1 / c): the
     # substitutions state scale and shift folding with ewadd and ewmul (the negation and
-    # reciprocal are computed once with the weights).
+    # reciprocal are computed once with the weights). x * (1 / c) is real division only:
+    # lax.div on integers truncates toward zero, and 1 / c is 0 there.
     a, b = ins
-    if ctx.weight_only(b) and not ctx.weight_only(a):
+    real = ctx.source_op == "sub" or np.issubdtype(np.dtype(ctx.type(b).dtype), np.inexact)
+    if real and ctx.weight_only(b) and not ctx.weight_only(a):
         inv = ctx.op("neg" if ctx.source_op == "sub" else "ewdiv",
                      [b] if ctx.source_op == "sub" else [ctx.scalar(1, ctx.type(b).dtype), b])
         return [ctx.op("ewadd" if ctx.source_op == "sub" else "ewmul", [a, inv])]
@@ -363,6 +388,12 @@ def _import_max_min(ctx, ins, **_):
 @jaxpr_importer("gt")
 def _import_gt(ctx, ins, **_):
     return [ctx.op("less", [ins[1], ins[0]])]
+
+
+@jaxpr_importer("ne")
+def _import_ne(ctx, ins, **_):
+    # not (a == b) is a != b for NaNs too: NaN == NaN is false
+    return [ctx.op("logical_not", [ctx.op("equal", ins)])]
 
 
 @jaxpr_importer("and", "not")

@@ -76,6 +76,12 @@ CASES = [
     ("identity_prims", lambda x: lax.optimization_barrier(jnp.array(x, copy=True)) * 2.0,
      (_x(3),)),
     ("lax_split", lambda x: lax.split(x, (1, 3), axis=1), (_x(2, 4),)),
+    # floor division and modulus are div, rem, sign, ne and select_n (tests/
+    # test_integer_division.py checks them in onnxruntime too)
+    ("integer_division", lambda x, d: (x // d, x % d, lax.div(x, d), x // 3, jnp.fmod(x, -3)),
+     (jnp.arange(-7, 8), jnp.array([1, -1, 2, -2, 3] * 3))),
+    ("sign_rem", lambda x, y: jnp.sign(x) * lax.rem(x, y * y + 0.5) + (x != y),
+     (_x(3, 4), _x(3, 4, seed=1))),
 ]
 
 

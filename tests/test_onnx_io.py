@@ -253,7 +253,7 @@ def _opaque_chain_model(n_chain: int, with_side_branch: bool = True) -> bytes:
     outs = [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [2, 8])]
     if with_side_branch:
         nodes += [helper.make_node("Relu", ["h0"], ["r"]),
-                  helper.make_node("Mod", ["h0", "r"], ["m"], fmod=1),
+                  helper.make_node("Max", ["h0", "r"], ["m"]),
                   helper.make_node("Softsign", ["m"], ["s"])]
         outs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, [2, 8]))
     g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info(
@@ -271,11 +271,11 @@ def test_connected_opaque_nodes_run_as_one_region_and_regions_stay_acyclic():
     model = _opaque_chain_model(5)
     g = load_onnx(model)
     regions = [n for n in g.nodes if n.op == "opaque"]
-    # The chain is one region; Mod reads h0 and Relu(h0), so it cannot join the chain's
+    # The chain is one region; Max reads h0 and Relu(h0), so it cannot join the chain's
     # region (the region would both feed and follow the Relu), and starts one with Softsign.
     labels = sorted(n.attr("call").label for n in regions)
     assert labels == ["HardSigmoid+HardSigmoid+HardSigmoid+HardSigmoid+HardSigmoid",
-                      "Mod+Softsign"], labels
+                      "Max+Softsign"], labels
     assert g.meta["opaque_regions"] == 2
     chain = next(n for n in regions if n.attr("call").label.startswith("Hard"))
     assert chain.attr("call").out_names == ("h0", "h4")  # h0 is read outside the region
