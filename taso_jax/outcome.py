@@ -133,13 +133,15 @@ class Outcome:
         d = _thawed(self.report)
         if self.verdict.delivers_input and self.verdict is not Verdict.PASS_THROUGH:
             found = {k: d.pop(k) for k in _FOUND_KEYS if d.get(k)}
-            if self.verdict is Verdict.UNCHANGED:  # how the input came to be kept stays
+            if not found.get("applied") or self.verdict is Verdict.UNCHANGED:
+                # no other graph was found (or it lost the final timing): how the input came
+                # to be kept stays, and a timing of the input against itself is 1.0
                 if "end_to_end" in found and not found.get("applied"):
                     d["end_to_end"] = found.pop("end_to_end")
-                if "time" in found:  # one graph, timed twice: its own time is the answer
+                if "time" in found:
                     t = found.pop("time")
                     d["time"] = {**t, "after_us": t["before_us"], "speedup": 1.0}
-            if found.get("applied") or found and self.verdict is not Verdict.UNCHANGED:
+            if found.get("applied"):
                 d["found_not_delivered"] = found
             d["applied"] = {}
             if "operators_before" in d:
