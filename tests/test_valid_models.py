@@ -84,3 +84,32 @@ def test_a_chain_of_3000_constant_operators_imports_exports_and_runs():
     x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
     for want, got in zip(_run(model, {"x": x}), _run(exported, {"x": x}), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- 2. a model-local function ----------------------------------------------------------
+
+def _local_function_model():
+    """``y = add_relu(x @ a + x @ b, x)``, ``add_relu`` a function of the model's own."""
+    body = [helper.make_node("Add", ["p", "q"], ["s"]), helper.make_node("Relu", ["s"], ["r"])]
+    add_relu = helper.make_function("custom", "AddRelu", ["p", "q"], ["r"], body,
+                                    [helper.make_opsetid("", 17)])
+    pair, inits = _merging_pair("x", "h")
+    nodes = [*pair, helper.make_node("AddRelu", ["h", "x"], ["y"], domain="custom")]
+    return _model(nodes, [_info("x", [2, 4])], [_info("y", [2, 4])], inits,
+                  opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom", 1)],
+                  functions=[add_relu])
+
+
+def test_a_call_of_a_model_local_function_is_inlined_and_optimizes(tmp_path, capsys):
+    """The call was kept opaque: its region's session lacked the function's definition
+    (JaxRuntimeError where it ran under jax.jit; the check found the written model did not
+    run). Inlined, its Add and Relu import like any other node."""
+    model = _local_function_model()
+    graph = taso_jax.load_onnx(model)
+    assert not graph.meta["opaque"] and graph.op_counts()["relu"] == 1
+    assert len(model.functions) == 1 and model.graph.node[-1].op_type == "AddRelu"  # unchanged
+    code, src, out = _optimize(tmp_path, model)
+    text = capsys.readouterr().out
+    assert code == 0 and "written: " in text and "factor-matmul-matmul-ewadd" in text, text
+    x = np.random.default_rng(2).standard_normal((2, 4)).astype(np.float32)
+    _assert_same_outputs(src, out, {"x": x})

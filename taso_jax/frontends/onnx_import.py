@@ -127,7 +127,8 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     from onnx import numpy_helper, version_converter
 
     where = str(source) if not isinstance(source, onnx.ModelProto) else "model"
-    model = _read_model(source)
+    read = _read_model(source)
+    model = _inline_local_functions(read, where)
     src_opset = _opset(model)
     if not MIN_OPSET <= src_opset <= max_opset():
         raise ModelError(f"{where}: unsupported opset {src_opset} (supported: "
@@ -149,8 +150,8 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     try:
         # from the path where there is one: the checker then reads the file itself, where
         # a ModelProto would be serialized for it (one more copy of the weights)
-        onnx.checker.check_model(model if model is source or reordered
-                                 or isinstance(source, bytes | bytearray)
+        onnx.checker.check_model(model if model is not read or reordered
+                                 or isinstance(source, onnx.ModelProto | bytes | bytearray)
                                  else os.fspath(source))
     except Exception as e:
         raise ModelError(f"{where}: invalid ONNX model ({one_line(str(e))})") from e
@@ -240,6 +241,30 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
             "value_sized_hint": value_sized_hint(model)}
     return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,
                                       meta))
+
+
+def _inline_local_functions(model, where: str):
+    """``model`` with each call of a model-local function replaced by the function's body.
+
+    A node whose ``(domain, op_type)`` names one of ``ModelProto.functions`` is an operator
+    that only the model defines: kept opaque, its region would run in a session of its own
+    that lacks the definition, and exported it would reference a function the written
+    model no longer holds. Inlined (``onnx.inliner``, subgraphs included), its body's
+    operators import like any other. A model without local functions is returned as it is;
+    otherwise a new one (``model`` is not changed).
+
+    Raises:
+        ModelError: onnx's inliner refuses the model.
+    """
+    if not model.functions:
+        return model
+    from onnx import inliner
+
+    try:
+        return inliner.inline_local_functions(model)
+    except Exception as e:  # noqa: BLE001 - the inliner's C++ errors have no common type
+        raise ModelError(f"{where}: cannot inline the model's local functions "
+                         f"({one_line(str(e))})") from e
 
 
 def converted_model(source, opset: int):
