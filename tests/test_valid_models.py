@@ -113,3 +113,34 @@ def test_a_call_of_a_model_local_function_is_inlined_and_optimizes(tmp_path, cap
     assert code == 0 and "written: " in text and "factor-matmul-matmul-ewadd" in text, text
     x = np.random.default_rng(2).standard_normal((2, 4)).astype(np.float32)
     _assert_same_outputs(src, out, {"x": x})
+
+
+# ---- 3. sparse initializers ----------------------------------------------------------------
+
+def _sparse(name: str, dense: np.ndarray, coordinates: bool):
+    """``dense`` as a ``SparseTensorProto``: its nonzeros at flat positions or coordinates."""
+    where = np.argwhere(dense) if coordinates else np.flatnonzero(dense)
+    values = numpy_helper.from_array(dense[dense != 0], name)
+    return helper.make_sparse_tensor(values, numpy_helper.from_array(where.astype(np.int64)),
+                                     list(dense.shape))
+
+
+def test_sparse_initializers_import_as_the_dense_weights_they_stand_for(tmp_path, capsys):
+    """A sparse initializer was missing from the weights (KeyError). Both index forms of the
+    spec (flat positions, [NNZ, rank] coordinates) become dense weights, here the two
+    matrices that the search merges."""
+    pair, inits = _merging_pair("x", "y")
+    model = _model(pair, [_info("x", [2, 4])], [_info("y", [2, 4])])
+    for init, coordinates in zip(inits, (False, True), strict=True):
+        dense = numpy_helper.to_array(init) * np.tri(4, dtype=np.float32)  # zeros above
+        model.graph.sparse_initializer.append(_sparse(init.name, dense, coordinates))
+    onnx.checker.check_model(model)
+    graph = taso_jax.load_onnx(model)
+    assert np.count_nonzero(graph.weights["y_a"]) == 10 and graph.weights["y_b"][0, 3] == 0
+    np.testing.assert_array_equal(np.triu(graph.weights["y_b"], 1), 0)
+    assert len(model.graph.sparse_initializer) == 2 and not model.graph.initializer  # unchanged
+    code, src, out = _optimize(tmp_path, model)
+    text = capsys.readouterr().out
+    assert code == 0 and "written: " in text and "factor-matmul-matmul-ewadd" in text, text
+    x = np.random.default_rng(3).standard_normal((2, 4)).astype(np.float32)
+    _assert_same_outputs(src, out, {"x": x})

@@ -162,6 +162,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         model_copy = onnx.ModelProto()
         model_copy.CopyFrom(model)
         model = model_copy
+    _densify_sparse_initializers(model, where)
     shape_notes = _fix_input_shapes(model, input_shapes or {}, where)
     if reordered:
         shape_notes.append("the graph's nodes were not in topological order (ONNX requires "
@@ -241,6 +242,47 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
             "value_sized_hint": value_sized_hint(model)}
     return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,
                                       meta))
+
+
+#: The most bytes a sparse initializer may take once dense (the IR holds weights dense);
+#: protobuf's limit on a whole serialized model (2 GiB).
+SPARSE_DENSE_MAX_BYTES = 2**31
+
+
+def _densify_sparse_initializers(model, where: str) -> None:
+    """Replace each of ``model``'s sparse initializers by the dense one it stands for, in place.
+
+    A ``SparseTensorProto`` (ONNX IR: ``values`` named as the initializer, ``indices`` either
+    ``[NNZ]`` positions in the flattened tensor or ``[NNZ, rank]`` coordinates, ``dims``)
+    holds zeros everywhere but at ``indices``. The IR's weights are dense arrays, and the
+    checker has already checked the indices.
+
+    Raises:
+        ModelError: a dense form over :data:`SPARSE_DENSE_MAX_BYTES`, or indices that do
+            not fit ``dims``.
+    """
+    from onnx import numpy_helper
+
+    g = model.graph
+    for sparse in g.sparse_initializer:
+        name, dims = sparse.values.name, tuple(int(d) for d in sparse.dims)
+        values = numpy_helper.to_array(sparse.values).reshape(-1)
+        size = int(np.prod(dims, dtype=np.int64))
+        if size * values.dtype.itemsize > SPARSE_DENSE_MAX_BYTES:
+            raise ModelError(f"{where}: sparse initializer {name!r} of shape {list(dims)} is "
+                             f"too large once dense (over {SPARSE_DENSE_MAX_BYTES} bytes)")
+        indices = (numpy_helper.to_array(sparse.indices).astype(np.int64)
+                   if sparse.HasField("indices") else np.arange(values.size, dtype=np.int64))
+        try:
+            if indices.ndim == 2:  # [NNZ, rank] coordinates
+                indices = np.ravel_multi_index(tuple(indices.T), dims)
+            dense = np.zeros(size, values.dtype)
+            dense[indices.reshape(-1)] = values
+        except (IndexError, ValueError) as e:
+            raise ModelError(f"{where}: sparse initializer {name!r}: indices do not fit its "
+                             f"shape {list(dims)} ({one_line(str(e))})") from e
+        g.initializer.append(numpy_helper.from_array(dense.reshape(dims), name))
+    del g.sparse_initializer[:]
 
 
 def _inline_local_functions(model, where: str):
@@ -483,7 +525,8 @@ def _topological_order(graph) -> list[int] | None:
     """
     import heapq
 
-    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    defined = ({i.name for i in graph.input} | {i.name for i in graph.initializer}
+               | {i.values.name for i in graph.sparse_initializer} | {""})
     producer = {o: k for k, n in enumerate(graph.node) for o in n.output if o}
     needs: list[set] = []
     users: dict[int, list[int]] = {}
