@@ -144,3 +144,28 @@ def test_sparse_initializers_import_as_the_dense_weights_they_stand_for(tmp_path
     assert code == 0 and "written: " in text and "factor-matmul-matmul-ewadd" in text, text
     x = np.random.default_rng(3).standard_normal((2, 4)).astype(np.float32)
     _assert_same_outputs(src, out, {"x": x})
+
+
+# ---- 4. static sizes of 0 ----------------------------------------------------------------
+
+def test_a_static_size_of_0_is_a_size_not_a_symbol(tmp_path, capsys):
+    """``dim_value: 0`` was read as open (like -1) and bound to 1, where the model (and
+    onnxruntime) takes 0 only: the model was refused. Here x is [0, 4], joined to an empty
+    constant, and the matmuls that read it merge."""
+    empty = numpy_helper.from_array(np.zeros((0, 4), np.float32), "e")
+    pair, inits = _merging_pair("h", "y")
+    nodes = [helper.make_node("Constant", [], ["e"], value=empty),
+             helper.make_node("Concat", ["x", "e"], ["h"], axis=0), *pair]
+    model = _model(nodes, [_info("x", [0, 4])], [_info("y", [0, 4])], inits)
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].HasField("dim_value")
+    graph = taso_jax.load_onnx(model)
+    assert graph.inputs[0].types[0].shape == (0, 4) and graph.outputs[0].shape == (0, 4)
+    assert not graph.meta["symbolic_dims"] and not graph.meta["shape_notes"]
+    code, src, out = _optimize(tmp_path, model)  # no --input-shape
+    text = capsys.readouterr().out
+    assert code == 0 and "written: " in text and "factor-matmul-matmul-ewadd" in text, text
+    (got,) = _run(out, {"x": np.zeros((0, 4), np.float32)})
+    assert got.shape == (0, 4)
+    _assert_same_outputs(src, out, {"x": np.zeros((0, 4), np.float32)})
+    written = onnx.load(out).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in written] == [0, 4] and written[0].HasField("dim_value")
