@@ -169,3 +169,79 @@ def test_a_static_size_of_0_is_a_size_not_a_symbol(tmp_path, capsys):
     _assert_same_outputs(src, out, {"x": np.zeros((0, 4), np.float32)})
     written = onnx.load(out).graph.input[0].type.tensor_type.shape.dim
     assert [d.dim_value for d in written] == [0, 4] and written[0].HasField("dim_value")
+
+
+# ---- 5. models over protobuf's 2 GB limit -------------------------------------------------
+# The limit is lowered to 10 kB: the 16 kB weights below stand for gigabytes.
+
+def _with_limit(monkeypatch, limit: int = 10_000):
+    from taso_jax.frontends import onnx_export
+
+    monkeypatch.setattr(onnx_export, "PROTOBUF_LIMIT_BYTES", limit)
+
+
+def _assert_written_with_external_data(out, src, x):
+    data = out.parent / (out.name + ".data")
+    assert data.stat().st_size >= 16 * 1024 and out.stat().st_size < 10_000
+    locations = {e.value for t in onnx.load(out, load_external_data=False).graph.initializer
+                 for e in t.external_data if e.key == "location"}
+    assert locations == {data.name}  # relative: the two files move together
+    onnx.checker.check_model(str(out), full_check=True)
+    _assert_same_outputs(src, out, {"x": x})
+    assert not list(out.parent.glob(".taso_jax.*"))  # no temporary file or folder left
+
+
+def test_a_rewritten_model_over_the_protobuf_limit_is_written_with_external_data(
+        tmp_path, monkeypatch, capsys):
+    """Serializing the optimized model raised EncodeError ("Failed to serialize proto") and
+    nothing was written. Its tensors now go to ``<output>.data``, and the check runs on it."""
+    _with_limit(monkeypatch)
+    pair, inits = _merging_pair("x", "y", width=64)
+    code, src, out = _optimize(tmp_path, _model(pair, [_info("x", [2, 64])],
+                                                [_info("y", [2, 64])], inits))
+    text = capsys.readouterr().out
+    assert code == 0 and "factor-matmul-matmul-ewadd" in text, text
+    assert f"its tensors in {out}.data (over protobuf's 2 GB limit)" in text
+    x = np.random.default_rng(5).standard_normal((2, 64)).astype(np.float32)
+    _assert_written_with_external_data(out, src, x)
+
+
+def _external_input(tmp_path, data_name: str = "weights.bin"):
+    """A model with nothing to merge, its 16 kB weight in an external data file."""
+    rng = np.random.default_rng(6)
+    w = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w")
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], [_info("x", [2, 64])],
+                   [_info("y", [2, 64])], [w])
+    src = tmp_path / "in" / "m.onnx"
+    src.parent.mkdir()
+    onnx.save(model, src, save_as_external_data=True, location=data_name, size_threshold=0)
+    return src
+
+
+def test_an_input_over_the_protobuf_limit_kept_as_it_is_is_written_with_external_data(
+        tmp_path, monkeypatch, capsys):
+    """Nothing to merge: the input, its external data inlined, was written with onnx.save
+    (EncodeError over 2 GB). It is written with its tensors gathered into one file beside
+    it, and the input's own data file is left as it was."""
+    _with_limit(monkeypatch)
+    src = _external_input(tmp_path)
+    before = (src.parent / "weights.bin").read_bytes()
+    out = tmp_path / "m.opt.onnx"
+    assert main(["optimize", str(src), "-o", str(out), *FAST]) == 0
+    text = capsys.readouterr().out
+    assert "the input, its external data gathered into one file" in text, text
+    x = np.random.default_rng(7).standard_normal((2, 64)).astype(np.float32)
+    _assert_written_with_external_data(out, src, x)
+    assert (src.parent / "weights.bin").read_bytes() == before
+
+
+def test_a_data_file_that_would_replace_the_inputs_own_is_refused(tmp_path, monkeypatch,
+                                                                 capsys):
+    _with_limit(monkeypatch)
+    src = _external_input(tmp_path, data_name="o.onnx.data")
+    before = (src.parent / "o.onnx.data").read_bytes()
+    out = src.parent / "o.onnx"
+    assert main(["optimize", str(src), "-o", str(out), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "would replace a file of the input model" in err and len(err.splitlines()) == 1
+    assert not out.exists() and (src.parent / "o.onnx.data").read_bytes() == before
