@@ -3,7 +3,8 @@
 :func:`export_onnx` folds weight-only subgraphs into initializers where that does not make
 the file grow, writes every other node by its operator declaration's ``to_onnx`` (an opaque
 region writes its own nodes), and can hand large weights over beside the model instead of
-serializing them into it.
+serializing them into it. :func:`write_onnx` writes a model to a file, one over protobuf's
+2 GB limit with its tensors in a data file beside it.
 """
 
 from __future__ import annotations

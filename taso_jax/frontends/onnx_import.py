@@ -117,11 +117,15 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         ``opaque`` (ONNX op types kept opaque), ``symbolic_dims`` (the input's open sizes,
         as :func:`symbolic_dims`) and the names needed for export.
 
+    Calls of the model's own functions (``ModelProto.functions``) are inlined first, and
+    sparse initializers become dense weights.
+
     Raises:
         ModelError: missing or unreadable file, an opset above :func:`max_opset` or one
             that onnx's version converter cannot bring to 17,
-            an ``input_shapes`` entry that does not fit its input, or a model that ONNX's
-            checker rejects.
+            an ``input_shapes`` entry that does not fit its input, a model that ONNX's
+            checker rejects, local functions that onnx's inliner refuses, or a sparse
+            initializer too large once dense.
     """
     import onnx
     from onnx import numpy_helper, version_converter
