@@ -183,6 +183,7 @@ def _with_limit(monkeypatch, limit: int = 10_000):
 def _assert_written_with_external_data(out, src, x):
     data = out.parent / (out.name + ".data")
     assert data.stat().st_size >= 16 * 1024 and out.stat().st_size < 10_000
+    assert data.stat().st_mode & 0o777 == out.stat().st_mode & 0o777  # as readable as it
     locations = {e.value for t in onnx.load(out, load_external_data=False).graph.initializer
                  for e in t.external_data if e.key == "location"}
     assert locations == {data.name}  # relative: the two files move together

@@ -255,6 +255,19 @@ def _tensors(model):
                 graphs.extend([a.g] if a.type == AttributeProto.GRAPH else a.graphs)
 
 
+def _fits_one_message(model) -> bool:
+    """Whether ``model`` serializes within :data:`PROTOBUF_LIMIT_BYTES`.
+
+    protobuf's upb runtime raises ``EncodeError`` from ``ByteSize`` itself past 2 GiB.
+    """
+    from google.protobuf.message import EncodeError
+
+    try:
+        return model.ByteSize() <= PROTOBUF_LIMIT_BYTES
+    except EncodeError:
+        return False
+
+
 def _has_external_tensors(model) -> bool:
     from onnx.external_data_helper import uses_external_data
 
@@ -274,7 +287,7 @@ def serialize_onnx(model, spill_path: str) -> bytes | str:
     import onnx
 
     if not _has_external_tensors(model):
-        if model.ByteSize() <= PROTOBUF_LIMIT_BYTES:
+        if _fits_one_message(model):
             return model.SerializeToString()
         onnx.save_model(model, spill_path, save_as_external_data=True,
                         all_tensors_to_one_file=True,
@@ -309,7 +322,7 @@ def write_onnx(path: str, model, keep: Collection[str] = ()) -> str | None:
     if isinstance(model, bytes | bytearray):
         atomic_write(path, lambda tmp: Path(tmp).write_bytes(model))
         return None
-    if isinstance(model, onnx.ModelProto) and model.ByteSize() <= PROTOBUF_LIMIT_BYTES:
+    if isinstance(model, onnx.ModelProto) and _fits_one_message(model):
         atomic_write(path, lambda tmp: onnx.save_model(model, tmp))
         return None
     data_path = os.fspath(path) + ".data"
@@ -337,6 +350,9 @@ def write_onnx(path: str, model, keep: Collection[str] = ()) -> str | None:
         if sources:
             source = os.path.join(source_folder, sources.pop())
             if source_folder == tmp:  # ours, in the same folder: renamed, not copied
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(source, 0o666 & ~umask)  # as atomic_write leaves the model
                 os.replace(source, data_path)
             else:
                 atomic_write(data_path, lambda tmp_data: shutil.copyfile(source, tmp_data))
