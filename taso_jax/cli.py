@@ -509,7 +509,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     if not args.no_time and not unchanged:
         report["onnxruntime"] = measure_onnxruntime(reference, data, references[0][1],
                                                     deadline=deadline.at)
-    if args.output:  # the bytes onnx.save would write for this proto
+    if args.output:  # the bytes onnx.save would write; over 2 GB, with a data file beside
         written_data = write_onnx(args.output, data, keep=protected)
         report["written"] = args.output
         if written_data is not None:
