@@ -319,7 +319,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     import numpy as np
     import onnx
 
-    from taso_jax._io import atomic_write
+    from taso_jax.frontends.onnx_export import serialize_onnx, write_onnx
     from taso_jax.frontends.onnx_io import (
         ModelError,
         ValueSizedModel,
@@ -455,12 +455,13 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     optimized = export_onnx(result.graph, fold=fold)
     # One serialized copy serves the checks, the timing and the write (each serialization
     # is the size of the weights: 33 MB for minimol), and the proto goes once the sizes
-    # are settled.
-    data = optimized.SerializeToString()
+    # are settled. Over protobuf's 2 GB limit, a file in scratch with its tensors beside it.
+    data = serialize_onnx(optimized, os.path.join(scratch, "optimized.onnx"))
     symbolic = graph.meta.get("symbolic_dims") if original is not None else None
     general = None  # the same with the input's open sizes open again, checked below
     if symbolic:
-        general = with_symbolic_dims(optimized, symbolic, copy=False).SerializeToString()
+        general = serialize_onnx(with_symbolic_dims(optimized, symbolic, copy=False),
+                                 os.path.join(scratch, "general.onnx"))
     del optimized
     try:
         onnx.checker.check_model(data, full_check=True)
@@ -481,8 +482,9 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
         # Is it the rewrites, or the model's own rounding noise? The input graph, exported
         # without any rewrite, measures the noise of import and export alone.
         noise = report["check"] if unchanged else check_onnx(
-            reference, export_onnx(graph, fold=fold).SerializeToString(), graph, rtol=args.rtol,
-            atol=args.atol, references=references)
+            reference, serialize_onnx(export_onnx(graph, fold=fold),
+                                      os.path.join(scratch, "input.onnx")), graph,
+            rtol=args.rtol, atol=args.atol, references=references)
         err = report["check"]["max_abs_err"]
         if not noise["ok"] and np.isfinite(err) and err <= 2 * noise["max_abs_err"]:
             report["check"].update(ok=True, noise_floor=noise["max_abs_err"])
@@ -510,9 +512,11 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     elif not args.no_time and not unchanged:
         report["onnxruntime"] = measure_onnxruntime(reference, data, references[0][1],
                                                     deadline=deadline.at)
-    if args.output:  # the bytes onnx.save would write for this proto
-        atomic_write(args.output, lambda tmp: Path(tmp).write_bytes(data))
+    if args.output:  # the bytes onnx.save would write; over 2 GB, with a data file beside
+        written_data = write_onnx(args.output, data, keep=protected)
         report["written"] = args.output
+        if written_data is not None:
+            report["written_data"] = written_data
     report["wall_seconds"] = _elapsed(deadline)
     verdict = Verdict.UNCHANGED if unchanged else Verdict.REWRITTEN
     _emit(args, Outcome(verdict, report, graph if unchanged else result.graph, result=result))
@@ -565,16 +569,20 @@ def _write_copy(args, original: str, external_data, report: dict) -> None:
 
     A file with external data is written self-contained instead: a copy alone would point
     at the input's data files by a relative path, which breaks in another folder or once
-    the input goes (ONNX's 2 GB protobuf limit applies).
+    the input goes. Over protobuf's 2 GB limit, its tensors go to one file beside it
+    (:func:`~taso_jax.frontends.onnx_export.write_onnx`).
     """
     import onnx
 
     from taso_jax._io import atomic_write
+    from taso_jax.frontends.onnx_export import write_onnx
 
     if args.output and external_data:
         model = onnx.load(original)
-        atomic_write(args.output, lambda tmp: onnx.save(model, tmp))
-        report["written_copy_of_input"] = "inlined"
+        data = write_onnx(args.output, model, keep={original, *external_data})
+        report["written_copy_of_input"] = "inlined" if data is None else "gathered"
+        if data is not None:
+            report["written_data"] = data
     elif args.output:
         atomic_write(args.output, lambda tmp: shutil.copyfile(original, tmp))
         # the input itself, or its conversion where onnxruntime does not run its opset

@@ -518,9 +518,13 @@ def _written_line(r: dict) -> str:
     """The report's ``written:`` line: the output path, and how the input was kept."""
     copy = r.get("written_copy_of_input")
     why = r.get("kept_input_because") or "no faster graph was found"
-    return f"written: {r['written']}" + (
+    data = (f", its tensors in {r['written_data']} (over protobuf's 2 GB limit)"
+            if r.get("written_data") else "")
+    return f"written: {r['written']}" + data + (
         f" (the input with its external data inlined: {why})"
         if copy == "inlined" else
+        f" (the input, its external data gathered into one file: {why})"
+        if copy == "gathered" else
         f" (the input converted to opset {r.get('written_opset')} by onnx's version converter, "
         f"which onnxruntime runs: {why})" if copy == "converted" else
         f" (a byte-for-byte copy of the input: {why})" if copy

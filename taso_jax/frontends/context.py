@@ -93,23 +93,41 @@ class ImportContext:
         return t.node.weight_only
 
     def const(self, t: Tensor):
-        """The value of a tensor computed from constants only, else ``None``."""
+        """The value of a tensor computed from constants only, else ``None``.
+
+        The weight-only nodes it depends on are folded in dependency order with an explicit
+        stack: a chain of thousands of constant operators (an exporter's unfolded arithmetic)
+        would exceed Python's recursion limit if folded by recursion.
+        """
         if t in self._cache:
             return self._cache[t]
         if not self.weight_only(t):
             return None
-        n = t.node
+        todo = [t.node]
+        while todo:
+            n = todo[-1]
+            if Tensor(n, 0) in self._cache:
+                todo.pop()
+                continue
+            waiting = [x.node for x in n.inputs if x not in self._cache]
+            if waiting:
+                todo.extend(waiting)
+                continue
+            todo.pop()
+            self._fold(n)
+        return self._cache[t]
+
+    def _fold(self, n) -> None:
+        """Cache the values of ``n``'s outputs (``None`` where unknown); its inputs' are cached."""
+        values = [None] * len(n.types)
         if n.op == "weight":
-            readable = self.constants is None or n.name in self.constants
-            return self.weights[n.name] if readable else None
-        value = None
-        if n.op in OPS:
-            args = [self.const(x) for x in n.inputs]
+            if self.constants is None or n.name in self.constants:
+                values = [self.weights[n.name]]
+        elif n.op in OPS:
+            args = [self._cache[x] for x in n.inputs]
             if all(a is not None for a in args):
                 exact = OPS[n.op].numpy_ref  # folds without loading JAX
                 outs = (exact(*args, **dict(n.attrs)),) if exact else run_node(n, args)
-                for i, v in enumerate(outs):
-                    self._cache[Tensor(n, i)] = np.asarray(v).astype(n.types[i].dtype)
-                value = self._cache[t]
-        self._cache[t] = value
-        return value
+                values = [np.asarray(v).astype(n.types[i].dtype) for i, v in enumerate(outs)]
+        for i, v in enumerate(values):
+            self._cache[Tensor(n, i)] = v

@@ -3,17 +3,25 @@
 :func:`export_onnx` folds weight-only subgraphs into initializers where that does not make
 the file grow, writes every other node by its operator declaration's ``to_onnx`` (an opaque
 region writes its own nodes), and can hand large weights over beside the model instead of
-serializing them into it.
+serializing them into it. :func:`write_onnx` writes a model to a file, one over protobuf's
+2 GB limit with its tensors in a data file beside it.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Collection
+from pathlib import Path
 
 import numpy as np
 
 from taso_jax.ir.graph import Graph, Tensor
 from taso_jax.ops import OPS, TensorType
 
-__all__ = ["export_onnx", "EXTERNAL_MIN_BYTES"]
+__all__ = ["export_onnx", "EXTERNAL_MIN_BYTES", "PROTOBUF_LIMIT_BYTES", "serialize_onnx",
+           "write_onnx"]
 
 
 class _ExportContext:
@@ -221,3 +229,132 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
                               producer_name="taso_jax")
     model.ir_version = min(max(int(graph.meta.get("ir_version", 8)), 8), 10)
     return model
+
+
+#: The largest model serialized as one protobuf message: protobuf refuses messages of 2 GiB
+#: and more (``EncodeError: Failed to serialize proto``). A larger model is written with its
+#: tensors in an external data file (ONNX's ``data_location: EXTERNAL``).
+PROTOBUF_LIMIT_BYTES = 2**31 - 1
+#: Tensors of at least this many bytes go to the external data file of a large model.
+_EXTERNAL_DATA_MIN_BYTES = 1024
+
+
+def _tensors(model):
+    """Every ``TensorProto`` of ``model``: initializers and attribute values, subgraphs too."""
+    from onnx import AttributeProto
+
+    graphs = [model.graph]
+    while graphs:
+        g = graphs.pop()
+        yield from g.initializer
+        for node in g.node:
+            for a in node.attribute:
+                if a.type == AttributeProto.TENSOR:
+                    yield a.t
+                yield from a.tensors
+                graphs.extend([a.g] if a.type == AttributeProto.GRAPH else a.graphs)
+
+
+def _fits_one_message(model) -> bool:
+    """Whether ``model`` serializes within :data:`PROTOBUF_LIMIT_BYTES`.
+
+    protobuf's upb runtime raises ``EncodeError`` from ``ByteSize`` itself past 2 GiB.
+    """
+    from google.protobuf.message import EncodeError
+
+    try:
+        return model.ByteSize() <= PROTOBUF_LIMIT_BYTES
+    except EncodeError:
+        return False
+
+
+def _has_external_tensors(model) -> bool:
+    from onnx.external_data_helper import uses_external_data
+
+    return any(uses_external_data(t) for t in _tensors(model))
+
+
+def serialize_onnx(model, spill_path: str) -> bytes | str:
+    """``model`` serialized, or, where one message cannot hold it, saved at ``spill_path``.
+
+    A model up to :data:`PROTOBUF_LIMIT_BYTES` whose tensors are all inline comes back as
+    bytes. A larger one is saved at ``spill_path`` with its tensors in one file beside it
+    (``<spill_path>.data``; ``model`` itself then refers to that file, its data dropped),
+    and a model whose tensors already refer to such a file in ``spill_path``'s folder is
+    saved there as it is: the path is returned. onnxruntime and ``onnx.checker`` take
+    either; :func:`write_onnx` writes either.
+    """
+    import onnx
+
+    if not _has_external_tensors(model):
+        if _fits_one_message(model):
+            return model.SerializeToString()
+        onnx.save_model(model, spill_path, save_as_external_data=True,
+                        all_tensors_to_one_file=True,
+                        location=os.path.basename(spill_path) + ".data",
+                        size_threshold=_EXTERNAL_DATA_MIN_BYTES)
+        return spill_path
+    onnx.save_model(model, spill_path)
+    return spill_path
+
+
+def write_onnx(path: str, model, keep: Collection[str] = ()) -> str | None:
+    """Write ``model`` to ``path`` atomically; a large one with its tensors beside it.
+
+    ``model`` is serialized bytes (written as they are), a ``ModelProto`` whose tensors are
+    inline (``onnx.load`` reads external data into it), or a path that
+    :func:`serialize_onnx` returned. A model over :data:`PROTOBUF_LIMIT_BYTES` (or one
+    already split) is written as ``path`` plus its tensors in ``<path>.data`` (the
+    location the model names, relative, so the two move together). Each file is written
+    to a temporary name and renamed; the data file is renamed first, so the model never
+    names a data file that is not complete. A ``ModelProto`` may be left referring to the
+    data file. Returns the data file's path, or ``None`` when there is none.
+
+    Raises:
+        ModelError: the data file would replace one of ``keep`` (real paths: the input
+            model and its own data files); nothing is written.
+    """
+    import onnx
+
+    from taso_jax._io import atomic_write
+    from taso_jax.frontends.onnx_model import ModelError
+
+    if isinstance(model, bytes | bytearray):
+        atomic_write(path, lambda tmp: Path(tmp).write_bytes(model))
+        return None
+    if isinstance(model, onnx.ModelProto) and _fits_one_message(model):
+        atomic_write(path, lambda tmp: onnx.save_model(model, tmp))
+        return None
+    data_path = os.fspath(path) + ".data"
+    if os.path.realpath(data_path) in {os.path.realpath(k) for k in keep}:
+        raise ModelError(f"{path}: the model is over protobuf's 2 GB limit and is written with "
+                         f"its tensors in {data_path}, which would replace a file of the "
+                         "input model; choose another -o")
+    folder = os.path.dirname(os.path.abspath(path))
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".taso_jax.") as tmp:
+        if isinstance(model, onnx.ModelProto):
+            spilled = serialize_onnx(model, os.path.join(tmp, os.path.basename(data_path)[:-5]))
+            proto = onnx.load(spilled, load_external_data=False)
+            source_folder = tmp
+        else:
+            proto = onnx.load(model, load_external_data=False)
+            source_folder = os.path.dirname(os.path.abspath(model))
+        sources = set()
+        for t in _tensors(proto):
+            for entry in t.external_data:
+                if entry.key == "location":
+                    sources.add(entry.value)
+                    entry.value = os.path.basename(data_path)
+        if len(sources) > 1:
+            raise ValueError(f"{model}: tensors in several data files {sorted(sources)}")
+        if sources:
+            source = os.path.join(source_folder, sources.pop())
+            if source_folder == tmp:  # ours, in the same folder: renamed, not copied
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(source, 0o666 & ~umask)  # as atomic_write leaves the model
+                os.replace(source, data_path)
+            else:
+                atomic_write(data_path, lambda tmp_data: shutil.copyfile(source, tmp_data))
+        atomic_write(path, lambda tmp_model: onnx.save_model(proto, tmp_model))
+    return data_path

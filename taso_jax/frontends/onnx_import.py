@@ -117,17 +117,22 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         ``opaque`` (ONNX op types kept opaque), ``symbolic_dims`` (the input's open sizes,
         as :func:`symbolic_dims`) and the names needed for export.
 
+    Calls of the model's own functions (``ModelProto.functions``) are inlined first, and
+    sparse initializers become dense weights.
+
     Raises:
         ModelError: missing or unreadable file, an opset above :func:`max_opset` or one
             that onnx's version converter cannot bring to 17,
-            an ``input_shapes`` entry that does not fit its input, or a model that ONNX's
-            checker rejects.
+            an ``input_shapes`` entry that does not fit its input, a model that ONNX's
+            checker rejects, local functions that onnx's inliner refuses, or a sparse
+            initializer too large once dense.
     """
     import onnx
     from onnx import numpy_helper, version_converter
 
     where = str(source) if not isinstance(source, onnx.ModelProto) else "model"
-    model = _read_model(source)
+    read = _read_model(source)
+    model = _inline_local_functions(read, where)
     src_opset = _opset(model)
     if not MIN_OPSET <= src_opset <= max_opset():
         raise ModelError(f"{where}: unsupported opset {src_opset} (supported: "
@@ -149,8 +154,8 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     try:
         # from the path where there is one: the checker then reads the file itself, where
         # a ModelProto would be serialized for it (one more copy of the weights)
-        onnx.checker.check_model(model if model is source or reordered
-                                 or isinstance(source, bytes | bytearray)
+        onnx.checker.check_model(model if model is not read or reordered
+                                 or isinstance(source, onnx.ModelProto | bytes | bytearray)
                                  else os.fspath(source))
     except Exception as e:
         raise ModelError(f"{where}: invalid ONNX model ({one_line(str(e))})") from e
@@ -161,6 +166,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         model_copy = onnx.ModelProto()
         model_copy.CopyFrom(model)
         model = model_copy
+    _densify_sparse_initializers(model, where)
     shape_notes = _fix_input_shapes(model, input_shapes or {}, where)
     if reordered:
         shape_notes.append("the graph's nodes were not in topological order (ONNX requires "
@@ -240,6 +246,71 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
             "value_sized_hint": value_sized_hint(model)}
     return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,
                                       meta))
+
+
+#: The most bytes a sparse initializer may take once dense (the IR holds weights dense);
+#: protobuf's limit on a whole serialized model (2 GiB).
+SPARSE_DENSE_MAX_BYTES = 2**31
+
+
+def _densify_sparse_initializers(model, where: str) -> None:
+    """Replace each of ``model``'s sparse initializers by the dense one it stands for, in place.
+
+    A ``SparseTensorProto`` (ONNX IR: ``values`` named as the initializer, ``indices`` either
+    ``[NNZ]`` positions in the flattened tensor or ``[NNZ, rank]`` coordinates, ``dims``)
+    holds zeros everywhere but at ``indices``. The IR's weights are dense arrays, and the
+    checker has already checked the indices.
+
+    Raises:
+        ModelError: a dense form over :data:`SPARSE_DENSE_MAX_BYTES`, or indices that do
+            not fit ``dims``.
+    """
+    from onnx import numpy_helper
+
+    g = model.graph
+    for sparse in g.sparse_initializer:
+        name, dims = sparse.values.name, tuple(int(d) for d in sparse.dims)
+        values = numpy_helper.to_array(sparse.values).reshape(-1)
+        size = int(np.prod(dims, dtype=np.int64))
+        if size * values.dtype.itemsize > SPARSE_DENSE_MAX_BYTES:
+            raise ModelError(f"{where}: sparse initializer {name!r} of shape {list(dims)} is "
+                             f"too large once dense (over {SPARSE_DENSE_MAX_BYTES} bytes)")
+        indices = (numpy_helper.to_array(sparse.indices).astype(np.int64)
+                   if sparse.HasField("indices") else np.arange(values.size, dtype=np.int64))
+        try:
+            if indices.ndim == 2:  # [NNZ, rank] coordinates
+                indices = np.ravel_multi_index(tuple(indices.T), dims)
+            dense = np.zeros(size, values.dtype)
+            dense[indices.reshape(-1)] = values
+        except (IndexError, ValueError) as e:
+            raise ModelError(f"{where}: sparse initializer {name!r}: indices do not fit its "
+                             f"shape {list(dims)} ({one_line(str(e))})") from e
+        g.initializer.append(numpy_helper.from_array(dense.reshape(dims), name))
+    del g.sparse_initializer[:]
+
+
+def _inline_local_functions(model, where: str):
+    """``model`` with each call of a model-local function replaced by the function's body.
+
+    A node whose ``(domain, op_type)`` names one of ``ModelProto.functions`` is an operator
+    that only the model defines: kept opaque, its region would run in a session of its own
+    that lacks the definition, and exported it would reference a function the written
+    model no longer holds. Inlined (``onnx.inliner``, subgraphs included), its body's
+    operators import like any other. A model without local functions is returned as it is;
+    otherwise a new one (``model`` is not changed).
+
+    Raises:
+        ModelError: onnx's inliner refuses the model.
+    """
+    if not model.functions:
+        return model
+    from onnx import inliner
+
+    try:
+        return inliner.inline_local_functions(model)
+    except Exception as e:  # noqa: BLE001 - the inliner's C++ errors have no common type
+        raise ModelError(f"{where}: cannot inline the model's local functions "
+                         f"({one_line(str(e))})") from e
 
 
 def converted_model(source, opset: int):
@@ -458,7 +529,8 @@ def _topological_order(graph) -> list[int] | None:
     """
     import heapq
 
-    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    defined = ({i.name for i in graph.input} | {i.name for i in graph.initializer}
+               | {i.values.name for i in graph.sparse_initializer} | {""})
     producer = {o: k for k, n in enumerate(graph.node) for o in n.output if o}
     needs: list[set] = []
     users: dict[int, list[int]] = {}

@@ -3,7 +3,8 @@
 Import: the model is loaded and checked, converted to opset 17 when older than 13 (so every
 operator has its modern form), given static shapes (``input_shapes`` fills symbolic
 dimensions; the others take defaults: 1 for a batch) and run through ONNX shape inference.
-Initializers, ``Constant`` and ``ConstantOfShape`` with a constant shape become weights.
+Initializers (sparse ones made dense), ``Constant`` and ``ConstantOfShape`` with a constant
+shape become weights; calls of the model's own functions are inlined.
 Each node goes through the importer that its operator declaration registered
 (``taso_jax.ops.ONNX_IMPORTERS``); a node without one, or whose importer declines or
 disagrees with ONNX shape inference, becomes an opaque node that is carried through

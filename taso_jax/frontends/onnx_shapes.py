@@ -31,7 +31,12 @@ __all__ = ["symbolic_dims", "with_symbolic_dims", "value_sized_inputs", "value_s
 
 
 def _is_symbolic(dim) -> bool:
-    return not dim.HasField("dim_value") or dim.dim_value < 1
+    """Whether a dimension is open: a ``dim_param``, no size, or a size below 0 (-1: "any").
+
+    A ``dim_value`` of 0 is a static size (ONNX IR: an unknown dimension sets neither
+    field, and protobuf's ``HasField`` tells a 0 set from a value never set).
+    """
+    return not dim.HasField("dim_value") or dim.dim_value < 0
 
 
 def _batch_like(axis: int, label: str) -> bool:
@@ -84,7 +89,7 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
     """Give every runtime input a static shape, in place; return notes on defaults chosen.
 
     Sizes given in ``input_shapes`` are used as they are. A symbolic dimension (a
-    ``dim_param``, no size, or a size below 1 such as -1) that is not given takes a default:
+    ``dim_param``, no size, or a size below 0 such as -1) that is not given takes a default:
     1 when batch-like (:func:`_batch_like`), else the first of :data:`SYMBOLIC_CANDIDATES`
     that ONNX shape inference accepts. Dimensions that share a name share a size. Each
     default is named in a note that says how to override it.
@@ -118,11 +123,11 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
     unknown = set(input_shapes) - {i.name for i in model.graph.input}
     if unknown:
         raise ModelError(f"{where}: --input-shape names unknown input(s) {sorted(unknown)}")
-    # A size below 1 declared on an output or intermediate value (-1 for "any") would
+    # A size below 0 declared on an output or intermediate value (-1 for "any") would
     # contradict every inferred size: it is left unknown instead.
     for vi in list(model.graph.output) + list(model.graph.value_info):
         for d in vi.type.tensor_type.shape.dim:
-            if d.HasField("dim_value") and d.dim_value < 1:
+            if d.HasField("dim_value") and d.dim_value < 0:
                 d.Clear()
     if not open_dims:
         return []
@@ -192,8 +197,8 @@ def symbolic_dims(model) -> dict[str, dict[int, str]]:
     """The sizes a model leaves open: graph input or output name -> ``{axis: symbol}``.
 
     A dimension is open when it has a ``dim_param`` (its name is the symbol), no size, or a
-    size below 1 such as -1 (symbol ``""``: shared with no other). Initializers listed as
-    inputs are skipped. ``model``: path, bytes or ``ModelProto``.
+    size below 0 such as -1 (symbol ``""``: shared with no other); a size of 0 is static.
+    Initializers listed as inputs are skipped. ``model``: path, bytes or ``ModelProto``.
     """
     model = _read_model(model)
     inits = {i.name for i in model.graph.initializer}
