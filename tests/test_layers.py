@@ -20,7 +20,8 @@ LAYERS = {"taso_jax.ops": 0, "taso_jax._io": 0, "taso_jax._text": 0, "taso_jax._
           "taso_jax._machine": 0, "taso_jax.outcome": 4, "taso_jax.optimizer": 4,
           "taso_jax.ir": 1,
           "taso_jax.search": 2, "taso_jax.verify": 3, "taso_jax.frontends": 4, "taso_jax.report": 4,
-          "taso_jax.api": 5, "taso_jax.examples": 5, "taso_jax.bench": 5, "taso_jax.cli": 6,
+          "taso_jax.api": 5, "taso_jax.examples": 5, "taso_jax.bench": 5,
+          "taso_jax.cli": 6, "taso_jax.cli_files": 6, "taso_jax.cli_optimize": 6,
           "taso_jax": 7}
 FOLDERS = {"ops": "taso_jax.ops", "search": "taso_jax.search", "verify": "taso_jax.verify",
            "taso_jax": "taso_jax"}

@@ -1,0 +1,163 @@
+"""The command line's checks of its files and options, made before any work.
+
+Inputs must be regular files of bounded size; outputs may not be an input, another output
+or a special file, and their folder must be writable; tolerances must be finite. Each
+problem is a :class:`UsageError`: one line naming it, exit code 2.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+
+__all__ = ["UsageError", "check_output_path", "check_input_file", "check_tolerances",
+           "check_outputs", "check_output_folder", "MAX_MODEL_BYTES", "MAX_RULE_FILE_BYTES"]
+
+
+class UsageError(Exception):
+    """A problem with the user's input; printed as one line, exit code 2."""
+
+
+def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for item in items or []:
+        name, sep, dims = item.rpartition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            out[name] = tuple(int(d) for d in dims.split(","))
+        except ValueError:
+            raise UsageError(f"--input-shape {item!r}: expected NAME=D1,D2,... "
+                             "(for example x=1,3,224,224)") from None
+        if any(d < 1 for d in out[name]):
+            raise UsageError(f"--input-shape {item!r}: every size must be at least 1")
+        size = 1
+        for d in out[name]:
+            size *= d
+        if size > _MAX_INPUT_ELEMENTS:
+            raise UsageError(f"--input-shape {item!r}: {size:,} elements is more than "
+                             f"{_MAX_INPUT_ELEMENTS:,}")
+    return out
+
+
+#: Elements of one input at most (2^31: 8 GiB of float32).
+_MAX_INPUT_ELEMENTS = 2 ** 31
+
+
+def _external_data_files(model_path: str) -> set[str]:
+    """Absolute paths of the external-data files a model file refers to (ONNX spec)."""
+    import onnx
+
+    try:
+        model = onnx.load(model_path, load_external_data=False)
+    except Exception:  # an unreadable model is reported by the loader, with its own message
+        return set()
+    folder = os.path.dirname(os.path.abspath(model_path))
+    found = set()
+    for init in model.graph.initializer:
+        for entry in init.external_data:
+            if entry.key == "location":
+                found.add(os.path.realpath(os.path.join(folder, entry.value)))
+    return found
+
+
+def check_output_path(path: str, option: str, protected: dict[str, str]) -> None:
+    """Refuse an output path that would lose data, before any long work starts.
+
+    ``protected`` maps real paths to what they are (``"the input model"``). The path must
+    not be one of them, must not be an existing special file (a device, a folder, a pipe),
+    and its folder must exist and be writable.
+
+    Raises:
+        UsageError: naming the option and the path.
+    """
+    real = os.path.realpath(path)
+    if real in protected:
+        raise UsageError(f"{option} {path!r} is {protected[real]}; choose another path "
+                         "(inputs are never overwritten)")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise UsageError(f"{option} {path!r} exists and is not a regular file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option} {path!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{option} {path!r}: folder {folder!r} is not writable")
+
+
+#: Largest model file read: protobuf's limit, 2 GiB (onnx cannot parse a larger file; larger
+#: weights live in external-data files, which are not counted).
+MAX_MODEL_BYTES = 2 ** 31
+#: Largest rule file or checkpoint read: 256 MiB, about a hundred times the shipped set.
+MAX_RULE_FILE_BYTES = 2 ** 28
+
+
+def check_input_file(path: str, what: str, limit: int) -> None:
+    """Refuse an input that is not a regular file of at most ``limit`` bytes, before reading.
+
+    A device (``/dev/zero`` reads until memory runs out), a pipe (blocks forever) or a folder
+    is never opened: only ``os.stat`` looks at it. A path that does not exist passes, for
+    the reader to report in its own words.
+
+    Raises:
+        UsageError: naming ``what`` (``"model"``, ``"--substitutions"``) and the path.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UsageError(f"{what} {path!r}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{what} {path!r} is not a regular file (a folder, a device or a "
+                         "pipe is not read)")
+    if st.st_size > limit:
+        raise UsageError(f"{what} {path!r} is {st.st_size:,} bytes, more than the "
+                         f"{limit:,} read at most")
+
+
+def check_tolerances(args) -> None:
+    """Refuse ``--rtol`` or ``--atol`` (``None``: the default) that is not finite and >= 0.
+
+    Raises:
+        UsageError: naming the option and its value.
+    """
+    for option, value in (("--rtol", args.rtol), ("--atol", args.atol)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"{option} {value}: a tolerance must be a finite number >= 0")
+
+
+def check_outputs(outputs, protected: dict[str, str]) -> None:
+    """:func:`check_output_path` for each ``(path, option, what)``; ``None`` paths are skipped.
+
+    Each checked path joins ``protected`` as ``"<what> (<option>)"``, so that no two of a
+    command's outputs are one file and none is one of its inputs.
+
+    Raises:
+        UsageError: naming the option and the path.
+    """
+    for path, option, what in outputs:
+        if path:
+            check_output_path(path, option, protected)
+            protected[os.path.realpath(path)] = f"{what} ({option})"
+
+
+def check_output_folder(path: str, option: str) -> None:
+    """Refuse an output folder that cannot be made or written, before any long work starts.
+
+    The path must be a folder or not exist yet; then the nearest existing folder above it
+    must be writable (it is made with its parents when written).
+
+    Raises:
+        UsageError: naming the option and the path.
+    """
+    full = os.path.abspath(path)
+    if os.path.lexists(full) and not os.path.isdir(full):
+        raise UsageError(f"{option} {path!r} exists and is not a folder")
+    probe = full
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{option} {path!r}: {probe!r} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path!r}: folder {probe!r} is not writable")

