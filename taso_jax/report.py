@@ -173,8 +173,20 @@ def check_onnx(original, optimized, graph: Graph, rtol: float = RTOL,
                              rtol, atol)
     if failed:
         return {**failed, "failed_scale": runs[0][0], "scales": [s for s, _, _ in runs]}
+    worst = _worst_scale(((scale, got, reference) for (scale, _, reference), got
+                          in zip(runs, actual, strict=True)), rtol, atol)
+    worst["scales"] = [s for s, _, _ in runs]
+    return worst
+
+
+def _worst_scale(runs, rtol: float, atol: float | None) -> dict:
+    """The worst comparison of ``(scale, actual, reference)`` runs (:func:`compare_outputs`).
+
+    Runs are compared in order until one fails; the result is the first failing comparison,
+    else the one with the largest error, with ``"failed_scale"`` (``None`` when all pass).
+    """
     worst = None
-    for (scale, _, reference), got in zip(runs, actual, strict=True):
+    for scale, got, reference in runs:
         r = compare_outputs(got, reference, rtol, atol)
         r["failed_scale"] = None if r["ok"] else scale
         if worst is None or (worst["ok"] and not r["ok"]) or (
@@ -182,7 +194,6 @@ def check_onnx(original, optimized, graph: Graph, rtol: float = RTOL,
             worst = r
         if not r["ok"]:
             break
-    worst["scales"] = [s for s, _, _ in runs]
     return worst
 
 
@@ -202,20 +213,15 @@ def check_graphs(original: Graph, optimized: Graph, rtol: float = RTOL,
     base = random_inputs(original, seed=seed)
     indices = original.meta.get("integer_input_bounds") or {}
     run_a, run_b = compile_graph(original), compile_graph(optimized)
-    worst = None
-    for scale in scales:
-        xs = [x * np.asarray(scale, x.dtype) if np.issubdtype(x.dtype, np.floating)
-              and n.name not in indices else x for n, x in zip(original.inputs, base,
-                                                              strict=True)]
-        reference = [np.asarray(y) for y in _as_list(run_a(*xs))]
-        got = [np.asarray(y) for y in _as_list(run_b(*xs))]
-        r = compare_outputs(got, reference, rtol, atol)
-        r["failed_scale"] = None if r["ok"] else scale
-        if worst is None or (worst["ok"] and not r["ok"]) or (
-                r["ok"] == worst["ok"] and r["max_abs_err"] > worst["max_abs_err"]):
-            worst = r
-        if not r["ok"]:
-            break
+    def runs():  # each scale's outputs are computed only when the comparison reaches it
+        for scale in scales:
+            xs = [x * np.asarray(scale, x.dtype) if np.issubdtype(x.dtype, np.floating)
+                  and n.name not in indices else x
+                  for n, x in zip(original.inputs, base, strict=True)]
+            yield (scale, [np.asarray(y) for y in _as_list(run_b(*xs))],
+                   [np.asarray(y) for y in _as_list(run_a(*xs))])
+
+    worst = _worst_scale(runs(), rtol, atol)
     worst.update(scales=list(scales), reference="jax.jit of the input graph")
     return worst
 
