@@ -1,7 +1,7 @@
-"""Normalization and reduction operators: softmax, layer normalization, reductions.
+"""Normalization and reduction operators: softmax, layer and batch normalization, reductions.
 
-Sources: ONNX operator spec (Softmax opset 13, LayerNormalization opset 17, ReduceMean,
-ReduceSum, ReduceMax); the jaxpr primitives ``reduce_sum`` and ``reduce_max``.
+Sources: ONNX operator spec (Softmax opset 13, LayerNormalization opset 17,
+BatchNormalization, ReduceMean, ReduceSum, ReduceMax); the jaxpr primitives ``reduce_sum`` and ``reduce_max``.
 """
 
 from __future__ import annotations
@@ -140,3 +140,45 @@ _reduction("reduce_sum", _jnp("sum"), "ReduceSum", 13, "reduce_sum",
            "sum over the given axes (ONNX ReduceSum; jaxpr reduce_sum)")
 _reduction("reduce_max", _jnp("max"), "ReduceMax", 18, "reduce_max",
            "maximum over the given axes (ONNX ReduceMax; jaxpr reduce_max)")
+
+
+# ---- batch normalization (inference) ------------------------------------------------------
+
+def _batchnorm(x, scale, bias, mean, var, *, epsilon):
+    shp = (1, -1) + (1,) * (x.ndim - 2)
+    inv = scale / jnp.sqrt(var + jnp.asarray(epsilon, x.dtype))
+    return (x - mean.reshape(shp)) * inv.reshape(shp) + bias.reshape(shp)
+
+
+def _batchnorm_shape(ts, *, epsilon):
+    x = ts[0]
+    if len(x.shape) < 2 or any(t.shape != (x.shape[1],) for t in ts[1:]):
+        raise ShapeError(f"batchnorm: parameters must be [C] for input {x.shape}")
+    return [x]
+
+
+declare(OpDef(
+    name="batchnorm", ref=_batchnorm, shape=_batchnorm_shape, arity=5, attrs={"epsilon": 1e-5},
+    to_onnx=lambda ctx, ins, outs, *, epsilon: ctx.node(
+        "BatchNormalization", ins, outs, epsilon=epsilon),
+    examples=(([TensorType((2, 3, 4, 4), _F32)] + [TensorType((3,), _F32)] * 4, {}),),
+    doc="inference batch normalization over channel axis 1 (ONNX BatchNormalization)"))
+
+
+@onnx_importer("BatchNormalization")
+def _import_batchnorm(ctx, ins, *, epsilon=1e-5, training_mode=0, **_):
+    if training_mode or len(ctx.out_types) > 1:
+        return None
+    x, scale, bias, mean, var = ins
+    params = [ctx.const(t) for t in (scale, bias, mean, var)]
+    if any(p is None for p in params):
+        return [ctx.op("batchnorm", ins, epsilon=float(epsilon))]
+    # Constant parameters: inference BN is a per-channel affine map x * s + t; its
+    # coefficients are weights, so conv2d -> ewmul -> ewadd can be folded by substitutions.
+    scale, bias, mean, var = (np.asarray(p, np.float64) for p in params)
+    s = scale / np.sqrt(var + epsilon)
+    t = bias - mean * s
+    dt = ctx.type(x).dtype
+    shp = (1, -1) + (1,) * (len(ctx.type(x).shape) - 2)
+    y = ctx.op("ewmul", [x, ctx.weight(s.astype(dt).reshape(shp), "bn_scale")])
+    return [ctx.op("ewadd", [y, ctx.weight(t.astype(dt).reshape(shp), "bn_shift")])]

@@ -57,7 +57,7 @@ def test_near_miss_is_rejected():
 def test_grouped_convolution_rules_hold_for_any_number_of_groups():
     # The grouped domain enumerates at 4 groups; broad renaming ties merge_gconv's groups and
     # count to the convolution's groups, and the attribute instances check 2 and 8 groups.
-    from taso_jax.verify.generator import GCONV_DOMAIN
+    from taso_jax.verify.domains import GCONV_DOMAIN
 
     subs, _ = generate((GCONV_DOMAIN,), max_ops=2, workers=1)
     laws = {s.law: s for s in subs}
@@ -82,7 +82,7 @@ def test_biased_matmul_branches_merge_by_slicing():
     # Two dense layers of different widths, each with its own bias, sharing an input: the
     # merged form's concatenation of both branches would need 5 operators; slicing finds it
     # with 2 operators per branch (and the weight-only concatenations free).
-    from taso_jax.verify.generator import MATMUL_BRANCH_DOMAIN
+    from taso_jax.verify.domains import MATMUL_BRANCH_DOMAIN
 
     subs, stats = generate((MATMUL_BRANCH_DOMAIN,), max_ops=4, workers=1)
     laws = {s.law for s in subs}
@@ -99,7 +99,7 @@ def test_biased_matmul_branches_merge_by_slicing():
 def test_rows_of_two_inputs_through_one_weight_merge_by_slicing():
     # The same weight applied to two inputs: slicing the matmul of their concatenated rows
     # finds the merge; merges that only concatenate elementwise work are not kept.
-    from taso_jax.verify.generator import MATMUL_ROWS_DOMAIN
+    from taso_jax.verify.domains import MATMUL_ROWS_DOMAIN
 
     subs, stats = generate((MATMUL_ROWS_DOMAIN,), max_ops=4, workers=1)
     laws = [s.law for s in subs]

@@ -96,7 +96,8 @@ def test_affine_normalization_leaves_shared_intermediates_alone():
 
 
 def test_nhwc_conv_and_pool_laws_hold_numerically():
-    from taso_jax.ops.conv import NHWC_LAW, POOL_NHWC_LAWS
+    from taso_jax.ops.conv import NHWC_LAW
+    from taso_jax.ops.pool import POOL_NHWC_LAWS
     from taso_jax.verify.laws import check_axioms
 
     laws = [("NHWC_LAW", NHWC_LAW)] + [(f"POOL_NHWC_LAWS[{k}]", law)

@@ -19,7 +19,7 @@ from taso_jax.ops import TensorType
 from taso_jax.search.match import find_matches, rewrites
 from taso_jax.search.pattern import AttrVar, parse_attr
 from taso_jax.search.rules import PNode, Substitution, default_substitutions, load_substitutions
-from taso_jax.verify.generator import _Fingerprinter
+from taso_jax.verify._enumeration import _Fingerprinter
 from taso_jax.verify.prover import Prover, bind_attributes
 
 import taso_jax

@@ -1,8 +1,9 @@
 """Where substitutions are born and proved.
 
-* :mod:`taso_jax.verify.generator`: enumeration of expressions over a domain, fingerprints on
-  random inputs, pairing into candidate substitutions, pruning, attribute generalisation and
-  numeric re-checks (:func:`~taso_jax.verify.generator.check_substitution`).
+* :mod:`taso_jax.verify.generator`: enumeration of expressions over a domain
+  (:mod:`~taso_jax.verify.domains`), fingerprints on random inputs, pairing into candidate
+  substitutions, pruning, attribute generalisation and numeric re-checks
+  (:func:`~taso_jax.verify.generalize.check_substitution`).
 * :mod:`taso_jax.verify.laws`: the axiom language. Each operator declaration carries
   :class:`~taso_jax.ops.Axiom` laws; :func:`~taso_jax.verify.laws.check_axiom` validates a law
   numerically against the JAX reference functions, and
