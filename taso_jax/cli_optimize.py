@@ -197,13 +197,11 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     report = search_report(name, graph, result, optimizer.options, optimizer.rules, notes)
     report["time_limit"] = args.time_limit
     unchanged = result.graph.key == graph.key
-    if unchanged and original is not None:
-        # The input is written back as it is: nothing to compare, and compiling it only to
-        # time it once cost 100 s on a 5,000-operator chain under a 20 s limit.
-        pass
-    elif not args.no_time and args.target == "xla":
-        # For --target onnxruntime the timings are onnxruntime's (the end-to-end choice
-        # and the check below): that process then never imports JAX (about 145 MB).
+    # An input written back as it is is not timed: nothing to compare, and compiling it only
+    # to time it once cost 100 s on a 5,000-operator chain under a 20 s limit. For --target
+    # onnxruntime the timings are onnxruntime's (the end-to-end choice and the check below):
+    # that process then never imports JAX (about 145 MB).
+    if not (unchanged and original is not None) and not args.no_time and args.target == "xla":
         if not deadline.passed():
             try:
                 report["time"] = measure_speed(graph, result.graph, repeats=args.repeats,
