@@ -217,8 +217,12 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     forget_compiled()
     e2e = report.get("end_to_end") or {}
     if unchanged:
-        verdict = Verdict.TIME_LIMIT if e2e.get("skipped") else Verdict.UNCHANGED
-        outcome = Outcome(verdict, report, graph, why=e2e.get("skipped"), result=result)
+        # a candidate may have been ahead when the limit cut the choice's confirmation
+        cut = e2e.get("skipped") or result.out_of_time_in == "end-to-end choice"
+        verdict = Verdict.TIME_LIMIT if cut else Verdict.UNCHANGED
+        outcome = Outcome(verdict, report, graph, why=e2e.get("skipped") or (
+            "the time limit passed during the end-to-end choice" if cut else None),
+            result=result)
         if original is not None:
             # Nothing beat the input: the user's own file is written back byte for byte
             # (its symbolic sizes, names and metadata included): not slower, not wrong.

@@ -144,8 +144,12 @@ class Optimizer:
         report = search_report(name, graph, result, self.options, self.rules)
         e2e = report.get("end_to_end") or {}
         if result.graph.key == graph.key:
-            verdict = Verdict.TIME_LIMIT if e2e.get("skipped") else Verdict.UNCHANGED
-            return Outcome(verdict, report, graph, why=e2e.get("skipped"), result=result)
+            # a candidate may have been ahead when the limit cut the choice's confirmation
+            cut = e2e.get("skipped") or result.out_of_time_in == "end-to-end choice"
+            verdict = Verdict.TIME_LIMIT if cut else Verdict.UNCHANGED
+            return Outcome(verdict, report, graph, why=e2e.get("skipped") or (
+                "the time limit passed during the end-to-end choice" if cut else None),
+                result=result)
         if check:
             report["check"] = check_graphs(graph, result.graph, rtol=rtol, atol=atol)
             if not report["check"]["ok"]:
