@@ -133,3 +133,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("model optimization (analytic cost model, CI budget)")
         for line in MODEL_REPORTS:
             terminalreporter.write_line(line)
+
+
+def returns_soon(call, seconds: float = 20):
+    """``call()``'s value; fails (rather than hang) when it blocks, e.g. opening a FIFO."""
+    import threading
+
+    box = []
+    t = threading.Thread(target=lambda: box.append(call()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert box, "blocked"
+    return box[0]

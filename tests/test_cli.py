@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import model_path
+from conftest import model_path, returns_soon
 from taso_jax.search.rules import PNode, Substitution, save_substitutions
 
 import taso_jax
@@ -459,18 +459,6 @@ def test_one_line_keeps_the_error_of_a_traceback_inside_a_message():
     assert len(long) <= 60 and long.endswith("...") and not long.endswith(" ...")
 
 
-def _returns_soon(call, seconds=20):
-    """``call()``'s value; fails (rather than hang) when it blocks, e.g. opening a FIFO."""
-    import threading
-
-    box = []
-    t = threading.Thread(target=lambda: box.append(call()), daemon=True)
-    t.start()
-    t.join(seconds)
-    assert box, "blocked"
-    return box[0]
-
-
 @pytest.mark.parametrize("kind", ["device", "fifo", "folder", "substitutions"])
 def test_optimize_reads_only_regular_files(tmp_path, capsys, kind):
     import os
@@ -485,7 +473,7 @@ def test_optimize_reads_only_regular_files(tmp_path, capsys, kind):
         args.insert(1, str(tmp_path))
     else:
         args += ["--substitutions", "/dev/zero"]
-    assert _returns_soon(lambda: main(args)) == 2
+    assert returns_soon(lambda: main(args)) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and "is not a regular file" in err[0], err
     assert ("--substitutions" if kind == "substitutions" else "model") in err[0]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 
 import pytest
+from conftest import returns_soon
 from taso_jax.search.rules import (
     PNode,
     Substitution,
@@ -187,18 +187,8 @@ def test_verify_reads_only_regular_rule_files(tmp_path, capsys, kind):
     path = {"device": "/dev/zero", "folder": str(tmp_path)}.get(kind, str(tmp_path / "p"))
     if kind == "fifo":
         os.mkfifo(path)
-    assert _returns_soon(lambda: main(["verify", path, "-q"])) == 2
+    assert returns_soon(lambda: main(["verify", path, "-q"])) == 2
     _one_error_line(capsys, "rule file", "is not a regular file")
-
-
-def _returns_soon(call, seconds=20):
-    """``call()``'s value; fails (rather than hang) when it blocks, e.g. opening a FIFO."""
-    box = []
-    t = threading.Thread(target=lambda: box.append(call()), daemon=True)
-    t.start()
-    t.join(seconds)
-    assert box, "blocked"
-    return box[0]
 
 
 @pytest.mark.parametrize("args, expected", [
