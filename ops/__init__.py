@@ -168,7 +168,8 @@ class Axiom:
     ``"relu(concat(a, b, axis=k)) = concat(relu(a), relu(b), axis=k)"``. Names are tensor
     variables (with a symbolic shape in ``shapes``) or attribute variables (with candidate
     values in ``params``); ``expr[i]`` takes output ``i`` of a multi-output operator, and
-    ``dim(x, k)`` is the size of axis ``k`` of ``x``. The law holds for every shape that
+    ``dim(x, k)`` is the size of axis ``k`` of ``x``; a shape may start with ``"..."``, any
+    leading dimensions (two in the numeric check). The law holds for every shape that
     instantiates ``shapes`` and every attribute value in ``params`` for which both sides are
     well typed (source: TASO, Jia et al., SOSP 2019, Section 4 and Table 2).
 
@@ -186,12 +187,20 @@ class Axiom:
             (``"g*E"``: channels that ``groups=g`` divides).
         params: attribute variable -> values to validate with.
         where: ``"name = expression"`` definitions of size variables.
+        derive: ``"rtl"`` or ``"ltr"`` to derive a rewrite rule from the law, right side to
+            left or left to right (``taso_jax.verify.from_laws``), for rules whose source is
+            longer than the generator enumerates; ``""`` for none.
+        theorem: the law follows from the axioms and is not one of them: it is checked
+            numerically like an axiom, but the prover does not assume it, so the rule it
+            derives is proved from the others.
     """
 
     law: str
     shapes: tuple = ()
     params: tuple = ()
     where: tuple = ()
+    derive: str = ""
+    theorem: bool = False
 
     @property
     def sides(self) -> tuple[str, str]:
@@ -200,14 +209,19 @@ class Axiom:
         return lhs.strip(), rhs.strip()
 
 
-def axiom(law: str, shapes: dict | None = None, where: tuple = (), **params) -> Axiom:
+def axiom(law: str, shapes: dict | None = None, where: tuple = (), derive: str = "",
+          theorem: bool = False, **params) -> Axiom:
     """Build an :class:`Axiom`.
 
     ``params`` map attribute variables to candidate values; ``where`` lists size definitions
-    (see :class:`Axiom`).
+    and ``derive`` the direction of a rule derived from the law; ``theorem`` marks a law
+    that is proved, not assumed (see :class:`Axiom`).
     """
+    if derive not in ("", "rtl", "ltr"):
+        raise ValueError(f"axiom {law!r}: derive must be 'rtl', 'ltr' or '', not {derive!r}")
     return Axiom(law, tuple(sorted((shapes or {}).items())),
-                 tuple(sorted((k, tuple(v)) for k, v in params.items())), tuple(where))
+                 tuple(sorted((k, tuple(v)) for k, v in params.items())), tuple(where), derive,
+                 theorem)
 
 
 def _freeze(v: Any) -> Any:
@@ -284,4 +298,4 @@ def get_op(name: str) -> OpDef:
 
 
 # Operator families register themselves on import.
-from taso_jax.ops import conv, elementwise, matmul, nn, pool, tensor  # noqa: E402,F401
+from taso_jax.ops import attention, conv, elementwise, matmul, nn, pool, tensor  # noqa: E402,F401

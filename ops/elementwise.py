@@ -340,12 +340,33 @@ def _import_identity(ctx, ins, training_mode=None, **_):
 # lax binary operators broadcast size-1 dimensions and rank-0 literals like NumPy, so they map
 # one to one; rank-0 literals arrive as scalar weights.
 
-for _prim, _op in (("add", "ewadd"), ("mul", "ewmul"), ("pow", "pow"), ("tanh", "tanh"),
+for _prim, _op in (("add", "ewadd"), ("pow", "pow"), ("tanh", "tanh"),
                    ("logistic", "sigmoid"), ("erf", "erf"), ("sqrt", "sqrt"), ("exp", "exp"),
                    ("neg", "neg"), ("eq", "equal"), ("lt", "less"), ("sin", "sin"),
                    ("cos", "cos"), ("log", "log"), ("erfc", "erfc"), ("abs", "abs"),
                    ("sign", "sign"), ("rem", "rem")):
     jaxpr_importer(_prim)(lambda ctx, ins, _op=_op, **_: [ctx.op(_op, ins)])
+
+
+def _constant_scalar(ctx, t) -> float | None:
+    """The value of a rank-0 float constant (a literal of the traced function), else None."""
+    if ctx.type(t).shape != () or not np.issubdtype(np.dtype(ctx.type(t).dtype), np.floating):
+        return None
+    v = ctx.const(t)
+    return None if v is None else float(np.asarray(v))
+
+
+@jaxpr_importer("mul")
+def _import_mul(ctx, ins, **_):
+    # x * 0.125 with a literal is TASO's scalar_mul: its scale is an attribute, which the
+    # laws of matmul, attention and the adapters carry through (an ewmul by a tensor would
+    # not be sound to move across a matmul for every shape of that tensor).
+    for x, c in (ins, ins[::-1]):
+        v = _constant_scalar(ctx, c)
+        if v is not None and ctx.type(x).shape == ctx.out_types[0].shape \
+                and not ctx.weight_only(x):
+            return [ctx.op("scalar_mul", [x], scalar=v)]
+    return [ctx.op("ewmul", ins)]
 
 
 @jaxpr_importer("sub", "div")
@@ -355,7 +376,16 @@ def _import_sub_div(ctx, ins, **_):
     # reciprocal are computed once with the weights). x * (1 / c) is real division only:
     # lax.div on integers truncates toward zero, and 1 / c is 0 there.
     a, b = ins
+    if ctx.source_op == "div":
+        from taso_jax.ops.nn import softmax_idiom
+
+        softmax = softmax_idiom(ctx, a, b)
+        if softmax is not None:
+            return [softmax]
     real = ctx.source_op == "sub" or np.issubdtype(np.dtype(ctx.type(b).dtype), np.inexact)
+    v = _constant_scalar(ctx, b) if ctx.source_op == "div" else None
+    if v is not None and v != 0 and not ctx.weight_only(a) and a.shape == ctx.out_types[0].shape:
+        return [ctx.op("scalar_mul", [a], scalar=1.0 / v)]
     if real and ctx.weight_only(b) and not ctx.weight_only(a):
         inv = ctx.op("neg" if ctx.source_op == "sub" else "ewdiv",
                      [b] if ctx.source_op == "sub" else [ctx.scalar(1, ctx.type(b).dtype), b])
@@ -364,7 +394,13 @@ def _import_sub_div(ctx, ins, **_):
 
 
 def _scalar_const(ctx, t):
-    """The value of a constant tensor whose entries are all equal, else ``None``."""
+    """The value of a constant tensor whose entries are all equal, else ``None``.
+
+    Reshapes and expands keep the set of values, so it is read before them: a fill value
+    broadcast to a score matrix is not materialized.
+    """
+    while t.node.op in ("expand", "reshape"):
+        t = t.node.inputs[0]
     v = ctx.const(t)
     if v is None:
         return None
@@ -388,6 +424,15 @@ def _import_max_min(ctx, ins, **_):
 @jaxpr_importer("gt")
 def _import_gt(ctx, ins, **_):
     return [ctx.op("less", [ins[1], ins[0]])]
+
+
+@jaxpr_importer("ge", "le")
+def _import_ge_le(ctx, ins, **_):
+    # a >= b is not (a < b) for integers and booleans; for floats NaN makes both false
+    if np.issubdtype(np.dtype(ctx.type(ins[0]).dtype), np.inexact):
+        return None
+    a, b = ins if ctx.source_op == "ge" else ins[::-1]
+    return [ctx.op("logical_not", [ctx.op("less", [a, b])])]
 
 
 @jaxpr_importer("ne")
@@ -424,7 +469,47 @@ def _import_integer_pow(ctx, ins, *, y=2, **_):
 def _import_select_n(ctx, ins, **_):
     if len(ins) != 3 or ctx.type(ins[0]).dtype != "bool":
         return None  # integer case selectors
+    masked = _causal_select(ctx, ins[0], ins[2], ins[1])
+    if masked is not None:
+        return [masked]
     return [ctx.op("where", [ins[0], ins[2], ins[1]])]  # select_n(p, f, t) = p ? t : f
+
+
+def unbroadcast(t):
+    """``t`` before the reshapes and expands that only changed its leading axes.
+
+    A mask or a fill value broadcast to ``[B, H, S, S]`` is read back at its own size.
+    """
+    while t.node.op in ("expand", "reshape") and len(t.shape) >= 2 and (
+            t.node.inputs[0].shape[-2:] == t.shape[-2:] if len(t.node.inputs[0].shape) >= 2
+            else t.node.op == "expand" or t.node.inputs[0].shape == ()):
+        t = t.node.inputs[0]
+    return t
+
+
+def _causal_select(ctx, pred, on_true, on_false):
+    """``causal_mask(x, offset, fill)`` for a causal ``where``, else ``None``.
+
+    The ``where`` is ``where(pred, x, fill)`` (or ``where(pred, fill, x)``) with a constant
+    ``pred`` that keeps ``j <= i + offset`` over the last two axes (drops, when swapped) and
+    a constant uniform ``fill``.
+    """
+    from taso_jax.ops.attention import causal_offset
+
+    out = ctx.out_types[0]
+    if len(out.shape) < 2 or not np.issubdtype(np.dtype(out.dtype), np.floating):
+        return None
+    for x, fill, negate in ((on_true, on_false, False), (on_false, on_true, True)):
+        if ctx.type(x).shape != out.shape or ctx.weight_only(x):
+            continue
+        value = _scalar_const(ctx, fill)
+        keep = ctx.const(unbroadcast(pred))
+        if value is None or keep is None or np.shape(keep)[-2:] != out.shape[-2:]:
+            continue
+        offset = causal_offset(~np.asarray(keep) if negate else np.asarray(keep))
+        if offset is not None:
+            return ctx.op("causal_mask", [x], offset=offset, fill=value)
+    return None
 
 
 @jaxpr_importer("convert_element_type")

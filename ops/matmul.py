@@ -63,7 +63,21 @@ _MATMUL_LAWS = (
     axiom("matmul(x, a, activation='sigmoid') = sigmoid(matmul(x, a))", _X),
     axiom("matmul(x, a, activation='tanh') = tanh(matmul(x, a))", _X),
     axiom("matmul(scalar_mul(x, scalar=s), a) = scalar_mul(matmul(x, a), scalar=s)", _X, s=(2.0,)),
+    axiom("matmul(x, scalar_mul(a, scalar=s)) = scalar_mul(matmul(x, a), scalar=s)", _X, s=(2.0,)),
     axiom("transpose(matmul(x, a), perm=(1, 0)) = matmul(transpose(a, perm=(1, 0)), transpose(x, perm=(1, 0)))", _X),
+)
+
+# Low-rank adapters merged into the weight they adapt (LoRA, Hu et al. 2021, Section 4.1:
+# ``W + s * A @ B`` is computed once, ahead of time, when the weights are weights), read right
+# to left as rules. Theorems: distributivity, associativity and the scalar_mul laws prove them.
+_LORA = {"x": ("...", "M", "K"), "w": ("K", "N"), "a": ("K", "R"), "b": ("R", "N")}
+_LORA_LAWS = (
+    axiom("matmul(x, ewadd(w, matmul(a, b))) = ewadd(matmul(x, w), matmul(matmul(x, a), b))", _LORA,
+          derive="rtl", theorem=True),
+    axiom("matmul(x, ewadd(w, scalar_mul(matmul(a, b), scalar=s))) = ewadd(matmul(x, w), scalar_mul(matmul(matmul(x, a), b), scalar=s))",
+          _LORA, derive="rtl", theorem=True, s=(0.5,)),
+    axiom("matmul(x, ewadd(w, matmul(scalar_mul(a, scalar=s), b))) = ewadd(matmul(x, w), matmul(scalar_mul(matmul(x, a), scalar=s), b))",
+          _LORA, derive="rtl", theorem=True, s=(0.5,)),
 )
 
 
@@ -75,7 +89,7 @@ declare(OpDef(
     examples=(([TensorType((3, 4), _F32), TensorType((4, 5), _F32)], {}),
               ([TensorType((2, 1, 3, 4), _F32), TensorType((6, 4, 5), _F32)],
                {"activation": "relu"})),
-    axioms=_MATMUL_LAWS,
+    axioms=_MATMUL_LAWS + _LORA_LAWS,
     doc="batched matrix product with fused activation (ONNX MatMul; TASO matmul)"))
 
 

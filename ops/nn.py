@@ -46,6 +46,50 @@ def _import_softmax(ctx, ins, axis=-1):
     return [ctx.op("softmax", ins, axis=axis)]
 
 
+def _through(t, ops: tuple[str, ...]):
+    """``t`` before the named operators (one input each) and ``stop_gradient``."""
+    while t.node.op in ops or (t.node.op == "opaque" and getattr(
+            dict(t.node.attrs).get("call"), "primitive", None) == "stop_gradient"):
+        t = t.node.inputs[0]
+    return t
+
+
+def _reduced_axis(t, op: str):
+    """``(input, axis)`` if ``t`` is ``op`` over one axis (negative), else ``None``."""
+    if t.node.op != op:
+        return None
+    (axes,) = (v for k, v in t.node.attrs if k == "axes")
+    x = t.node.inputs[0]
+    return (x, axes[0] % len(x.shape) - len(x.shape)) if len(axes) == 1 else None
+
+
+def softmax_idiom(ctx, num, den):
+    """``softmax(x, axis)`` if ``num / den`` is the softmax written out, else ``None``.
+
+    The written-out form, as ``jax.nn.softmax`` traces: ``e / sum(e, axis)`` with
+    ``e = exp(x - stop_gradient(max(x, axis)))``, the reductions' axis restored by a
+    reshape. It is the definition of softmax (ONNX Softmax-13), so nothing is lost; under
+    ``jax.grad`` the operator's derivative is the same, since softmax is invariant to the
+    shift.
+    """
+    if num.node.op != "exp" or num.node.inputs[0].node.op != "ewsub":
+        return None
+    x, shift = num.node.inputs[0].node.inputs
+    total = _reduced_axis(_through(den, ("reshape",)), "reduce_sum")
+    peak = _reduced_axis(_through(shift, ("reshape", "clip")), "reduce_max")
+    if total is None or peak is None or total != (num, peak[1]) or peak[0] != x:
+        return None
+    axis = peak[1]
+    kept = tuple(1 if i == len(x.shape) + axis else d for i, d in enumerate(x.shape))
+    if den.shape != kept or shift.shape != kept or x.shape != ctx.out_types[0].shape:
+        return None
+    clip = _through(shift, ("reshape",))
+    if clip.node.op == "clip" and (dict(clip.node.attrs)["max"] is not None
+                                   or dict(clip.node.attrs)["min"] != float("-inf")):
+        return None  # a clip that could change the maximum
+    return ctx.op("softmax", [x], axis=axis)
+
+
 def _layernorm(x, scale, bias, *, axis, epsilon):
     axes = tuple(range(axis % x.ndim, x.ndim))
     mean = jnp.mean(x, axis=axes, keepdims=True)

@@ -434,3 +434,21 @@ def _import_pad_jaxpr(ctx, ins, *, padding_config, **_):
     pads = tuple(lo for lo, _, _ in padding_config) + tuple(hi for _, hi, _ in padding_config)
     return [ctx.op("pad", [x], pads=tuple(int(p) for p in pads),
                    value=float(np.asarray(v).reshape(())))]
+
+
+#: Most elements of an ``iota`` folded into a constant at import; a larger one stays a
+#: runtime operation (a one-hot table over a vocabulary would be a large weight).
+IOTA_FOLD_MAX = 1 << 22
+
+
+@jaxpr_importer("iota")
+def _import_iota(ctx, ins, *, dtype, shape, dimension, **_):
+    # Positions (0, 1, 2, ... along one axis) are constants: folded here, the masks and
+    # position tables computed from them fold too, and a causal mask can be recognized.
+    shape = tuple(int(d) for d in shape)
+    if int(np.prod(shape, dtype=np.int64)) > IOTA_FOLD_MAX:
+        return None
+    axis = np.arange(shape[dimension], dtype=np.dtype(dtype))
+    view = [1] * len(shape)
+    view[dimension] = shape[dimension]
+    return [ctx.weight(np.broadcast_to(axis.reshape(view), shape).copy(), "iota")]

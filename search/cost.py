@@ -198,6 +198,9 @@ def _work(node: Node) -> tuple[float, float]:
 #: (largest round median over smallest) above which a kernel is timed again.
 ROUNDS = 3
 WIDE_SPREAD = 1.25
+#: Microseconds of timed runs per kernel above which a kernel gets fewer runs: an attention
+#: over a 1024 x 1024 score matrix at 100 ms a call would otherwise take seconds to price.
+KERNEL_BUDGET_US = 1_000_000
 
 #: Version of the way a kernel is timed, stored with every cached time. A cached time taken
 #: by another method is measured again. 3: the fastest single run of :data:`ROUNDS` rounds,
@@ -478,16 +481,22 @@ class MeasuredCostModel(CostModel):
         the kernel's time is the fastest single run of all (the fastest round's median, used
         before 2026-11-24, let a loaded machine price a 512x1536 matmul at 202 us, more than
         a 512x4096 one). The spread is the slowest round's median over the fastest's; above
-        :data:`WIDE_SPREAD` the kernel is timed :data:`ROUNDS` rounds more. ``run`` may be a
+        :data:`WIDE_SPREAD` the kernel is timed :data:`ROUNDS` rounds more. A kernel whose
+        first call shows that the runs would last more than :data:`KERNEL_BUDGET_US` gets
+        fewer runs per round (at least one) and no warm-up past the first. ``run`` may be a
         list of calls, used in turn, one per round: the same kernel on inputs allocated
         apart (see :meth:`_runner`).
         """
         from taso_jax.ir.executor import time_function
 
         runs = run if isinstance(run, list) else [run]
-        per_round = max(3, self.repeats // ROUNDS)
+        per_round, warmup = max(3, self.repeats // ROUNDS), 2
+        first = time_function(runs[0], repeats=1, warmup=1)[0]  # compiled, then one call
+        if first * self.repeats > KERNEL_BUDGET_US:  # a long kernel: fewer, still fastest-of
+            per_round, warmup = max(1, int(KERNEL_BUDGET_US / (first * ROUNDS))), 0
         rounds = [time_function(runs[i % len(runs)], repeats=per_round,
-                                warmup=2 if i < len(runs) else 0) for i in range(ROUNDS)]
+                                warmup=warmup if i < len(runs) else 0) for i in range(ROUNDS)]
+        rounds[0].append(first)
         medians = [float(np.median(r)) for r in rounds]
         if max(medians) > WIDE_SPREAD * min(medians):
             rounds += [time_function(runs[i % len(runs)], repeats=per_round, warmup=0)

@@ -153,7 +153,7 @@ def _cluster_domains(domains, max_ops: int, seed: int, monotone: bool, cluster: 
 
 def generate(domains=None, max_ops: int = 3, seed: int = 0,
              progress: Callable[[str], None] | None = None, monotone: bool = True,
-             workers: int | None = None, cluster: str | None = None
+             workers: int | None = None, cluster: str | None = None, laws: bool = True
              ) -> tuple[list[Substitution], GeneratorStats]:
     """Generate substitutions over ``domains`` with expressions of up to ``max_ops`` operators.
 
@@ -174,6 +174,8 @@ def generate(domains=None, max_ops: int = 3, seed: int = 0,
             pruning, re-check and attribute generalisation in one process). The result
             is the same as without a cluster: renamings across domains are pruned here,
             in domain order.
+        laws: add the rules derived from the operators' laws
+            (:func:`taso_jax.verify.from_laws.derived_rules`), unproved like the rest.
 
     Returns:
         The kept substitutions and the per-stage counts.
@@ -216,5 +218,10 @@ def generate(domains=None, max_ops: int = 3, seed: int = 0,
     stats.pruned["duplicate after generalising attributes"] += len(kept) - len(unique)
     kept = name_rules([replace(s, provenance={**s.provenance, "generated_name": s.name})
                        for s in unique])
+    if laws:  # first: the greedy descent takes the first rewrite that pays, and these
+        # sources (attention, adapters) are longer than any generated one that they contain
+        from taso_jax.verify.from_laws import derived_rules
+
+        kept = [r for r in derived_rules() if r.id not in first] + kept
     stats.kept = len(kept)
     return kept, stats

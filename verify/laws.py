@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import numpy as np
 from taso_jax.ops import OPS, Axiom, ShapeError, TensorType
 
-__all__ = ["all_axioms", "check_axiom", "check_axioms", "evaluate", "Z3Encoding",
+__all__ = ["all_axioms", "all_laws", "check_axiom", "check_axioms", "evaluate", "Z3Encoding",
            "AxiomError", "IllTypedAxiom"]
 
 
@@ -68,7 +68,15 @@ def _condition(text: str, where: str):
 
 
 def all_axioms() -> list[tuple[str, Axiom]]:
-    """Every declared axiom as ``(operator name, axiom)``, in registry order."""
+    """Every declared axiom as ``(operator name, axiom)``, in registry order.
+
+    Theorems (``Axiom.theorem``) are left out: the prover must not assume them.
+    """
+    return [(name, ax) for name, ax in all_laws() if not ax.theorem]
+
+
+def all_laws() -> list[tuple[str, Axiom]]:
+    """Every declared law, axioms and theorems, as ``(operator name, law)``."""
     return [(name, ax) for name, op in OPS.items() for ax in op.axioms]
 
 
@@ -161,7 +169,12 @@ def _size_symbols(ax: Axiom) -> list[str]:
 
 
 def _concrete_shape(shape: tuple, env: dict, where: str) -> tuple[int, ...]:
-    """A symbolic shape at given sizes; a dimension may be an expression such as ``"g*E"``."""
+    """A symbolic shape at given sizes; a dimension may be an expression such as ``"g*E"``.
+
+    A leading ``"..."`` (any leading dimensions) is checked as one of size 2.
+    """
+    if shape[:1] == ("...",):
+        return (2, *_concrete_shape(shape[1:], env, where))
     return tuple(int(evaluate(_parse(d, where), env, where)) if isinstance(d, str) else int(d)
                  for d in shape)
 

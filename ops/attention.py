@@ -1,0 +1,207 @@
+"""Attention: scaled dot-product attention and the causal mask, with lowerings per device.
+
+``attention(q, kt, v)`` is ``softmax(q @ kt) @ v`` over the last two axes, with the keys
+given transposed (``kt``: ``[..., D, Sk]``), as JAX's ``dot_general`` import and ONNX
+exporters leave them; a scale is folded into ``q`` beforehand. Its laws are its naive
+composition (matmul, causal mask, softmax, matmul), so the rules that introduce it are read
+off those laws and proved like any other (``taso_jax.verify.from_laws``). Its ``impl``
+attribute names a lowering; each computes the same function, and the measured cost model
+picks one per device through the rules ``attention(impl='naive') => attention(impl=...)``:
+
+* ``naive``: the composition itself, an ``[Sq, Sk]`` score matrix;
+* ``blocked``: for causal attention, queries in blocks of ``block`` rows, each against the
+  key prefix it can see, so the masked upper triangle is neither computed nor stored (about
+  half the arithmetic at ``Sq = Sk``); normalized after the second matmul;
+
+The blocked form gives the masked keys exactly zero weight, as the naive form does
+with ``fill = -inf``; with a finite ``fill`` (``-1e9``, ``finfo.min``) the naive form gives
+them ``exp(fill - max)``, which is zero in float32 whenever a row's largest score exceeds
+``fill + 104``, so that form is offered only for ``fill <= -1e4``
+(:data:`SKIP_FILL`). Online normalization rounds differently from ``jax.nn.softmax``; the
+end-to-end output check compares within the tolerance of the element type.
+
+Sources: Vaswani et al., "Attention is all you need" (2017), Section 3.2.1 (scaled
+dot-product attention); ONNX Softmax, MatMul, Where; ``jax.nn.dot_product_attention``; the
+query-blocked causal form after FlashAttention (Dao et al., 2022), without its online
+softmax across key blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare
+from taso_jax.ops._lazy import LazyModule
+from taso_jax.ops.elementwise import broadcast_shape
+
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
+
+__all__ = ["causal_offset", "IMPLS", "SKIP_FILL"]
+
+#: The lowerings of ``attention``.
+IMPLS = ("naive", "blocked")
+#: Largest ``fill`` for which a lowering may skip masked keys instead of weighting them
+#: ``exp(fill - max)`` (zero in float32 and bfloat16 below ``max - 104``).
+SKIP_FILL = -1e4
+
+_F32 = "float32"
+
+
+def _keep(sq: int, sk: int, offset: int, row0: int = 0, cols: int | None = None):
+    """Boolean ``[rows, cols]`` mask: key ``j`` is visible to query ``i`` iff ``j <= i + offset``."""
+    rows = jnp.arange(row0, row0 + sq)[:, None]
+    return jnp.arange(sk if cols is None else cols)[None, :] <= rows + offset
+
+
+def _causal_mask(x, *, offset, fill):
+    keep = _keep(x.shape[-2], x.shape[-1], offset)
+    return jnp.where(keep, x, jnp.asarray(fill, x.dtype))
+
+
+def _causal_mask_shape(ts, *, offset, fill):
+    (x,) = ts
+    if len(x.shape) < 2:
+        raise ShapeError(f"causal_mask: needs rank >= 2, got {x.shape}")
+    if not np.issubdtype(np.dtype(x.dtype), np.floating):
+        raise ShapeError(f"causal_mask: needs a float tensor, got {x.dtype}")
+    return [x]
+
+
+def _causal_mask_onnx(ctx, ins, outs, *, offset, fill):
+    sq, sk = ctx.shape(ins[0])[-2:]
+    keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + offset
+    ctx.node("Where", [ctx.const(keep), ins[0],
+                       ctx.const(np.asarray(fill, ctx.dtype(ins[0])))], outs)
+
+
+declare(OpDef(
+    name="causal_mask", ref=_causal_mask,
+    shape=_causal_mask_shape, arity=1, attrs={"offset": 0, "fill": float("-inf")},
+    to_onnx=_causal_mask_onnx, fusible=True,
+    examples=(([TensorType((2, 5, 5), _F32)], {}),
+              ([TensorType((3, 2, 6), _F32)], {"offset": 4, "fill": -1e9})),
+    doc="x[..., i, j] where j <= i + offset, else fill: a causal (lower-triangular) mask "
+        "over the last two axes (jnp.where(jnp.tril(ones, offset), x, fill))"))
+
+
+def causal_offset(mask: np.ndarray) -> int | None:
+    """The causal offset that ``mask`` keeps, else ``None``.
+
+    ``mask`` is a ``[..., Sq, Sk]`` bool array, equal over its leading axes; its offset is the
+    ``o >= 0`` with ``mask[i, j] == (j <= i + o)`` (every row keeps at least one key).
+    """
+    mask = np.asarray(mask)
+    if mask.dtype != bool or mask.ndim < 2:
+        return None
+    m = mask.reshape(-1, *mask.shape[-2:])
+    if not (m == m[:1]).all():
+        return None
+    m = m[0]
+    sq, sk = m.shape
+    offset = int(m[0].sum()) - 1
+    if offset < 0 or offset >= sk:
+        return None
+    want = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + offset
+    return offset if np.array_equal(m, want) else None
+
+
+# ---- attention ----------------------------------------------------------------------------
+
+def _naive(q, kt, v, *, causal, offset, fill):
+    s = jnp.matmul(q, kt)
+    if causal:
+        s = _causal_mask(s, offset=offset, fill=fill)
+    return jnp.matmul(jax.nn.softmax(s, axis=-1), v)
+
+
+def _blocked(q, kt, v, *, offset, fill, block):
+    """Causal attention in query blocks, each against the keys it can see."""
+    sq, sk = q.shape[-2], kt.shape[-1]
+    outs = []
+    for start in range(0, sq, block):
+        stop = min(start + block, sq)
+        hi = min(sk, stop + offset)  # the block's last query sees keys j <= stop - 1 + offset
+        s = jnp.matmul(q[..., start:stop, :], kt[..., :hi])
+        keep = _keep(stop - start, sk, offset, row0=start, cols=hi)
+        s = jnp.where(keep, s, jnp.asarray(fill, s.dtype))
+        e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+        outs.append(jnp.matmul(e, v[..., :hi, :]) / jnp.sum(e, axis=-1, keepdims=True))
+    return jnp.concatenate(outs, axis=-2)
+
+
+def _attention(q, kt, v, *, causal, offset, fill, impl, block):
+    if impl == "blocked" and causal:
+        return _blocked(q, kt, v, offset=offset, fill=fill, block=block)
+    return _naive(q, kt, v, causal=causal, offset=offset, fill=fill)
+
+
+def _attention_shape(ts, *, causal, offset, fill, impl, block):
+    q, kt, v = ts
+    if min(len(q.shape), len(kt.shape), len(v.shape)) < 2:
+        raise ShapeError(f"attention: operands need rank >= 2, got {q.shape}, {kt.shape}, "
+                         f"{v.shape}")
+    if q.shape[-1] != kt.shape[-2] or kt.shape[-1] != v.shape[-2]:
+        raise ShapeError(f"attention: sizes do not chain in q{q.shape} kt{kt.shape} "
+                         f"v{v.shape}")
+    if not q.dtype == kt.dtype == v.dtype or not np.issubdtype(np.dtype(q.dtype), np.floating):
+        raise ShapeError(f"attention: needs one float dtype, got {q.dtype}, {kt.dtype}, "
+                         f"{v.dtype}")
+    if impl not in IMPLS or int(block) < 1:
+        raise ShapeError(f"attention: unknown lowering {impl!r} (block {block})")
+    if impl != "naive" and (float(fill) > SKIP_FILL or (causal and offset < 0)):
+        raise ShapeError(f"attention: the {impl} lowering skips masked keys, which the "
+                         f"fill {fill} does not make zero")
+    batch = broadcast_shape(q.shape[:-2], kt.shape[:-2], v.shape[:-2])
+    return [TensorType(batch + (q.shape[-2], v.shape[-1]), q.dtype)]
+
+
+def _attention_flops(ins, outs, *, causal, impl, **_):
+    """Two matmuls and a softmax over the score matrix; the blocked form does about half."""
+    q, kt, _v = ins
+    rows, sk = outs[0].size // outs[0].shape[-1], kt.shape[-1]
+    full = float(rows) * sk * (2 * q.shape[-1] + 2 * outs[0].shape[-1] + 5)
+    return full / 2 if causal and impl == "blocked" else full
+
+
+def _attention_onnx(ctx, ins, outs, *, causal, offset, fill, impl, block):
+    s = ctx.tmp("MatMul", ins[:2])
+    if causal:
+        rows, cols = ctx.shape(ins[0])[-2], ctx.shape(ins[1])[-1]
+        s = ctx.tmp("Where", [ctx.const(np.tril(np.ones((rows, cols), bool), offset)),
+                              s, ctx.const(np.asarray(fill, ctx.dtype(ins[0])))])
+    ctx.node("MatMul", [ctx.tmp("Softmax", [s], axis=-1), ins[2]], outs)
+
+
+# ---- laws ---------------------------------------------------------------------------------
+# The two definitions are axioms. The scaled forms are theorems (a scale on the scores is a
+# scale on the queries: matmul's scalar_mul law), so their rules are proved, not assumed.
+# Read right to left, each law gives the rule that introduces ``attention``; the lowering law,
+# read left to right, gives one rule per block size.
+_QKV = {"q": ("...", "M", "K"), "kt": ("...", "K", "N"), "v": ("...", "N", "P")}
+_F = (float("-inf"), -1e9)
+_ATTENTION_LAWS = (
+    axiom("attention(q, kt, v) = matmul(softmax(matmul(q, kt), axis=-1), v)", _QKV,
+          derive="rtl"),
+    axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = matmul(softmax(causal_mask(matmul(q, kt), offset=o, fill=f), axis=-1), v)",
+          _QKV, derive="rtl", o=(0, 1), f=_F),
+    axiom("attention(scalar_mul(q, scalar=s), kt, v) = matmul(softmax(scalar_mul(matmul(q, kt), scalar=s), axis=-1), v)",
+          _QKV, derive="rtl", theorem=True, s=(0.125,)),
+    axiom("attention(scalar_mul(q, scalar=s), kt, v, causal=True, offset=o, fill=f) = matmul(softmax(causal_mask(scalar_mul(matmul(q, kt), scalar=s), offset=o, fill=f), axis=-1), v)",
+          _QKV, derive="rtl", theorem=True, s=(0.125,), o=(0, 1), f=_F),
+    axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = attention(q, kt, v, causal=True, offset=o, fill=f, impl=i, block=b)",
+          _QKV, derive="ltr", o=(0, 1), f=_F, i=("blocked",), b=(64, 128, 256)),
+)
+
+declare(OpDef(
+    name="attention", ref=_attention, shape=_attention_shape, arity=3,
+    attrs={"causal": False, "offset": 0, "fill": float("-inf"), "impl": "naive", "block": 128},
+    to_onnx=_attention_onnx, flops=_attention_flops, axioms=_ATTENTION_LAWS,
+    examples=(([TensorType((2, 6, 4), _F32), TensorType((2, 4, 6), _F32),
+                TensorType((2, 6, 3), _F32)], {}),
+              ([TensorType((1, 2, 7, 4), _F32), TensorType((1, 2, 4, 7), _F32),
+                TensorType((1, 2, 7, 5), _F32)], {"causal": True}),
+              ([TensorType((2, 9, 4), _F32), TensorType((2, 4, 11), _F32),
+                TensorType((2, 11, 3), _F32)],
+               {"causal": True, "offset": 2, "impl": "blocked", "block": 4})),
+    doc="softmax(q @ kt [causal mask]) @ v over the last two axes, keys transposed "
+        "(scaled dot-product attention, Vaswani et al. 2017, Section 3.2.1)"))

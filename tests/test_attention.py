@@ -1,0 +1,167 @@
+"""Attention: the operator's lowerings, the causal mask and softmax recognized in jaxprs, the
+rules derived from its laws, and the search choosing the blocked lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from taso_jax.ops import OPS, TensorType
+from taso_jax.ops.attention import causal_offset
+from taso_jax.search.rules import default_substitutions
+from taso_jax.verify.from_laws import derived_rules
+from taso_jax.verify.prover import Prover
+
+import taso_jax
+from taso_jax.ir.graph import leaf_node, make_node
+
+
+def _naive(q, kt, v, offset, fill=-jnp.inf):
+    s = q @ kt
+    keep = np.arange(s.shape[-1])[None, :] <= np.arange(s.shape[-2])[:, None] + offset
+    return jax.nn.softmax(jnp.where(keep, s, fill), axis=-1) @ v
+
+
+@pytest.mark.parametrize("sq,sk,offset,block", [(300, 300, 0, 64), (130, 200, 70, 64),
+                                                 (257, 257, 0, 128), (5, 9, 4, 256)])
+def test_blocked_lowering_equals_naive(sq, sk, offset, block):
+    """Query blocks against their key prefix (several blocks, a partial last one, a query
+    window shorter than the keys) compute the naive causal attention."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 3, sq, 16)).astype(np.float32)
+    kt = rng.standard_normal((2, 3, 16, sk)).astype(np.float32)
+    v = rng.standard_normal((2, 3, sk, 8)).astype(np.float32)
+    attrs = {"causal": True, "offset": offset, "fill": float("-inf")}
+    ref = OPS["attention"].ref
+    got = ref(q, kt, v, **attrs, impl="blocked", block=block)
+    want = _naive(q, kt, v, offset)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ref(q, kt, v, **attrs, impl="naive", block=block)),
+                               np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_blocked_lowering_refused_where_masked_keys_would_count():
+    """A fill above -1e4 gives masked keys a weight that skipping them would drop."""
+    t = [leaf_node("input", n, TensorType(s, "float32")).outputs[0]
+         for n, s in (("q", (4, 8)), ("kt", (8, 4)), ("v", (4, 2)))]
+    make_node("attention", t, {"causal": True, "fill": -1e9, "impl": "blocked"})
+    with pytest.raises(taso_jax.ShapeError, match="fill"):
+        make_node("attention", t, {"causal": True, "fill": -100.0, "impl": "blocked"})
+
+
+def test_causal_offset():
+    tril = np.tril(np.ones((6, 6), bool))
+    assert causal_offset(tril) == 0
+    assert causal_offset(np.tril(np.ones((3, 7), bool), 4)) == 4
+    assert causal_offset(np.broadcast_to(tril, (2, 4, 6, 6))) == 0
+    assert causal_offset(tril.T) is None                        # anti-causal
+    assert causal_offset(np.tril(np.ones((6, 6), bool), -1)) is None  # a row sees no key
+    assert causal_offset(np.stack([tril, np.ones((6, 6), bool)])) is None  # differs per head
+    assert causal_offset(tril.astype(np.float32)) is None
+
+
+def _ops(graph):
+    return [n.op for n in graph.nodes]
+
+
+@pytest.mark.parametrize("form", ["where", "where_not", "finfo", "dot_product_attention"])
+def test_causal_mask_and_softmax_recognized(form):
+    """Written the ways people write it, a causal attention imports as causal_mask and
+    softmax, and the imported graph computes the function."""
+    s_len, d = 12, 8
+    tril = jnp.tril(jnp.ones((s_len, s_len), bool))
+
+    def fn(q, k, v):
+        if form == "dot_product_attention":
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d).astype(np.float32)
+        if form == "where":
+            s = jnp.where(tril, s, -jnp.inf)
+        elif form == "where_not":
+            s = jnp.where(~tril, -1e9, s)
+        else:
+            s = jnp.where(tril[None, None], s, jnp.finfo(s.dtype).min)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    args = [jax.random.normal(jax.random.key(i), (2, s_len, 3, d)) for i in range(3)]
+    g = taso_jax.from_jax(fn, *args)
+    ops = _ops(g)
+    assert "causal_mask" in ops and "softmax" in ops, ops
+    assert "where" not in ops and "exp" not in ops and "opaque" not in ops, ops
+    out = taso_jax.compile_graph(g)(*args)
+    out = out[0] if isinstance(out, tuple | list) else out
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(fn)(*args)), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_a_mask_that_is_not_causal_stays_a_where():
+    band = jnp.asarray(np.abs(np.arange(8)[:, None] - np.arange(8)[None, :]) <= 2)
+
+    def fn(s):
+        return jnp.where(band, s, -jnp.inf)
+
+    g = taso_jax.from_jax(fn, jnp.ones((2, 8, 8)))
+    assert "causal_mask" not in _ops(g) and "where" in _ops(g)
+
+
+def test_derived_rules_are_shipped_and_proved():
+    """Every rule read off a law is in the shipped rule file, stamped proved, and proved
+    again here from the axioms."""
+    rules = derived_rules()
+    names = {r.name for r in rules}
+    assert {"attention-from-matmul-causal_mask-softmax",
+            "lower-attention-blocked-128"} <= names
+    shipped = {s.id: s for s in default_substitutions()}
+    prover = Prover()
+    for rule in rules:
+        assert shipped[rule.id].proof_status == "proved", rule.name
+        assert prover.prove(rule)["status"] == "proved", rule.name
+
+
+def test_search_chooses_the_blocked_lowering():
+    """The search introduces attention into a plain-JAX causal attention and lowers it to
+    query blocks (analytic cost: half the arithmetic); the result equals the original."""
+    s_len, d = 256, 16
+
+    def fn(q, k, v):
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (1 / np.sqrt(d)).astype(np.float32)
+        s = jnp.where(jnp.tril(jnp.ones((s_len, s_len), bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+    args = [jax.random.normal(jax.random.key(i), (1, 2, s_len, d)) for i in range(3)]
+    g = taso_jax.from_jax(fn, *args)
+    result = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0, time_limit=60)
+    atts = [n for n in result.graph.nodes if n.op == "attention"]
+    assert len(atts) == 1 and dict(atts[0].attrs)["impl"] == "blocked"
+    out = taso_jax.compile_graph(result.graph)(*args)
+    out = out[0] if isinstance(out, tuple | list) else out
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(fn)(*args)), rtol=1e-5,
+                               atol=1e-6)
+
+
+def _lora(p, x):
+    """Two LoRA-adapted linears, the scale placed the two ways people write it."""
+    h = jax.nn.relu(x @ p["w1"] + 2.0 * (x @ p["a1"]) @ p["b1"])
+    return h @ p["w2"] + (h @ p["a2"] @ p["b2"]) * 0.5
+
+
+def test_lora_adapters_merged_into_their_weights():
+    """x @ W + s * (x @ A) @ B becomes x @ (W + s * A @ B), the merged weight computed once
+    from the weights: one matmul per layer at run time, the same outputs."""
+    d, r = 64, 4
+    key = jax.random.key(0)
+    shapes = {"w1": (d, d), "a1": (d, r), "b1": (r, d), "w2": (d, d), "a2": (d, r),
+              "b2": (r, d)}
+    p = {n: jax.random.normal(jax.random.fold_in(key, i), s) * 0.1
+         for i, (n, s) in enumerate(shapes.items())}
+    x = jax.random.normal(jax.random.key(1), (2, 16, d))
+    g = taso_jax.from_jax(_lora, p, x, weight_argnums=0)
+    result = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0)
+    runtime = [n for n in result.graph.nodes if n.op == "matmul" and not n.weight_only]
+    assert len(runtime) == 2, result.graph
+    assert {"matmul-from-matmul-scalar_mul-ewadd", "matmul-from-matmul-scalar_mul-ewadd-2"} \
+        <= set(result.applied)
+    for scale in (1.0, 100.0):
+        out = taso_jax.compile_graph(result.graph)(x * scale)
+        out = out[0] if isinstance(out, tuple | list) else out
+        np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(_lora)(p, x * scale)),
+                                   rtol=1e-4, atol=1e-4 * scale)
