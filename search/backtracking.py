@@ -177,9 +177,10 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         cost_model: defaults to :class:`AnalyticCostModel`.
         alpha: relaxation factor (>= 1); TASO's default is 1.05.
         budget: maximum number of graphs expanded.
-        time_limit: maximum wall time in seconds, kernel measurement included: a cost
-            model with a ``deadline`` (the measured one) prices kernels it has not measured
-            analytically once the time is up.
+        time_limit: maximum wall time in seconds, kernel measurement included: once it is
+            up, a cost model that times kernels (the measured one) prices the kernels it has
+            not measured analytically (``measure_until``,
+            :meth:`~taso_jax.search.cost.CostModel.node_cost`).
         progress: called as ``progress(iterations, best_cost)`` after each expansion.
         greedy: first apply every strictly cost-reducing rewrite (:func:`greedy_descent`,
             at most half the time limit), then search from there.
@@ -193,17 +194,9 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         ValueError: ``alpha < 1`` or a negative budget.
     """
     cost_model = cost_model or AnalyticCostModel()
-    timed = hasattr(cost_model, "deadline")
-    before = cost_model.deadline if timed else None
-    if timed:
-        cost_model.deadline = time.perf_counter() + time_limit
-    try:
-        with cost_model.holding_nodes(), fewer_collections():
-            return _search(graph, substitutions, cost_model, alpha, budget, time_limit,
-                           progress, greedy, keep, record)
-    finally:
-        if timed:
-            cost_model.deadline = before
+    with cost_model.holding_nodes(), fewer_collections():
+        return _search(graph, substitutions, cost_model, alpha, budget, time_limit,
+                       progress, greedy, keep, record)
 
 
 def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
@@ -217,7 +210,8 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
         raise ValueError(f"budget must be >= 0, got {budget}")
     state = SearchState()
     t0 = time.perf_counter()
-    cost0 = cost_model.graph_cost(graph)
+    end = t0 + time_limit  # of the search, and of measuring kernels (measure_until)
+    cost0 = cost_model.graph_cost(graph, end)
     start, start_cost, start_path = graph, cost0, ()
     visited: list[Candidate] = [Candidate(cost0, graph, ())]
     hold = None if record is None else max(record, keep)
@@ -237,7 +231,7 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
     if greedy:
         start, start_cost, names = greedy_descent(
             graph, substitutions, cost_model, time_limit / 2, state, alpha,
-            on_step=lambda c, g, names: note(Candidate(c, g, names)))
+            on_step=lambda c, g, names: note(Candidate(c, g, names)), measure_until=end)
         start_path = tuple(names)
     tie = itertools.count()
     queue = [_Entry(start_cost, next(tie), start, start_path)]
@@ -247,7 +241,6 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
     # estimate queued (estimates are upper bounds, so that cost is reachable).
     best_cost = start_cost
     iterations, stopped = 0, StopReason.QUEUE_EMPTY
-    end = t0 + time_limit
 
     def build(entry: _Entry) -> bool:
         """Build, price and record an unbuilt entry; ``False`` if its graph was seen."""
@@ -256,7 +249,7 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
         if g2.key in seen:
             return False
         seen.add(g2.key)
-        entry.graph, entry.cost, entry.rebuilt = g2, cost_model.graph_cost(g2), rebuilt
+        entry.graph, entry.cost, entry.rebuilt = g2, cost_model.graph_cost(g2, end), rebuilt
         note(Candidate(entry.cost, g2, entry.path))
         return True
 
@@ -296,7 +289,7 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
                                              state)
             table[rid] = found or ()  # most rules match nowhere: one shared empty tuple
             for rw, estimate in _prepared(g, gc, sub, cost_model, alpha * best_cost, state,
-                                          matches=found, deadline=end):
+                                          matches=found, deadline=end, measure_until=end):
                 heapq.heappush(queue, _Entry(estimate, next(tie), None, (*entry.path, sub.name),
                                              g, table, rw.mapping))
                 best_cost = min(best_cost, estimate)

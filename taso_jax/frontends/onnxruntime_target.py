@@ -243,18 +243,13 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
     def _key(self, node: Node) -> str:
         return repr((self.opset, *self.signature(node)))
 
-    def _would_measure(self, node: Node) -> bool:
-        return node.op != "opaque" and self._uncached(self._key(node))
+    def _unmeasured(self, node: Node) -> bool:
+        return node.op != "opaque" and self._lookup(self._key(node)) is None
 
     def _cost(self, node: Node) -> float:
         if node.op == "opaque":
             return self._analytic.node_cost(node)
-        key = self._key(node)
-        if self.deadline is not None and time.perf_counter() > self.deadline:
-            if self._lookup(key) is None:
-                self.estimated += 1
-                return self._analytic.node_cost(node)
-        micros = self._priced(node, key)
+        micros = self._priced(node, self._key(node))
         if micros is None:
             return self._analytic.node_cost(node)
         if not self.calibrate:
