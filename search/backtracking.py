@@ -86,6 +86,8 @@ class SearchResult:
         applied: substitution name -> times applied on the path to ``graph``.
         iterations: graphs expanded. explored: distinct graphs built and priced exactly.
         seconds: wall time of the search.
+        second_opinion_seconds: wall time of the searches that second-guessed the cost
+            model after it (set by :func:`taso_jax.search.options.run_search`).
         stopped: why the search ended (``"queue empty"``, ``"budget"``, ``"time limit"``).
         rejected: match rejections by reason (for debugging substitutions).
         rules: how many substitutions were used, how many of them proved, and how many
@@ -104,6 +106,10 @@ class SearchResult:
             limit passed (``"import"``: before the search, ``"search"``, ``"second
             opinions"``, ``"end-to-end choice"``;
             set by :func:`taso_jax.search.options.run_search`), ``""`` where it did not.
+        unmeasurable: the kernels the cost model could not time alone, and why (set by
+            :func:`taso_jax.search.options.run_search`).
+        outcome: the :class:`taso_jax.outcome.Outcome` of the whole pipeline, where
+            :func:`taso_jax.search_graph` ran it; else ``None``.
     """
 
     graph: Graph
@@ -115,11 +121,14 @@ class SearchResult:
     seconds: float
     stopped: str
     rejected: Counter = field(default_factory=Counter)
-    rules: dict = field(default_factory=dict)
-    candidates: list = field(default_factory=list)
-    visited: list = field(default_factory=list)
+    rules: dict[str, int] = field(default_factory=dict)
+    candidates: list[Candidate] = field(default_factory=list)
+    visited: list[Candidate] = field(default_factory=list)
     end_to_end: dict = field(default_factory=dict)
     out_of_time_in: str = ""
+    second_opinion_seconds: float = 0.0
+    unmeasurable: list[str] = field(default_factory=list)
+    outcome: object | None = None  # a taso_jax.outcome.Outcome (a layer above the search)
 
     @property
     def path(self) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ import sqlite3
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from taso_jax.ops import OPS
@@ -54,6 +54,8 @@ class CostModel:
     """
 
     name = "base"
+    #: Kernels that would not run alone, and why (:class:`MeasuredCostModel` fills its own).
+    unmeasurable: Sequence[str] = ()
 
     def __init__(self):
         self._by_signature: dict[tuple, float] = {}
