@@ -67,10 +67,9 @@ class CostModel:
         """Keep every node priced inside the block alive until the block ends.
 
         A search prices a rewrite's nodes before it builds the rewrite; held, they are
-        found interned (with their price and match caches) when it is built. NasNet-A 4x,
-        analytic costs: 16.4-17.4 s held against 19.3-22.5 s not (interleaved runs), for
-        86 MB more at the search's peak. Released at the end, they do not outlive the
-        search into the end-to-end choice.
+        found interned (with their price and match caches) when it is built. Released at
+        the end of the outermost block, they do not outlive the search into the end-to-end
+        choice.
         """
         outer = self._held
         if outer is None:
@@ -291,19 +290,14 @@ class MeasuredCostModel(CostModel):
             microseconds, where ``call_overhead_us`` is the median time of a jitted call
             that adds 1 to a 1-element array (Python dispatch, argument handling, one tiny
             kernel) and ``launch`` is the analytic preset's per-kernel cost (2 us on a CPU,
-            5 us on a GPU). Timed alone, a small kernel is mostly dispatch: on this
-            project's 2-core CPU an empty call takes about 10 us and a 1x512 by 512x512
-            matmul about 40 us; inside one compiled graph the dispatch is paid once. With
-            ``False`` the raw medians are used.
+            5 us on a GPU): timed alone, a small kernel is mostly dispatch, which one
+            compiled graph pays once. With ``False`` the raw medians are used.
         nhwc_convolutions: price each NCHW convolution (``conv2d``) as the NHWC convolution
             of the same sizes (``conv2d_nhwc``, NHWC x HWIO), the form it runs in once the
             end-to-end choice keeps a graph's NHWC candidate
-            (:func:`taso_jax.ir.layout.to_nhwc`). The two layouts rank a grouped
-            convolution against its dense form differently on XLA:CPU: on this project's
-            2-core CPU a 5x5 depthwise convolution on 1x88x14x14 took 798 us against 784 us
-            dense in NCHW, 805 us against 662 us in NHWC; priced in NCHW, searches of
-            NasNet-A made between 63 and 193 of its grouped convolutions dense from one
-            cold cache to the next. Other operators are priced as they are.
+            (:func:`taso_jax.ir.layout.to_nhwc`): the two layouts rank a grouped
+            convolution against its dense form differently on XLA:CPU. Other operators are
+            priced as they are.
 
     Each distinct (device kind, operator, attributes, input types) is measured once, ever:
     compiling a kernel takes on the order of a second on a GPU. The cache holds the raw
@@ -424,9 +418,7 @@ class MeasuredCostModel(CostModel):
 
         A kernel not yet measured, all of whose inputs and outputs are float32 or float64,
         is bounded by its FLOPs at :meth:`peak_gflops` plus one launch (calibrated) and
-        costs no measurement: on a cold cache, a search of MobileNet-v2 for onnxruntime
-        timed the dense forms of its depthwise convolutions (4-5 ms each, about half the
-        whole model) only to drop them. Other dtypes (8- and 16-bit types have far faster
+        costs no measurement. Other dtypes (8- and 16-bit types have far faster
         units) and devices without a bound get the launch alone.
         """
         known = self._known(node)
@@ -492,13 +484,12 @@ class MeasuredCostModel(CostModel):
     def _robust_time(self, run) -> tuple[float, float]:
         """``(microseconds, spread)`` of ``run()``, robust to a loaded machine.
 
-        :data:`ROUNDS` rounds of ``repeats / ROUNDS`` runs each. Load only ever adds time, so
-        the kernel's time is the fastest single run of all (the fastest round's median, used
-        before 2026-11-24, let a loaded machine price a 512x1536 matmul at 202 us, more than
-        a 512x4096 one). The spread is the slowest round's median over the fastest's; above
-        :data:`WIDE_SPREAD` the kernel is timed :data:`ROUNDS` rounds more. ``run`` may be a
-        list of calls, used in turn, one per round: the same kernel on inputs allocated
-        apart (see :meth:`_runner`).
+        :data:`ROUNDS` rounds of ``repeats / ROUNDS`` runs each. Load only ever adds time,
+        so the kernel's time is the fastest single run of all, in microseconds. The spread
+        is the slowest round's median over the fastest's; above :data:`WIDE_SPREAD` the
+        kernel is timed :data:`ROUNDS` rounds more. ``run`` may be a list of calls, used in
+        turn, one per round: the same kernel on inputs allocated apart (see
+        :meth:`_runner`).
         """
         from taso_jax.ir.executor import time_function
 
@@ -529,10 +520,9 @@ class MeasuredCostModel(CostModel):
     def _runner(self, node: Node) -> list:
         """:data:`ROUNDS` calls, each running ``node`` once as a jitted kernel.
 
-        All use the same seeded random values, in buffers allocated apart. One buffer can
-        time a kernel slow for a whole measurement: on this project's 2-core CPU, a 1x512
-        by 512x512 matmul took 30 us on some weight buffers and 61 us on others, steadily
-        over 15 runs. A round per buffer lets the fastest run find a fast one.
+        All use the same seeded random values, in buffers allocated apart: one buffer can
+        time a kernel slow for a whole measurement, and a round per buffer lets the fastest
+        run find a fast one.
         """
         import jax
 
@@ -586,13 +576,9 @@ class MeasuredCostModel(CostModel):
         A convolution whose other form (:func:`sibling_key`, another ``groups``) was
         priced first by this cost model, the anchor, is timed with it in alternating rounds
         (:meth:`_retime_pair`) and priced at the anchor's price times the ratio of the two;
-        the spread is then not recorded (``None``). Priced alone, at different moments of a
-        loaded 2-core machine, the forms of one NasNet-A convolution ranked differently
-        from one cold cache to the next (a 3x3 convolution on 1x14x14x88 NHWC, depthwise
-        and at 44 groups: 480 and 749 us, 474 and 592 us, 773 and 628 us in three caches,
-        so that halving its groups paid in the third only), and searches halved 149 to 193
-        of its grouped convolutions. Other kernels, and the first form priced, are timed
-        alone (:meth:`_measure`).
+        the spread is then not recorded (``None``): the forms, priced alone at different
+        moments of a loaded machine, ranked differently from one cold cache to the next.
+        Other kernels, and the first form priced, are timed alone (:meth:`_measure`).
         """
         siblings = sibling_key(node)
         anchor = self._anchors.get(siblings) if siblings is not None else None
@@ -607,11 +593,9 @@ class MeasuredCostModel(CostModel):
         """``micros`` for ``node``, or its time relative to a kernel it contradicts.
 
         Kernels of one family (operator, attributes, input ranks and dtypes) are priced
-        alone, at different moments, often in different processes, on a machine whose speed
-        drifts (2 shared cores: a 1x512 by 512x1024 matmul timed 48 us in one process and
-        111 us, steadily, in another). A pair of prices taken in different states can
-        invert a decision: with the 512x512 one at 35 us and the 512x1024 one at 111 us, no
-        matmul merge of a NasRNN paid. So ``node``'s price is checked against each kernel of
+        alone, at different moments, on a machine whose speed drifts, and a pair of prices
+        taken in different states can invert a decision. So ``node``'s price (``micros``,
+        its raw time in microseconds under cache key ``key``) is checked against each kernel of
         its family already priced here whose input shapes are all at least as large, or all
         at most as large. It contradicts one when it is :data:`CONTRADICTION` times dearer
         than a larger kernel (or cheaper than a smaller one), or when the larger of the two
@@ -620,7 +604,7 @@ class MeasuredCostModel(CostModel):
         in alternating rounds, under the same conditions, and ``node`` is priced at the
         other's price times the ratio of the two. Prices already handed out never change
         (the search adds and subtracts them). At most :data:`MAX_RETIMED` pairs per cost
-        model.
+        model. Returns microseconds.
         """
         family = (node.op, node.attrs, tuple((len(t.shape), t.dtype) for t in node.inputs))
         shapes = tuple(t.shape for t in node.inputs)

@@ -41,12 +41,11 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
                 retimes: int = 0) -> dict:
     """Optimize ``graph`` and time it against the original, for one row of the benchmark.
 
-    The search keeps its ``candidates`` cheapest graphs; they, the candidates that
-    second-guess its cost model (:func:`~taso_jax.search.options.add_second_opinions`: the
-    analytic search's best graph, measured cost models only; the best graph with its rules'
-    near ties taken; the best graph of a search without one rule every candidate applies),
-    and the NHWC forms of the input and of the cheapest (``layouts``) are timed end to end and the
-    fastest confirmed faster is kept (:func:`choose_fastest`), as ``taso-jax optimize`` does.
+    The optimizer's pipeline runs with these settings (:func:`search_and_choose`): the
+    search keeps its ``candidates`` cheapest graphs; they, the candidates that second-guess
+    its cost model (:func:`~taso_jax.search.options.add_second_opinions`) and the NHWC forms
+    of the input and of the cheapest (``layouts``) are timed end to end and the fastest
+    confirmed faster is kept (:func:`choose_fastest`), as ``taso-jax optimize`` does.
     The cost model's rank correlation is taken apart, over the input and ``sample`` more of the
     graphs the search visited (never kept). Then the original and the chosen graph are timed
     again, interleaved, ``repeats`` rounds or as many as fit in :data:`FINAL_SECONDS` (at most
@@ -63,8 +62,8 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
     :func:`choose_fastest` measured, with the rank correlation), ``kept_digest`` (a content
     hash of the graph kept, equal across processes for equal graphs: :func:`graph_digest`),
     ``retimed_speedups`` (one per retime). ``search_seconds`` covers every search: the
-    measured one and the analytic one (results written before 2026-11-24 cover the measured
-    one only), and since 2026-11-27 the search without one rule.
+    backtracking search and the second opinions (what older result files cover:
+    docs/benchmarks.md, "Why the search and choice work as they do").
     """
     opts = OptimizeOptions(budget=budget, time_limit=time_limit, cost_model=cost_model,
                            substitutions=substitutions, layout_candidates=layouts)
