@@ -14,18 +14,15 @@ Two things keep an expansion cheap on large models:
 * Children are queued unbuilt. A child's cost is first estimated from the nodes its rewrite
   adds and removes (an upper bound: dead upstream nodes are not subtracted); the graph is
   built, de-duplicated and priced exactly only when it is popped, and put back if it then
-  is no longer the cheapest. Most children are never popped: on NasNet-A at budget 100,
-  about 6,600 children were built before and 105 graphs are now.
+  is no longer the cheapest. Most children are never popped.
 * Matching is incremental. A rewrite rebuilds every node downstream of it (hash-consing),
   but most of those are *stable*: the same operator on the rebuilt versions of the same
   inputs (:class:`~taso_jax.search._incremental._Change`). A popped graph keeps its
   parent's matches made of stable nodes, translated, and matches again only near the
   nodes the rewrite really changed (:mod:`taso_jax.search._incremental`).
 
-Together (and with costs memoized per operator signature) they took the NasNet-A search
-(446 operators, 1,124 rules, budget 100, kernel costs cached) on this project's 2-core CPU
-from 60 s, where it hit its time limit, to about 10 s, with the same result (about 12 s with
-the 1,127 rules that include halving the groups of a convolution).
+What each saves is measured in docs/benchmarks.md ("Why the search and choice work as they
+do").
 
 The greedy descent that runs first is :mod:`taso_jax.search.descent`; the searches that
 second-guess the cost model are :mod:`taso_jax.search.second_opinions`.
@@ -44,7 +41,7 @@ from taso_jax.search._gc_tuning import fewer_collections
 from taso_jax.search._incremental import _Change, _incremental_matches, _reach
 from taso_jax.search._rewrites import SearchState, _prepared, _relevant
 from taso_jax.search.cost import AnalyticCostModel, CostModel
-from taso_jax.search.descent import greedy_descent
+from taso_jax.search.descent import _descend
 from taso_jax.search.limits import StopReason
 from taso_jax.search.match import find_matches
 from taso_jax.search.rules import Substitution
@@ -62,6 +59,8 @@ class Candidate:
         cost: estimated cost in microseconds.
         graph: the graph.
         path: names of the substitutions applied on the way from the input graph, in order.
+        rule_ids: the content-hash ids (:attr:`Substitution.id`) of the same substitutions,
+            in the same order: what the search and its second opinions know a rule by.
         judged: added for the end-to-end choice to judge whatever its estimate: it is timed
             even when its estimate ties a cheaper candidate's
             (:func:`add_near_tie_candidate`).
@@ -71,9 +70,17 @@ class Candidate:
     graph: Graph
     path: tuple[str, ...] = ()
     judged: bool = False
+    rule_ids: tuple[str, ...] = ()
 
     def __iter__(self):  # unpacks as (cost, graph, path)
         return iter((self.cost, self.graph, self.path))
+
+    @classmethod
+    def of(cls, cost: float, graph: Graph, rules: Sequence[Substitution],
+           judged: bool = False) -> Candidate:
+        """The candidate reached by applying ``rules`` in order, with their names and ids."""
+        return cls(cost, graph, tuple(r.name for r in rules), judged,
+                   tuple(r.id for r in rules))
 
 
 @dataclass
@@ -139,6 +146,15 @@ class SearchResult:
         return next((c.path for c in self.candidates if c.graph.key == self.graph.key),
                     tuple(name for name, k in self.applied.items() for _ in range(k)))
 
+    @property
+    def rule_ids(self) -> tuple[str, ...]:
+        """Content-hash ids of the substitutions applied on the way to ``graph``, in order.
+
+        Empty where no candidate holds ``graph``.
+        """
+        return next((c.rule_ids for c in self.candidates if c.graph.key == self.graph.key),
+                    ())
+
 
 #: The queue keeps its cheapest ``QUEUE_PER_EXPANSION`` entries per expansion left in the
 #: budget (plus :data:`QUEUE_FLOOR`), trimmed when it holds twice that. Each expansion pops
@@ -165,7 +181,7 @@ class _Entry:
     cost: float
     tie: int
     graph: Graph | None = field(compare=False, default=None)
-    path: tuple = field(compare=False, default=())
+    path: tuple = field(compare=False, default=())  # the Substitution records applied
     parent: Graph | None = field(compare=False, default=None)
     matches: dict | None = field(compare=False, default=None)
     mapping: dict | None = field(compare=False, default=None)
@@ -222,7 +238,7 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
     end = t0 + time_limit  # of the search, and of measuring kernels (measure_until)
     cost0 = cost_model.graph_cost(graph, end)
     start, start_cost, start_path = graph, cost0, ()
-    visited: list[Candidate] = [Candidate(cost0, graph, ())]
+    visited: list[Candidate] = [Candidate(cost0, graph)]
     hold = None if record is None else max(record, keep)
 
     def note(c: Candidate) -> None:
@@ -238,10 +254,10 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
             visited = [visited[0], *(visited[i] for i in sorted(cheapest))]
 
     if greedy:
-        start, start_cost, names = greedy_descent(
+        start, start_cost, rules = _descend(
             graph, substitutions, cost_model, time_limit / 2, state, alpha,
-            on_step=lambda c, g, names: note(Candidate(c, g, names)), measure_until=end)
-        start_path = tuple(names)
+            on_step=lambda c, g, rules: note(Candidate.of(c, g, rules)), measure_until=end)
+        start_path = tuple(rules)
     tie = itertools.count()
     queue = [_Entry(start_cost, next(tie), start, start_path)]
     reach = {sub.id: _reach(sub) for sub in substitutions}
@@ -259,7 +275,7 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
             return False
         seen.add(g2.key)
         entry.graph, entry.cost, entry.rebuilt = g2, cost_model.graph_cost(g2, end), rebuilt
-        note(Candidate(entry.cost, g2, entry.path))
+        note(Candidate.of(entry.cost, g2, entry.path))
         return True
 
     while queue:
@@ -299,7 +315,7 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
             table[rid] = found or ()  # most rules match nowhere: one shared empty tuple
             for rw, estimate in _prepared(g, gc, sub, cost_model, alpha * best_cost, state,
                                           matches=found, deadline=end, measure_until=end):
-                heapq.heappush(queue, _Entry(estimate, next(tie), None, (*entry.path, sub.name),
+                heapq.heappush(queue, _Entry(estimate, next(tie), None, (*entry.path, sub),
                                              g, table, rw.mapping))
                 best_cost = min(best_cost, estimate)
         # Its children need its nodes (to be built) and node set (to carry matches) only.

@@ -32,7 +32,7 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
     not. At most ``max_tries`` sideways rewrites are tried (pairs that worked earlier in
     this search come first); ``table`` holds each rule's matches in ``graph`` where known
     (by rule id, as :func:`greedy_descent` keeps them). Returns ``(graph, cost,
-    [name1, name2], steps)`` or ``None``; ``steps`` are the two rewrites as
+    [rule1, rule2], steps)`` or ``None``; ``steps`` are the two rewrites as
     ``(graph before, graph after, mapping, rebuilt)``, for carrying matches across them.
     No rewrite is looked at past ``deadline``, no kernel measured past ``measure_until``
     (``time.perf_counter()`` values).
@@ -79,7 +79,7 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
                     if new & set(rw2.match.nodes) and c2 < target:
                         hits[sub.id] += 1
                         hits[sub2.id] += 1
-                        return g2, c2, [sub.name, sub2.name], [
+                        return g2, c2, [sub, sub2], [
                             (graph, g1, rw.mapping, rebuilt1), (g1, g2, rw2.mapping, rebuilt2)]
             state.pair_failed.add(failed)
     return None
@@ -106,23 +106,20 @@ def _chain_step(graph: Graph, cost: float, sub: Substitution, matches: list,
 
     Each step rewrites the node the last one created (:func:`_chainable`), so one halving
     at a time reaches every group count of a convolution; the form kept is the cheapest
-    of the chain, at whatever price the steps between. Priced one step at a time, a
-    depthwise convolution whose first halving costs more than it saves never reaches the
-    cheaper forms further on (a 3x3 convolution on 1x14x14x88 NHWC on this project's CPU:
-    480 us depthwise, 749 us at 44 groups, 221 us at 11), and on a loaded machine whether
-    the first step looks cheaper is a coin toss: cold-cache searches of NasNet-A halved
-    between 42 and 112 of its convolutions' groups. A chain is not taken where one rewrite
-    of the node by a rule of ``rivals`` (other rules of one source node) is estimated as
-    cheap: halving a 32-group convolution five times ends in the dense form that
-    ``expand-conv2d`` makes in one step, which that rule takes in its turn.
+    of the chain (``k`` steps, ``k <= depth``), at whatever price the steps between. A
+    chain is not taken where one rewrite of the node by a rule of ``rivals`` (other rules
+    of one source node) is estimated as cheap (halving a 32-group convolution five times
+    ends in the dense form that ``expand-conv2d`` makes in one step). Why chains:
+    docs/benchmarks.md, "Why the search and choice work as they do".
 
+    ``matches`` are ``sub``'s matches in ``graph``; ``cost`` is its cost in microseconds.
     The chain runs on a copy of the node alone, on leaves of its input types
-    (:func:`_chain_on_copy`), and its last form is built into ``graph`` in one rewrite: a
-    chain changes only its node's price, and rebuilding the whole graph at every step took
-    NasNet-A's search at 4x depth (1,481 operators, costs cached) to 30 s, against 23 s
-    so. ``memo`` maps ``(rule id, kernel signature)`` to the length of the chain taken, 0
-    where none was: prices never change, so a kernel met again is not tried again. Returns
-    ``(graph, cost, names, steps)`` as :func:`_pair_step` does (one step), or ``None``.
+    (:func:`_chain_on_copy`), and its last form is built into ``graph`` in one rewrite (a
+    chain changes only its node's price). ``memo`` maps ``(rule id, kernel signature)`` to
+    the length of the chain taken, 0 where none was: prices never change, so a kernel met
+    again is not tried again. Returns ``(graph, cost, rules, steps)`` as :func:`_pair_step`
+    does (one step), or ``None``. Kernels are measured until ``measure_until`` (a
+    ``time.perf_counter()`` value).
     """
     for m in matches:
         node = m.nodes[0]
@@ -139,7 +136,7 @@ def _chain_step(graph: Graph, cost: float, sub: Substitution, matches: list,
             mapping = {node.outputs[0]: form}
             rebuilt: dict = {}
             g2 = graph.replace(mapping, rebuilt)
-            return g2, cost + delta, [sub.name] * k, [(graph, g2, mapping, rebuilt)]
+            return g2, cost + delta, [sub] * k, [(graph, g2, mapping, rebuilt)]
     return None
 
 
@@ -229,11 +226,26 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
     ``measure_until`` (a ``time.perf_counter()`` value; the search's own deadline, which
     outlasts the descent's ``time_limit``), and priced analytically after it.
     """
+    report = None if on_step is None else (
+        lambda c, g, rules: on_step(c, g, tuple(r.name for r in rules)))
+    graph, cost, rules = _descend(graph, substitutions, cost_model, time_limit, state, alpha,
+                                  report, measure_until)
+    return graph, cost, [r.name for r in rules]
+
+
+def _descend(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
+             time_limit: float, state: SearchState | None = None, alpha: float = 1.05,
+             on_step: Callable[[float, Graph, tuple], None] | None = None,
+             measure_until: float | None = None) -> tuple[Graph, float, list[Substitution]]:
+    """:func:`greedy_descent`, the rules applied given as records (for their ids), not names.
+
+    ``on_step(cost, graph, rules)`` is called after each step with the rules applied so far.
+    """
     state = state if state is not None else SearchState()
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     cost = cost_model.graph_cost(graph, measure_until)
-    applied: list[str] = []
+    applied: list[Substitution] = []
     reach = {sub.id: _reach(sub) for sub in substitutions}
     by_id = {sub.id: sub for sub in substitutions}
     # Matches per rule id in the current graph, carried across each rewrite
@@ -276,15 +288,15 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                              if sub.id in rivals else None)
                     if chain is None:
                         continue
-                    g2, c2, names, ((before, after, mapping, rebuilt),) = chain
+                    g2, c2, rules, ((before, after, mapping, rebuilt),) = chain
                     step = _Change(before, after, mapping, rebuilt)
-                    applied += names[:-1]
+                    applied += rules[:-1]
                 run = step if run is None else run.then(step, g2.node_set)
                 table[sub.id] = _carry_table({sub.id: matches}, step, g2, reach,
                                              by_id, state).get(sub.id)
                 graph.forget_caches()  # a step behind: kept for the choice only
                 graph, cost = g2, c2
-                applied.append(sub.name)
+                applied.append(sub)
                 again = improved = True
                 if on_step:
                     on_step(cost, graph, tuple(applied))
