@@ -17,12 +17,11 @@ def fewer_collections():
     """Fewer cyclic garbage collections while a search runs; settings restored after.
 
     A search allocates millions of short-lived, acyclic objects (nodes, tensors, matches),
-    and Python's collector walked them and the whole heap before the search (libraries,
-    rules) again and again: on NasNet-A at 4x depth, 4.9-8.9 s of a 21-26 s search, in
-    6,000-9,000 collections. Here the objects that exist when the outermost search starts
-    are frozen (:func:`gc.freeze`: no longer walked; unless the program froze some of its
-    own, which are then left alone) and the youngest generation collects every 20,000
-    allocations instead of 700 (1.1-1.5 s and about 120 collections; the search 15.9 s).
+    which Python's collector would walk with the whole heap again and again. Here the
+    objects that exist when the outermost search starts are frozen (:func:`gc.freeze`: no
+    longer walked; unless the program froze some of its own, which are then left alone)
+    and the youngest generation collects every 20,000 allocations instead of 700
+    (measurements: docs/benchmarks.md, "Why the search and choice work as they do").
     Nested or concurrent searches share one setting; the last to finish restores it.
     """
     with _gc_lock:

@@ -46,7 +46,7 @@ def _relevant(subs: Sequence[Substitution], graph: Graph) -> list[Substitution]:
 
 
 def _estimate(graph: Graph, cost: float, rw: Rewrite, cost_model: CostModel,
-              limit: float | None = None) -> float:
+              limit: float | None = None, measure_until: float | None = None) -> float:
     """Estimated cost (microseconds) of a prepared rewrite, without building the graph.
 
     It follows from the nodes the rewrite adds and removes: the matched nodes disappear;
@@ -55,25 +55,29 @@ def _estimate(graph: Graph, cost: float, rw: Rewrite, cost_model: CostModel,
     exactly every graph it keeps. With ``limit``, the added nodes are first taken at their
     floors (:meth:`~taso_jax.search.cost.CostModel.node_floor`): a rewrite that reaches
     ``limit`` even so is returned at that lower bound, its new kernels never measured.
+    Kernels are measured until ``measure_until``
+    (:meth:`~taso_jax.search.cost.CostModel.node_cost`).
     """
-    new, removed = _sides(graph, rw, cost_model)
+    new, removed = _sides(graph, rw, cost_model, measure_until)
     if limit is not None:
-        floor = cost - removed + sum(cost_model.node_floor(n) for n in new)
+        floor = cost - removed + sum(cost_model.node_floor(n, measure_until) for n in new)
         if floor >= limit:
             return floor
-    return cost + sum(cost_model.node_cost(n) for n in new) - removed
+    return cost + sum(cost_model.node_cost(n, measure_until) for n in new) - removed
 
 
-def _sides(graph: Graph, rw: Rewrite, cost_model: CostModel) -> tuple[list, float]:
+def _sides(graph: Graph, rw: Rewrite, cost_model: CostModel,
+           measure_until: float | None = None) -> tuple[list, float]:
     """A prepared rewrite's new runtime nodes, and the price (us) of the nodes it removes.
 
     The matched nodes disappear, but for those the target creates again; target nodes
-    already in the graph are shared, not new; weight-only nodes cost nothing.
+    already in the graph are shared, not new; weight-only nodes cost nothing. Kernels are
+    measured until ``measure_until`` (:meth:`~taso_jax.search.cost.CostModel.node_cost`).
     """
     nodes = graph.node_set
     created = set(rw.created)
     new = [n for n in created if n not in nodes and not n.weight_only]
-    removed = sum(cost_model.node_cost(n) for n in set(rw.match.nodes)
+    removed = sum(cost_model.node_cost(n, measure_until) for n in set(rw.match.nodes)
                   if n not in created and not n.weight_only)
     return new, removed
 
@@ -81,7 +85,7 @@ def _sides(graph: Graph, rw: Rewrite, cost_model: CostModel) -> tuple[list, floa
 def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
               limit: float, state: SearchState, near: set | None = None,
               matches: list | None = None, refused: set | None = None,
-              deadline: float | None = None):
+              deadline: float | None = None, measure_until: float | None = None):
     """Yield ``(rewrite, estimate)`` for valid rewrites estimated below ``limit``.
 
     ``estimate`` (microseconds, an upper bound on the rewritten graph's cost) comes from
@@ -91,7 +95,8 @@ def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostMode
     pay (:func:`_refusal_key`), which are then skipped: the greedy descent steps by a
     strictly cheaper rewrite at a time, and a match that did not pay keeps its nodes and
     its price unless a step rebuilt them. Past ``deadline`` (a ``time.perf_counter()``
-    value, optional) no more matches are prepared.
+    value, optional) no more matches are prepared; past ``measure_until`` (likewise) no
+    more kernels are measured (:meth:`~taso_jax.search.cost.CostModel.node_cost`).
     """
     if matches is None:
         matches = find_matches(sub, graph, state.matching, near=near, deadline=deadline)
@@ -106,7 +111,7 @@ def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostMode
             if key is not None and rw.reason in _LASTING_REFUSALS:
                 refused.add(key)
             continue
-        estimate = _estimate(graph, cost, rw, cost_model, limit)
+        estimate = _estimate(graph, cost, rw, cost_model, limit, measure_until)
         if estimate < limit:
             yield rw, estimate
         elif key is not None and estimate - cost >= 0:
@@ -134,16 +139,17 @@ def _refusal_key(sub: Substitution, m) -> tuple | None:
 
 def _cheaper(graph: Graph, cost: float, sub: Substitution, cost_model: CostModel,
              limit: float, state: SearchState, near: set | None = None,
-             matches: list | None = None, deadline: float | None = None):
+             matches: list | None = None, deadline: float | None = None,
+             measure_until: float | None = None):
     """Yield ``(rewrite, new_graph, new_cost, rebuilt)`` for rewrites estimated cheap.
 
     Rewrites whose estimate is below ``limit`` are built and priced exactly; ``rebuilt``
     maps the old nodes that the rewrite rebuilt to their new versions
     (:meth:`Graph.replace`). ``matches`` are the rule's matches in ``graph`` when known;
-    past ``deadline`` none is looked at.
+    past ``deadline`` none is looked at, past ``measure_until`` no kernel is measured.
     """
     for rw, _ in _prepared(graph, cost, sub, cost_model, limit, state, near, matches,
-                           deadline=deadline):
+                           deadline=deadline, measure_until=measure_until):
         rebuilt: dict = {}
         g2 = graph.replace(rw.mapping, rebuilt)
-        yield rw, g2, cost_model.graph_cost(g2), rebuilt
+        yield rw, g2, cost_model.graph_cost(g2, measure_until), rebuilt

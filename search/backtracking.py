@@ -14,18 +14,15 @@ Two things keep an expansion cheap on large models:
 * Children are queued unbuilt. A child's cost is first estimated from the nodes its rewrite
   adds and removes (an upper bound: dead upstream nodes are not subtracted); the graph is
   built, de-duplicated and priced exactly only when it is popped, and put back if it then
-  is no longer the cheapest. Most children are never popped: on NasNet-A at budget 100,
-  about 6,600 children were built before and 105 graphs are now.
+  is no longer the cheapest. Most children are never popped.
 * Matching is incremental. A rewrite rebuilds every node downstream of it (hash-consing),
   but most of those are *stable*: the same operator on the rebuilt versions of the same
   inputs (:class:`~taso_jax.search._incremental._Change`). A popped graph keeps its
   parent's matches made of stable nodes, translated, and matches again only near the
   nodes the rewrite really changed (:mod:`taso_jax.search._incremental`).
 
-Together (and with costs memoized per operator signature) they took the NasNet-A search
-(446 operators, 1,124 rules, budget 100, kernel costs cached) on this project's 2-core CPU
-from 60 s, where it hit its time limit, to about 10 s, with the same result (about 12 s with
-the 1,127 rules that include halving the groups of a convolution).
+What each saves is measured in docs/benchmarks.md ("Why the search and choice work as they
+do").
 
 The greedy descent that runs first is :mod:`taso_jax.search.descent`; the searches that
 second-guess the cost model are :mod:`taso_jax.search.second_opinions`.
@@ -44,7 +41,7 @@ from taso_jax.search._gc_tuning import fewer_collections
 from taso_jax.search._incremental import _Change, _incremental_matches, _reach
 from taso_jax.search._rewrites import SearchState, _prepared, _relevant
 from taso_jax.search.cost import AnalyticCostModel, CostModel
-from taso_jax.search.descent import greedy_descent
+from taso_jax.search.descent import _descend
 from taso_jax.search.limits import StopReason
 from taso_jax.search.match import find_matches
 from taso_jax.search.rules import Substitution
@@ -62,6 +59,8 @@ class Candidate:
         cost: estimated cost in microseconds.
         graph: the graph.
         path: names of the substitutions applied on the way from the input graph, in order.
+        rule_ids: the content-hash ids (:attr:`Substitution.id`) of the same substitutions,
+            in the same order: what the search and its second opinions know a rule by.
         judged: added for the end-to-end choice to judge whatever its estimate: it is timed
             even when its estimate ties a cheaper candidate's
             (:func:`add_near_tie_candidate`).
@@ -71,9 +70,17 @@ class Candidate:
     graph: Graph
     path: tuple[str, ...] = ()
     judged: bool = False
+    rule_ids: tuple[str, ...] = ()
 
     def __iter__(self):  # unpacks as (cost, graph, path)
         return iter((self.cost, self.graph, self.path))
+
+    @classmethod
+    def of(cls, cost: float, graph: Graph, rules: Sequence[Substitution],
+           judged: bool = False) -> Candidate:
+        """The candidate reached by applying ``rules`` in order, with their names and ids."""
+        return cls(cost, graph, tuple(r.name for r in rules), judged,
+                   tuple(r.id for r in rules))
 
 
 @dataclass
@@ -86,6 +93,8 @@ class SearchResult:
         applied: substitution name -> times applied on the path to ``graph``.
         iterations: graphs expanded. explored: distinct graphs built and priced exactly.
         seconds: wall time of the search.
+        second_opinion_seconds: wall time of the searches that second-guessed the cost
+            model after it (set by :func:`taso_jax.search.options.run_search`).
         stopped: why the search ended (``"queue empty"``, ``"budget"``, ``"time limit"``).
         rejected: match rejections by reason (for debugging substitutions).
         rules: how many substitutions were used, how many of them proved, and how many
@@ -104,6 +113,10 @@ class SearchResult:
             limit passed (``"import"``: before the search, ``"search"``, ``"second
             opinions"``, ``"end-to-end choice"``;
             set by :func:`taso_jax.search.options.run_search`), ``""`` where it did not.
+        unmeasurable: the kernels the cost model could not time alone, and why (set by
+            :func:`taso_jax.search.options.run_search`).
+        outcome: the :class:`taso_jax.outcome.Outcome` of the whole pipeline, where
+            :func:`taso_jax.search_graph` ran it; else ``None``.
     """
 
     graph: Graph
@@ -115,11 +128,14 @@ class SearchResult:
     seconds: float
     stopped: str
     rejected: Counter = field(default_factory=Counter)
-    rules: dict = field(default_factory=dict)
-    candidates: list = field(default_factory=list)
-    visited: list = field(default_factory=list)
+    rules: dict[str, int] = field(default_factory=dict)
+    candidates: list[Candidate] = field(default_factory=list)
+    visited: list[Candidate] = field(default_factory=list)
     end_to_end: dict = field(default_factory=dict)
     out_of_time_in: str = ""
+    second_opinion_seconds: float = 0.0
+    unmeasurable: list[str] = field(default_factory=list)
+    outcome: object | None = None  # a taso_jax.outcome.Outcome (a layer above the search)
 
     @property
     def path(self) -> tuple[str, ...]:
@@ -129,6 +145,15 @@ class SearchResult:
         """
         return next((c.path for c in self.candidates if c.graph.key == self.graph.key),
                     tuple(name for name, k in self.applied.items() for _ in range(k)))
+
+    @property
+    def rule_ids(self) -> tuple[str, ...]:
+        """Content-hash ids of the substitutions applied on the way to ``graph``, in order.
+
+        Empty where no candidate holds ``graph``.
+        """
+        return next((c.rule_ids for c in self.candidates if c.graph.key == self.graph.key),
+                    ())
 
 
 #: The queue keeps its cheapest ``QUEUE_PER_EXPANSION`` entries per expansion left in the
@@ -156,7 +181,7 @@ class _Entry:
     cost: float
     tie: int
     graph: Graph | None = field(compare=False, default=None)
-    path: tuple = field(compare=False, default=())
+    path: tuple = field(compare=False, default=())  # the Substitution records applied
     parent: Graph | None = field(compare=False, default=None)
     matches: dict | None = field(compare=False, default=None)
     mapping: dict | None = field(compare=False, default=None)
@@ -177,9 +202,10 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         cost_model: defaults to :class:`AnalyticCostModel`.
         alpha: relaxation factor (>= 1); TASO's default is 1.05.
         budget: maximum number of graphs expanded.
-        time_limit: maximum wall time in seconds, kernel measurement included: a cost
-            model with a ``deadline`` (the measured one) prices kernels it has not measured
-            analytically once the time is up.
+        time_limit: maximum wall time in seconds, kernel measurement included: once it is
+            up, a cost model that times kernels (the measured one) prices the kernels it has
+            not measured analytically (``measure_until``,
+            :meth:`~taso_jax.search.cost.CostModel.node_cost`).
         progress: called as ``progress(iterations, best_cost)`` after each expansion.
         greedy: first apply every strictly cost-reducing rewrite (:func:`greedy_descent`,
             at most half the time limit), then search from there.
@@ -193,17 +219,9 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
         ValueError: ``alpha < 1`` or a negative budget.
     """
     cost_model = cost_model or AnalyticCostModel()
-    timed = hasattr(cost_model, "deadline")
-    before = cost_model.deadline if timed else None
-    if timed:
-        cost_model.deadline = time.perf_counter() + time_limit
-    try:
-        with cost_model.holding_nodes(), fewer_collections():
-            return _search(graph, substitutions, cost_model, alpha, budget, time_limit,
-                           progress, greedy, keep, record)
-    finally:
-        if timed:
-            cost_model.deadline = before
+    with cost_model.holding_nodes(), fewer_collections():
+        return _search(graph, substitutions, cost_model, alpha, budget, time_limit,
+                       progress, greedy, keep, record)
 
 
 def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
@@ -217,9 +235,10 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
         raise ValueError(f"budget must be >= 0, got {budget}")
     state = SearchState()
     t0 = time.perf_counter()
-    cost0 = cost_model.graph_cost(graph)
+    end = t0 + time_limit  # of the search, and of measuring kernels (measure_until)
+    cost0 = cost_model.graph_cost(graph, end)
     start, start_cost, start_path = graph, cost0, ()
-    visited: list[Candidate] = [Candidate(cost0, graph, ())]
+    visited: list[Candidate] = [Candidate(cost0, graph)]
     hold = None if record is None else max(record, keep)
 
     def note(c: Candidate) -> None:
@@ -235,10 +254,10 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
             visited = [visited[0], *(visited[i] for i in sorted(cheapest))]
 
     if greedy:
-        start, start_cost, names = greedy_descent(
+        start, start_cost, rules = _descend(
             graph, substitutions, cost_model, time_limit / 2, state, alpha,
-            on_step=lambda c, g, names: note(Candidate(c, g, names)))
-        start_path = tuple(names)
+            on_step=lambda c, g, rules: note(Candidate.of(c, g, rules)), measure_until=end)
+        start_path = tuple(rules)
     tie = itertools.count()
     queue = [_Entry(start_cost, next(tie), start, start_path)]
     reach = {sub.id: _reach(sub) for sub in substitutions}
@@ -247,7 +266,6 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
     # estimate queued (estimates are upper bounds, so that cost is reachable).
     best_cost = start_cost
     iterations, stopped = 0, StopReason.QUEUE_EMPTY
-    end = t0 + time_limit
 
     def build(entry: _Entry) -> bool:
         """Build, price and record an unbuilt entry; ``False`` if its graph was seen."""
@@ -256,8 +274,8 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
         if g2.key in seen:
             return False
         seen.add(g2.key)
-        entry.graph, entry.cost, entry.rebuilt = g2, cost_model.graph_cost(g2), rebuilt
-        note(Candidate(entry.cost, g2, entry.path))
+        entry.graph, entry.cost, entry.rebuilt = g2, cost_model.graph_cost(g2, end), rebuilt
+        note(Candidate.of(entry.cost, g2, entry.path))
         return True
 
     while queue:
@@ -296,8 +314,8 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
                                              state)
             table[rid] = found or ()  # most rules match nowhere: one shared empty tuple
             for rw, estimate in _prepared(g, gc, sub, cost_model, alpha * best_cost, state,
-                                          matches=found, deadline=end):
-                heapq.heappush(queue, _Entry(estimate, next(tie), None, (*entry.path, sub.name),
+                                          matches=found, deadline=end, measure_until=end):
+                heapq.heappush(queue, _Entry(estimate, next(tie), None, (*entry.path, sub),
                                              g, table, rw.mapping))
                 best_cost = min(best_cost, estimate)
         # Its children need its nodes (to be built) and node set (to carry matches) only.

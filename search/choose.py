@@ -56,12 +56,9 @@ def paired_speedup(baseline: Sequence[float], candidate: Sequence[float],
     "rounds", "p_value", "faster"}``: the median of ``baseline[i] / candidate[i]``, the
     rounds the candidate won, the p-value of a one-sided Wilcoxon signed-rank test on
     ``log(baseline[i] / candidate[i])`` (:func:`signed_rank_greater`; Wilcoxon, 1945), and
-    whether the speedup is at least ``min_speedup`` with ``p_value <= level``.
-
-    The signed-rank test weighs how much each round was won by, not only who won: on a
-    2-core CPU, 1 ms functions 1.1-1.2x apart won only 14-17 of 25 rounds (a sign test's
-    p-values 0.05-0.35) where the signed-rank test gave 0.01-0.03. With fewer than 5 rounds
-    no p-value can reach 0.05, so a short loop keeps the baseline.
+    whether the speedup is at least ``min_speedup`` with ``p_value <= level``. With fewer
+    than 5 rounds the p-value is 1: a short loop keeps the baseline. Why a signed-rank
+    test: docs/benchmarks.md, "Why the search and choice work as they do".
     """
     n = min(len(baseline), len(candidate))
     b = np.asarray(baseline[:n], float)
@@ -128,21 +125,17 @@ def confirm_faster(loop, first: tuple | None = None,
     rounds so far, up to :data:`CONFIRM_MAX_ROUNDS` rounds and :data:`CONFIRM_MAX_SECONDS`
     of looking. A verdict of "faster" is then checked in one more loop: the candidate must
     be ahead there too (median per-round speedup above 1), and the test holds on all
-    rounds. One loop covers a fraction of a second, and the machine's state drifts over
-    seconds: on 2 shared cores an equinox conv net's NHWC graph won 18 of 25 rounds (1.04x,
-    p = 0.001) and ran 0.97x in the two loops that followed. Returns ``(test, baseline
-    times, candidate times)``, ``test["loops"]`` counting the loops; a loop cut short
-    (fewer than 5 rounds, past a deadline) is not added and ends the looking, and a check
-    loop cut short leaves the verdict "not faster".
+    rounds (one loop covers a fraction of a second; the machine drifts over seconds).
+    Returns ``(test, baseline times, candidate times)``, ``test["loops"]`` counting the
+    loops; a loop cut short (fewer than 5 rounds, past a deadline) is not added and ends
+    the looking, and a check loop cut short leaves the verdict "not faster".
     """
     started = time.perf_counter()
     base, cand = first if first is not None else loop()
     test = paired_speedup(base, cand, min_speedup)
     loops = 1
-    # Ahead but undecided: look again. Under load one loop of 20 rounds cannot decide a
-    # real but modest gain: TASO's NasRNN, merged, ran 1.11-1.14x head to head with one
-    # core taken by another process and won 11-13 of 20 rounds (p = 0.06-0.25), so two
-    # loops kept the input in two of three runs and accepted it in the third.
+    # Ahead but undecided: look again (under load one loop of 20 rounds cannot decide a
+    # real but modest gain; docs/benchmarks.md).
     while (not test["faster"] and test["speedup"] > 1.0 and len(base) < CONFIRM_MAX_ROUNDS
            and time.perf_counter() - started < CONFIRM_MAX_SECONDS):
         more_base, more_cand = loop()
@@ -203,10 +196,9 @@ def no_time_to_compare(make_seconds: float, call_seconds: float,
     ``make_seconds``: compiling it, or starting its onnxruntime session) and calls it and
     the input :data:`COMPARE_CALLS` times (``call_seconds`` a call, the input's). Where that
     cannot end before ``deadline`` (a ``time.perf_counter()`` value), the end-to-end
-    choice keeps the input untimed: a loop cut short cannot confirm a candidate anyway
-    (three rounds decide nothing), and timing one would overrun the time limit by many
-    seconds on models whose calls take a second (a document layout detector: 69 s for a
-    30 s limit, the input kept).
+    choice keeps the input untimed: a loop cut short cannot confirm a candidate anyway, and
+    timing one would overrun the time limit on models whose calls take a second. Returns
+    the reason as one sentence for the report.
     """
     if deadline is None:
         return None
@@ -384,12 +376,11 @@ def rank_correlation(x, y) -> float:
 def _measured_set(result, sample: int) -> list[tuple]:
     """The input, the candidates, and up to ``sample`` visited graphs spread evenly by cost.
 
-    Candidates whose estimates are within :data:`ESTIMATE_TIE` of a cheaper candidate's are
-    left out, but for those added to be ``judged``
-    (:func:`taso_jax.search.second_opinions.add_near_tie_candidate`): the cost model sees
-    them as one graph, and timing several and keeping the fastest picks noise (TASO's
-    NasRNN under load: ten candidates at 2,729-2,738 us, the fastest of them screened at
-    1.5x and ran 1.0x head to head).
+    Each is ``(cost in us, graph, path)``, the input first. Candidates whose estimates are
+    within :data:`ESTIMATE_TIE` of a cheaper candidate's are left out (the cost model sees
+    them as one graph; timing several and keeping the fastest picks noise), but for those
+    added to be ``judged``
+    (:func:`taso_jax.search.second_opinions.add_near_tie_candidate`).
     """
     chosen: dict = {}
     first, *candidates = [*result.visited[:1], *result.candidates]
@@ -416,10 +407,8 @@ def with_layouts(graphs: list[tuple], judged: frozenset = frozenset()) -> list[t
     The input and the cheapest candidate, where they run convolutions in NCHW, are added in
     NHWC (:func:`taso_jax.ir.layout.to_nhwc`), with the estimate of the graph they came from
     and :data:`NHWC_LAYOUT` appended to their path; so are the graphs whose keys are in
-    ``judged`` (the near-tie candidate: on NasNet-A it ran slower than the cheapest in
-    NCHW, 119 against 114 ms and 166 against 137 ms, and was never timed in the layout the
-    CPU keeps, where it had run 1.17x faster). Layout is then chosen like any rewrite: by
-    timing.
+    ``judged`` (the near-tie candidate, which may win in NHWC only). Layout is then chosen
+    like any rewrite: by timing. ``graphs`` is not changed.
     """
     out, seen = list(graphs), {g.key for _, g, _ in graphs}
     for cost, g, path in [*graphs[:2], *(t for t in graphs[2:] if t[1].key in judged)]:
@@ -452,9 +441,7 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     kept untimed and the returned dict says why (``"skipped"``). With ``layouts``,
     the NHWC forms of the input, of the cheapest candidate and of a ``judged`` one are timed
     too (:func:`with_layouts`), and after them the NHWC form of whichever graph screened
-    fastest, where that is another (on NasNet-A the fastest NCHW graph was not the
-    cheapest estimate in one of three runs, and its NHWC form was never timed: 1.66x
-    where the other two runs reached 1.80x).
+    fastest, where that is another.
 
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
     "rank_correlation", "device", "repeats", "paired", "floors_us"}``: medians in
@@ -524,17 +511,16 @@ def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | Non
     onnxruntime session); ``loop(base, run)`` times both in one interleaved loop and
     returns ``(base times, candidate times)``. Each candidate is made, timed against the
     input, and dropped unless it is the best so far (``discard(graph)``, if given, is then
-    called to free what ``make`` cached). Timing every candidate in one loop held all of
-    them at once: five compiled ResNet-50 candidates, or five onnxruntime sessions, each
-    with its own weights (about 650 MB). Past ``deadline`` no more candidates are made
+    called to free what ``make`` cached), so that at most two are held at once. Past
+    ``deadline`` no more candidates are made
     once making and timing the slowest one so far would overrun it (at least one is).
     ``then(best)``, if given, is called once the list is screened, with the best
     ``(cost, graph, path)`` so far (the input when none was made); the candidates it returns
     are appended to ``graphs`` (in place) and screened the same way. With
     ``hold_best=False`` the best candidate's runner is dropped too, so that at most two are
     alive at once (the input's and one candidate's); ``run`` is then ``None`` and the
-    caller makes it again to confirm (onnxruntime sessions: a ResNet-18 candidate holds
-    about 80 MB, and starts in 0.1 s).
+    caller makes it again to confirm (what an onnxruntime session takes: it is large
+    and quick to make).
 
     Returns ``(times, best, run)``: ``times[0]`` are the input's times from the best
     candidate's loop and ``times[best]`` that candidate's; every other candidate's times
@@ -582,14 +568,9 @@ def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | Non
 def floor_us(times: Sequence[float]) -> float:
     """The fastest of one graph's round times (any unit): what screening ranks by.
 
-    Load on a shared machine only ever adds time to a call, so the fastest round is the
-    estimate of a graph's own cost that the load disturbs least. On 2 cores with one kept
-    busy and malloc on huge pages (:mod:`taso_jax._malloc`), one NasNet-A pair timed in
-    loops of 10 rounds gave a ratio of fastest rounds with a standard deviation of 0.036
-    across 20 loops, and a ratio of medians 0.143 (idle: 0.072 and 0.201). Three cold-cache
-    NasNet-A searches, their kept graphs then timed side by side, spread by 0.22-0.30x when
-    screening ranked by medians and by 0.09-0.13x when it ranked by fastest rounds
-    (``benchmarks/choice_spread.py --busy-core``, 2026-11-27).
+    Load only ever adds time to a call, so the fastest round is the estimate of a graph's
+    own cost that the load disturbs least (measurements: docs/benchmarks.md, "Why the
+    search and choice work as they do").
     """
     return float(np.min(times))
 
@@ -633,15 +614,9 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     screened fastest round is within :data:`DUEL_WITHIN` of its own, and gives way to it if
     :func:`confirm_faster` finds it faster (a candidate faster than one confirmed faster
     than the input). Where no candidate is that close, the rival is the untried candidate
-    with the lowest screened median, if it is below the confirmed one's: one lucky round can
-    rank a candidate first (NasNet-A with one of two cores busy: an NCHW graph screened with
-    a fastest round of 108 ms and a median of 151 ms, against 124 and 129 ms for an NHWC
-    one, and was kept at 1.08x where the other two runs kept graphs at 1.42x and 1.50x).
-    Screening times each candidate against the input in its own loop, so
-    two candidates a few percent apart can screen in either order on a loaded machine: on
-    ResNeXt-50 with one of two cores busy, the NHWC graph screened 3% ahead of the NHWC
-    graph with its grouped convolutions made dense in one of three runs and was kept
-    (1.95x against 2.05x and 2.10x in the other two).
+    with the lowest screened median, if it is below the confirmed one's (one lucky round
+    can rank a candidate first; two candidates a few percent apart can screen in either
+    order on a loaded machine).
     ``result.graph``, ``cost_after`` and ``applied`` follow the choice. Returns the dict
     :func:`choose_fastest` documents, with ``extra`` entries added, and ``"duel"``: that
     head-to-head's :func:`paired_speedup` with ``"candidate"``, ``"against"`` and
@@ -653,10 +628,8 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     if best is None:
         best = min(range(1, len(graphs)), key=lambda i: (floors[i], i), default=0)
     test, chosen = None, 0
-    # The best by screened fastest round first; if it fails, the runner-up (up to CONFIRM_TRIES).
-    # The best of several candidates that run alike is the luckiest: on TASO's NasRNN under
-    # load a near-unchanged graph screened at 4.0 ms against 6.2 ms for the input, failed
-    # its confirmation, and the graph with 70 matmuls merged (4.9 ms) was never confirmed.
+    # The best by screened fastest round first; if it fails, the runner-up (up to
+    # CONFIRM_TRIES): the best of several candidates that run alike is the luckiest.
     runners = sorted((i for i in range(1, len(graphs)) if i != best and floors[i] < floors[0]),
                      key=lambda i: (floors[i], i))
     order = ([best] if best and floors[best] < floors[0] else []) + runners

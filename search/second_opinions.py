@@ -35,15 +35,14 @@ def add_analytic_candidate(result: SearchResult, graph: Graph,
     """Search ``graph`` again under the analytic cost model; add its best to the candidates.
 
     A measured cost model prices each kernel once, at one moment, on a machine whose speed
-    drifts, so two searches of one model can descend into different graphs: on TASO's NasRNN
-    (hidden 512) one cold-cache search factored ``x @ a + h @ b`` into one matmul before it
-    could merge the matmuls on ``x`` and ran 1.30x where two others merged and ran 1.47x and
-    1.53x. The analytic model (:meth:`AnalyticCostModel.for_backend`) ranks graphs the same
-    way in every run. Its best graph, when it is another than the input and than the
-    candidates already kept, is appended to ``result.candidates`` priced by ``cost_model``
-    (kernels not yet measured are measured, within ``time_limit`` seconds; the analytic
-    search has the same limit), so that the end-to-end choice times it too and the device
-    decides between the two opinions. ``result.graph`` is not changed.
+    drifts, so two searches of one model can descend into different graphs; the analytic
+    model (:meth:`AnalyticCostModel.for_backend`) ranks graphs the same way in every run
+    (docs/benchmarks.md, "Why the search and choice work as they do"). Its best graph, when
+    it is another than the input and than the candidates already kept, is appended to
+    ``result.candidates`` priced by ``cost_model`` (kernels not yet measured are measured,
+    within ``time_limit`` seconds; the analytic search has the same limit), so that the
+    end-to-end choice times it too and the device decides between the two opinions.
+    ``result.graph`` is not changed.
 
     Returns the candidate added, or ``None``.
     """
@@ -55,16 +54,8 @@ def add_analytic_candidate(result: SearchResult, graph: Graph,
     known = {graph.key, *(c.graph.key for c in result.candidates)}
     if second.graph.key in known:
         return None
-    timed = hasattr(cost_model, "deadline")
-    before = cost_model.deadline if timed else None
-    if timed:
-        cost_model.deadline = t0 + time_limit
-    try:
-        cost = cost_model.graph_cost(second.graph)
-    finally:
-        if timed:
-            cost_model.deadline = before
-    added = Candidate(cost, second.graph, second.path)
+    cost = cost_model.graph_cost(second.graph, measure_until=t0 + time_limit)
+    added = Candidate(cost, second.graph, second.path, rule_ids=second.rule_ids)
     result.candidates.append(added)
     return added
 
@@ -80,17 +71,10 @@ def add_near_tie_candidate(result: SearchResult, substitutions: Sequence[Substit
     """Add the best graph with its rules' near ties taken to the candidates.
 
     Kernels priced alone can rank a rewrite's two sides otherwise than the whole graph
-    runs them. On TASO's NasNet-A on this project's 2-core CPU, the dense forms of the
-    depthwise convolutions priced alone moved against the depthwise ones from one cold
-    cache to the next (on 1x88x14x14, 5x5: 1.36x in one, 0.74x in another), and searches
-    made between 115 and 269 of them dense (1.59x-1.90x end to end). From one search's
-    best graph (122 made dense), taking every rewrite of the rules on its path whose new
-    kernels cost at most twice the ones it removes made 136 more dense: priced 1% dearer,
-    it ran 1.17x faster. (At up to four times the price: 1.05-1.12x slower.) In three
-    cold-cache runs under load its graph was kept once, and screened 7% behind the best
-    graph's twice: a second opinion for the device to settle, not a better estimate.
+    runs them: this is a second opinion for the device to settle, not a better estimate
+    (docs/benchmarks.md, "Why the search and choice work as they do").
 
-    Starting from ``result.graph``, rewrites of the rules on its path (``result.applied``)
+    Starting from ``result.graph``, rewrites of the rules on its path (``result.rule_ids``)
     whose new kernels cost at most ``ratio`` times the kernels they remove are applied one
     at a time, first found first, into graphs not seen before, until none is left or
     ``time_limit`` seconds have passed (kernels not yet measured are then priced
@@ -101,52 +85,46 @@ def add_near_tie_candidate(result: SearchResult, substitutions: Sequence[Substit
 
     Returns the candidate added, or ``None``.
     """
-    names = set(result.applied)
-    rules = [s for s in substitutions if s.name in names]
+    ids = set(result.rule_ids)
+    rules = [s for s in substitutions if s.id in ids]
     if not rules:
         return None
     t0 = time.perf_counter()
-    timed = hasattr(cost_model, "deadline")
-    before = cost_model.deadline if timed else None
-    if timed:
-        cost_model.deadline = t0 + time_limit
+    end = t0 + time_limit
     state = SearchState()
     graph = result.graph
-    path = result.path
-    taken: list[str] = []
+    path, path_ids = result.path, result.rule_ids
+    taken: list[Substitution] = []
     seen = {graph.key}
     refused: set = set()
-    try:
-        with cost_model.holding_nodes():
-            changed = True
-            while changed and time.perf_counter() - t0 < time_limit:
-                changed = False
-                for sub in _relevant(rules, graph):
-                    for m in find_matches(sub, graph, state.matching, deadline=t0 + time_limit):
-                        key = _refusal_key(sub, m)
-                        if key is not None and key in refused:
-                            continue
-                        rw = prepare(sub, graph, m, state.matching)
-                        g2 = graph.replace(rw.mapping) if rw and _within(
-                            graph, rw, cost_model, ratio) else None
-                        if g2 is None or g2.key in seen:
-                            if key is not None:
-                                refused.add(key)
-                            continue
-                        seen.add(g2.key)
-                        graph = g2
-                        taken.append(sub.name)
-                        changed = True
-                        break
-                    if changed:
-                        break
-            if not taken or graph.key in {c.graph.key for c in result.candidates}:
-                return None
-            added = Candidate(cost_model.graph_cost(graph), graph, (*path, *taken),
-                              judged=True)
-    finally:
-        if timed:
-            cost_model.deadline = before
+    with cost_model.holding_nodes():
+        changed = True
+        while changed and time.perf_counter() - t0 < time_limit:
+            changed = False
+            for sub in _relevant(rules, graph):
+                for m in find_matches(sub, graph, state.matching, deadline=end):
+                    key = _refusal_key(sub, m)
+                    if key is not None and key in refused:
+                        continue
+                    rw = prepare(sub, graph, m, state.matching)
+                    g2 = graph.replace(rw.mapping) if rw and _within(
+                        graph, rw, cost_model, ratio, end) else None
+                    if g2 is None or g2.key in seen:
+                        if key is not None:
+                            refused.add(key)
+                        continue
+                    seen.add(g2.key)
+                    graph = g2
+                    taken.append(sub)
+                    changed = True
+                    break
+                if changed:
+                    break
+        if not taken or graph.key in {c.graph.key for c in result.candidates}:
+            return None
+        added = Candidate(cost_model.graph_cost(graph, end), graph,
+                          (*path, *(r.name for r in taken)), judged=True,
+                          rule_ids=(*path_ids, *(r.id for r in taken)))
     result.candidates.append(added)
     return added
 
@@ -158,12 +136,8 @@ def add_ablation_candidate(result: SearchResult, graph: Graph,
     """Search ``graph`` again without one rule that every candidate applies; add its best.
 
     A rule can price well kernel by kernel and lose in the whole graph, and when every
-    candidate applies it the end-to-end choice never times a graph without it. On a 1-D
-    NasRNN on this project's 2-core CPU, stacking two steps' inputs into one 2-row matmul
-    (``merge-matmul-matmul-3``) took about 250 us against 380-440 us for two 1-row matmuls
-    timed alone, and every one of the search's five candidates stacked them; the graph merged
-    without stacking ran 1.59-1.82x faster than ``jax.jit`` of the original where the
-    stacked one ran 1.22-1.47x, in the same loops (docs/benchmarks.md, 2026-11-27).
+    candidate applies it the end-to-end choice never times a graph without it
+    (docs/benchmarks.md, "Why the search and choice work as they do").
 
     The rule left out is, among those on every candidate's path, the one the candidates
     apply least often in all (a structural choice made in a few places rather than the
@@ -176,25 +150,32 @@ def add_ablation_candidate(result: SearchResult, graph: Graph,
     Returns the candidate added, or ``None`` (no rule on every candidate's path, or nothing
     new found).
     """
-    paths = [c.path for c in result.candidates if c.path]
+    paths = [c.rule_ids for c in result.candidates if c.rule_ids]
     if not paths:
         return None
     shared = set(paths[0]).intersection(*map(set, paths[1:]))
     if not shared:
         return None
-    uses = Counter(name for p in paths for name in p)
-    left_out = min(shared, key=lambda name: (uses[name], name))
-    rest = [s for s in substitutions if s.name != left_out]
+    uses = Counter(rid for p in paths for rid in p)
+    names = {s.id: s.name for s in substitutions}
+    left_out = min(shared, key=lambda rid: (uses[rid], names.get(rid, rid)))
+    rest = [s for s in substitutions if s.id != left_out]
     second = backtracking_search(graph, rest, cost_model, alpha=alpha, budget=budget,
                                  time_limit=time_limit, keep=1)
     if second.graph.key in {graph.key, *(c.graph.key for c in result.candidates)}:
         return None
-    added = Candidate(second.cost_after, second.graph, second.path, judged=True)
+    added = Candidate(second.cost_after, second.graph, second.path, judged=True,
+                      rule_ids=second.rule_ids)
     result.candidates.append(added)
     return added
 
 
-def _within(graph: Graph, rw: Rewrite, cost_model: CostModel, ratio: float) -> bool:
-    """Whether a rewrite's new kernels cost at most ``ratio`` times those it removes."""
-    new, removed = _sides(graph, rw, cost_model)
-    return sum(cost_model.node_cost(n) for n in new) <= ratio * removed
+def _within(graph: Graph, rw: Rewrite, cost_model: CostModel, ratio: float,
+            measure_until: float | None) -> bool:
+    """Whether a rewrite's new kernels cost at most ``ratio`` times those it removes.
+
+    Kernels not yet priced are measured until ``measure_until`` (a ``time.perf_counter()``
+    value), priced analytically after it.
+    """
+    new, removed = _sides(graph, rw, cost_model, measure_until)
+    return sum(cost_model.node_cost(n, measure_until) for n in new) <= ratio * removed

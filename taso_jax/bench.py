@@ -13,7 +13,6 @@ import datetime
 import hashlib
 import json
 import re
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import numpy as np
 from taso_jax._io import atomic_write
 from taso_jax.ir.executor import MIN_SAMPLE_US
 from taso_jax.ir.graph import Graph, TensorType, leaf_node, rebuild_node, topo_order
-from taso_jax.search.backtracking import backtracking_search
+from taso_jax.optimizer import Optimizer
 from taso_jax.search.choose import (
     choose_fastest,
     device_name,
@@ -30,7 +29,7 @@ from taso_jax.search.choose import (
     rank_correlation,
     time_graphs,
 )
-from taso_jax.search.options import OptimizeOptions, add_second_opinions, usable_rules
+from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["bench_graph", "with_float_dtype", "search_and_choose", "graph_digest", "rule_family",
            "merge_rows", "read_results", "results_path", "write_results", "format_table"]
@@ -42,12 +41,11 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
                 retimes: int = 0) -> dict:
     """Optimize ``graph`` and time it against the original, for one row of the benchmark.
 
-    The search keeps its ``candidates`` cheapest graphs; they, the candidates that
-    second-guess its cost model (:func:`~taso_jax.search.options.add_second_opinions`: the
-    analytic search's best graph, measured cost models only; the best graph with its rules'
-    near ties taken; the best graph of a search without one rule every candidate applies),
-    and the NHWC forms of the input and of the cheapest (``layouts``) are timed end to end and the
-    fastest confirmed faster is kept (:func:`choose_fastest`), as ``taso-jax optimize`` does.
+    The optimizer's pipeline runs with these settings (:func:`search_and_choose`): the
+    search keeps its ``candidates`` cheapest graphs; they, the candidates that second-guess
+    its cost model (:func:`~taso_jax.search.options.add_second_opinions`) and the NHWC forms
+    of the input and of the cheapest (``layouts``) are timed end to end and the fastest
+    confirmed faster is kept (:func:`choose_fastest`), as ``taso-jax optimize`` does.
     The cost model's rank correlation is taken apart, over the input and ``sample`` more of the
     graphs the search visited (never kept). Then the original and the chosen graph are timed
     again, interleaved, ``repeats`` rounds or as many as fit in :data:`FINAL_SECONDS` (at most
@@ -64,13 +62,12 @@ def bench_graph(name: str, graph: Graph, cost_model="measured", budget: int = 10
     :func:`choose_fastest` measured, with the rank correlation), ``kept_digest`` (a content
     hash of the graph kept, equal across processes for equal graphs: :func:`graph_digest`),
     ``retimed_speedups`` (one per retime). ``search_seconds`` covers every search: the
-    measured one and the analytic one (results written before 2026-11-24 cover the measured
-    one only), and since 2026-11-27 the search without one rule.
+    backtracking search and the second opinions (what older result files cover:
+    docs/benchmarks.md, "Why the search and choice work as they do").
     """
     opts = OptimizeOptions(budget=budget, time_limit=time_limit, cost_model=cost_model,
                            substitutions=substitutions, layout_candidates=layouts)
-    r, e2e, search_seconds = search_and_choose(graph, opts, repeats=repeats,
-                                               candidates=candidates)
+    r, e2e, search_seconds = search_and_choose(graph, opts, candidates=candidates)
     if sample > 0:  # ...and the cost model's rank correlation over more graphs, apart
         e2e.update(_rank_correlation(r, sample))
     # Short calls get more rounds: under load the median of 50 per-round ratios of a 3 ms
@@ -141,27 +138,21 @@ def with_float_dtype(graph: Graph, dtype: str) -> Graph:
                  graph.output_names, weights, graph.meta)
 
 
-def search_and_choose(graph: Graph, opts: OptimizeOptions, repeats: int = 50,
-                      candidates: int = 4) -> tuple:
-    """The bench's search and end-to-end choice for ``graph``, as ``taso-jax optimize`` makes them.
+def search_and_choose(graph: Graph, opts: OptimizeOptions, candidates: int = 4) -> tuple:
+    """The bench's search and end-to-end choice for ``graph``: the optimizer's own pipeline.
 
-    A backtracking search keeping its ``candidates`` cheapest graphs under the options' cost
-    model (``opts.make_cost_model()``), the candidates of :func:`add_second_opinions`, then
-    :func:`choose_fastest` with ``max(5, repeats // 5)`` rounds, NHWC forms included where
-    ``opts.layout_candidates``. Proved rules only. Returns ``(result, end_to_end, seconds)``:
-    the :class:`~taso_jax.search.SearchResult` whose ``graph`` is the graph kept, what
-    :func:`choose_fastest` measured, and the seconds of the searches (all of them).
+    :meth:`taso_jax.optimizer.Optimizer.search` with ``opts`` and ``end_to_end=candidates``
+    (search, second opinions, end-to-end choice under one deadline), holding every graph the
+    search visited (for the cost model's rank correlation). Where no choice ran (one
+    candidate and no NHWC form), the input is timed alone by
+    :func:`~taso_jax.search.choose.choose_fastest`. Returns ``(result, end_to_end, seconds)``:
+    the :class:`~taso_jax.search.SearchResult` whose ``graph`` is the graph kept, what the
+    choice measured, and the seconds of the searches (the backtracking search and the
+    second opinions, not the choice).
     """
-    subs, _ = usable_rules(opts.load_rules(), allow_unverified=False)
-    t0 = time.perf_counter()
-    cost_model = opts.make_cost_model()
-    r = backtracking_search(graph, subs, cost_model, budget=opts.budget,
-                            time_limit=opts.time_limit, keep=max(1, candidates))
-    add_second_opinions(r, graph, subs, cost_model, opts)
-    search_seconds = time.perf_counter() - t0  # every search
-    # The choice the optimizer makes (no sampled graphs among those it may keep)
-    e2e = choose_fastest(r, repeats=max(5, repeats // 5), layouts=opts.layout_candidates)
-    return r, e2e, search_seconds
+    r = Optimizer(opts, end_to_end=candidates).search(graph, record=None)
+    e2e = dict(r.end_to_end) or choose_fastest(r)  # nothing to choose: the input timed
+    return r, e2e, r.seconds + r.second_opinion_seconds
 
 
 def graph_digest(graph: Graph) -> str:

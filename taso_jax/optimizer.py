@@ -29,7 +29,7 @@ from taso_jax.report import RTOL, check_graphs, search_report
 from taso_jax.search.backtracking import SearchResult
 from taso_jax.search.cost import CostModel
 from taso_jax.search.limits import Deadline
-from taso_jax.search.options import OptimizeOptions, run_search, usable_rules
+from taso_jax.search.options import VISITED_HELD, OptimizeOptions, run_search, usable_rules
 from taso_jax.verify.runner import rules_for
 
 __all__ = ["Optimizer", "XlaTarget", "target_for"]
@@ -101,18 +101,22 @@ class Optimizer:
         self.rules, self.rule_counts = usable_rules(subs, opts.allow_unverified, stacklevel=4)
 
     def search(self, graph: Graph | GraphBuilder, deadline: Deadline | None = None,
-               progress: Callable[[int, float], None] | None = None) -> SearchResult:
+               progress: Callable[[int, float], None] | None = None,
+               record: int | None = VISITED_HELD) -> SearchResult:
         """The search pipeline on ``graph``: search, second opinions, end-to-end choice.
 
-        ``deadline`` (default: ``options.time_limit`` from now) bounds all of it. Returns
-        the :class:`~taso_jax.search.backtracking.SearchResult`, with ``rules`` (the counts
-        of rules used and left out) set. ``graph`` is not changed.
+        ``deadline`` (default: ``options.time_limit`` from now) bounds all of it; ``record``
+        is how many visited graphs the result holds
+        (:func:`~taso_jax.search.options.run_search`). Returns the
+        :class:`~taso_jax.search.backtracking.SearchResult`, with ``rules`` (the counts of
+        rules used and left out) set. ``graph`` is not changed.
         """
         if isinstance(graph, GraphBuilder):
             graph = graph.graph()
         result = run_search(graph, self.rules, self.cost_model, self.options,
                             deadline=deadline, chooser=self.target.chooser(self.options),
-                            progress=progress, second_opinions=self.target.second_opinions)
+                            progress=progress, second_opinions=self.target.second_opinions,
+                            record=record)
         result.rules = dict(self.rule_counts)
         return result
 

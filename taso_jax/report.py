@@ -354,7 +354,7 @@ def search_report(name: str, graph: Graph, result, options: OptimizeOptions, sub
     ``result`` is a :class:`taso_jax.search.SearchResult` found with ``options``; costs are
     in microseconds.
     """
-    unmeasurable = getattr(result, "unmeasurable", ())
+    unmeasurable = result.unmeasurable
     if unmeasurable:
         notes = [*notes, f"{len(unmeasurable)} kernel(s) would not run alone on stand-in "
                  f"values and were priced by the analytic model (first: {unmeasurable[0]})"]
@@ -366,14 +366,14 @@ def search_report(name: str, graph: Graph, result, options: OptimizeOptions, sub
                  "after_us": result.cost_after},
         "search": {"seconds": result.seconds, "iterations": result.iterations,
                    "explored": result.explored, "stopped": result.stopped,
-                   "out_of_time_in": getattr(result, "out_of_time_in", ""),
+                   "out_of_time_in": result.out_of_time_in,
                    "alpha": options.alpha, "budget": options.budget,
                    "substitutions": len(substitutions)},
-        "rules": dict(getattr(result, "rules", {})),
+        "rules": dict(result.rules),
         "applied": dict(result.applied),
         "laws": {s.name: s.law for s in substitutions if s.name in result.applied},
         "proof": {s.name: s.proof_status for s in substitutions if s.name in result.applied},
-        "end_to_end": dict(getattr(result, "end_to_end", {}) or {}),
+        "end_to_end": dict(result.end_to_end or {}),
     }
 
 

@@ -303,9 +303,9 @@ class OptimizedFunction(FirstCallPipeline):
         """The last signature's optimized result for ``args``, or ``None`` (full path).
 
         The full path's per-call work (binding, static and tracer checks, the signature
-        lookup) cost about 20 us of Python a call, and XLA:CPU's worker threads, idle
-        meanwhile, took several times that to wake up again: 130 us more than the runtime
-        stage alone on a 1 ms NasRNN cell. Here one ``tree_flatten``, the weights' identity
+        lookup) delays the runtime stage, and XLA:CPU's worker threads, idle meanwhile,
+        take longer to wake (docs/benchmarks.md, "Why the search and choice work as they
+        do"). Here one ``tree_flatten``, the weights' identity
         against those last folded and the inputs' shapes and dtypes are checked, and the
         runtime stage is called with the folded values. It is set only where every leaf is
         an array and nothing is static or donated, so the leaves are the entry's weights

@@ -34,15 +34,14 @@ def ort_session(model, spinning: bool = True, external: dict | None = None,
 
     ``spinning=False`` stops the intra-op threads from busy-waiting after a run. Timings of
     several sessions interleaved need it: a session's spinning threads otherwise take the
-    cores from the next one (squeezenet, 2 cores: 7.5 ms per run interleaved with spinning,
-    4.9 ms without, and a 10% spread between identical models). ``external``: the arrays
+    cores from the next one. ``external``: the arrays
     of initializers that ``model`` holds as external references (as
     :func:`~taso_jax.frontends.onnx_io.export_onnx` leaves them), by name.
 
     ``trim=True`` hands the memory that building the session freed back to the system
     (:func:`~taso_jax.ir.executor.release_memory`): a whole model's session frees about
-    twice its weights' size into ``malloc``'s arenas as it starts (ResNet-18: 208 MB
-    resident after starting, 127 MB after the trim), and those are kept otherwise. Not
+    twice its weights' size into ``malloc``'s arenas as it starts, and those are kept
+    otherwise. Not
     for the small one-node sessions of the cost model, which would pay the trim each.
     """
     import onnxruntime as ort
@@ -243,18 +242,13 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
     def _key(self, node: Node) -> str:
         return repr((self.opset, *self.signature(node)))
 
-    def _would_measure(self, node: Node) -> bool:
-        return node.op != "opaque" and self._uncached(self._key(node))
+    def _unmeasured(self, node: Node) -> bool:
+        return node.op != "opaque" and self._lookup(self._key(node)) is None
 
     def _cost(self, node: Node) -> float:
         if node.op == "opaque":
             return self._analytic.node_cost(node)
-        key = self._key(node)
-        if self.deadline is not None and time.perf_counter() > self.deadline:
-            if self._lookup(key) is None:
-                self.estimated += 1
-                return self._analytic.node_cost(node)
-        micros = self._priced(node, key)
+        micros = self._priced(node, self._key(node))
         if micros is None:
             return self._analytic.node_cost(node)
         if not self.calibrate:
