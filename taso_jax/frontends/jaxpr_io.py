@@ -278,6 +278,15 @@ def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_name
     meta = {"name": name, "opaque": opaque, "inlined": inlined, "source": "jaxpr",
             "constants": frozenset(ctx.constants)}
     g = Graph(tuple(inputs), tuple(outputs), tuple(out_names), weights, meta)
+    # Count the opaque equations the graph kept: an importer that recognizes a pattern
+    # (softmax written out) leaves the equations it replaced unused.
+    live: dict[str, int] = {}
+    for n in g.nodes:
+        if n.op == "opaque":
+            label = getattr(dict(n.attrs)["call"], "primitive", "opaque")
+            live[label] = live.get(label, 0) + 1
+    if live != opaque:
+        g = Graph(g.inputs, g.outputs, g.output_names, weights, {**meta, "opaque": live})
     if sink_layout:
         g = sink_transposes(g)
     return normalize_affine(g)
