@@ -129,6 +129,8 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
             stem = args.model[:-5] if args.model.endswith(".onnx") else args.model
             args.output = stem + ".opt.onnx"
     protected, external_data = {}, set()
+    if args.substitutions is not None:  # an input too: never replaced by an output
+        protected[os.path.realpath(args.substitutions)] = "the --substitutions rule file"
     if args.model is not None:
         protected[os.path.realpath(args.model)] = "the input model"
         external_data = _external_data_files(args.model)

@@ -1,4 +1,4 @@
-"""Malformed rule files: one line naming the file and the problem, exit 2, nothing written."""
+"""Malformed rule files and options: one line naming the problem, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -145,3 +145,30 @@ def test_the_shipped_rules_pass_the_checks_and_a_malformed_one_is_a_value_error(
     with pytest.raises(ValueError, match="substitution 0 .*source node #0"):
         load_substitutions(path)
     assert issubclass(RuleFileError, ValueError)
+
+
+@pytest.mark.parametrize("flag", ["-o", "--json"])
+def test_optimize_never_writes_over_its_rule_file(tmp_path, capsys, flag):
+    from taso_jax.search.rules import save_substitutions
+
+    rules = tmp_path / "rules.json"
+    save_substitutions(default_substitutions()[:5], rules)
+    link = tmp_path / "link.json"
+    link.symlink_to(rules)
+    before = hashlib.sha256(rules.read_bytes()).hexdigest()
+    for named in (rules, link):
+        rc = main(["optimize", "--cost-model", "analytic", "--budget", "3", "-q", "--no-time",
+                   "--substitutions", str(rules), flag, str(named)])
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert rc == 2 and len(err) == 1, err
+        assert "the --substitutions rule file" in err[0] and flag in err[0], err[0]
+        assert hashlib.sha256(rules.read_bytes()).hexdigest() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "rules.json"]
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_optimize_refuses_an_alpha_that_is_not_finite(capsys, value):
+    rc = main(["optimize", "--cost-model", "analytic", "--budget", "3", "-q", "--no-time",
+               "--alpha", value])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(err) == 1 and "--alpha must be a finite number >= 1" in err[0], err
