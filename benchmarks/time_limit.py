@@ -118,7 +118,7 @@ def run_once(model: str, limit: float, cost_model: str, scratch: str,
         search = rep.get("search") or {}
         row["stopped"] = search.get("stopped") or rep.get("stopped", "")
         row["verdict"] = (rep.get("outcome") or {}).get("verdict", "")
-        row["last"] = search.get("out_of_time_in") or ""
+        row["last"] = search.get("out_of_time_in") or rep.get("out_of_time_in") or ""
     elif rc not in (0, "timeout"):
         row["verdict"] = "error: " + (err.strip().splitlines() or [""])[-1][:80]
     return row

@@ -109,6 +109,10 @@ class OpDef:
             HWIO: 2); ``None`` otherwise. Forms of one such operator that differ only in
             ``groups`` are priced side by side by the measured cost model
             (:func:`taso_jax.search.cost.sibling_key`).
+        num_outputs: for an operator with more than one output, ``num_outputs(attrs)``
+            gives their number from its attributes (``None`` where an attribute variable
+            leaves it open); ``None`` for an operator of one output. Rule files are checked
+            against it.
     """
 
     name: str
@@ -128,6 +132,7 @@ class OpDef:
     doc: str = ""
     numpy_ref: Callable[..., Any] | None = None
     grouped_kernel_axis: int | None = None
+    num_outputs: Callable[[dict[str, Any]], int | None] | None = None
 
     def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """Fill defaults, reject unknown names, and freeze values into a sorted tuple.

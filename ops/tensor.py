@@ -145,6 +145,7 @@ def _split_shape(ts, *, axis, sizes):
 declare(OpDef(
     name="split", ref=_split, shape=_split_shape, arity=1,
     attrs={"axis": 0, "sizes": ()}, fusible=True,
+    num_outputs=lambda attrs: len(attrs["sizes"]) if isinstance(attrs["sizes"], tuple) else None,
     to_onnx=lambda ctx, ins, outs, *, axis, sizes: ctx.node(
         "Split", [ins[0], ctx.const(_i64(sizes))], outs, axis=axis),
     flops=lambda i, o, **_: 0.0, canon=_canon_axis, layout="axis",

@@ -115,7 +115,8 @@ class OptimizeOptions:
               "ONNX command line, which writes NCHW files, turns it off")
 
     def __post_init__(self):
-        checks = [("alpha", self.alpha >= 1.0, ">= 1"), ("budget", self.budget >= 0, ">= 0"),
+        checks = [("alpha", 1.0 <= self.alpha < float("inf"), "a finite number >= 1"),
+                  ("budget", self.budget >= 0, ">= 0"),
                   ("time_limit", self.time_limit > 0, "> 0"),
                   ("end_to_end", self.end_to_end >= 0, ">= 0")]
         for name, ok, want in checks:

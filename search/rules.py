@@ -22,6 +22,7 @@ from functools import cached_property
 from typing import Any
 
 from taso_jax.ops import OPS
+from taso_jax.search._rule_check import RuleFileError, check_rule_json, check_rule_structure
 from taso_jax.search.pattern import (
     AttrVar,
     NodeRef,
@@ -35,7 +36,7 @@ from taso_jax.search.pattern import (
 
 from taso_jax._io import atomic_write
 
-__all__ = ["PNode", "Substitution", "load_substitutions", "save_substitutions",
+__all__ = ["PNode", "Substitution", "RuleFileError", "load_substitutions", "save_substitutions",
            "default_substitutions", "name_rules", "readable_name", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
@@ -150,27 +151,36 @@ class Substitution:
                 "provenance": self.provenance}
 
     @staticmethod
-    def from_json(d: dict) -> Substitution:
-        """Inverse of :meth:`to_json`.
+    def from_json(d: dict, where: str = "substitution") -> Substitution:
+        """Inverse of :meth:`to_json`; ``where`` names the rule in errors.
 
         Raises:
-            KeyError, ValueError: malformed data, an unknown operator, or an ``id`` that
-                does not match the rule's content (the rule was edited by hand: remove its
-                ``id`` or regenerate the file).
+            RuleFileError: malformed data (:mod:`taso_jax.search._rule_check`: wrong types,
+                numbers past int64, references that do not form a graph).
+            ValueError: an unknown attribute, or an ``id`` that does not match the rule's
+                content (the rule was edited by hand: remove its ``id`` or regenerate the
+                file).
         """
+        check_rule_json(d, where)  # types, numbers and operators; then the references
+
         def nodes(ns):
             out = []
             for n in ns:
-                if n["op"] not in OPS:
-                    raise ValueError(f"substitution {d.get('name')}: unknown operator {n['op']!r}")
                 out.append(PNode(n["op"], OPS[n["op"]].normalize_attrs(
                     {k: attr_from_json(v) for k, v in n["attrs"].items()}), tuple(n["inputs"])))
             return tuple(out)
-        sub = Substitution(d["name"], tuple((k, tuple(v)) for k, v in d["variables"].items()),
-                           nodes(d["source"]), nodes(d["target"]),
-                           tuple(tuple(p) for p in d["outputs"]), dict(d.get("provenance", {})))
+        try:
+            sub = Substitution(d["name"], tuple((k, tuple(v)) for k, v in d["variables"].items()),
+                               nodes(d["source"]), nodes(d["target"]),
+                               tuple(tuple(p) for p in d["outputs"]),
+                               dict(d.get("provenance", {})))
+        except RuleFileError:
+            raise
+        except ValueError as e:  # an unknown attribute, a malformed reference or size
+            raise RuleFileError(f"{where} ({d['name'][:60]!r}): {e}") from None
+        check_rule_structure(sub, where)
         if "id" in d and d["id"] != sub.id:
-            raise ValueError(f"substitution {d['name']}: id {d['id']} does not match its "
+            raise ValueError(f"{where} ({d['name']}): id {d['id']} does not match its "
                              f"content ({sub.id}); it was edited: remove the id or regenerate")
         return sub
 
@@ -267,20 +277,40 @@ def save_substitutions(subs: list[Substitution], path, settings: dict | None = N
     atomic_write(path, write)
 
 
+def _parse_int(text: str) -> int:
+    """``json``'s integer parser, refusing before conversion what int64 cannot hold."""
+    if len(text.lstrip("-")) > 19:
+        raise RuleFileError(f"an integer of {len(text.lstrip('-')):,} digits (larger than "
+                            "int64)")
+    return int(text)
+
+
 def load_substitutions(path) -> list[Substitution]:
     """Read a substitution file written by :func:`save_substitutions`.
 
     Raises:
-        ValueError: not a substitution file, or a newer format version.
+        ValueError: not a substitution file (not JSON, nested too deep, an integer past
+            int64, not the format, a malformed rule: :class:`RuleFileError` naming the rule),
+            or a newer format version.
+        OSError: the file cannot be read.
     """
-    with open(path) as f:
-        doc = json.load(f)
-    if doc.get("format") != "taso_jax.substitutions":
+    with open(path, encoding="utf-8") as f:
+        try:
+            doc = json.load(f, parse_int=_parse_int)
+        except RecursionError:  # json's decoder recurses once per level
+            raise RuleFileError("JSON nested too deep") from None
+    if not isinstance(doc, dict) or doc.get("format") != "taso_jax.substitutions":
         raise ValueError(f"{path}: not a taso_jax substitution file")
-    if doc.get("version", 0) > FORMAT_VERSION:
+    version = doc.get("version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise RuleFileError(f"format version {str(version)[:20]!r} is not an integer")
+    if version > FORMAT_VERSION:
         raise ValueError(f"{path}: format version {doc['version']} is newer than "
                          f"{FORMAT_VERSION}")
-    return [Substitution.from_json(d) for d in doc["substitutions"]]
+    rules = doc.get("substitutions")
+    if not isinstance(rules, list):
+        raise RuleFileError("'substitutions' must be a list of rules")
+    return [Substitution.from_json(d, f"substitution {i}") for i, d in enumerate(rules)]
 
 
 def default_substitutions() -> list[Substitution]:

@@ -535,8 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ModelError, GraphError) as e:
         print(f"taso-jax: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
-        print(f"taso-jax: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+    except OSError as e:  # the file is named: an output by the path given (taso_jax._io)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"taso-jax: error: {where}{e.strerror or one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("taso-jax: interrupted; nothing written", file=sys.stderr)

@@ -97,6 +97,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
 
     from taso_jax.frontends.onnx_export import serialize_onnx, write_onnx
     from taso_jax.frontends.onnx_io import (
+        ImportTimeLimit,
         ModelError,
         ValueSizedModel,
         export_onnx,
@@ -128,6 +129,8 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
             stem = args.model[:-5] if args.model.endswith(".onnx") else args.model
             args.output = stem + ".opt.onnx"
     protected, external_data = {}, set()
+    if args.substitutions is not None:  # an input too: never replaced by an output
+        protected[os.path.realpath(args.substitutions)] = "the --substitutions rule file"
     if args.model is not None:
         protected[os.path.realpath(args.model)] = "the input model"
         external_data = _external_data_files(args.model)
@@ -140,7 +143,8 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
         check_output_path(args.json, "--json", protected)
     if args.model is not None:
         try:
-            graph = load_onnx(args.model, _parse_shapes(args.input_shape))
+            graph = load_onnx(args.model, _parse_shapes(args.input_shape),
+                              deadline=deadline)
             # The reference for the output check and the end-to-end choice, read from its
             # path wherever it is needed rather than held as bytes (the size of its
             # weights: 46 MB for a ResNet-18, at the memory peak of the end-to-end choice).
@@ -149,6 +153,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
             if graph.meta.get("source_opset") != graph.meta.get("opset"):
                 notes.append(f"converted from opset {graph.meta['source_opset']} to "
                              f"{graph.meta['opset']}")
+            _reference_fits(graph, deadline)
             try:
                 references = reference_runs(original, graph)  # a model that fails, fails now
             except ModelError as e:
@@ -159,6 +164,8 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
                 external_data = set()
         except ValueSizedModel as e:
             return _pass_through(args, name, e, external_data, deadline)
+        except ImportTimeLimit as e:
+            return _import_cut(args, name, str(e), external_data, deadline)
         if graph.meta.get("opaque"):
             notes.append("kept as opaque nodes: " + ", ".join(
                 f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
@@ -339,6 +346,45 @@ def _pass_through(args, name: str, error, external_data, deadline) -> int:
     _write_copy(args, args.model, external_data, report)
     report["wall_seconds"] = _elapsed(deadline)
     _emit(args, Outcome(Verdict.PASS_THROUGH, report, why="its sizes follow input values"))
+    return 0
+
+
+#: Seconds per ONNX operator that onnxruntime's session for the reference run takes to start,
+#: about (a loaded 2-core machine: 6 to 8 s at 20,000 operators); a rewritten graph cannot be
+#: checked without that run.
+REFERENCE_SECONDS_PER_NODE = 0.4e-3
+
+
+def _reference_fits(graph, deadline) -> None:
+    """Raise ``ImportTimeLimit`` if the reference run in onnxruntime does not fit the limit.
+
+    The reference outputs are what the output check compares a rewritten graph with, and
+    the check is never skipped: with no time for them, nothing rewritten could be delivered.
+    """
+    from taso_jax.frontends.onnx_io import ImportTimeLimit
+
+    guess = REFERENCE_SECONDS_PER_NODE * graph.meta.get("onnx_nodes", 0)
+    if deadline.left() <= guess:
+        raise ImportTimeLimit(
+            "the time limit passed during the import: the reference run in onnxruntime "
+            f"(about {guess:.1f} s for {graph.meta.get('onnx_nodes', 0):,} operators) does "
+            f"not fit the {deadline.left():.1f} s left")
+
+
+def _import_cut(args, name: str, why: str, external_data, deadline) -> int:
+    """Write the input back unchanged: the time limit passed during the import (exit 0).
+
+    The model has passed ONNX's checker (:class:`~taso_jax.frontends.onnx_io.
+    ImportTimeLimit` is raised only after it); it is neither searched nor run, and the
+    report names the step at which the limit passed.
+    """
+    from taso_jax.outcome import Outcome, Verdict
+
+    report = {"model": name, "imported": False, "time_limit": args.time_limit,
+              "out_of_time_in": "import", "kept_input_because": why}
+    _write_copy(args, args.model, external_data, report)
+    report["wall_seconds"] = _elapsed(deadline)
+    _emit(args, Outcome(Verdict.TIME_LIMIT, report, why=why))
     return 0
 
 

@@ -20,7 +20,12 @@ from types import MappingProxyType
 from typing import Any
 
 from taso_jax.ir.graph import Graph
-from taso_jax.report import end_to_end_line, format_pass_through, format_report
+from taso_jax.report import (
+    end_to_end_line,
+    format_not_searched,
+    format_pass_through,
+    format_report,
+)
 
 __all__ = ["Outcome", "Verdict"]
 
@@ -174,8 +179,8 @@ class Outcome:
             head += f" ({self.why})"
         if self.verdict is Verdict.PASS_THROUGH:
             return head + "\n" + format_pass_through(d)
-        if "search" not in d:  # failed before the search reported
-            return head
+        if "search" not in d:  # failed or stopped before the search reported
+            return "\n".join([head, *format_not_searched(d)])
         lines = [head, format_report(d)]
         found = d.get("found_not_delivered")
         if found:

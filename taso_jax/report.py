@@ -13,7 +13,7 @@ from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["measure_speed", "measure_onnxruntime", "compare_onnx", "check_onnx",
            "reference_runs", "compare_outputs", "other_bindings", "check_other_sizes",
-           "search_report", "format_report", "RTOL", "ATOL", "CHECK_SCALES",
+           "search_report", "format_report", "format_not_searched", "RTOL", "ATOL", "CHECK_SCALES",
            "ONNXRUNTIME_WARN", "check_graphs"]
 
 #: Outputs agree when ``|a - b| <= ATOL * max|b| + RTOL * |b|`` elementwise (float32 sums
@@ -535,6 +535,19 @@ def _written_line(r: dict) -> str:
         f"which onnxruntime runs: {why})" if copy == "converted" else
         f" (a byte-for-byte copy of the input: {why})" if copy
         else "")
+
+
+def format_not_searched(r: dict) -> list[str]:
+    """The lines of a report that stopped before any search: total time, the file written.
+
+    ``r`` may hold ``wall_seconds`` and ``time_limit`` (seconds) and ``written``.
+    """
+    lines = []
+    if "wall_seconds" in r and "time_limit" in r:
+        lines.append(f"total time: {r['wall_seconds']:.1f} s (limit {r['time_limit']:g} s)")
+    if r.get("written"):
+        lines.append(_written_line(r))
+    return lines
 
 
 def format_pass_through(r: dict) -> str:

@@ -121,3 +121,38 @@ def test_optimize_ends_within_the_time_limit_on_a_5000_operator_model(tmp_path, 
     rep = json.loads(report.read_text())
     assert rep["wall_seconds"] < limit + MARGIN
     assert (tmp_path / "out.onnx").exists()
+
+
+def test_the_import_of_a_20000_operator_model_stops_at_the_time_limit(tmp_path, capsys):
+    import hashlib
+
+    model = Path(write_model(20_000, str(tmp_path / "chain20000.onnx")))
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    out, report = tmp_path / "out.onnx", tmp_path / "report.json"
+    t0 = time.perf_counter()
+    rc = main(["optimize", str(model), "-o", str(out), "--time-limit", "2", "--cost-model",
+               "analytic", "-q", "--json", str(report)])
+    wall = time.perf_counter() - t0
+    assert rc == 0 and wall < 2 + MARGIN, wall
+    rep = json.loads(report.read_text())
+    assert rep["out_of_time_in"] == "import" and rep["outcome"]["verdict"] == "time_limit"
+    assert "during the import" in rep["outcome"]["why"]
+    assert "during the import" in capsys.readouterr().out
+    # the input, byte for byte, and the input itself untouched
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == digest
+    assert hashlib.sha256(model.read_bytes()).hexdigest() == digest
+
+
+def test_load_onnx_raises_import_time_limit_once_the_model_is_checked(tmp_path):
+    from taso_jax.search.limits import Deadline
+
+    from taso_jax.frontends.onnx_io import ImportTimeLimit, ModelError, load_onnx
+
+    model = write_model(120, str(tmp_path / "m.onnx"))
+    passed = Deadline(time.perf_counter() - 1, 1.0)
+    with pytest.raises(ImportTimeLimit, match="after ONNX's checker"):
+        load_onnx(model, deadline=passed)
+    (tmp_path / "bad.onnx").write_bytes(b"not onnx")
+    with pytest.raises(ModelError):  # a bad model is refused, limit or not
+        load_onnx(str(tmp_path / "bad.onnx"), deadline=passed)
+    assert load_onnx(model, deadline=Deadline.start(600)).meta["onnx_nodes"] == 120

@@ -313,10 +313,12 @@ def write_onnx(path: str, model, keep: Collection[str] = ()) -> str | None:
     Raises:
         ModelError: the data file would replace one of ``keep`` (real paths: the input
             model and its own data files); nothing is written.
+        OSError: a write failed; one that named no file or a temporary one names ``path``
+            (:func:`taso_jax._io.naming_output`).
     """
     import onnx
 
-    from taso_jax._io import atomic_write
+    from taso_jax._io import TEMP_PREFIX, atomic_write, naming_output
     from taso_jax.frontends.onnx_model import ModelError
 
     if isinstance(model, bytes | bytearray):
@@ -331,7 +333,7 @@ def write_onnx(path: str, model, keep: Collection[str] = ()) -> str | None:
                          f"its tensors in {data_path}, which would replace a file of the "
                          "input model; choose another -o")
     folder = os.path.dirname(os.path.abspath(path))
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".taso_jax.") as tmp:
+    with naming_output(path), tempfile.TemporaryDirectory(dir=folder, prefix=TEMP_PREFIX) as tmp:
         if isinstance(model, onnx.ModelProto):
             spilled = serialize_onnx(model, os.path.join(tmp, os.path.basename(data_path)[:-5]))
             proto = onnx.load(spilled, load_external_data=False)

@@ -19,6 +19,7 @@ import numpy as np
 from taso_jax._text import one_line
 from taso_jax.frontends.context import ImportContext
 from taso_jax.frontends.onnx_model import (
+    ImportTimeLimit,
     ModelError,
     _attrs,
     _fill_weights,
@@ -101,7 +102,17 @@ def _types_added_only(old, new) -> bool:
         allowed_new[k] >= allowed_old[k] for k in allowed_old)
 
 
-def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> Graph:
+#: Operators imported between two looks at the deadline.
+_DEADLINE_EVERY = 256
+
+
+def _check_deadline(deadline, step: str) -> None:
+    if deadline is not None and deadline.passed():
+        raise ImportTimeLimit(f"the time limit passed during the import: {step}")
+
+
+def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None, *,
+              deadline=None) -> Graph:
     """Import an ONNX model (path or ``ModelProto``) into a :class:`~taso_jax.ir.graph.Graph`.
 
     Args:
@@ -111,6 +122,9 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
             ``{"x": (1, 3, 224, 224)}``. A symbolic dimension not given here takes a
             default (1 for a batch dimension; see :func:`_fix_input_shapes`), named in
             ``meta["shape_notes"]``.
+        deadline: a :class:`~taso_jax.search.limits.Deadline`, or ``None`` (no limit): the
+            import looks at it once ONNX's checker has accepted the model, after each
+            step, and every few hundred operators.
 
     Returns:
         The graph, with ``meta`` holding ``opset`` (after conversion), ``source_opset``,
@@ -126,6 +140,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
             an ``input_shapes`` entry that does not fit its input, a model that ONNX's
             checker rejects, local functions that onnx's inliner refuses, or a sparse
             initializer too large once dense.
+        ImportTimeLimit: ``deadline`` passed (the model had passed ONNX's checker).
     """
     import onnx
     from onnx import numpy_helper, version_converter
@@ -161,6 +176,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         raise ModelError(f"{where}: invalid ONNX model ({one_line(str(e))})") from e
     if not model.graph.output:
         raise ModelError(f"{where}: the graph has no outputs")
+    _check_deadline(deadline, "after ONNX's checker")
     symbolic = symbolic_dims(model)
     if model is source:  # the caller's: not to be changed
         model_copy = onnx.ModelProto()
@@ -182,7 +198,9 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
         except Exception as e:
             raise ModelError(f"{where}: cannot convert opset {src_opset} to {_CONVERT_TO} "
                              f"({str(e).splitlines()[0]})") from e
+    _check_deadline(deadline, "before shape inference")
     types = _value_types(model)
+    _check_deadline(deadline, "after shape inference")
     g = model.graph
     weights: dict[str, np.ndarray] = {}
     for init in g.initializer:
@@ -194,6 +212,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     bounds = index_bounds(model, types)
     missing = [o for n in g.node for o in n.output if o and o not in types]
     if missing:
+        _check_deadline(deadline, "before onnxruntime runs it for the sizes left open")
         try:
             _missing_types_by_running(model, missing, types, weights, bounds)
         except Exception as e:  # noqa: BLE001 - onnxruntime refuses the user's model
@@ -223,6 +242,8 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
     opaque: dict[str, int] = {}
     groups = _non_tensor_groups(g, types, where)
     for k, node in enumerate(g.node):
+        if k % _DEADLINE_EVERY == 0:
+            _check_deadline(deadline, f"{k:,} of {len(g.node):,} operators imported")
         if k in groups:
             if groups[k] is None:  # a member of a group, imported with its last member
                 continue
@@ -243,7 +264,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None)
             "shape_notes": shape_notes, "symbolic_dims": symbolic,
             "ir_version": model.ir_version, "opaque": dict(opaque),
             "name": g.name or "graph", "integer_input_bounds": bounds,
-            "value_sized_hint": value_sized_hint(model)}
+            "value_sized_hint": value_sized_hint(model), "onnx_nodes": len(g.node)}
     return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,
                                       meta))
 

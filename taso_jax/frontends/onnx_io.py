@@ -37,7 +37,12 @@ from taso_jax.frontends.onnx_import import (
     load_onnx,
     max_opset,
 )
-from taso_jax.frontends.onnx_model import ModelError, ValueSizedModel, model_refusal
+from taso_jax.frontends.onnx_model import (
+    ImportTimeLimit,
+    ModelError,
+    ValueSizedModel,
+    model_refusal,
+)
 from taso_jax.frontends.onnx_opaque import OnnxNode, merge_opaque_regions
 from taso_jax.frontends.onnx_opaque import _session as _session
 from taso_jax.frontends.onnx_shapes import (
@@ -50,8 +55,8 @@ from taso_jax.frontends.onnx_tensor_types import INFER_OVER as INFER_OVER
 from taso_jax.frontends.onnx_tensor_types import PROBE_OUTPUTS as PROBE_OUTPUTS
 from taso_jax.frontends.onnx_tensor_types import index_bounds as index_bounds
 
-__all__ = ["ModelError", "OnnxNode", "merge_opaque_regions", "load_onnx", "export_onnx",
-           "converted_model", "value_sized_inputs", "value_sized_hint", "ValueSizedModel",
-           "model_refusal",
+__all__ = ["ModelError", "ImportTimeLimit", "OnnxNode", "merge_opaque_regions", "load_onnx",
+           "export_onnx", "converted_model", "value_sized_inputs", "value_sized_hint",
+           "ValueSizedModel", "model_refusal",
            "symbolic_dims", "with_symbolic_dims", "MIN_OPSET", "CHECKED_OPSET", "max_opset",
            "importable_at"]

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-__all__ = ["ModelError", "ValueSizedModel", "model_refusal", "LIGHT_BYTES"]
+__all__ = ["ModelError", "ValueSizedModel", "ImportTimeLimit", "model_refusal", "LIGHT_BYTES"]
 
 
 #: Initializers of at least this many bytes (but the integer tensors that carry shapes) are
@@ -107,6 +107,14 @@ class ValueSizedModel(ModelError):
     def __init__(self, message: str, hint: str):
         super().__init__(message)
         self.hint = hint
+
+
+class ImportTimeLimit(Exception):
+    """The time limit passed while a model was imported; ``str()`` says at which step.
+
+    Raised only after ONNX's checker has accepted the model, so a caller may still deliver
+    the file as it was given.
+    """
 
 
 def model_refusal(message: str, hint: str | None) -> ModelError:
