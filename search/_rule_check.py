@@ -53,14 +53,17 @@ def _check_int(value: int, where: str) -> None:
 
 
 def _check_attr(value: Any, where: str, depth: int = 0) -> None:
-    """An attribute value: a finite number, an int64, a string, a boolean, or a list."""
+    """Check an attribute value: a number, an int64, a string, a boolean, or a list.
+
+    Infinities are values (a mask's fill, a clip's open bound); NaN is refused.
+    """
     if isinstance(value, bool) or isinstance(value, str) or value is None:
         return
     if isinstance(value, int):
         _check_int(value, where)
     elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise _fail(where, f"attribute value {value} is not finite")
+        if math.isnan(value):
+            raise _fail(where, "attribute value is NaN")
     elif isinstance(value, list):
         if depth >= MAX_ATTR_DEPTH:
             raise _fail(where, f"attribute value nested more than {MAX_ATTR_DEPTH} deep")

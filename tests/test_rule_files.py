@@ -74,7 +74,7 @@ CASES = {
                                                           '"version": ' + "9" * 5000),
                                "5,000 digits"),
     "attribute_10_to_400": (_attrs(10 ** 400), "larger than int64"),
-    "attribute_inf": (_attrs(1e400), "is not finite"),
+    "attribute_nan": (_attrs(float("nan")), "is NaN"),
     "attribute_object": (_attrs({"a": 1}), "attribute value must be"),
     "source_a_string": (_edited(source="abc"), "'source' must be a list"),
     "node_a_number": (_edited(source=[1, 2]), "a node must be an object"),
