@@ -16,7 +16,10 @@
 Each ``make_*(seq, dtype, **sizes)`` returns ``(fn, weights, inputs)``: call
 ``fn(weights, *inputs)``. ``seq`` is the sequence length (the KV cache's length for the
 decode step), ``dtype`` the element type of the float weights and inputs. Weights are
-random (``jax.random`` with fixed keys). A maker raises :class:`Unavailable` where the model
+random, drawn by NumPy's generator with fixed seeds, so that building a model compiles
+nothing: the library modules' parameters are filled in on the shapes their own initializers
+give (``eval_shape``), with standard deviation 0.02 (BERT's and GPT-2's
+``initializer_range``) and norm gains around 1. A maker raises :class:`Unavailable` where the model
 cannot be built here (transformers missing, or ``seq`` past its position embeddings).
 :data:`TINY` holds sizes at which every model runs in well under a second on a CPU.
 """
@@ -27,6 +30,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["MODELS", "TINY", "Unavailable", "cast"]
 
@@ -38,21 +42,35 @@ class Unavailable(RuntimeError):
 def cast(tree, dtype: str):
     """``tree`` with its floating-point array leaves cast to ``dtype``."""
     return jax.tree_util.tree_map(
-        lambda x: x.astype(dtype) if hasattr(x, "dtype") and jnp.issubdtype(
-            x.dtype, jnp.floating) else x, tree)
+        lambda x: x.astype(dtype) if hasattr(x, "dtype") and x.dtype != dtype
+        and jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def _normal(key, shape, fan_in: int):
-    return jax.random.normal(key, shape) * fan_in ** -0.5
+def _normal(rng: np.random.Generator, shape, scale: float = 1.0):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
 
 
 # ---- plain JAX ---------------------------------------------------------------------------
 
 
+def _random_like(abstract, seed: int, std: float = 0.02):
+    """Random arrays in the shapes and dtypes of ``abstract`` (a pytree of
+    ``jax.ShapeDtypeStruct``); a leaf under a key ``scale`` (a norm's gain) is drawn around 1,
+    every other around 0."""
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        gain = any(getattr(k, "key", getattr(k, "name", None)) == "scale" for k in path)
+        x = (1.0 if gain else 0.0) + std * rng.standard_normal(leaf.shape, dtype=np.float32)
+        return jnp.asarray(x, dtype=leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
 def _qkv(seq: int, batch: int, heads: int, head_dim: int, layout: str):
     shape = {"bhsd": (batch, heads, seq, head_dim), "bshd": (batch, seq, heads, head_dim)}
-    return tuple(jax.random.normal(k, shape[layout]) for k in jax.random.split(jax.random.key(1),
-                                                                           3))
+    rng = np.random.default_rng(1)
+    return tuple(_normal(rng, shape[layout]) for _ in range(3))
 
 
 def make_causal_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
@@ -101,11 +119,10 @@ def _llama_weights(dim: int, heads: int, kv_heads: int, mlp: int):
     shapes = {"wq": (dim, heads * hd), "wk": (dim, kv_heads * hd), "wv": (dim, kv_heads * hd),
               "wo": (heads * hd, dim), "w_gate": (dim, mlp), "w_up": (dim, mlp),
               "w_down": (mlp, dim)}
-    keys = jax.random.split(jax.random.key(0), len(shapes) + 2)
-    w = {name: _normal(k, s, s[0])
-         for (name, s), k in zip(shapes.items(), keys[:len(shapes)], strict=True)}
-    w["attn_norm"] = 1.0 + 0.1 * jax.random.normal(keys[-2], (dim,))
-    w["mlp_norm"] = 1.0 + 0.1 * jax.random.normal(keys[-1], (dim,))
+    rng = np.random.default_rng(0)
+    w = {name: _normal(rng, s, s[0] ** -0.5) for name, s in shapes.items()}
+    for name in ("attn_norm", "mlp_norm"):
+        w[name] = jnp.asarray(1 + 0.1 * rng.standard_normal(dim, dtype=np.float32))
     return w
 
 
@@ -138,7 +155,7 @@ def make_llama_block(seq: int = 1024, dtype: str = "float32", batch: int = 1, di
                      heads: int = 8, kv_heads: int = 2, mlp: int = 1408):
     """A Llama-style decoder block, prefill: ``x [batch, seq, dim]`` -> same shape."""
     w = _llama_weights(dim, heads, kv_heads, mlp)
-    x = jax.random.normal(jax.random.key(1), (batch, seq, dim))
+    x = _normal(np.random.default_rng(1), (batch, seq, dim))
 
     def fn(w, x):
         s = x.shape[1]
@@ -158,10 +175,10 @@ def make_llama_decode(seq: int = 1024, dtype: str = "float32", batch: int = 1,
     slot, so the step attends to all ``seq`` positions."""
     w = _llama_weights(dim, heads, kv_heads, mlp)
     hd = dim // heads
-    kx, kk, kv = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(kx, (batch, 1, dim))
-    k_cache = jax.random.normal(kk, (batch, seq, kv_heads, hd))
-    v_cache = jax.random.normal(kv, (batch, seq, kv_heads, hd))
+    rng = np.random.default_rng(1)
+    x = _normal(rng, (batch, 1, dim))
+    k_cache = _normal(rng, (batch, seq, kv_heads, hd))
+    v_cache = _normal(rng, (batch, seq, kv_heads, hd))
     pos = jnp.asarray(seq - 1, dtype=jnp.int32)
 
     def fn(w, x, k_cache, v_cache, pos):
@@ -181,14 +198,15 @@ def make_lora_mlp(seq: int = 1024, dtype: str = "float32", batch: int = 1, dim: 
     linear is ``x @ W + s * (x @ A) @ B`` with ``s = alpha / rank`` (B random, as after
     fine-tuning)."""
     s = alpha / rank
-    keys = jax.random.split(jax.random.key(0), 7)
+    rng = np.random.default_rng(0)
 
-    def linear(k1, k2, k3, n_in, n_out):
-        return {"w": _normal(k1, (n_in, n_out), n_in), "a": _normal(k2, (n_in, rank), n_in),
-                "b": 0.1 * _normal(k3, (rank, n_out), rank)}
+    def linear(n_in, n_out):
+        return {"w": _normal(rng, (n_in, n_out), n_in ** -0.5),
+                "a": _normal(rng, (n_in, rank), n_in ** -0.5),
+                "b": _normal(rng, (rank, n_out), 0.1 * rank ** -0.5)}
 
-    w = {"fc1": linear(*keys[:3], dim, hidden), "fc2": linear(*keys[3:6], hidden, dim)}
-    x = jax.random.normal(keys[6], (batch, seq, dim))
+    w = {"fc1": linear(dim, hidden), "fc2": linear(hidden, dim)}
+    x = _normal(np.random.default_rng(1), (batch, seq, dim))
 
     def fn(w, x):
         def lora(x, p):
@@ -208,10 +226,13 @@ def make_nnx_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
     ``x [batch, seq, dim]``; the weights are the module's ``nnx.State``."""
     from flax import nnx
 
-    mha = nnx.MultiHeadAttention(num_heads=heads, in_features=dim, decode=False,
-                                 dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(mha)
-    x = jax.random.normal(jax.random.key(1), (batch, seq, dim))
+    def module():
+        return nnx.MultiHeadAttention(num_heads=heads, in_features=dim, decode=False,
+                                      dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(module))
+    state = _random_like(abstract, seed=0)
+    x = _normal(np.random.default_rng(1), (batch, seq, dim))
 
     def fn(state, x):
         return nnx.merge(graphdef, state)(x, mask=nnx.make_causal_mask(x[..., 0]))
@@ -225,9 +246,13 @@ def make_eqx_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
     vmapped over ``x [batch, seq, dim]``."""
     import equinox as eqx
 
-    mha = eqx.nn.MultiheadAttention(heads, dim, key=jax.random.key(0))
-    params, static = eqx.partition(mha, eqx.is_array)
-    x = jax.random.normal(jax.random.key(1), (batch, seq, dim))
+    def module():
+        return eqx.nn.MultiheadAttention(heads, dim, key=jax.random.key(0))
+
+    abstract, static = eqx.partition(eqx.filter_eval_shape(module),
+                                     lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    params = _random_like(abstract, seed=0)
+    x = _normal(np.random.default_rng(1), (batch, seq, dim))
 
     def fn(params, x):
         m = eqx.combine(params, static)
@@ -254,14 +279,17 @@ def _hf(model_cls, config, seq: int, dtype: str, batch: int, out: str):
     limit = config.max_position_embeddings  # GPT2Config maps it to n_positions
     if seq > limit:
         raise Unavailable(f"S={seq} is past its {limit} position embeddings")
-    model = model_cls(config, seed=0, dtype=jnp.dtype(dtype))
-    ids = jax.random.randint(jax.random.key(1), (batch, seq), 0, config.vocab_size,
-                             dtype=jnp.int32)
+    model = model_cls(config, dtype=jnp.dtype(dtype), _do_init=False)
+    abstract = jax.eval_shape(lambda key: model.init_weights(key, (1, 1)),
+                              jax.random.PRNGKey(0))
+    params = _random_like(abstract, seed=0, std=config.initializer_range)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (batch, seq)),
+                      dtype=jnp.int32)
 
     def fn(params, ids):
         return getattr(model(ids, params=params), out)
 
-    return fn, cast(model.params, dtype), (ids,)
+    return fn, cast(params, dtype), (ids,)
 
 
 def make_hf_bert(seq: int = 128, dtype: str = "float32", batch: int = 1, **config):
