@@ -105,7 +105,8 @@ def bench(name: str, seq: int, dtype: str, rounds: int, tiny: bool, options: dic
             "found_not_delivered": dict(report.get("found_not_delivered", {})
                                         .get("applied", {})),
             "first_call_s": first, "first_call_stages_s": dict(report.get("first_call", {})),
-            "max_abs_diff": _max_abs_diff(out, expected)}
+            "operators": sum(report.get("operators_before", {}).values()),
+            "search": dict(report.get("search", {})), "max_abs_diff": _max_abs_diff(out, expected)}
 
 
 def _table(rows: list[dict]) -> str:
@@ -175,8 +176,14 @@ def main(argv=None) -> int:
           "the per-round ratios (rounds the optimized function won)\n")
     print(_table(rows))
     for r in rows:
-        if r.get("why"):
-            print(f"\n{r['model']} S={r['S']}: {r['why']}", end="")
+        if "verdict" not in r:
+            continue
+        stages = ", ".join(f"{k} {v:.1f} s" for k, v in r["first_call_stages_s"].items())
+        search = r["search"]
+        print(f"\n{r['model']} S={r['S']}: {r['operators']} operators; search "
+              f"{search.get('seconds', 0.0):.1f} s, {search.get('explored', 0)} graphs explored, "
+              f"stopped: {search.get('stopped', '-')}; first call: {stages}"
+              + (f"\n  {r['why']}" if r.get("why") else ""), end="")
     print()
     if a.json:
         data = json.dumps({"device": device, "cores": cores, "jax": jax.__version__,
