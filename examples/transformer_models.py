@@ -1,0 +1,327 @@
+"""Transformer workloads as JAX users write them, for ``benchmarks/transformers.py``.
+
+* plain JAX: naive multi-head causal self-attention (einsum, scale, ``jnp.where`` on a
+  ``jnp.tril`` mask, ``jax.nn.softmax``, einsum) and the same through
+  ``jax.nn.dot_product_attention(is_causal=True)``; a Llama-style decoder block (RMSNorm with
+  gain, Q/K/V projections, RoPE, grouped-query attention with K/V heads repeated by
+  ``jnp.repeat``, causal mask, output projection, residuals, SwiGLU MLP), as a prefill over
+  ``S`` tokens and as one decode step against a KV cache of ``S`` positions; a two-layer MLP
+  whose linears carry LoRA adapters, ``x @ W + s * (x @ A) @ B``;
+* library modules: flax NNX ``MultiHeadAttention`` with ``nnx.make_causal_mask``, equinox
+  ``MultiheadAttention`` with a causal mask, and transformers' Flax BERT-base
+  (``FlaxBertModel``) and GPT-2 small (``FlaxGPT2LMHeadModel``), built from their default
+  configurations with random weights (no downloads; transformers < 5, which still has the
+  Flax classes, is needed for these two and is not a dependency of the project).
+
+Each ``make_*(seq, dtype, **sizes)`` returns ``(fn, weights, inputs)``: call
+``fn(weights, *inputs)``. ``seq`` is the sequence length (the KV cache's length for the
+decode step), ``dtype`` the element type of the float weights and inputs. Weights are
+random, drawn by NumPy's generator with fixed seeds, so that building a model compiles
+nothing: the library modules' parameters are filled in on the shapes their own initializers
+give (``eval_shape``), with standard deviation 0.02 (BERT's and GPT-2's
+``initializer_range``) and norm gains around 1. A maker raises :class:`Unavailable` where the model
+cannot be built here (transformers missing, or ``seq`` past its position embeddings).
+:data:`TINY` holds sizes at which every model runs in well under a second on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["MODELS", "TINY", "Unavailable", "cast"]
+
+
+class Unavailable(RuntimeError):
+    """A model that cannot be built here; the message says why."""
+
+
+def cast(tree, dtype: str):
+    """``tree`` with its floating-point array leaves cast to ``dtype``."""
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(dtype) if hasattr(x, "dtype") and x.dtype != dtype
+        and jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _normal(rng: np.random.Generator, shape, scale: float = 1.0):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+
+
+# ---- plain JAX ---------------------------------------------------------------------------
+
+
+def _random_like(abstract, seed: int, std: float = 0.02):
+    """Random arrays in the shapes and dtypes of ``abstract`` (a pytree of
+    ``jax.ShapeDtypeStruct``); a leaf under a key ``scale`` (a norm's gain) is drawn around 1,
+    every other around 0."""
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        gain = any(getattr(k, "key", getattr(k, "name", None)) == "scale" for k in path)
+        x = (1.0 if gain else 0.0) + std * rng.standard_normal(leaf.shape, dtype=np.float32)
+        return jnp.asarray(x, dtype=leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+def _qkv(seq: int, batch: int, heads: int, head_dim: int, layout: str):
+    shape = {"bhsd": (batch, heads, seq, head_dim), "bshd": (batch, seq, heads, head_dim)}
+    rng = np.random.default_rng(1)
+    return tuple(_normal(rng, shape[layout]) for _ in range(3))
+
+
+def make_causal_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                          heads: int = 12, head_dim: int = 64):
+    """Naive multi-head causal self-attention on ``q, k, v`` of shape ``[batch, heads, seq,
+    head_dim]``; no weights (an empty dict)."""
+    scale = head_dim ** -0.5
+
+    def fn(w, q, k, v):
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * scale
+        n = q.shape[2]
+        s = jnp.where(jnp.tril(jnp.ones((n, n), dtype=bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+    return fn, {}, cast(_qkv(seq, batch, heads, head_dim, "bhsd"), dtype)
+
+
+def make_causal_attention_dpa(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                              heads: int = 12, head_dim: int = 64):
+    """:func:`make_causal_attention` through ``jax.nn.dot_product_attention(is_causal=True)``,
+    on ``q, k, v`` in that function's layout, ``[batch, seq, heads, head_dim]``."""
+
+    def fn(w, q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    return fn, {}, cast(_qkv(seq, batch, heads, head_dim, "bshd"), dtype)
+
+
+def _rms_norm(x, gain, eps: float = 1e-6):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
+
+
+def _rope(x, positions, theta: float = 10000.0):
+    """Rotary position embedding, rotate-half form, on ``x: [batch, seq, heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[None, :, None, :].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[None, :, None, :].astype(x.dtype)
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _llama_weights(dim: int, heads: int, kv_heads: int, mlp: int):
+    hd = dim // heads
+    shapes = {"wq": (dim, heads * hd), "wk": (dim, kv_heads * hd), "wv": (dim, kv_heads * hd),
+              "wo": (heads * hd, dim), "w_gate": (dim, mlp), "w_up": (dim, mlp),
+              "w_down": (mlp, dim)}
+    rng = np.random.default_rng(0)
+    w = {name: _normal(rng, s, s[0] ** -0.5) for name, s in shapes.items()}
+    for name in ("attn_norm", "mlp_norm"):
+        w[name] = jnp.asarray(1 + 0.1 * rng.standard_normal(dim, dtype=np.float32))
+    return w
+
+
+def _llama_attention_in(w, x, positions, heads: int, kv_heads: int):
+    """RMSNorm, Q/K/V projections and RoPE: ``q [b, s, heads, hd]``, ``k, v [b, s, kv, hd]``."""
+    b, s, dim = x.shape
+    hd = dim // heads
+    h = _rms_norm(x, w["attn_norm"])
+    q = (h @ w["wq"]).reshape(b, s, heads, hd)
+    k = (h @ w["wk"]).reshape(b, s, kv_heads, hd)
+    v = (h @ w["wv"]).reshape(b, s, kv_heads, hd)
+    return _rope(q, positions), _rope(k, positions), v
+
+
+def _llama_attention_out(w, x, q, k, v, mask, heads: int, kv_heads: int):
+    """GQA (K/V repeated to every query head), masked softmax, output projection, residual,
+    then the SwiGLU MLP with its residual."""
+    b, s, dim = x.shape
+    k = jnp.repeat(k, heads // kv_heads, axis=2)
+    v = jnp.repeat(v, heads // kv_heads, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    scores = jnp.where(mask, scores, -jnp.inf)
+    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(b, s, dim)
+    x = x + a @ w["wo"]
+    h = _rms_norm(x, w["mlp_norm"])
+    return x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+
+
+def make_llama_block(seq: int = 1024, dtype: str = "float32", batch: int = 1, dim: int = 512,
+                     heads: int = 8, kv_heads: int = 2, mlp: int = 1408):
+    """A Llama-style decoder block, prefill: ``x [batch, seq, dim]`` -> same shape."""
+    w = _llama_weights(dim, heads, kv_heads, mlp)
+    x = _normal(np.random.default_rng(1), (batch, seq, dim))
+
+    def fn(w, x):
+        s = x.shape[1]
+        q, k, v = _llama_attention_in(w, x, jnp.arange(s), heads, kv_heads)
+        mask = jnp.tril(jnp.ones((s, s), dtype=bool))
+        return _llama_attention_out(w, x, q, k, v, mask, heads, kv_heads)
+
+    return fn, cast(w, dtype), cast((x,), dtype)
+
+
+def make_llama_decode(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                      dim: int = 512, heads: int = 8, kv_heads: int = 2, mlp: int = 1408):
+    """:func:`make_llama_block`, one decode step: the token ``x [batch, 1, dim]`` at position
+    ``pos`` (int32 scalar) against a KV cache ``[batch, seq, kv_heads, head_dim]`` each for K
+    and V. Its K and V are written into the cache at ``pos``; it attends to positions
+    ``<= pos``. Returns ``(y, k_cache, v_cache)``. The inputs put ``pos`` at the cache's last
+    slot, so the step attends to all ``seq`` positions."""
+    w = _llama_weights(dim, heads, kv_heads, mlp)
+    hd = dim // heads
+    rng = np.random.default_rng(1)
+    x = _normal(rng, (batch, 1, dim))
+    k_cache = _normal(rng, (batch, seq, kv_heads, hd))
+    v_cache = _normal(rng, (batch, seq, kv_heads, hd))
+    pos = jnp.asarray(seq - 1, dtype=jnp.int32)
+
+    def fn(w, x, k_cache, v_cache, pos):
+        q, k, v = _llama_attention_in(w, x, pos[None], heads, kv_heads)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k, (0, pos, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v, (0, pos, 0, 0))
+        mask = (jnp.arange(k_cache.shape[1]) <= pos)[None, :]
+        return _llama_attention_out(w, x, q, k_cache, v_cache, mask, heads, kv_heads), \
+            k_cache, v_cache
+
+    return fn, cast(w, dtype), cast((x, k_cache, v_cache), dtype) + (pos,)
+
+
+def make_lora_mlp(seq: int = 1024, dtype: str = "float32", batch: int = 1, dim: int = 1024,
+                  hidden: int = 1024, rank: int = 16, alpha: float = 32.0):
+    """Two linears with LoRA adapters and a GELU between, on ``x [batch, seq, dim]``; each
+    linear is ``x @ W + s * (x @ A) @ B`` with ``s = alpha / rank`` (B random, as after
+    fine-tuning)."""
+    s = alpha / rank
+    rng = np.random.default_rng(0)
+
+    def linear(n_in, n_out):
+        return {"w": _normal(rng, (n_in, n_out), n_in ** -0.5),
+                "a": _normal(rng, (n_in, rank), n_in ** -0.5),
+                "b": _normal(rng, (rank, n_out), 0.1 * rank ** -0.5)}
+
+    w = {"fc1": linear(dim, hidden), "fc2": linear(hidden, dim)}
+    x = _normal(np.random.default_rng(1), (batch, seq, dim))
+
+    def fn(w, x):
+        def lora(x, p):
+            return x @ p["w"] + s * (x @ p["a"]) @ p["b"]
+
+        return lora(jax.nn.gelu(lora(x, w["fc1"])), w["fc2"])
+
+    return fn, cast(w, dtype), cast((x,), dtype)
+
+
+# ---- library modules ---------------------------------------------------------------------
+
+
+def make_nnx_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                       dim: int = 768, heads: int = 12):
+    """flax NNX ``MultiHeadAttention`` (self-attention) with ``nnx.make_causal_mask``, on
+    ``x [batch, seq, dim]``; the weights are the module's ``nnx.State``."""
+    from flax import nnx
+
+    def module():
+        return nnx.MultiHeadAttention(num_heads=heads, in_features=dim, decode=False,
+                                      dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(module))
+    state = _random_like(abstract, seed=0)
+    x = _normal(np.random.default_rng(1), (batch, seq, dim))
+
+    def fn(state, x):
+        return nnx.merge(graphdef, state)(x, mask=nnx.make_causal_mask(x[..., 0]))
+
+    return fn, state, cast((x,), dtype)
+
+
+def make_eqx_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                       dim: int = 768, heads: int = 12):
+    """equinox ``MultiheadAttention`` (self-attention) with a causal ``[seq, seq]`` mask,
+    vmapped over ``x [batch, seq, dim]``."""
+    import equinox as eqx
+
+    def module():
+        return eqx.nn.MultiheadAttention(heads, dim, key=jax.random.key(0))
+
+    abstract, static = eqx.partition(eqx.filter_eval_shape(module),
+                                     lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    params = _random_like(abstract, seed=0)
+    x = _normal(np.random.default_rng(1), (batch, seq, dim))
+
+    def fn(params, x):
+        m = eqx.combine(params, static)
+        mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), dtype=bool))
+        return jax.vmap(lambda t: m(t, t, t, mask=mask))(x)
+
+    return fn, cast(params, dtype), cast((x,), dtype)
+
+
+def _transformers(*names: str):
+    """The named transformers classes, or :class:`Unavailable` saying why not."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise Unavailable("transformers not installed") from e
+    try:
+        return [getattr(transformers, n) for n in names]
+    except (AttributeError, ImportError) as e:
+        raise Unavailable(f"transformers {transformers.__version__} has no Flax classes "
+                          f"(removed in v5; pip install 'transformers<5'): {e}") from e
+
+
+def _hf(model_cls, config, seq: int, dtype: str, batch: int, out: str):
+    limit = config.max_position_embeddings  # GPT2Config maps it to n_positions
+    if seq > limit:
+        raise Unavailable(f"S={seq} is past its {limit} position embeddings")
+    model = model_cls(config, dtype=jnp.dtype(dtype), _do_init=False)
+    abstract = jax.eval_shape(lambda key: model.init_weights(key, (1, 1)),
+                              jax.random.PRNGKey(0))
+    params = _random_like(abstract, seed=0, std=config.initializer_range)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (batch, seq)),
+                      dtype=jnp.int32)
+
+    def fn(params, ids):
+        return getattr(model(ids, params=params), out)
+
+    return fn, cast(params, dtype), (ids,)
+
+
+def make_hf_bert(seq: int = 128, dtype: str = "float32", batch: int = 1, **config):
+    """transformers' ``FlaxBertModel`` (BERT-base by default: ``BertConfig(**config)``) on
+    token ids ``[batch, seq]``; returns the last hidden state."""
+    model_cls, config_cls = _transformers("FlaxBertModel", "BertConfig")
+    return _hf(model_cls, config_cls(**config), seq, dtype, batch, "last_hidden_state")
+
+
+def make_hf_gpt2(seq: int = 128, dtype: str = "float32", batch: int = 1, **config):
+    """transformers' ``FlaxGPT2LMHeadModel`` (GPT-2 small by default: ``GPT2Config(**config)``)
+    on token ids ``[batch, seq]``; returns the logits."""
+    model_cls, config_cls = _transformers("FlaxGPT2LMHeadModel", "GPT2Config")
+    return _hf(model_cls, config_cls(**config), seq, dtype, batch, "logits")
+
+
+MODELS = {"causal_attention": make_causal_attention,
+          "causal_attention_dpa": make_causal_attention_dpa,
+          "llama_block": make_llama_block, "llama_decode": make_llama_decode,
+          "lora_mlp": make_lora_mlp, "nnx_attention": make_nnx_attention,
+          "eqx_attention": make_eqx_attention, "hf_bert": make_hf_bert,
+          "hf_gpt2": make_hf_gpt2}
+
+#: Sizes (keyword arguments besides ``seq`` and ``dtype``) at which each model is tiny.
+TINY = {"causal_attention": {"heads": 2, "head_dim": 8},
+        "causal_attention_dpa": {"heads": 2, "head_dim": 8},
+        "llama_block": {"dim": 32, "heads": 4, "kv_heads": 2, "mlp": 48},
+        "llama_decode": {"dim": 32, "heads": 4, "kv_heads": 2, "mlp": 48},
+        "lora_mlp": {"dim": 32, "hidden": 48, "rank": 4},
+        "nnx_attention": {"dim": 32, "heads": 4},
+        "eqx_attention": {"dim": 32, "heads": 4},
+        "hf_bert": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+                    "intermediate_size": 64, "vocab_size": 100, "max_position_embeddings": 64},
+        "hf_gpt2": {"n_embd": 32, "n_layer": 1, "n_head": 4, "vocab_size": 100,
+                    "n_positions": 64}}
