@@ -29,6 +29,8 @@ K_HWIO = _x(3, 3, 3, 6, seed=3)
 
 # (name, function, example inputs): together they exercise every registered primitive.
 CASES = [
+    ("causal_where", lambda x: jnp.where(jnp.tril(jnp.ones((5, 5), bool)), x, -1e9)
+     + jnp.where(jnp.arange(5)[:, None] <= jnp.arange(5), x, 0.0), (_x(2, 5, 5),)),
     ("add_sub_mul_div", lambda x, y: (x + y) * (x - y) / (y * y + 1.0),
      (_x(3, 4), _x(3, 4, seed=1))),
     ("weight_sub_div", lambda w, x: (x - w) / w, (W44 + 3.0, _x(2, 4, 4))),

@@ -113,7 +113,8 @@ def rules_from_law(name: str, ax: Axiom) -> list[Substitution]:
         data = {"name": label,
                 "variables": {v: shapes[v] for v in sorted(src.used)},
                 "source": src.nodes, "target": tgt.nodes, "outputs": [[out_src, out_tgt]],
-                "provenance": {"method": "law", "law": f"{name}: {ax.law}"}}
+                "provenance": {"method": "law", "domain": "laws", "law": f"{name}: {ax.law}",
+                               "proof": None}}
         rules.append(Substitution.from_json(data))
     return rules
 

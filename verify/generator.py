@@ -153,7 +153,8 @@ def _cluster_domains(domains, max_ops: int, seed: int, monotone: bool, cluster: 
 
 def generate(domains=None, max_ops: int = 3, seed: int = 0,
              progress: Callable[[str], None] | None = None, monotone: bool = True,
-             workers: int | None = None, cluster: str | None = None, laws: bool = True
+             workers: int | None = None, cluster: str | None = None,
+             laws: bool | None = None
              ) -> tuple[list[Substitution], GeneratorStats]:
     """Generate substitutions over ``domains`` with expressions of up to ``max_ops`` operators.
 
@@ -175,7 +176,9 @@ def generate(domains=None, max_ops: int = 3, seed: int = 0,
             is the same as without a cluster: renamings across domains are pruned here,
             in domain order.
         laws: add the rules derived from the operators' laws
-            (:func:`taso_jax.verify.from_laws.derived_rules`), unproved like the rest.
+            (:func:`taso_jax.verify.from_laws.derived_rules`), unproved like the rest;
+            by default only with the default domains (a run over chosen domains makes
+            those domains' rules).
 
     Returns:
         The kept substitutions and the per-stage counts.
@@ -183,6 +186,7 @@ def generate(domains=None, max_ops: int = 3, seed: int = 0,
     Raises:
         RuntimeError: a cluster was asked for and Dask is not installed.
     """
+    laws = domains is None if laws is None else laws
     domains = DEFAULT_DOMAINS if domains is None else tuple(domains)
     stats = GeneratorStats()
     if cluster is None:
