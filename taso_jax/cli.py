@@ -171,7 +171,7 @@ def _generate(args) -> int:
     t0 = time.perf_counter()
     subs, stats = generate([by_name[n] for n in names], max_ops=args.max_ops,
                            seed=args.seed, progress=progress, workers=args.workers,
-                           cluster=args.cluster)
+                           cluster=args.cluster, laws=not args.domains)
     bar.close()
     print(stats.summary())
     for stage, sec in stats.seconds.items():
