@@ -118,18 +118,8 @@ def _import_gemm(ctx, ins, *, alpha=1.0, beta=1.0, transA=0, transB=0):  # noqa:
 
 # ---- jaxpr primitives ---------------------------------------------------------------------
 
-@jaxpr_importer("dot_general")
-def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=None, **_):
-    """dot_general as transposes and reshapes around one batched ``matmul``.
-
-    Output layout of dot_general: batch dimensions, then the free dimensions of the left
-    operand, then those of the right (jax.lax.dot_general).
-    """
-    lhs, rhs = ins
-    (lc, rc), (lb, rb) = dimension_numbers
-    out = ctx.out_types[0]
-    if ctx.type(lhs).dtype != ctx.type(rhs).dtype or ctx.type(lhs).dtype != out.dtype:
-        return None  # mixed precision
+def _dot(ctx, lhs, rhs, lc, rc, lb, rb):
+    """``lhs`` against ``rhs`` as one batched ``matmul``: shape (batch, lhs free, rhs free)."""
     ls, rs = ctx.type(lhs).shape, ctx.type(rhs).shape
     lf = [i for i in range(len(ls)) if i not in (*lc, *lb)]
     rf = [i for i in range(len(rs)) if i not in (*rc, *rb)]
@@ -142,4 +132,32 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
     else:
         m = int(np.prod([ls[i] for i in lf], dtype=np.int64))
         a = ctx.reshape(ctx.transpose(lhs, (*lb, *lf, *lc)), (*(ls[i] for i in lb), m, k))
-    return [ctx.reshape(ctx.op("matmul", [a, b]), out.shape)]
+    shape = (*(ls[i] for i in lb), *(ls[i] for i in lf), *(rs[i] for i in rf))
+    return ctx.reshape(ctx.op("matmul", [a, b]), shape), len(lb), len(lf), len(rf)
+
+
+@jaxpr_importer("dot_general")
+def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=None, **_):
+    """dot_general as transposes and reshapes around one batched ``matmul``.
+
+    Output layout of dot_general: batch dimensions, then the free dimensions of the left
+    operand, then those of the right (jax.lax.dot_general). Where the right operand is laid
+    out as a matmul's left one (batch, free, contracting) and the left is not, the product
+    is taken the other way round and transposed: ``einsum("bkhd,bhqk->bhdq", v, p)`` becomes
+    ``p @ v`` transposed, the form in which attention's laws see it.
+    """
+    lhs, rhs = ins
+    (lc, rc), (lb, rb) = dimension_numbers
+    out = ctx.out_types[0]
+    if ctx.type(lhs).dtype != ctx.type(rhs).dtype or ctx.type(lhs).dtype != out.dtype:
+        return None  # mixed precision
+    ls, rs = ctx.type(lhs).shape, ctx.type(rhs).shape
+    lf = [i for i in range(len(ls)) if i not in (*lc, *lb)]
+    rf = [i for i in range(len(rs)) if i not in (*rc, *rb)]
+    left_laid_out = [*lb, *lf, *lc] == list(range(len(ls)))
+    right_laid_out_as_left = [*rb, *rf, *rc] == list(range(len(rs)))
+    if left_laid_out or not right_laid_out_as_left or not lf or not rf:
+        return [ctx.reshape(_dot(ctx, lhs, rhs, lc, rc, lb, rb)[0], out.shape)]
+    y, nb, nr, nl = _dot(ctx, rhs, lhs, rc, lc, rb, lb)  # (batch, rhs free, lhs free)
+    perm = (*range(nb), *range(nb + nr, nb + nr + nl), *range(nb, nb + nr))
+    return [ctx.reshape(ctx.transpose(y, perm), out.shape)]
