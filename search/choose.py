@@ -31,7 +31,7 @@ from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
            "measured_set", "keep_fastest", "paired_speedup", "confirm_faster", "with_layouts",
            "compiled_runs", "compiled_run", "screen_in_pairs", "signed_rank_greater",
-           "floor_us", "NHWC_LAYOUT"]
+           "floor_us", "rounds_for", "NHWC_LAYOUT"]
 
 #: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
 NHWC_LAYOUT = "layout:nhwc"
@@ -174,6 +174,23 @@ CONFIRM_MAX_SECONDS = 10.0
 #: A confirmed candidate is timed head to head against the next candidate not yet tried
 #: whose screened fastest round lies within this fraction of its own (:func:`keep_fastest`).
 DUEL_WITHIN = 0.05
+#: Seconds of calls, both functions together, that a screening loop and a confirmation
+#: loop aim at, and the fewest rounds each keeps (:func:`rounds_for`): calls of a tenth of
+#: a second and more get fewer rounds than ``repeats``.
+SCREEN_LOOP_SECONDS, SCREEN_MIN_ROUNDS = 2.0, 5
+CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS = 5.0, 10
+
+
+def rounds_for(call_seconds: float, loop_seconds: float, least: int, most: int) -> int:
+    """Rounds of a loop that calls two functions of ``call_seconds`` each a round.
+
+    As many as fit in ``loop_seconds``, between ``least`` and ``most``: a comparison of
+    calls that take half a second needs fewer rounds to see a 1.3x gain than one of
+    millisecond calls, whose rounds the machine's noise spreads more, and twenty-five
+    rounds of it would take 25 s.
+    """
+    fit = loop_seconds / max(2.0 * call_seconds, 1e-9)
+    return int(min(most, max(least, fit)))
 
 
 #: A guess at the seconds ``jax.jit`` takes to trace and compile a graph, per node (weights
@@ -430,7 +447,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     one at a time, each in its own interleaved loop (screening, :func:`screen_in_pairs`:
     two compiled graphs are held at once, not all of them). The fastest candidate by its
     fastest round (:func:`floor_us`) is then timed against the input alone in
-    a fresh loop of ``repeats`` rounds (confirmation), and it replaces ``result.graph``
+    a fresh loop of ``repeats`` rounds (confirmation; fewer for long calls, and the
+    screening fewer still: :func:`rounds_for`), and it replaces ``result.graph``
     (``cost_after`` and ``applied`` follow it) only if :func:`paired_speedup` says it ran
     faster there; otherwise the input is kept, so the result is never slower than the input
     by more than the noise of this measurement. Testing only the one candidate picked, on
@@ -462,9 +480,12 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
                                  make_guess=COMPILE_SECONDS_PER_NODE * len(graphs[0][1].nodes))
     if skipped:
         return skipped
+    call_seconds = time_function(base, repeats=1, warmup=0)[0] / 1e6
+    screen = rounds_for(call_seconds, SCREEN_LOOP_SECONDS, SCREEN_MIN_ROUNDS, repeats)
+    repeats = rounds_for(call_seconds, CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, repeats)
 
     def loop(a, b):  # short calls: more rounds, the loop lasting SCREEN_SECONDS at least
-        return time_interleaved([a, b], repeats, 2, deadline, min_seconds=SCREEN_SECONDS)
+        return time_interleaved([a, b], screen, 2, deadline, min_seconds=SCREEN_SECONDS)
 
     def make(g):
         return compiled_run(g, xs)

@@ -490,22 +490,22 @@ class MeasuredCostModel(CostModel):
         :data:`ROUNDS` rounds of ``repeats / ROUNDS`` runs each. Load only ever adds time,
         so the kernel's time is the fastest single run of all, in microseconds. The spread
         is the slowest round's median over the fastest's; above :data:`WIDE_SPREAD` the
-        kernel is timed :data:`ROUNDS` rounds more. A kernel whose first call shows that the
-        runs would last more than :data:`KERNEL_BUDGET_US` gets fewer runs per round (at
-        least one) and no warm-up past the first. ``run`` may be a list of calls, used in
-        turn, one per round: the same kernel on inputs allocated apart (see
+        kernel is timed :data:`ROUNDS` rounds more. A kernel whose first round shows that
+        the runs would last more than :data:`KERNEL_BUDGET_US` gets fewer runs in the rounds
+        after it (at least one) and no warm-up past the first. ``run`` may be a list of
+        calls, used in turn, one per round: the same kernel on inputs allocated apart (see
         :meth:`_runner`).
         """
         from taso_jax.ir.executor import time_function
 
         runs = run if isinstance(run, list) else [run]
         per_round, warmup = max(3, self.repeats // ROUNDS), 2
-        first = time_function(runs[0], repeats=1, warmup=1)[0]  # compiled, then one call
-        if first * self.repeats > KERNEL_BUDGET_US:  # a long kernel: fewer, still fastest-of
-            per_round, warmup = max(1, int(KERNEL_BUDGET_US / (first * ROUNDS))), 0
-        rounds = [time_function(runs[i % len(runs)], repeats=per_round,
-                                warmup=warmup if i < len(runs) else 0) for i in range(ROUNDS)]
-        rounds[0].append(first)
+        rounds = [time_function(runs[0], repeats=per_round, warmup=warmup)]
+        call = float(min(rounds[0]))
+        if call * self.repeats > KERNEL_BUDGET_US:  # a long kernel: fewer, still fastest-of
+            per_round, warmup = max(1, int(KERNEL_BUDGET_US / (call * ROUNDS))), 0
+        rounds += [time_function(runs[i % len(runs)], repeats=per_round,
+                                 warmup=warmup if i < len(runs) else 0) for i in range(1, ROUNDS)]
         medians = [float(np.median(r)) for r in rounds]
         if max(medians) > WIDE_SPREAD * min(medians):
             rounds += [time_function(runs[i % len(runs)], repeats=per_round, warmup=0)

@@ -27,10 +27,16 @@ import numpy as np
 from taso_jax.frontends import graph_cache
 from taso_jax.frontends.jaxpr_io import TracedFunction, _fn_name, trace_function
 from taso_jax.frontends.signature_entry import _Entry, _hashable, _is_tracer, _leaf_signature
-from taso_jax.ir.executor import StagedGraph, time_interleaved
+from taso_jax.ir.executor import StagedGraph, time_function, time_interleaved
 from taso_jax.report import compare_outputs, search_report
 from taso_jax.search.backtracking import SearchResult
-from taso_jax.search.choose import confirm_faster, device_name
+from taso_jax.search.choose import (
+    CONFIRM_LOOP_SECONDS,
+    CONFIRM_MIN_ROUNDS,
+    confirm_faster,
+    device_name,
+    rounds_for,
+)
 from taso_jax.search.options import SEARCH_REVISION
 
 __all__ = ["FirstCallPipeline"]
@@ -370,7 +376,9 @@ class FirstCallPipeline:
         ``end_to_end > 0`` it and the optimized function, with this wrapper's own per-call
         work (flattening the arguments, recognizing the weights), are timed in one loop,
         interleaved, on the call's arguments, and the optimized one must be confirmed faster
-        by :func:`~taso_jax.search.choose.confirm_faster` (at least :data:`MIN_SPEEDUP`; an
+        by :func:`~taso_jax.search.choose.confirm_faster` over :data:`BASELINE_REPEATS`
+        rounds, fewer for long calls (:func:`~taso_jax.search.choose.rounds_for`; at least
+        :data:`MIN_SPEEDUP`; an
         undecided first loop with the optimized ahead is extended by as many rounds once, and
         a "faster" verdict must hold in one more loop);
         with ``end_to_end=0``, a graph that the search left
@@ -400,8 +408,11 @@ class FirstCallPipeline:
             flat, _ = jax.tree_util.tree_flatten(dyn)
             return self._execute(entry, [flat[i] for i in entry.array_index], kinds, True)
 
+        # Rounds to fit the call's length: 25 rounds of half-second calls would take 25 s.
+        rounds = rounds_for(time_function(original, repeats=1, warmup=1)[0] / 1e6,
+                            CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, BASELINE_REPEATS)
         test, ta, tb = confirm_faster(
-            lambda: time_interleaved([original, optimized], BASELINE_REPEATS),
+            lambda: time_interleaved([original, optimized], rounds),
             min_speedup=MIN_SPEEDUP)
         a, b = float(np.median(ta)), float(np.median(tb))
         entry.report["baseline"] = {"jit_us": a, "optimized_us": b, "repeats": len(ta),
