@@ -174,7 +174,7 @@ class Axiom:
     variables (with a symbolic shape in ``shapes``) or attribute variables (with candidate
     values in ``params``); ``expr[i]`` takes output ``i`` of a multi-output operator, and
     ``dim(x, k)`` is the size of axis ``k`` of ``x``; a shape may start with ``"..."``, any
-    leading dimensions (two in the numeric check). The law holds for every shape that
+    leading dimensions (one of size 2 in the numeric check). The law holds for every shape that
     instantiates ``shapes`` and every attribute value in ``params`` for which both sides are
     well typed (source: TASO, Jia et al., SOSP 2019, Section 4 and Table 2).
 
