@@ -475,14 +475,13 @@ def _import_select_n(ctx, ins, **_):
     return [ctx.op("where", [ins[0], ins[2], ins[1]])]  # select_n(p, f, t) = p ? t : f
 
 
-def unbroadcast(t):
-    """``t`` before the reshapes and expands that only changed its leading axes.
+def _unbroadcast(t):
+    """``t`` before the reshapes and expands that kept its last two axes.
 
-    A mask or a fill value broadcast to ``[B, H, S, S]`` is read back at its own size.
+    A mask broadcast to ``[B, H, S, S]`` is read back at its own size.
     """
-    while t.node.op in ("expand", "reshape") and len(t.shape) >= 2 and (
-            t.node.inputs[0].shape[-2:] == t.shape[-2:] if len(t.node.inputs[0].shape) >= 2
-            else t.node.op == "expand" or t.node.inputs[0].shape == ()):
+    while t.node.op in ("expand", "reshape") and len(t.node.inputs[0].shape) >= 2 \
+            and t.node.inputs[0].shape[-2:] == t.shape[-2:]:
         t = t.node.inputs[0]
     return t
 
@@ -499,12 +498,14 @@ def _causal_select(ctx, pred, on_true, on_false):
     out = ctx.out_types[0]
     if len(out.shape) < 2 or not np.issubdtype(np.dtype(out.dtype), np.floating):
         return None
+    keep = ctx.const(_unbroadcast(pred))
+    if keep is None or np.shape(keep)[-2:] != out.shape[-2:]:
+        return None
     for x, fill, negate in ((on_true, on_false, False), (on_false, on_true, True)):
         if ctx.type(x).shape != out.shape or ctx.weight_only(x):
             continue
         value = _scalar_const(ctx, fill)
-        keep = ctx.const(unbroadcast(pred))
-        if value is None or keep is None or np.shape(keep)[-2:] != out.shape[-2:]:
+        if value is None:
             continue
         offset = causal_offset(~np.asarray(keep) if negate else np.asarray(keep))
         if offset is not None:
