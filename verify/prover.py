@@ -48,10 +48,10 @@ class Prover:
         max_instances: most attribute-value combinations proved one by one (see
             :meth:`prove`).
         max_quantifier_instances: Z3 quantifier instantiations per attempt at most
-            (``smt.qi.max_instances``); past it the attempt ends as ``unknown``. At 50,000
-            one shipped rule (``fuse-concat-ewadd-split-2``) was proved or not depending on
-            what its process had proved before; at 200,000 it is proved in a fresh process,
-            and the resource limit bounds the attempts that fail.
+            (``smt.qi.max_instances``); past it the attempt ends as ``unknown``, and the
+            resource limit bounds the attempts that fail. A status should not depend on
+            what the process proved before; a rule that re-proves only in some processes
+            is dropped from the shipped set (docs/generator_and_verifier.md).
     """
 
     def __init__(self, axioms=None, rlimit: int | None = None, timeout_ms: int | None = None,
