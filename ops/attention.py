@@ -53,6 +53,11 @@ def _keep(sq: int, sk: int, offset: int, row0: int = 0, cols: int | None = None)
     return jnp.arange(sk if cols is None else cols)[None, :] <= rows + offset
 
 
+def _keep_numpy(sq: int, sk: int, offset: int) -> np.ndarray:
+    """:func:`_keep` as a constant NumPy array (ONNX export, recognition)."""
+    return np.arange(sk)[None, :] <= np.arange(sq)[:, None] + offset
+
+
 def _causal_mask(x, *, offset, fill):
     keep = _keep(x.shape[-2], x.shape[-1], offset)
     return jnp.where(keep, x, jnp.asarray(fill, x.dtype))
@@ -69,8 +74,7 @@ def _causal_mask_shape(ts, *, offset, fill):
 
 def _causal_mask_onnx(ctx, ins, outs, *, offset, fill):
     sq, sk = ctx.shape(ins[0])[-2:]
-    keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + offset
-    ctx.node("Where", [ctx.const(keep), ins[0],
+    ctx.node("Where", [ctx.const(_keep_numpy(sq, sk, offset)), ins[0],
                        ctx.const(np.asarray(fill, ctx.dtype(ins[0])))], outs)
 
 
@@ -101,8 +105,7 @@ def causal_offset(mask: np.ndarray) -> int | None:
     offset = int(m[0].sum()) - 1
     if offset < 0 or offset >= sk:
         return None
-    want = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + offset
-    return offset if np.array_equal(m, want) else None
+    return offset if np.array_equal(m, _keep_numpy(sq, sk, offset)) else None
 
 
 # ---- attention ----------------------------------------------------------------------------
@@ -167,7 +170,7 @@ def _attention_onnx(ctx, ins, outs, *, causal, offset, fill, impl, block):
     s = ctx.tmp("MatMul", ins[:2])
     if causal:
         rows, cols = ctx.shape(ins[0])[-2], ctx.shape(ins[1])[-1]
-        s = ctx.tmp("Where", [ctx.const(np.tril(np.ones((rows, cols), bool), offset)),
+        s = ctx.tmp("Where", [ctx.const(_keep_numpy(rows, cols, offset)),
                               s, ctx.const(np.asarray(fill, ctx.dtype(ins[0])))])
     ctx.node("MatMul", [ctx.tmp("Softmax", [s], axis=-1), ins[2]], outs)
 
