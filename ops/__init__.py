@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from taso_jax.ir.dims import Dim
+
 __all__ = [
     "OPS",
     "ONNX_IMPORTERS",
@@ -49,7 +51,7 @@ class TensorType(NamedTuple):
         """Number of elements."""
         n = 1
         for d in self.shape:
-            n *= d
+            n *= int(d)  # the count at the bound sizes (an open size's expression is not kept)
         return n
 
     @property
@@ -155,7 +157,9 @@ class OpDef:
         """
         if self.arity is not None and len(in_types) != self.arity:
             raise ShapeError(f"{self.name}: expects {self.arity} inputs, got {len(in_types)}")
-        return [TensorType(tuple(int(d) for d in t.shape), str(t.dtype))
+        # plain ints (a NumPy integer from a rule becomes one); an open size stays a Dim
+        return [TensorType(tuple(d if isinstance(d, Dim) else int(d) for d in t.shape),
+                           str(t.dtype))
                 for t in self.shape(list(in_types), **attrs)]
 
     def cost_flops(self, in_types, out_types, attrs) -> float:

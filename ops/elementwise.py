@@ -21,7 +21,10 @@ from taso_jax.ops import (
 )
 from taso_jax.ops._lazy import LazyModule, deferred
 
+from taso_jax.ir.dims import is_open, open_dims
+
 jax = LazyModule("jax")
+
 jnp = LazyModule("jax.numpy")
 _jnp = partial(deferred, "jax.numpy")
 _jnn = partial(deferred, "jax.nn")
@@ -31,9 +34,21 @@ _lax = partial(deferred, "jax.lax")
 def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     """NumPy broadcast of shapes. Raises :class:`ShapeError` when they do not broadcast."""
     try:
-        return tuple(np.broadcast_shapes(*shapes))
+        out = tuple(np.broadcast_shapes(*shapes))
     except ValueError as e:
         raise ShapeError(f"shapes {list(shapes)} do not broadcast") from e
+    if not any(open_dims(s) for s in shapes):
+        return out
+    # An open size (taso_jax.ir.dims.Dim) is kept where an input has it: the first input's
+    # size at that axis that is not 1, else the first one (right-aligned, as NumPy).
+    kept = list(out)
+    for k in range(1, len(out) + 1):
+        sizes = [s[-k] for s in shapes if len(s) >= k]
+        pick = next((d for d in sizes if is_open(d) and int(d) != 1), None)
+        pick = pick if pick is not None else next((d for d in sizes if is_open(d)), None)
+        if pick is not None and int(pick) == out[-k]:
+            kept[-k] = pick
+    return tuple(kept)
 
 
 def _binary_shape(ts, **_):

@@ -20,6 +20,8 @@ from taso_jax.ops import (
 )
 from taso_jax.ops._lazy import LazyModule
 
+from taso_jax.ir.dims import is_open, open_dims, same_size
+
 jnp = LazyModule("jax.numpy")
 
 _F32 = "float32"
@@ -147,7 +149,7 @@ declare(OpDef(
     attrs={"axis": 0, "sizes": ()}, fusible=True,
     num_outputs=lambda attrs: len(attrs["sizes"]) if isinstance(attrs["sizes"], tuple) else None,
     to_onnx=lambda ctx, ins, outs, *, axis, sizes: ctx.node(
-        "Split", [ins[0], ctx.const(_i64(sizes))], outs, axis=axis),
+        "Split", [ins[0], ctx.ints(sizes)], outs, axis=axis),
     flops=lambda i, o, **_: 0.0, canon=_canon_axis, layout="axis",
     examples=(([TensorType((2, 7), _F32)], {"axis": 1, "sizes": (3, 4)}),),
     axioms=_SPLIT_LAWS,
@@ -199,18 +201,34 @@ def _reshape_shape(ts, *, shape):
 
 
 def _reshape_to_onnx(ctx, ins, outs, *, shape):
-    """ONNX Reshape whose shape still holds at other sizes of the leading dimensions.
+    """ONNX Reshape whose shape still holds at other bindings of the model's open sizes.
 
-    Output sizes equal to the input's at the same leading positions are written 0 (ONNX:
-    copy that size from the input), and a single size after them -1 (whatever is left), so
-    a model written with its batch size open reshapes right at any batch size. At the size
-    it was built for, the result is the same.
+    With no open size (:mod:`taso_jax.ir.dims`) in the input or the target: output sizes
+    equal to the input's at the same leading positions are written 0 (ONNX: copy that size
+    from the input), and a single size after them -1 (whatever is left), so a model written
+    with its batch size open reshapes right at any batch size. With open sizes: a size
+    equal at every binding to the input's at the same position is written 0, a single
+    other open size -1, and where more are open the target is computed at run time from
+    the inputs' shapes (``ctx.ints``). At the size it was built for, the result is the same.
     """
-    full = tuple(int(d) for d in shape)
     try:
         in_shape = ctx.shape(ins[0])
     except KeyError:
         in_shape = ()
+    if open_dims(shape) or open_dims(in_shape):
+        out = list(shape)
+        for k, d in enumerate(shape):
+            if k < len(in_shape) and same_size(d, in_shape[k]) and (is_open(d) or int(d)):
+                out[k] = 0
+        rest = [k for k, d in enumerate(out) if is_open(d)]
+        if len(rest) == 1 and all(int(d) for d in shape):
+            out[rest[0]] = -1
+            rest = []
+        target = (ctx.ints(out) if rest else
+                  ctx.const(_i64([int(d) for d in out])))
+        ctx.node("Reshape", [ins[0], target], outs)
+        return
+    full = tuple(int(d) for d in shape)
     out = list(full)
     k = 0
     if int(np.prod(full)) == 0:  # onnxruntime refuses -1 beside a size of 0
@@ -252,14 +270,29 @@ def _slice_shape(ts, *, starts, ends, steps):
     (x,) = ts
     if not len(starts) == len(ends) == len(steps) == len(x.shape):
         raise ShapeError(f"slice: starts/ends/steps need one entry per axis of {x.shape}")
-    shape = tuple(len(range(s, e, st)) for s, e, st in zip(starts, ends, steps, strict=True))
+    shape = tuple(_extent(s, e, st) for s, e, st in zip(starts, ends, steps, strict=True))
     return [TensorType(shape, x.dtype)]
 
 
+def _extent(s, e, st):
+    """Entries of ``range(s, e, st)``; an expression where ``s`` or ``e`` is an open size."""
+    n = len(range(int(s), int(e), int(st)))
+    if (is_open(s) or is_open(e)) and st > 0 and n > 0:
+        return (e - s + (st - 1)) // st
+    return n
+
+
 def _slice_onnx(ctx, ins, outs, *, starts, ends, steps):
+    """ONNX Slice; an end at an open size's full extent is written as "to the end"."""
     big = np.iinfo(np.int64).min
+    try:
+        in_shape = ctx.shape(ins[0])
+    except KeyError:
+        in_shape = (None,) * len(starts)
     ends = [e if e >= 0 else big for e in ends]
-    ctx.node("Slice", [ins[0], ctx.const(_i64(starts)), ctx.const(_i64(ends)),
+    ends = [np.iinfo(np.int64).max if is_open(e) and st > 0 and d is not None
+            and same_size(e, d) else e for e, st, d in zip(ends, steps, in_shape, strict=True)]
+    ctx.node("Slice", [ins[0], ctx.ints(starts), ctx.ints(ends),
                        ctx.const(_i64(range(len(starts)))), ctx.const(_i64(steps))], outs)
 
 
@@ -271,6 +304,25 @@ declare(OpDef(
                                             "steps": (2, -2)}),),
     doc="strided slice with per-axis start, end (exclusive; -1 past the front) and step "
         "(ONNX Slice)"))
+
+
+def _open_bounds(bounds, s: int, e: int, st: int, d) -> tuple:
+    """Slice ``bounds`` (Python's ``slice.indices`` at the bound size) over an open size ``d``.
+
+    Where the axis's size is open (:class:`~taso_jax.ir.dims.Dim`), a start or end counted
+    from the back (negative) or past the end is the size's expression plus the offset, so
+    the written model slices the same part at other sizes; others stay as bound.
+    """
+    if not is_open(d) or st <= 0:
+        return bounds
+    start, stop, step = bounds
+    if s < 0 and start == int(d) + s:
+        start = d + s
+    if e >= int(d) and stop == int(d):
+        stop = d
+    elif e < 0 and stop == int(d) + e:
+        stop = d + e
+    return start, stop, step
 
 
 @onnx_importer("Slice")
@@ -291,7 +343,8 @@ def _import_slice(ctx, ins, **attrs):
     full = [(0, d, 1) for d in shape]
     for s, e, a, st in zip(starts, ends, axes, steps, strict=True):
         a = a + len(shape) if a < 0 else a
-        full[a] = slice(int(s), int(e), int(st)).indices(shape[a])
+        full[a] = _open_bounds(slice(int(s), int(e), int(st)).indices(shape[a]), int(s),
+                               int(e), int(st), shape[a])
     # Python's range end for a negative step that runs past the front is -1: store as -1.
     return [ctx.op("slice", [ins[0]], starts=tuple(f[0] for f in full),
                    ends=tuple(f[1] for f in full), steps=tuple(f[2] for f in full))]
@@ -373,7 +426,7 @@ declare(OpDef(
     name="expand", ref=lambda x, *, shape: jnp.broadcast_to(x, shape), shape=_expand_shape, arity=1,
     attrs={"shape": ()},
     to_onnx=lambda ctx, ins, outs, *, shape: ctx.node(
-        "Expand", [ins[0], ctx.const(_i64(shape))], outs),
+        "Expand", [ins[0], ctx.ints(shape)], outs),
     flops=lambda i, o, **_: 0.0,
     examples=(([TensorType((3, 1), _F32)], {"shape": (2, 3, 4)}),),
     doc="broadcast to a static shape (ONNX Expand)"))

@@ -28,6 +28,7 @@ from taso_jax.ops import OPS, ShapeError
 from taso_jax.search.pattern import AttrVar, NodeRef, PNode, Ref, resolve_attr
 from taso_jax.search.rules import Substitution
 
+from taso_jax.ir.dims import same_size, same_value
 from taso_jax.ir.graph import Graph, Node, Tensor, make_node
 
 __all__ = ["Match", "NoMatch", "Rewrite", "MatchState", "find_matches", "prepare", "apply",
@@ -137,16 +138,18 @@ def unify_shape(pattern: tuple, shape: tuple[int, ...], sym: dict) -> dict | Non
         if len(shape) < len(rest):
             return None
         lead = tuple(shape[: len(shape) - len(rest)])
-        if sym.setdefault("...", lead) != lead:
+        if not same_value(sym.setdefault("...", lead), lead):
             return None
         pattern, shape = rest, shape[len(shape) - len(rest):]
     if len(pattern) != len(shape):
         return None
     for p, d in zip(pattern, shape, strict=True):
+        # same_size: equal at every binding of a model's open sizes (taso_jax.ir.dims), so a
+        # rule that needs two sizes equal (or a size of 1) does not match N bound at 1
         if isinstance(p, int):
-            if p != d:
+            if not same_size(p, d):
                 return None
-        elif sym.setdefault(p, d) != d:
+        elif not same_size(sym.setdefault(p, d), d):
             return None
     return sym
 
@@ -165,11 +168,11 @@ def _attrs_match(pattern: tuple, host: tuple, sym: dict) -> dict | None:
         if isinstance(v1, AttrVar):
             if v1.name not in sym:
                 sym = {**sym, v1.name: v2}
-            elif sym[v1.name] != v2:
+            elif not same_value(sym[v1.name], v2):
                 return None
             continue
         try:
-            if resolve_attr(v1, sym) != v2:
+            if not same_value(resolve_attr(v1, sym), v2):
                 return None
         except (KeyError, ShapeError):
             return None

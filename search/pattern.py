@@ -23,6 +23,8 @@ from typing import Any
 
 from taso_jax.ops import ShapeError
 
+from taso_jax.ir.dims import is_open
+
 __all__ = ["NodeRef", "VarRef", "Ref", "AttrVar", "SizeTerm", "SizeExpr", "PNode",
            "parse_ref", "parse_attr", "is_symbolic", "resolve_attr", "attr_to_json",
            "attr_from_json"]
@@ -98,7 +100,7 @@ class SizeTerm:
         """
         value = sym[self.symbol]
         q, r = divmod(value, self.divisor)
-        if r:
+        if r or is_open(r):  # exact at every binding of the model's open sizes, or no match
             raise ShapeError(f"{self.symbol} = {value} is not divisible by {self.divisor}")
         return q
 

@@ -234,9 +234,14 @@ def other_bindings(graph: Graph, symbolic: dict) -> list[dict[str, tuple[int, ..
     """Input shapes at sizes other than those ``graph`` was optimized at, to try in order.
 
     ``symbolic`` is :func:`taso_jax.frontends.onnx_io.symbolic_dims` of the original model.
-    A batch-like symbol (bound to 1) becomes 2, any other one doubles; the trials change
-    every symbol, then the batch-like ones only, then the others only. Symbols with a name
-    move together; an unnamed open axis moves alone.
+    The first trial (for 2 to 4 symbols) moves every symbol by a different factor (the
+    k-th: a size bound to 1 becomes k + 2, any other k + 2 times its size), so that sizes
+    equal at the binding (a
+    square image's H and W, a batch and a length both bound to 1) differ there: a graph
+    that holds one of them for the other fails. Then the trials of one factor: a
+    batch-like symbol (bound to 1) becomes 2, any other one doubles, for every symbol, then
+    the batch-like ones only, then the others only. Symbols with a name move together; an
+    unnamed open axis moves alone.
     """
     bound = {n.name: n.types[0].shape for n in graph.inputs if n.name in symbolic}
     symbols: dict[str, tuple[int, bool]] = {}
@@ -246,9 +251,14 @@ def other_bindings(graph: Graph, symbolic: dict) -> list[dict[str, tuple[int, ..
                 v = bound[name][axis]
                 symbols.setdefault(sym or f"{name}[{axis}]", (v, v == 1))
     trials = []
-    for which in ("all", "batch", "rest"):
-        new = {sym: (2 if v == 1 else 2 * v) if which == "all" or (which == "batch") == batch
-               else v for sym, (v, batch) in symbols.items()}
+    for which in ("distinct", "all", "batch", "rest"):
+        if which == "distinct":
+            new = {sym: (k + 2) * v for k, (sym, (v, _)) in enumerate(symbols.items())}
+            if len(set(new.values())) < len(new) or not 2 <= len(new) <= 4:
+                continue
+        else:
+            new = {sym: (2 if v == 1 else 2 * v) if which == "all" or
+                   (which == "batch") == batch else v for sym, (v, batch) in symbols.items()}
         if new == {sym: v for sym, (v, _) in symbols.items()}:
             continue
         shapes = {}

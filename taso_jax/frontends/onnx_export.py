@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from taso_jax.ir.dims import is_open
 from taso_jax.ir.graph import Graph, Tensor
 from taso_jax.ops import OPS, TensorType
 
@@ -36,6 +37,9 @@ class _ExportContext:
         self.initializers: list = []
         self.types: dict[str, TensorType] = {}
         self._n = 0
+        # open size name -> (graph input, axis) where it can be read at run time
+        self.symbols: dict[str, tuple[str, int]] = {}
+        self._size_tensors: dict = {}
 
     def fresh(self, prefix: str = "t") -> str:
         self._n += 1
@@ -69,6 +73,71 @@ class _ExportContext:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.types[name].shape
+
+    def ints(self, values) -> str:
+        """A 1-D int64 tensor of ``values``, sizes that may be open (:class:`Dim`).
+
+        Where all are plain integers it is a constant; otherwise the open ones are computed
+        at run time from the graph inputs' shapes (:meth:`size`), so the model runs at
+        other bindings of its open sizes. An open size that cannot be computed that way is
+        written at its bound value (the check at other sizes then finds it).
+        """
+        values = list(values)
+        if not any(is_open(v) for v in values):
+            return self.const(np.array([int(v) for v in values], np.int64))
+        parts = [self.size(v) for v in values]
+        if any(p is None for p in parts):
+            return self.const(np.array([int(v) for v in values], np.int64))
+        return parts[0] if len(parts) == 1 else self.tmp("Concat", parts, axis=0)
+
+    def size(self, d) -> str | None:
+        """A ``[1]`` int64 tensor computing size ``d`` at run time, or None if it cannot."""
+        if not is_open(d):
+            return self.const(np.array([int(d)], np.int64))
+        return self._emit(d.expr)
+
+    def _emit(self, e) -> str | None:
+        import sympy as sp
+
+        if e in self._size_tensors:
+            return self._size_tensors[e]
+        out = None
+        if e.is_Integer:
+            out = self.const(np.array([int(e)], np.int64))
+        elif e.is_Symbol:
+            where = self.symbols.get(e.name)
+            if where is not None:
+                shape = self._size_tensors.get(("Shape", where[0]))
+                if shape is None:
+                    shape = self._size_tensors[("Shape", where[0])] = self.tmp("Shape",
+                                                                                [where[0]])
+                out = self.tmp("Gather", [shape, self.const(np.array([where[1]], np.int64))],
+                               axis=0)
+        elif isinstance(e, sp.Add | sp.Mul | sp.Max | sp.Min):
+            if isinstance(e, sp.Mul) and any(a.is_Rational and not a.is_Integer
+                                             for a in e.args):
+                return None  # a fraction outside floor(): not an integer expression
+            args = [self._emit(a) for a in e.args]
+            if all(a is not None for a in args):
+                op = {sp.Add: "Add", sp.Mul: "Mul", sp.Max: "Max", sp.Min: "Min"}[e.func]
+                out = args[0]
+                for a in args[1:]:
+                    out = self.tmp(op, [out, a])
+        elif isinstance(e, sp.Pow) and e.exp.is_Integer and e.exp > 0:
+            base = self._emit(e.base)
+            if base is not None:
+                out = base
+                for _ in range(int(e.exp) - 1):
+                    out = self.tmp("Mul", [out, base])
+        elif isinstance(e, sp.floor):
+            num, den = sp.fraction(sp.together(e.args[0]))
+            if den.is_Integer and int(den) > 0:
+                n = self._emit(sp.expand(num))
+                if n is not None:  # sizes are non-negative: integer Div is floor here
+                    out = self.tmp("Div", [n, self.const(np.array([int(den)], np.int64))])
+        if out is not None:
+            self._size_tensors[e] = out
+        return out
 
     def dtype(self, name: str) -> str:
         return self.types[name].dtype
@@ -168,6 +237,9 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
     for n in graph.inputs:
         names[n.outputs[0]] = n.name
         ctx.types[n.name] = n.types[0]
+        for axis, d in enumerate(n.types[0].shape):
+            if is_open(d) and d.expr.is_Symbol:
+                ctx.symbols.setdefault(d.expr.name, (n.name, axis))
     out_name = {}
     for t, nm in zip(graph.outputs, graph.output_names, strict=True):
         out_name.setdefault(t, nm)

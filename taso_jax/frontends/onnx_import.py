@@ -30,6 +30,7 @@ from taso_jax.frontends.onnx_model import (
 )
 from taso_jax.frontends.onnx_opaque import OnnxNode, _outer_names, merge_opaque_regions
 from taso_jax.frontends.onnx_shapes import _fix_input_shapes, symbolic_dims, value_sized_hint
+from taso_jax.frontends.onnx_symbolic import open_types
 from taso_jax.frontends.onnx_tensor_types import (
     _missing_types_by_running,
     _value_types,
@@ -222,6 +223,9 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
                        f"({one_line(str(e), 300)})" + (f"; {hint}" if hint else ""))
             raise model_refusal(message, hint) from e
 
+    if symbolic:  # the sizes that follow from the open ones, as expressions
+        _check_deadline(deadline, "before the symbolic shape inference of the open sizes")
+        types = open_types(model, symbolic, types)
     env: dict[str, Tensor] = {}
     for name, arr in weights.items():
         env[name] = leaf_node("weight", name, TensorType(arr.shape, str(arr.dtype))).outputs[0]

@@ -1,0 +1,138 @@
+"""The open sizes of an ONNX model, carried into the IR as expressions (:mod:`taso_jax.ir.dims`).
+
+A model whose inputs leave sizes open (``dim_param``, or no size) is imported at one binding
+of them (:func:`taso_jax.frontends.onnx_shapes._fix_input_shapes`). :func:`open_types` gives
+every value of the model its type at that binding with each size that follows from an open
+one as a :class:`~taso_jax.ir.dims.Dim`: the bound value, and the expression onnxruntime's
+symbolic shape inference (``onnxruntime.tools.symbolic_shape_infer``, which follows the
+``Shape``/``Gather``/``Concat`` arithmetic exporters write for reshape targets) finds for it.
+The importers build nodes on those types, so reshape targets, slice ends and the sizes the
+substitutions compute carry their expressions to the export, which writes them computed from
+the inputs' shapes at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from taso_jax.ir.dims import Dim, from_expression, symbol
+from taso_jax.ops import TensorType
+
+__all__ = ["open_types"]
+
+
+def _safe_symbols(symbolic: Mapping[str, Mapping[int, str]]) -> dict[tuple[str, int], str]:
+    """``(input, axis) -> name`` for each open size; inputs sharing a ``dim_param`` share one.
+
+    The names (``s0``, ``s1``, ...) parse as SymPy symbols, which ``dim_param`` strings such
+    as ``p2o.DynamicDimension.0`` or ``batch size`` do not.
+    """
+    by_param: dict[str, str] = {}
+    out: dict[tuple[str, int], str] = {}
+    for name in sorted(symbolic):
+        for axis in sorted(symbolic[name]):
+            param = symbolic[name][axis] or f"\0{name}[{axis}]"
+            out[(name, axis)] = by_param.setdefault(param, f"s{len(by_param)}")
+    return out
+
+
+def open_types(model, symbolic: Mapping[str, Mapping[int, str]],
+               types: Mapping[str, TensorType]) -> dict[str, TensorType]:
+    """``types`` with the sizes that follow from the model's open sizes as expressions.
+
+    Args:
+        model: the ``ModelProto`` as imported: opset-converted, its inputs bound to static
+            sizes (not changed here; a light copy, without large weights, is inferred).
+        symbolic: the open sizes of the original model,
+            :func:`taso_jax.frontends.onnx_shapes.symbolic_dims` (input or output name ->
+            ``{axis: dim_param}``).
+        types: value name -> its type at the binding (``_value_types`` and the probe runs).
+
+    Returns:
+        The same mapping, where each size that onnxruntime's symbolic shape inference
+        expresses over the open input sizes is a :class:`~taso_jax.ir.dims.Dim` whose
+        expression evaluates to the bound size. Sizes it does not express (fresh
+        ``unk__`` names, a value that disagrees with the binding, a failed inference) stay
+        plain integers: fixed at the binding, as before. Inputs' open sizes are always
+        :class:`Dim` symbols.
+    """
+    from taso_jax.frontends.onnx_model import _light_model
+
+    inits = {i.name for i in model.graph.initializer}
+    graph_inputs = {i.name: i for i in model.graph.input if i.name not in inits}
+    open_inputs = {n: axes for n, axes in symbolic.items() if n in graph_inputs and axes}
+    if not open_inputs:
+        return dict(types)
+    names = _safe_symbols(open_inputs)
+    binding: dict[str, int] = {}
+    for (name, axis), sym in names.items():
+        dims = graph_inputs[name].type.tensor_type.shape.dim
+        if axis < len(dims) and dims[axis].HasField("dim_value"):
+            binding.setdefault(sym, dims[axis].dim_value)
+    out = dict(types)
+    for name, axes in open_inputs.items():
+        t = types.get(name)
+        if t is None:
+            continue
+        shape = list(t.shape)
+        for axis in axes:
+            sym = names[(name, axis)]
+            if axis < len(shape) and sym in binding and binding[sym] == shape[axis]:
+                shape[axis] = Dim(shape[axis], symbol(sym))
+        out[name] = TensorType(tuple(shape), t.dtype)
+    inferred = _infer(_light_model(model), names)
+    if not inferred:
+        return out
+    known = frozenset(binding)
+    for name, dims in inferred.items():
+        t = out.get(name)
+        if t is None or name in open_inputs or len(dims) != len(t.shape):
+            continue
+        shape, changed = list(t.shape), False
+        for k, text in enumerate(dims):
+            if not isinstance(text, str) or isinstance(shape[k], Dim):
+                continue
+            d = from_expression(shape[k], text, known)
+            if isinstance(d, Dim) and d.evaluate(binding) == int(shape[k]):
+                shape[k], changed = d, True
+        if changed:
+            out[name] = TensorType(tuple(shape), t.dtype)
+    return out
+
+
+def _infer(light, names: Mapping[tuple[str, int], str]) -> dict[str, list]:
+    """Onnxruntime's symbolic shapes of ``light``'s values with its inputs opened again.
+
+    Returns value name -> sizes, each an int or an expression string over the names in
+    ``names``; empty where the inference fails (it is a help, never a requirement).
+    """
+    for inp in light.graph.input:
+        dims = inp.type.tensor_type.shape.dim
+        for axis, d in enumerate(dims):
+            sym = names.get((inp.name, axis))
+            if sym is not None:
+                d.Clear()
+                d.dim_param = sym
+    del light.graph.value_info[:]
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        # Its steps rather than its infer_shapes: where inference stays incomplete, that one
+        # saves the model into the current folder and raises (see onnx_tensor_types).
+        ssi = SymbolicShapeInference(2**31 - 1, True, False, 0)
+        ssi._preprocess(light)
+        while ssi.run_:
+            ssi._infer_impl()
+        ssi._update_output_from_vi()
+        inferred = ssi.out_mp_
+    except Exception:  # noqa: BLE001 - any failure: the sizes stay fixed at the binding
+        return {}
+    out: dict[str, list] = {}
+    for vi in [*inferred.graph.value_info, *inferred.graph.output]:
+        tt = vi.type.tensor_type
+        if not tt.HasField("shape"):
+            continue
+        out[vi.name] = [d.dim_param if d.HasField("dim_param") else
+                        d.dim_value if d.HasField("dim_value") else None
+                        for d in tt.shape.dim]
+    return out

@@ -1,0 +1,159 @@
+"""Open sizes in the IR (issue 46, item 1): sizes that follow from a model's ``dim_param``s are
+carried as expressions (:mod:`taso_jax.ir.dims`) from ONNX import through substitutions to the
+export, which computes them from the inputs' shapes at run time.
+
+Equivalence is checked in onnxruntime (the independent executor) against the original model
+at the bound sizes and at other bindings of the open sizes.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto
+from onnx import helper as h
+from onnx import numpy_helper as nh
+from taso_jax.search.match import rewrites, unify_shape
+from taso_jax.search.rules import load_substitutions
+
+from taso_jax.frontends.onnx_export import export_onnx
+from taso_jax.frontends.onnx_io import load_onnx, symbolic_dims, with_symbolic_dims
+from taso_jax.ir.dims import Dim, is_open, same_size, same_value, symbol
+
+D = 16
+
+
+def _const(name, arr):
+    return nh.from_array(np.asarray(arr), name)
+
+
+def _flatten_model() -> onnx.ModelProto:
+    """x [N, T, D] -> reshape to [N*T, D] (target computed from Shape, as torch writes it) ->
+    two MatMuls -> reshape back to [N, T, D] -> add -> slice [:, 1:] -> tanh."""
+    rng = np.random.default_rng(0)
+    inits = [_const("W1", rng.standard_normal((D, D)).astype(np.float32)),
+             _const("W2", rng.standard_normal((D, D)).astype(np.float32)),
+             _const("zero", np.array([0], np.int64)), _const("one", np.array([1], np.int64)),
+             _const("Dc", np.array([D], np.int64)), _const("big", np.array([2**62], np.int64))]
+    nodes = [
+        h.make_node("Shape", ["x"], ["sh"]),
+        h.make_node("Gather", ["sh", "zero"], ["n"], axis=0),
+        h.make_node("Gather", ["sh", "one"], ["t"], axis=0),
+        h.make_node("Mul", ["n", "t"], ["nt"]),
+        h.make_node("Concat", ["nt", "Dc"], ["flat"], axis=0),
+        h.make_node("Reshape", ["x", "flat"], ["xf"]),
+        h.make_node("MatMul", ["xf", "W1"], ["a"]),
+        h.make_node("MatMul", ["xf", "W2"], ["b"]),
+        h.make_node("Concat", ["n", "t", "Dc"], ["back"], axis=0),
+        h.make_node("Reshape", ["a", "back"], ["a3"]),
+        h.make_node("Reshape", ["b", "back"], ["b3"]),
+        h.make_node("Add", ["a3", "b3"], ["s"]),
+        h.make_node("Slice", ["s", "one", "big", "one"], ["tail"]),
+        h.make_node("Tanh", ["tail"], ["y"]),
+    ]
+    g = h.make_graph(nodes, "flatten", [h.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                   ["N", "T", D])],
+                     [h.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "T1", D])], inits)
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+
+
+def _shared_weight_model() -> onnx.ModelProto:
+    """x [N, T, D] @ W and y [N, S, D] @ W, each through Relu: two outputs."""
+    w = np.random.default_rng(1).standard_normal((D, D)).astype(np.float32)
+    nodes = [h.make_node("MatMul", ["x", "W"], ["a"]), h.make_node("MatMul", ["y", "W"], ["b"]),
+             h.make_node("Relu", ["a"], ["ra"]), h.make_node("Relu", ["b"], ["rb"])]
+    g = h.make_graph(nodes, "shared",
+                     [h.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "T", D]),
+                      h.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "S", D])],
+                     [h.make_tensor_value_info("ra", TensorProto.FLOAT, ["N", "T", D]),
+                      h.make_tensor_value_info("rb", TensorProto.FLOAT, ["N", "S", D])],
+                     [_const("W", w)])
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+
+
+def _same_in_onnxruntime(original: onnx.ModelProto, written: onnx.ModelProto,
+                         bindings: list[dict[str, tuple[int, ...]]]) -> None:
+    a = ort.InferenceSession(original.SerializeToString(), providers=["CPUExecutionProvider"])
+    b = ort.InferenceSession(written.SerializeToString(), providers=["CPUExecutionProvider"])
+    for k, shapes in enumerate(bindings):
+        rng = np.random.default_rng(k)
+        for scale in (1.0, 100.0):
+            feeds = {n: (scale * rng.standard_normal(s)).astype(np.float32)
+                     for n, s in shapes.items()}
+            for ya, yb in zip(a.run(None, feeds), b.run(None, feeds), strict=True):
+                assert ya.shape == yb.shape, shapes
+                np.testing.assert_allclose(yb, ya, rtol=1e-4, atol=1e-4 * scale * D)
+
+
+def _written(graph, original) -> onnx.ModelProto:
+    model = with_symbolic_dims(export_onnx(graph), symbolic_dims(original))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_dim_arithmetic_keeps_value_and_expression():
+    n, t = Dim(2, symbol("N")), Dim(3, symbol("T"))
+    nt = n * t
+    assert nt == 6 and isinstance(nt, Dim) and str(nt.expr) == "N*T"
+    assert (nt // t) == 2 and same_size(nt // t, n)
+    assert not isinstance(n - n, Dim) and n - n == 0  # a constant expression: a plain int
+    assert (n + 1) * 2 == 6 and str(((n + 1) * 2).expr) in ("2*N + 2", "2*(N + 1)")
+    assert repr(nt) == "6" and pickle.loads(pickle.dumps(nt)) == 6
+    assert type(pickle.loads(pickle.dumps(nt))) is int
+    assert np.zeros((n, t)).shape == (2, 3)
+    q, r = divmod(Dim(4, 2 * symbol("N")), 2)
+    assert q == 2 and not is_open(r) and r == 0
+    q, r = divmod(Dim(4, symbol("N")), 2)  # exact at N = 4 only: the remainder stays open
+    assert r == 0 and is_open(r)
+
+
+def test_same_size_is_equality_at_every_binding():
+    n1 = Dim(1, symbol("N"))
+    h224, w224 = Dim(224, symbol("H")), Dim(224, symbol("W"))
+    assert n1 == 1 and not same_size(n1, 1)
+    assert h224 == w224 and not same_size(h224, w224)
+    assert same_size(h224, Dim(224, symbol("H")))
+    assert same_value((n1, 3), (Dim(1, symbol("N")), 3)) and not same_value((n1, 3), (1, 3))
+    # the matcher binds shape symbols by it
+    assert unify_shape(("M", "K"), (h224, 16), {}) is not None
+    assert unify_shape(("M", "M"), (h224, w224), {}) is None
+    assert unify_shape(("M", "M"), (224, 224), {}) is not None
+    assert unify_shape((1, "K"), (n1, 16), {}) is None
+
+
+def test_import_carries_expressions_and_export_runs_at_other_sizes():
+    model = _flatten_model()
+    graph = load_onnx(model, input_shapes=None)
+    (x,) = graph.inputs
+    assert all(is_open(d) for d in x.types[0].shape[:2])
+    reshapes = [n for n in graph.nodes if n.op == "reshape"]
+    assert reshapes and all(any(is_open(d) for d in n.attr("shape")) for n in reshapes)
+    flat = next(n for n in reshapes if len(n.attr("shape")) == 2)
+    assert str(flat.attr("shape")[0].expr) in ("s0*s1", "s1*s0")
+    written = _written(graph, model)
+    _same_in_onnxruntime(model, written, [{"x": (1, 1, D)}, {"x": (3, 5, D)},
+                                         {"x": (2, 17, D)}])
+
+
+def test_a_rewrite_with_open_split_sizes_runs_at_other_sizes():
+    """merge-matmul-matmul-3 concatenates x [N, T, D] and y [N, S, D] along the rows and splits
+    the product back at sizes T and S: the split's sizes are open, written computed."""
+    model = _shared_weight_model()
+    graph = load_onnx(model, input_shapes={"x": (2, 3, D), "y": (2, 5, D)})
+    # --input-shape binds the sizes; the model's dim_params stay open in the IR
+    assert all(is_open(d) for d in graph.inputs[0].types[0].shape[:2])
+    rule = next(r for r in load_substitutions(
+        "taso_jax/data/substitutions.json") if r.name == "merge-matmul-matmul-3")
+    merged = next(rewrites(rule, graph))
+    (split,) = [n for n in merged.nodes if n.op == "split"]
+    assert all(is_open(s) for s in split.attr("sizes"))
+    written = _written(merged, model)
+    assert not any(n.op_type == "Split" and n.input[1] in {i.name for i in
+                                                           written.graph.initializer}
+                   for n in written.graph.node), "split sizes written as a constant"
+    _same_in_onnxruntime(model, written, [{"x": (2, 3, D), "y": (2, 5, D)},
+                                         {"x": (1, 7, D), "y": (1, 2, D)},
+                                         {"x": (4, 1, D), "y": (4, 9, D)}])
