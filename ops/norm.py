@@ -325,7 +325,7 @@ def _root(ctx, s):
 def _reciprocal_root(ctx, r):
     """``(v, epsilon, gain)`` if ``r`` is ``1 / sqrt(v + epsilon)``, else None.
 
-    It may be times a ``gain`` along the last axis or not (``None``), else None.
+    ``r`` may be multiplied by a ``gain`` along the last axis (else ``gain`` is ``None``).
     """
     gain = None
     if r.node.op == "ewmul":
