@@ -155,8 +155,9 @@ def test_derived_rules_shipped_and_proved():
 def test_builder_composition_becomes_rms_norm():
     """The law's composition, built by hand, matches the derived rule, and the rewritten
     graph (one rms_norm) computes the same."""
-    from taso_jax.ir.graph import GraphBuilder
     from taso_jax.search.match import find_matches, prepare
+
+    from taso_jax.ir.graph import GraphBuilder
 
     b = GraphBuilder()
     x = b.new_input((4, D), name="x")
