@@ -307,4 +307,4 @@ def get_op(name: str) -> OpDef:
 
 
 # Operator families register themselves on import.
-from taso_jax.ops import attention, conv, elementwise, matmul, nn, pool, tensor  # noqa: E402,F401
+from taso_jax.ops import attention, conv, elementwise, matmul, nn, norm, pool, tensor  # noqa: E402,F401,I001

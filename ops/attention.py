@@ -36,7 +36,7 @@ from taso_jax.ops.elementwise import broadcast_shape
 jax = LazyModule("jax")
 jnp = LazyModule("jax.numpy")
 
-__all__ = ["causal_offset", "IMPLS", "SKIP_FILL"]
+__all__ = ["causal_offset", "repeat_idiom", "IMPLS", "SKIP_FILL"]
 
 #: The lowerings of ``attention``.
 IMPLS = ("naive", "blocked")
@@ -166,10 +166,10 @@ def _attention_flops(ins, outs, *, causal, impl, **_):
     return full / 2 if causal and impl == "blocked" else full
 
 
-def _attention_onnx(ctx, ins, outs, *, causal, offset, fill, impl, block):
+def _attention_onnx(ctx, ins, outs, *, causal, offset, fill, impl, block, kt_shape=None):
     s = ctx.tmp("MatMul", ins[:2])
     if causal:
-        rows, cols = ctx.shape(ins[0])[-2], ctx.shape(ins[1])[-1]
+        rows, cols = ctx.shape(ins[0])[-2], (kt_shape or ctx.shape(ins[1]))[-1]
         s = ctx.tmp("Where", [ctx.const(_keep_numpy(rows, cols, offset)),
                               s, ctx.const(np.asarray(fill, ctx.dtype(ins[0])))])
     ctx.node("MatMul", [ctx.tmp("Softmax", [s], axis=-1), ins[2]], outs)
@@ -208,3 +208,136 @@ declare(OpDef(
                {"causal": True, "offset": 2, "impl": "blocked", "block": 4})),
     doc="softmax(q @ kt [causal mask]) @ v over the last two axes, keys transposed "
         "(scaled dot-product attention, Vaswani et al. 2017, Section 3.2.1)"))
+
+
+# ---- grouped K/V heads ---------------------------------------------------------------------
+# Grouped-query attention (Ainslie et al., "GQA", 2023) shares each K/V head among ``reps``
+# query heads. Code written for plain attention repeats the K/V heads (``jnp.repeat(k, reps,
+# axis=heads)``), which copies them ``reps`` times; ``grouped_attention`` reads them once,
+# the query heads of a group broadcast against their one K/V head.
+
+def _repeat(x, *, axis, reps):
+    return jnp.repeat(x, reps, axis=axis)
+
+
+def _repeat_shape(ts, *, axis, reps):
+    (x,) = ts
+    r = len(x.shape)
+    if not -r <= axis < 0 or int(reps) < 1:
+        raise ShapeError(f"repeat: axis {axis} (negative) and reps {reps} do not fit {x.shape}")
+    shape = list(x.shape)
+    shape[axis] *= int(reps)
+    return [TensorType(tuple(shape), x.dtype)]
+
+
+def _repeat_nodes(ctx, x, axis, reps, outs=None):
+    """ONNX Reshape, Expand, Reshape repeating ``x`` along ``axis``; the output's name."""
+    shape = ctx.shape(x)
+    a = len(shape) + axis
+    unit = (*shape[:a + 1], 1, *shape[a + 1:])
+    wide = (*shape[:a + 1], reps, *shape[a + 1:])
+    merged = ctx.const(np.asarray((*shape[:a], shape[a] * reps, *shape[a + 1:]), np.int64))
+    y = ctx.tmp("Expand", [ctx.tmp("Reshape", [x, ctx.const(np.asarray(unit, np.int64))]),
+                           ctx.const(np.asarray(wide, np.int64))])
+    if outs is None:
+        return ctx.tmp("Reshape", [y, merged])
+    ctx.node("Reshape", [y, merged], outs)
+    return outs[0]
+
+
+def _repeat_onnx(ctx, ins, outs, *, axis, reps):
+    _repeat_nodes(ctx, ins[0], axis, reps, outs)
+
+
+declare(OpDef(
+    name="repeat", ref=_repeat, shape=_repeat_shape, arity=1, attrs={"axis": -1, "reps": 1},
+    to_onnx=_repeat_onnx, fusible=True,
+    examples=(([TensorType((2, 3, 4), _F32)], {"axis": -2, "reps": 3}),),
+    doc="each slice along axis repeated reps times in place (jnp.repeat with a scalar count; "
+        "ONNX Reshape, Expand, Reshape)"))
+
+
+def repeat_idiom(ctx, t, shape):
+    """``repeat(y, axis, reps)`` if reshaping ``t`` to ``shape`` completes ``jnp.repeat``.
+
+    That is ``y`` given a unit axis after ``axis``, expanded to ``reps`` there, then merged into
+    ``axis``; else ``None``.
+    """
+    if t.node.op != "expand" or t.node.inputs[0].node.op != "reshape":
+        return None
+    u = t.node.inputs[0]
+    y = u.node.inputs[0]
+    ys, us, ts, shape = tuple(y.shape), tuple(u.shape), tuple(t.shape), tuple(shape)
+    if len(us) != len(ys) + 1 or len(shape) != len(ys):
+        return None
+    for a in range(len(ys)):
+        reps = ts[a + 1]
+        if us == (*ys[:a + 1], 1, *ys[a + 1:]) and ts == (*ys[:a + 1], reps, *ys[a + 1:]) \
+                and shape == (*ys[:a], ys[a] * reps, *ys[a + 1:]) and reps > 1:
+            return ctx.op("repeat", [y], axis=a - len(ys), reps=int(reps))
+    return None
+
+
+def _grouped(q, kt, v, *, reps, causal, offset, fill, impl, block):
+    """Grouped attention by broadcasting, without copies.
+
+    Query heads ``[..., G*reps, Sq, D]`` as ``[..., G, reps, Sq, D]`` against K/V heads
+    ``[..., G, 1, ...]``: the matmuls broadcast the one K/V head over its group.
+    """
+    lead, (h, sq, d) = q.shape[:-3], q.shape[-3:]
+    g = h // reps
+    out = _attention(q.reshape(*lead, g, reps, sq, d), kt[..., :, None, :, :],
+                     v[..., :, None, :, :], causal=causal, offset=offset, fill=fill,
+                     impl=impl, block=block)
+    return out.reshape(*lead, h, sq, out.shape[-1])
+
+
+def _grouped_shape(ts, *, reps, causal, offset, fill, impl, block):
+    q, kt, v = ts
+    if min(len(t.shape) for t in ts) < 3 or int(reps) < 1:
+        raise ShapeError(f"grouped_attention: operands need rank >= 3, got {q.shape}, "
+                         f"{kt.shape}, {v.shape}")
+    if kt.shape[-3] != v.shape[-3] or q.shape[-3] != kt.shape[-3] * reps:
+        raise ShapeError(f"grouped_attention: {q.shape[-3]} query heads are not {reps} per "
+                         f"K/V head of {kt.shape[-3]}")
+    split = [TensorType((*q.shape[:-3], kt.shape[-3], reps, *q.shape[-2:]), q.dtype),
+             TensorType((*kt.shape[:-2], 1, *kt.shape[-2:]), kt.dtype),
+             TensorType((*v.shape[:-2], 1, *v.shape[-2:]), v.dtype)]
+    (out,) = _attention_shape(split, causal=causal, offset=offset, fill=fill, impl=impl,
+                              block=block)
+    return [TensorType((*out.shape[:-4], q.shape[-3], *out.shape[-2:]), out.dtype)]
+
+
+def _grouped_flops(ins, outs, *, reps, **attrs):
+    return _attention_flops(ins, outs, **attrs)
+
+
+def _grouped_onnx(ctx, ins, outs, *, reps, **attrs):
+    kt, v = (_repeat_nodes(ctx, t, -3, reps) for t in ins[1:])
+    _attention_onnx(ctx, [ins[0], kt, v], outs, **attrs, kt_shape=ctx.shape(ins[1]))
+
+
+# The definition (K/V heads repeated), and the same in the [batch, seq, heads, dim] layout
+# that JAX code repeats in before its einsums transpose the keys and values (an axiom: it
+# also states that the repeat commutes with those two transposes).
+_GQA = {"q": ("B", "r*G", "M", "K"), "kt": ("B", "G", "K", "N"), "v": ("B", "G", "N", "P")}
+_GQA_BSHD = {"q": ("B", "r*G", "M", "K"), "k": ("B", "N", "G", "K"), "v": ("B", "N", "G", "P")}
+_GQA_LAWS = (
+    axiom("grouped_attention(q, kt, v, reps=r, causal=c, offset=o, fill=f) = attention(q, repeat(kt, axis=-3, reps=r), repeat(v, axis=-3, reps=r), causal=c, offset=o, fill=f)",
+          _GQA, derive="rtl", r=(2, 3), c=(False, True), o=(0,), f=(float("-inf"),)),
+    axiom("grouped_attention(q, transpose(k, perm=(0, 2, 3, 1)), transpose(v, perm=(0, 2, 1, 3)), reps=r, causal=c, offset=o, fill=f) = attention(q, transpose(repeat(k, axis=-2, reps=r), perm=(0, 2, 3, 1)), transpose(repeat(v, axis=-2, reps=r), perm=(0, 2, 1, 3)), causal=c, offset=o, fill=f)",
+          _GQA_BSHD, derive="rtl", r=(2, 4), c=(False, True), o=(0,), f=(float("-inf"),)),
+)
+
+declare(OpDef(
+    name="grouped_attention", ref=_grouped, shape=_grouped_shape, arity=3,
+    attrs={"reps": 1, "causal": False, "offset": 0, "fill": float("-inf"), "impl": "naive",
+           "block": 128},
+    to_onnx=_grouped_onnx, flops=_grouped_flops, axioms=_GQA_LAWS,
+    examples=(([TensorType((2, 6, 5, 4), _F32), TensorType((2, 3, 4, 7), _F32),
+                TensorType((2, 3, 7, 3), _F32)], {"reps": 2}),
+              ([TensorType((1, 4, 9, 4), _F32), TensorType((1, 1, 4, 9), _F32),
+                TensorType((1, 1, 9, 5), _F32)], {"reps": 4, "causal": True})),
+    doc="attention(q, repeat(kt, reps, axis=-3), repeat(v, reps, axis=-3)) without the "
+        "copies: reps query heads share each K/V head (grouped-query attention, Ainslie et "
+        "al. 2023)"))

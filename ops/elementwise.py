@@ -111,7 +111,19 @@ def _binary(name, fn, onnx_type, doc, commutative=False, laws=(), numpy_ref=None
                   examples=(([TensorType(*t) for t in _EX2[0]], {}),), axioms=laws, doc=doc,
                   numpy_ref=numpy_ref))
     if to_onnx is None:
-        onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
+        onnx_importer(onnx_type)(_onnx_binary(name))
+
+
+def _onnx_binary(name):
+    def _import(ctx, ins, **_):
+        if name in ("ewmul", "ewdiv"):  # a norm written out (torch's LayerNorm export)
+            from taso_jax.ops.norm import norm_idiom
+
+            norm = norm_idiom(ctx, *ins, divide=name == "ewdiv")
+            if norm is not None:
+                return [norm]
+        return [ctx.op(name, ins)]
+    return _import
 
 
 _binary("ewadd", _jnp("add"), "Add", "a + b, broadcasting (ONNX Add; TASO ewadd)", True,
@@ -373,6 +385,11 @@ def _constant_scalar(ctx, t) -> float | None:
 
 @jaxpr_importer("mul")
 def _import_mul(ctx, ins, **_):
+    from taso_jax.ops.norm import norm_idiom
+
+    norm = norm_idiom(ctx, *ins)
+    if norm is not None:
+        return [norm]
     # x * 0.125 with a literal is TASO's scalar_mul: its scale is an attribute, which the
     # laws of matmul, attention and the adapters carry through (an ewmul by a tensor would
     # not be sound to move across a matmul for every shape of that tensor).
@@ -397,6 +414,11 @@ def _import_sub_div(ctx, ins, **_):
         softmax = softmax_idiom(ctx, a, b)
         if softmax is not None:
             return [softmax]
+        from taso_jax.ops.norm import norm_idiom
+
+        norm = norm_idiom(ctx, a, b, divide=True)
+        if norm is not None:
+            return [norm]
     real = ctx.source_op == "sub" or np.issubdtype(np.dtype(ctx.type(b).dtype), np.inexact)
     v = _constant_scalar(ctx, b) if ctx.source_op == "div" else None
     if v is not None and v != 0 and not ctx.weight_only(a) and a.shape == ctx.out_types[0].shape:

@@ -124,6 +124,12 @@ def _import_layernorm(ctx, ins, *, axis=-1, epsilon=1e-5, stash_type=1):
         return None
     x, scale = ins[0], ins[1]
     bias = ins[2] if len(ins) > 2 and ins[2] is not None else None
+    xt, st = ctx.type(x), ctx.type(scale)
+    if axis % len(xt.shape) == len(xt.shape) - 1 and st.shape == xt.shape[-1:] \
+            and (bias is None or ctx.type(bias).shape == st.shape) and st.dtype == xt.dtype:
+        # over the last axis: the norm, its gain (foldable into a matmul) and its bias
+        y = ctx.op("scale_last", [ctx.op("layer_norm", [x], epsilon=float(epsilon)), scale])
+        return [y if bias is None else ctx.op("ewadd", [y, bias])]
     if bias is None:
         bias = ctx.weight(np.zeros(ctx.type(scale).shape, ctx.type(scale).dtype), "ln_bias")
     return [ctx.op("layernorm", [x, scale, bias], axis=axis, epsilon=float(epsilon))]

@@ -455,7 +455,10 @@ def _import_transpose_jaxpr(ctx, ins, *, permutation, **_):
 def _import_reshape_jaxpr(ctx, ins, *, dimensions=None, **_):
     if ctx.source_op == "reshape" and dimensions is not None:
         return None  # reshape with a transposition folded in (old lax API)
-    return [ctx.reshape(ins[0], ctx.out_types[0].shape)]
+    from taso_jax.ops.attention import repeat_idiom
+
+    repeated = repeat_idiom(ctx, ins[0], ctx.out_types[0].shape)
+    return [repeated if repeated is not None else ctx.reshape(ins[0], ctx.out_types[0].shape)]
 
 
 @jaxpr_importer("broadcast_in_dim")

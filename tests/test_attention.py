@@ -165,3 +165,33 @@ def test_lora_adapters_merged_into_their_weights():
         out = out[0] if isinstance(out, tuple | list) else out
         np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(_lora)(p, x * scale)),
                                    rtol=1e-4, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_kv_heads_attend_without_copies(causal):
+    """K/V heads repeated by jnp.repeat (a Llama-style GQA) become one grouped_attention
+    that reads each K/V head once; the result equals jax.jit of the function at two scales."""
+    s_len, heads, kv, d = 64, 4, 2, 8
+
+    def fn(q, k, v):
+        k, v = (jnp.repeat(t, heads // kv, axis=2) for t in (k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.float32(np.sqrt(d))
+        if causal:
+            s = jnp.where(jnp.tril(jnp.ones((s_len, s_len), bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    key = jax.random.key(5)
+    args = [jax.random.normal(jax.random.fold_in(key, i), (2, s_len, h, d))
+            for i, h in enumerate((heads, kv, kv))]
+    g = taso_jax.from_jax(fn, *args)
+    assert _ops(g).count("repeat") == 2, _ops(g)
+    result = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0, time_limit=60)
+    ops = _ops(result.graph)
+    assert "grouped_attention" in ops and "repeat" not in ops, ops
+    run = taso_jax.compile_graph(result.graph)
+    for scale in (1.0, 10.0):
+        out = run(args[0] * scale, *args[1:])
+        out = out[0] if isinstance(out, tuple | list) else out
+        np.testing.assert_allclose(np.asarray(out),
+                                   np.asarray(jax.jit(fn)(args[0] * scale, *args[1:])),
+                                   rtol=1e-4, atol=1e-5)

@@ -29,16 +29,17 @@ from taso_jax.ops import OPS, Axiom
 from taso_jax.search.rules import Substitution
 from taso_jax.verify.laws import AxiomError, _parse, all_laws
 
-__all__ = ["rules_from_law", "derived_rules"]
+__all__ = ["rules_from_law", "derived_rules", "ship_derived_rules"]
 
 
 def _literal(node: ast.expr, where: str):
     """A constant attribute value written in a law (``-1``, ``True``, ``'blocked'``)."""
     try:
-        return ast.literal_eval(node)
+        value = ast.literal_eval(node)
     except ValueError:
         raise AxiomError(f"{where}: attribute {ast.dump(node)[:60]} is neither a constant "
                          "nor a variable") from None
+    return list(value) if isinstance(value, tuple) else value  # rule files hold lists
 
 
 class _Side:
@@ -137,3 +138,46 @@ def derived_rules(axioms: Iterable[tuple[str, Axiom]] | None = None) -> list[Sub
                                     rule.target, rule.outputs, rule.provenance)
             rules.append(rule)
     return rules
+
+
+def ship_derived_rules(path, note: str = "") -> list[str]:
+    """Prove the derived rules that the rule file at ``path`` lacks and put them first.
+
+    The rules already in the file keep their order, after the new ones (the greedy descent
+    takes the first rewrite that pays, and a derived rule's source contains shorter
+    generated ones). A rule that does not prove is left out. The file's generator settings
+    record the addition under ``"derived_<n>"``, with ``note``. Returns the names added.
+
+    Raises:
+        OSError: the file cannot be read or written.
+        ValueError: not a rule file (:func:`taso_jax.search.rules.load_substitutions`).
+    """
+    import datetime
+    import json
+    import time
+
+    from taso_jax.search.rules import load_substitutions, save_substitutions
+    from taso_jax.verify.runner import verify_substitutions
+
+    with open(path, encoding="utf-8") as f:
+        settings = json.load(f).get("generator", {})
+    rules = load_substitutions(path)
+    have = {r.id for r in rules}
+    new = [r for r in derived_rules() if r.id not in have]
+    start = time.monotonic()
+    stamped, _stats = verify_substitutions(new, workers=1) if new else ([], {})
+    proved = [r for r in stamped if r.proof_status == "proved"]
+    n = sum(k.startswith("derived") for k in settings) + 1
+    settings[f"derived_{n}"] = {
+        "method": "law", "added": len(proved), "not_proved": len(stamped) - len(proved),
+        "seconds": round(time.monotonic() - start, 1),
+        "date": datetime.date.today().isoformat(), "note": note,
+        "command": f"python -m taso_jax.verify.from_laws {path} (1 worker)"}
+    save_substitutions(proved + rules, path, settings)
+    return [r.name for r in proved]
+
+
+if __name__ == "__main__":
+    import sys
+
+    print("\n".join(ship_derived_rules(sys.argv[1], " ".join(sys.argv[2:]))))
