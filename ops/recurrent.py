@@ -195,6 +195,7 @@ def _outputs(ys, finals, layout):
 def _split_bias(b):
     """``Wb`` and ``Rb`` of a ``[D, 2*G*H]`` bias."""
     n = b.shape[-1] // 2
+    b = jnp.asarray(b)
     return b[:, :n], b[:, n:]
 
 
@@ -448,28 +449,30 @@ def _rnn_project_onnx(ctx, ins, outs, *, layout):
 
 
 # ---- laws ---------------------------------------------------------------------------------
-# The input projection of every step, hoisted out of the recurrence:
-# lstm(x, w, ...) = lstm_scan(rnn_project(x, w), ...), one law per layout (the shapes differ).
-# ``n`` is the number of directions, drawn with the direction; mismatched draws are skipped.
-def _hoist_laws(op: str, gates: int, states: str, extra: dict, attrs: str, **params):
-    laws = []
-    for layout, x_shape, s_shape in ((0, ("T", "B", "I"), ("n", "B", "H")),
-                                     (1, ("B", "T", "I"), ("B", "n", "H"))):
-        shapes = {"x": x_shape, "w": ("n", f"{gates}*H", "I"), "r": ("n", f"{gates}*H", "H"),
-                  "b": ("n", f"{2 * gates}*H"), **{s: s_shape for s in states.split(", ")},
-                  **extra}
-        ins = f"r, b, {states}" + "".join(f", {e}" for e in extra)
-        kw = f"direction=d, layout={layout}, {attrs}"
-        laws.append(axiom(
-            f"{op}(x, w, {ins}, {kw}) = {op}_scan(rnn_project(x, w, layout={layout}), {ins}, {kw})",
-            shapes, derive="ltr", d=DIRECTIONS, n=(1, 2), **params))
-    return tuple(laws)
-
-
-_LSTM_LAWS = _hoist_laws("lstm", 4, "h0, c0", {"p": ("n", "3*H")},
-                         "clip=c, input_forget=f", c=(None,), f=(0,))
-_GRU_LAWS = _hoist_laws("gru", 3, "h0", {}, "clip=c, linear_before_reset=f", c=(None,),
-                        f=(0, 1))
+# The input projection of every step, hoisted out of the recurrence, one law per layout (the
+# shapes differ): lstm(x, w, ...) = lstm_scan(rnn_project(x, w), ...). ``n`` is the number of
+# directions, drawn beside the direction (mismatched draws do not type and are skipped).
+# Each checked instance compiles two scans, so the laws vary only the attributes that real
+# models vary: direction and GRU's linear_before_reset (PyTorch exports 1); a node with a
+# clip or LSTM's input_forget keeps its projection inside.
+_T0 = {"x": ("T", "B", "I"), "h0": ("n", "B", "H"), "c0": ("n", "B", "H")}
+_T1 = {"x": ("B", "T", "I"), "h0": ("B", "n", "H"), "c0": ("B", "n", "H")}
+_LSTM_W = {"w": ("n", "4*H", "I"), "r": ("n", "4*H", "H"), "b": ("n", "8*H"), "p": ("n", "3*H")}
+_GRU_W = {"w": ("n", "3*H", "I"), "r": ("n", "3*H", "H"), "b": ("n", "6*H")}
+_LSTM_LAWS = (
+    axiom("lstm(x, w, r, b, h0, c0, p, direction=d, layout=0) = lstm_scan(rnn_project(x, w, layout=0), r, b, h0, c0, p, direction=d, layout=0)",
+          {**_T0, **_LSTM_W}, derive="ltr", d=DIRECTIONS, n=(1, 2)),
+    axiom("lstm(x, w, r, b, h0, c0, p, direction=d, layout=1) = lstm_scan(rnn_project(x, w, layout=1), r, b, h0, c0, p, direction=d, layout=1)",
+          {**_T1, **_LSTM_W}, derive="ltr", d=DIRECTIONS, n=(1, 2)),
+)
+_GRU_LAWS = (
+    axiom("gru(x, w, r, b, h0, direction=d, layout=0, linear_before_reset=f) = gru_scan(rnn_project(x, w, layout=0), r, b, h0, direction=d, layout=0, linear_before_reset=f)",
+          {k: _T0[k] for k in ("x", "h0")} | _GRU_W, derive="ltr", d=DIRECTIONS, n=(1, 2),
+          f=(0, 1)),
+    axiom("gru(x, w, r, b, h0, direction=d, layout=1, linear_before_reset=f) = gru_scan(rnn_project(x, w, layout=1), r, b, h0, direction=d, layout=1, linear_before_reset=f)",
+          {k: _T1[k] for k in ("x", "h0")} | _GRU_W, derive="ltr", d=DIRECTIONS, n=(1, 2),
+          f=(0, 1)),
+)
 
 
 # ---- declarations -------------------------------------------------------------------------
