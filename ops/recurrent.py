@@ -367,8 +367,10 @@ def _recurrent_flops(gates: int, hoisted: bool):
 
 def _emit(ctx, op_type: str, x, w, r, b, seq, states, extra, outs, *, direction, layout,
           clip, hidden, **more):
-    """One ONNX LSTM or GRU node, in ``layout=0``: a ``layout=1`` node is written with
-    transposes around it, since onnxruntime (1.32, CPU) refuses batch-major recurrences.
+    """One ONNX LSTM or GRU node, in ``layout=0``.
+
+    A ``layout=1`` node is written with transposes around it, since onnxruntime (1.32, CPU)
+    refuses batch-major recurrences.
 
     ONNX orders the inputs X, W, R, B, sequence_lens, initial_h, initial_c, P.
     """

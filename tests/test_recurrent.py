@@ -15,12 +15,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-import taso_jax
 from onnx import TensorProto, helper, numpy_helper
-from taso_jax.ir.executor import compile_graph
 from taso_jax.ops import OPS, ShapeError, TensorType
 from taso_jax.search.match import rewrites
 from taso_jax.search.rules import default_substitutions
+
+import taso_jax
+from taso_jax.ir.executor import compile_graph
 
 RECURRENT = ("lstm", "gru", "lstm_scan", "gru_scan")
 
@@ -110,7 +111,8 @@ def _model(kind: str, t=6, batch=3, inputs=5, hidden=4, *, direction="forward", 
         g = helper.make_graph(nodes, "rnn", graph_in, graph_out, inits)
         return helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
 
-    model = make([helper.make_node(kind, names, outs, **attrs, **({"layout": 1} if layout else {}))])
+    batch_major = {"layout": 1} if layout else {}
+    model = make([helper.make_node(kind, names, outs, **attrs, **batch_major)])
     if not layout:
         return model, model
     renamed = {"X": "Xt", "H0": "H0t", "C0": "C0t"}

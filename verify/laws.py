@@ -298,9 +298,11 @@ def check_axioms(items: Iterable[tuple[str, Axiom]], n_shapes: int = 3,
 
 
 def law_outputs(ax: Axiom, where: str = "axiom") -> int:
-    """How many outputs the law equates: ``n`` when both sides are calls of operators of
-    ``n > 1`` outputs (``lstm(...) = lstm_scan(...)``: each output equals its counterpart),
-    else 1 (a subscript, ``split(...)[0]``, picks one output).
+    """How many outputs a law equates.
+
+    ``n`` when both sides are calls of operators of ``n > 1`` outputs
+    (``lstm(...) = lstm_scan(...)``: each output equals its counterpart), else 1 (a
+    subscript, ``split(...)[0]``, picks one output).
 
     Raises:
         AxiomError: the two sides are multi-output calls with different output counts.
