@@ -17,8 +17,9 @@ in the order z, r, h):
 
 The ONNX importers fill absent optional inputs (``B``, ``initial_h``, ``initial_c``, ``P``)
 with zeros, which is what the specification says they mean. Past a sequence's length
-``Y`` is zero and the state is held, so ``Y_h`` is the state at the last valid step; the
-reverse direction runs each sequence from its own last valid step (as onnxruntime does).
+``Y`` is zero and the state is held, so ``Y_h`` is the state at the last valid step (zero
+for a sequence of length 0); the reverse direction runs each sequence from its own last
+valid step (as onnxruntime does).
 
 Each step's input projection ``x_t @ W^T`` does not depend on the state, so it can be done
 for all steps at once, as one matrix product, before the recurrence: ``rnn_project(x, w)``
@@ -117,6 +118,9 @@ def _recur(xs, states, cell, *, direction, seq_lens):
         return new, jnp.where(keep, h, jnp.zeros_like(h))
 
     final, ys = jax.lax.scan(masked_step, tuple(states), (xs, valid))
+    # A sequence of length 0 has zero final states, not its initial ones (onnxruntime).
+    ran = (seq_lens > 0)[None, :, None]
+    final = tuple(jnp.where(ran, f, jnp.zeros_like(f)) for f in final)
     return _in_time_order(ys, reversals, idx), final
 
 
