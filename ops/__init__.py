@@ -307,4 +307,14 @@ def get_op(name: str) -> OpDef:
 
 
 # Operator families register themselves on import.
-from taso_jax.ops import attention, conv, elementwise, matmul, nn, norm, pool, tensor  # noqa: E402,F401,I001
+from taso_jax.ops import (  # noqa: E402,F401
+    attention,
+    conv,
+    elementwise,
+    matmul,
+    nn,
+    norm,
+    pool,
+    recurrent,
+    tensor,
+)

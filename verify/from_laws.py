@@ -12,6 +12,8 @@ How a law becomes a rule:
 * each operator call of a side becomes a pattern node, in evaluation order, equal calls once;
 * a tensor variable keeps its symbolic shape (a leading ``"..."``, any leading dimensions,
   binds the same dimensions in every variable that has it);
+* a law between two calls of operators of ``n`` outputs (``lstm(...) = lstm_scan(...)``)
+  pairs each output of the source with the same output of the target;
 * an attribute variable that appears on the source side becomes an attribute variable of
   the rule (``"?f"``); one that appears only on the target side is a choice, and each of its
   values in the axiom's ``params`` gives a rule of its own (``impl="blocked", block=64``).
@@ -27,7 +29,7 @@ from collections.abc import Iterable
 
 from taso_jax.ops import OPS, Axiom
 from taso_jax.search.rules import Substitution
-from taso_jax.verify.laws import AxiomError, _parse, all_laws
+from taso_jax.verify.laws import AxiomError, _parse, all_laws, law_outputs
 
 __all__ = ["rules_from_law", "derived_rules", "ship_derived_rules"]
 
@@ -92,6 +94,7 @@ def rules_from_law(name: str, ax: Axiom) -> list[Substitution]:
     if ax.where:
         raise AxiomError(f"{where}: a derived rule cannot carry size conditions")
     lhs, rhs = (_parse(t, where) for t in ax.sides)
+    n_out = law_outputs(ax, where)  # a law between multi-output calls pairs every output
     source, target = (rhs, lhs) if ax.derive == "rtl" else (lhs, rhs)
     params = dict(ax.params)
     matched = _attribute_names(source)
@@ -113,7 +116,10 @@ def rules_from_law(name: str, ax: Axiom) -> list[Substitution]:
             label = "-".join(["lower", op, *(str(v) for v in values)])
         data = {"name": label,
                 "variables": {v: shapes[v] for v in sorted(src.used)},
-                "source": src.nodes, "target": tgt.nodes, "outputs": [[out_src, out_tgt]],
+                "source": src.nodes, "target": tgt.nodes,
+                "outputs": [[out_src, out_tgt]] if n_out == 1 else
+                           [[out_src, out_tgt]] + [[f"{out_src}.{i}", f"{out_tgt}.{i}"]
+                                                      for i in range(1, n_out)],
                 "provenance": {"method": "law", "domain": "laws", "law": f"{name}: {ax.law}",
                                "proof": None}}
         rules.append(Substitution.from_json(data))

@@ -26,7 +26,7 @@ import numpy as np
 from taso_jax.ops import OPS, Axiom, ShapeError, TensorType
 
 __all__ = ["all_axioms", "all_laws", "check_axiom", "check_axioms", "evaluate", "Z3Encoding",
-           "AxiomError", "IllTypedAxiom"]
+           "AxiomError", "IllTypedAxiom", "law_outputs"]
 
 
 class AxiomError(ValueError):
@@ -297,6 +297,39 @@ def check_axioms(items: Iterable[tuple[str, Axiom]], n_shapes: int = 3,
     return out
 
 
+def law_outputs(ax: Axiom, where: str = "axiom") -> int:
+    """How many outputs a law equates.
+
+    ``n`` when both sides are calls of operators of ``n > 1`` outputs
+    (``lstm(...) = lstm_scan(...)``: each output equals its counterpart), else 1 (a
+    subscript, ``split(...)[0]``, picks one output).
+
+    Raises:
+        AxiomError: the two sides are multi-output calls with different output counts.
+    """
+    counts = []
+    for text in ax.sides:
+        node = _parse(text, where)
+        n = 1
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in OPS and OPS[node.func.id].num_outputs is not None:
+            op = OPS[node.func.id]
+            attrs = dict(op.attrs)
+            for kw in node.keywords:
+                try:
+                    attrs[kw.arg] = ast.literal_eval(kw.value)
+                except ValueError:
+                    attrs.pop(kw.arg, None)
+            try:
+                n = op.num_outputs(attrs) or 1
+            except (KeyError, TypeError):
+                n = 1
+        counts.append(n)
+    if counts[0] != counts[1] and max(counts) > 1:
+        raise AxiomError(f"{where}: {ax.law} equates {counts[0]} outputs with {counts[1]}")
+    return counts[0]
+
+
 # ---- Z3 reading ---------------------------------------------------------------------------
 
 def _mentions_all(term, variables) -> bool:
@@ -434,12 +467,16 @@ class Z3Encoding:
             name, expr = (x.strip() for x in d.split("=", 1))
             env[name] = z3.Int(name)
             conditions.append(env[name] == self.term(_parse(expr, where), env, where))
-        lhs, rhs = (self.term(_parse(t, where), env, where) for t in ax.sides)
-        body = lhs == rhs if not conditions else z3.Implies(z3.And(*conditions), lhs == rhs)
+        sides = [_parse(t, where) for t in ax.sides]
+        n = law_outputs(ax, where)
+        lhs, rhs = ([self.term(side, env, where, index=i) for i in range(n)] for side in sides)
+        eq = z3.And(*[a == b for a, b in zip(lhs, rhs, strict=True)]) if n > 1 \
+            else lhs[0] == rhs[0]
+        body = eq if not conditions else z3.Implies(z3.And(*conditions), eq)
         bound = list(env.values())
         # Trigger on a side that mentions every variable (Z3's own choice may be a size term).
         # A side with arithmetic in it (groups=g + g) or a bare variable cannot trigger.
-        patterns = [side for side in (lhs, rhs)
+        patterns = [side for side in (*lhs, *rhs)
                     if _mentions_all(side, bound) and not _has_arithmetic(side)]
         try:
             return z3.ForAll(bound, body, patterns=patterns)

@@ -425,16 +425,20 @@ def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tens
             value.flags.writeable = False  # a fresh array; shared when folded, as above
             return [ctx.weight(value, node.output[0] or "const")]
         importer = ONNX_IMPORTERS.get(node.op_type)
-        if importer is not None and all(t is not None for t in out_types):
+        # An output left unnamed ("") is absent: its type is None, and the importer's
+        # tensor for it is not checked (an LSTM whose Y alone is unused).
+        if importer is not None and all(t is not None for t, o in zip(
+                out_types, node.output, strict=True) if o):
             ctx.out_types = out_types
             ctx.source_op = node.op_type
             try:
                 res = importer(ctx, ins, **_attrs(node))
-            except (ShapeError, TypeError, ValueError, KeyError):
+            except (ShapeError, TypeError, ValueError, KeyError, AttributeError):
                 res = None
             if res is not None and len(res) == len(node.output) and all(
-                    t.type == want for t, want in zip(res, out_types, strict=True)):
-                return list(res)
+                    t.type == want for t, want, o in zip(res, out_types, node.output,
+                                                         strict=True) if o):
+                return [t if o else None for t, o in zip(res, node.output, strict=True)]
     # Opaque: keep the ONNX node as it is; it runs in onnxruntime and is exported verbatim.
     if any(t is None for t, o in zip(out_types, node.output, strict=True) if o):
         raise ModelError(f"node {node.name or node.op_type!r} ({node.op_type}): output shapes "
