@@ -303,4 +303,14 @@ def get_op(name: str) -> OpDef:
 
 
 # Operator families register themselves on import.
-from taso_jax.ops import attention, conv, elementwise, matmul, nn, pool, tensor  # noqa: E402,F401
+from taso_jax.ops import (  # noqa: E402,F401
+    attention,
+    conv,
+    elementwise,
+    matmul,
+    nn,
+    pool,
+    quantize,
+    resize,
+    tensor,
+)
