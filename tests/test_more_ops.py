@@ -131,9 +131,15 @@ def _ours(graph, feeds):
     return [np.asarray(o) for o in taso_jax.compile_graph(graph)(*args)]
 
 
-def _onnxruntime(model, feeds):
+def _onnxruntime(model, feeds, optimize=True):
+    """The model run in onnxruntime; ``optimize=False`` runs each node as the model writes
+    it (no fusion of Q/DQ pairs into its int8 kernels, which round differently)."""
     data = model if isinstance(model, bytes) else model.SerializeToString()
-    return ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, feeds)
+    options = ort.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"]).run(
+        None, feeds)
 
 
 def _assert_same(got, want, exact):
@@ -218,3 +224,75 @@ def test_conv_transpose_pads_and_bias_match_onnxruntime(x_shape, w_shape, attrs)
         want = _onnxruntime(model, feeds)
         _assert_same(_ours(graph, feeds), want, exact=False)
         _assert_same(_onnxruntime(exported, feeds), want, exact=False)
+
+
+def _int8_model():
+    """x [2, 16] -> Q (per tensor, uint8) -> DQ -> MatMul with DQ(int8 weight, per column)."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    inits = {"wq": rng.integers(-127, 128, (16, 8)).astype(np.int8),
+             "ws": rng.uniform(0.01, 0.05, 8).astype(np.float32),
+             "wz": rng.integers(-3, 4, 8).astype(np.int8),
+             "xs": np.float32(0.05), "xz": np.uint8(128)}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=1),
+             helper.make_node("MatMul", ["xd", "w"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "int8", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_int8_weights_fold_ahead_of_time_and_stay_int8_in_the_file():
+    """The DequantizeLinear of an int8 initializer is weight-only (computed once, ahead of
+    time, under jax.jit); the Q -> DQ pair on the activation (fake quantization) runs as
+    float arithmetic, saturating at 100x. Both exports, for XLA and for onnxruntime, write
+    the int8 weight and the Q/DQ nodes back, for onnxruntime's int8 kernels."""
+    from taso_jax.frontends.onnxruntime_target import onnxruntime_folded_values
+
+    model = _int8_model()
+    graph = taso_jax.load_onnx(model)
+    assert "opaque" not in graph.op_counts()
+    dq = [n for n in graph.nodes if n.op == "dequantize_linear"]
+    assert sorted(n.weight_only for n in dq) == [False, True]  # op_counts: runtime ones
+    assert graph.op_counts()["dequantize_linear"] == 1
+    rng = np.random.default_rng(1)
+    for fold in (True, onnxruntime_folded_values):
+        exported = taso_jax.export_onnx(graph, fold=fold)
+        inits = {i.name: numpy_helper.to_array(i) for i in exported.graph.initializer}
+        assert inits["wq"].dtype == np.int8
+        assert not any(v.dtype == np.float32 and v.shape == (16, 8) for v in inits.values())
+        ops = [n.op_type for n in exported.graph.node]
+        assert ops.count("DequantizeLinear") == 2 and ops.count("QuantizeLinear") == 1
+        for factor in (1.0, 100.0):
+            # onnxruntime's optimizer fuses DQ -> MatMul into an int8 kernel that requantizes
+            # (2.07 off at 1x here): the model's own arithmetic is its unfused run
+            feeds = {"x": factor * rng.standard_normal((2, 16)).astype(np.float32)}
+            want = _onnxruntime(model, feeds, optimize=False)
+            _assert_same(_ours(graph, feeds), want, exact=False)
+            _assert_same(_onnxruntime(exported, feeds, optimize=False), want, exact=False)
+
+
+def test_fake_quantization_is_exact_against_onnxruntime():
+    """Q -> DQ on an activation, per tensor and per channel, rounds half to even and
+    saturates exactly as onnxruntime does, ties included (x on the half steps)."""
+    from onnx import TensorProto, helper
+
+    scale = np.array([0.1, 0.25, 0.5], np.float32)
+    zero = np.array([0, -5, 7], np.int8)
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], axis=1),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], axis=1)]
+    graph = helper.make_graph(
+        nodes, "fq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3, 5])],
+        [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = taso_jax.load_onnx(model)
+    assert g.op_counts() == {"quantize_linear": 1, "dequantize_linear": 1}
+    steps = np.arange(-30, 30, dtype=np.float32)[:60].reshape(4, 1, 15)[:, :, :5] + 0.5
+    for x in (steps * scale[None, :, None], 100 * steps * scale[None, :, None]):
+        feeds = {"x": np.broadcast_to(x, (4, 3, 5)).astype(np.float32)}
+        _assert_same(_ours(g, feeds), _onnxruntime(model, feeds), exact=True)
