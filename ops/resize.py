@@ -1,7 +1,7 @@
 """Resampling: ``resize``, nearest-neighbour and (multi)linear interpolation on any axes.
 
 Source: ONNX operator spec, Resize (opsets 10-19; the importer reads the opset 11-19 inputs
-``X, roi, scales, sizes``, which opset conversion gives older models). Shapes are static, so
+``X, roi, scales, sizes``, which opset conversion gives older models and their Upsample). Shapes are static, so
 the source coordinates, the nearest indices and the linear weights are computed once, in
 float32 NumPy, the way onnxruntime's CPU kernel computes them
 (``GetOriginalCoordinateFromResizedCoordinate``, ``GetNearestPixelFromOriginal``): nearest
@@ -210,20 +210,17 @@ declare(OpDef(
         "coordinates from `scales` by coordinate_transformation_mode (ONNX Resize)"))
 
 
-@onnx_importer("Resize", "Upsample")
+@onnx_importer("Resize")
 def _import_resize(ctx, ins, *, mode="nearest", coordinate_transformation_mode="half_pixel",
                    nearest_mode="round_prefer_floor", antialias=0, axes=None,
-                   keep_aspect_ratio_policy="stretch", exclude_outside=0, scales=None,
-                   **_):
+                   keep_aspect_ratio_policy="stretch", exclude_outside=0, **_):
+    # Upsample (opsets 7-9) and Resize-10 arrive here as Resize-11 or later: a model below
+    # opset 13 is converted to 17 first, and onnx's converter rewrites them (asymmetric
+    # coordinates, nearest rounding down)
     def text(v):
         return v.decode() if isinstance(v, bytes) else v
 
     mode, ctm, nm = text(mode), text(coordinate_transformation_mode), text(nearest_mode)
-    if ctx.source_op == "Upsample" or (ctx.opset or 0) < 11:
-        # Upsample and Resize-10: the scales are the second input, coordinates asymmetric,
-        # nearest rounds down (Upsample-7 carries the scales as an attribute)
-        ctm, nm = "asymmetric", "floor"
-        ins = [ins[0], None, ins[1] if len(ins) > 1 else None, None]
     if (mode not in MODES or ctm not in COORDINATE_MODES or antialias or exclude_outside
             or text(keep_aspect_ratio_policy) != "stretch"):
         return None
@@ -237,8 +234,7 @@ def _import_resize(ctx, ins, *, mode="nearest", coordinate_transformation_mode="
         v = ctx.const(ins[i])
         return None if v is None or np.size(v) == 0 else np.asarray(v).reshape(-1)
 
-    sc = given(2) if scales is None else np.asarray(scales, np.float32)
-    sz = given(3)
+    sc, sz = given(2), given(3)
     if (sc is None) == (sz is None):
         return None  # runtime scales or sizes, or neither: opaque
     full_scales = [np.float32(1.0)] * rank
