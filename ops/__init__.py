@@ -315,6 +315,8 @@ from taso_jax.ops import (  # noqa: E402,F401
     nn,
     norm,
     pool,
+    quantize,
     recurrent,
+    resize,
     tensor,
 )

@@ -1,6 +1,6 @@
 """Convolution-family operators on NCHW activations and OIHW kernels.
 
-Sources: ONNX operator spec (Conv); TASO (Jia et al., SOSP 2019, Table 1 and Section 3) for ``enlarge``,
+Sources: ONNX operator spec (Conv, ConvTranspose); TASO (Jia et al., SOSP 2019, Table 1 and Section 3) for ``enlarge``,
 the constant kernels, fused activations and ``merge_gconv``.
 
 Padding is one attribute: ``"same"`` (begin ``d*(k-1)//2``, end the rest, for every stride,
@@ -348,6 +348,189 @@ def _import_conv(ctx, ins, *, auto_pad="NOTSET", dilations=None, group=1, kernel
     if len(ins) > 2 and ins[2] is not None:
         o = ctx.type(w).shape[0]
         y = ctx.op("ewadd", [y, ctx.op("reshape", [ins[2]], shape=(1, o, 1, 1))])
+    return [y]
+
+
+# ---- conv_transpose -------------------------------------------------------------------------
+# ONNX ConvTranspose, the gradient of a convolution with respect to its input: each input pixel
+# scatters the kernel, scaled by its value, onto the output at stride spacing; `pads` then crop
+# (top, left, bottom, right) and `output_padding` adds rows and columns at the bottom and
+# right. Computed as a stride-1 convolution of the input dilated by the strides with the
+# kernel flipped and its two channel axes swapped (per group), padded by d * (k - 1) - pad on
+# each side (negative: a crop; a negative pad adds zeros).
+
+def _conv_transpose_out(size, k, s, d, pb, pe, op):
+    out = s * (size - 1) + op + d * (k - 1) + 1 - pb - pe
+    if out <= 0:
+        raise ShapeError(f"conv_transpose: output size {out} for input size {size}")
+    return out
+
+
+def _conv_transpose_kernel(w, groups):
+    """The OIHW kernel of the equivalent convolution.
+
+    Per group, ``[C_in, C_out/g, kh, kw]`` becomes ``[C_out, C_in/g, kh, kw]``, flipped in
+    space.
+    """
+    ci, cog, kh, kw = w.shape
+    w = w.reshape(groups, ci // groups, cog, kh, kw).transpose(0, 2, 1, 3, 4)
+    return w.reshape(groups * cog, ci // groups, kh, kw)[:, :, ::-1, ::-1]
+
+
+def _conv_transpose(x, w, *, strides, pads, dilations, groups, output_padding):
+    k = w.shape[2:]
+    lo = [d * (kk - 1) - p for kk, d, p in zip(k, dilations, pads[:2], strict=True)]
+    hi = [d * (kk - 1) - p + o for kk, d, p, o in zip(k, dilations, pads[2:], output_padding,
+                                                        strict=True)]
+    y = lax.conv_general_dilated(
+        x, _conv_transpose_kernel(w, groups), (1, 1),
+        [(max(a, 0), max(b, 0)) for a, b in zip(lo, hi, strict=True)],
+        lhs_dilation=strides, rhs_dilation=dilations,
+        dimension_numbers=("NCHW", "OIHW", "NCHW"), feature_group_count=groups)
+    # a pad larger than d * (k - 1) crops the output
+    h0, w0 = max(-lo[0], 0), max(-lo[1], 0)
+    return y[:, :, h0:y.shape[2] - max(-hi[0], 0), w0:y.shape[3] - max(-hi[1], 0)]
+
+
+def _conv_transpose_shape(ts, *, strides, pads, dilations, groups, output_padding):
+    x, w = ts
+    if len(x.shape) != 4 or len(w.shape) != 4:
+        raise ShapeError("conv_transpose: expects NCHW input and [C_in, C_out/groups, kh, kw] "
+                         f"kernel, got {x.shape}, {w.shape}")
+    if x.dtype != w.dtype:
+        raise ShapeError(f"conv_transpose: dtype mismatch {x.dtype} vs {w.dtype}")
+    n, c, h, wd = x.shape
+    ci, cog, kh, kw = w.shape
+    if groups < 1 or c != ci or c % groups:
+        raise ShapeError(f"conv_transpose: input channels {c}, kernel {w.shape}, groups "
+                         f"{groups} disagree")
+    if len(pads) != 4 or any(
+            o < 0 or o >= max(s, d) for o, s, d in zip(output_padding, strides, dilations,
+                                                       strict=True)):
+        raise ShapeError(f"conv_transpose: pads {pads}, output_padding {output_padding} "
+                         "invalid")
+    return [TensorType((n, cog * groups,
+                        _conv_transpose_out(h, kh, strides[0], dilations[0], pads[0], pads[2],
+                                            output_padding[0]),
+                        _conv_transpose_out(wd, kw, strides[1], dilations[1], pads[1], pads[3],
+                                            output_padding[1])), x.dtype)]
+
+
+def _conv_transpose_flops(ins, outs, **_):
+    ci, cog, kh, kw = ins[1].shape
+    return 2.0 * ins[0].size * cog * kh * kw  # every input pixel scatters one kernel slice
+
+
+def _conv_transpose_onnx(ctx, ins, outs, *, strides, pads, dilations, groups, output_padding):
+    kh, kw = ctx.shape(ins[1])[2:]
+    attrs = {"output_padding": list(output_padding)} if any(output_padding) else {}
+    extra = [max(-p, 0) for p in pads]  # ONNX pads are not negative: zeros added by a Pad
+    y = ctx.fresh() if any(extra) else outs[0]
+    ctx.node("ConvTranspose", ins, [y], strides=list(strides), pads=[max(p, 0) for p in pads],
+             dilations=list(dilations), group=groups, kernel_shape=[kh, kw], **attrs)
+    if any(extra):
+        t, lf, b, r = extra
+        ctx.node("Pad", [y, ctx.const(np.array([0, 0, t, lf, 0, 0, b, r], np.int64))], outs)
+
+
+_CT = {"x": ("N", "C", "H", "W"), "y": ("N", "C", "H", "W"), "w": ("C", "D", 3, 3),
+       "v": ("C", "D", 3, 3), "s": (1, "D", 1, 1)}
+_CTG = {"x": ("N", "q*E", "H", "W"), "y": ("N", "q*E", "H", "W"), "w": ("q*E", "D", 2, 3),
+        "v": ("q*E", "D", 2, 3)}
+_CTA = {"st": ((1, 1), (2, 2), (2, 1)), "pd": ((0, 0, 0, 0), (1, 0, 1, 1)),
+        "dl": ((1, 1), (2, 1))}
+_CONV_TRANSPOSE_LAWS = (
+    axiom("conv_transpose(ewadd(x, y), w, strides=st, pads=pd, dilations=dl, groups=q) = ewadd(conv_transpose(x, w, strides=st, pads=pd, dilations=dl, groups=q), conv_transpose(y, w, strides=st, pads=pd, dilations=dl, groups=q))",
+          _CTG, q=(1, 2), **_CTA),
+    axiom("conv_transpose(x, ewadd(w, v), strides=st, pads=pd, dilations=dl, groups=q) = ewadd(conv_transpose(x, w, strides=st, pads=pd, dilations=dl, groups=q), conv_transpose(x, v, strides=st, pads=pd, dilations=dl, groups=q))",
+          _CTG, q=(1, 2), **_CTA),
+    # kernels side by side on the output-channel axis give the outputs side by side: two
+    # transposed convolutions of one input merge into one
+    axiom("conv_transpose(x, concat(w, v, axis=-3), strides=st, pads=pd, dilations=dl) = concat(conv_transpose(x, w, strides=st, pads=pd, dilations=dl), conv_transpose(x, v, strides=st, pads=pd, dilations=dl), axis=-3)",
+          _CT, **_CTA),
+    # a per-output-channel scale (a batchnorm after it) folds into the kernel's axis 1
+    axiom("ewmul(conv_transpose(x, w, strides=st, pads=pd, dilations=dl), s) = conv_transpose(x, ewmul(w, s), strides=st, pads=pd, dilations=dl)",
+          _CT, where=_PER_CHANNEL, **_CTA),
+    axiom("dim(conv_transpose(x, w, strides=st, pads=pd, dilations=dl), -3) = dim(w, -3)",
+          _CT, **_CTA),
+)
+
+declare(OpDef(
+    name="conv_transpose", ref=_conv_transpose, shape=_conv_transpose_shape, arity=2,
+    attrs={"strides": (1, 1), "pads": (0, 0, 0, 0), "dilations": (1, 1), "groups": 1,
+           "output_padding": (0, 0)},
+    to_onnx=_conv_transpose_onnx, flops=_conv_transpose_flops,
+    examples=(
+        ([TensorType((1, 4, 5, 5), _F32), TensorType((4, 3, 2, 2), _F32)], {"strides": (2, 2)}),
+        ([TensorType((2, 4, 5, 6), _F32), TensorType((4, 3, 3, 3), _F32)],
+         {"strides": (2, 2), "pads": (1, 1, 1, 1), "output_padding": (1, 0), "groups": 2}),
+        ([TensorType((1, 2, 4, 4), _F32), TensorType((2, 2, 3, 2), _F32)],
+         {"strides": (3, 1), "pads": (0, 1, 2, 0), "dilations": (2, 1)}),
+        ([TensorType((1, 2, 6, 6), _F32), TensorType((2, 3, 2, 2), _F32)],
+         {"strides": (1, 1), "pads": (2, 2, 2, 2)}),
+        ([TensorType((1, 1, 3, 3), _F32), TensorType((1, 2, 3, 3), _F32)],
+         {"strides": (3, 2), "pads": (0, 0, -1, -1)}),
+    ),
+    axioms=_CONV_TRANSPOSE_LAWS,
+    doc="2-D transposed convolution, NCHW x [C_in, C_out/groups, kh, kw] -> NCHW, with "
+        "pads (top, left, bottom, right) cropped and output_padding (ONNX ConvTranspose)"))
+
+
+def _conv_transpose_pads(x_hw, k_hw, strides, dilations, output_padding, auto_pad, pads,
+                         output_shape):
+    """ONNX ConvTranspose's pads (begins, then ends) from its attributes.
+
+    Pads derived from ``output_shape`` (or ``SAME_*``) are split as the spec and onnxruntime
+    split them; an ``output_shape`` larger than the natural size gives negative pads, rows
+    and columns of zeros added.
+    """
+    if output_shape is None and auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        output_shape = [size * s for size, s in zip(x_hw, strides, strict=True)]
+    if output_shape is None:
+        return (0,) * 2 * len(x_hw) if pads is None or auto_pad == "VALID" else tuple(pads)
+    begin, end = [], []
+    for size, k, s, d, o, want in zip(x_hw, k_hw, strides, dilations, output_padding,
+                                      output_shape, strict=True):
+        total = s * (size - 1) + o + (k - 1) * d + 1 - want
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            total = max(total, 0)  # a kernel shorter than the stride: the natural size
+        # the spec's split, as onnxruntime makes it: the odd pixel at the end for SAME_UPPER,
+        # at the start otherwise; a negative total (one row of zeros more) rounds the same way
+        half = total // 2
+        b = half if auto_pad == "SAME_UPPER" else total - half
+        begin.append(b)
+        end.append(total - b)
+    return tuple(begin) + tuple(end)
+
+
+@onnx_importer("ConvTranspose")
+def _import_conv_transpose(ctx, ins, *, auto_pad="NOTSET", dilations=None, group=1,
+                           kernel_shape=None, output_padding=None, output_shape=None, pads=None,
+                           strides=None):
+    x, w = ins[0], ins[1]
+    rank = len(ctx.type(x).shape)
+    if rank not in (3, 4):
+        return None  # 3-D transposed convolutions stay opaque
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    sp = rank - 2
+    st = tuple(strides or (1,) * sp)
+    dil = tuple(dilations or (1,) * sp)
+    op = tuple(output_padding or (0,) * sp)
+    if output_shape is not None and len(output_shape) > sp:
+        output_shape = output_shape[-sp:]  # older exporters wrote N and C too
+    pd = _conv_transpose_pads(ctx.type(x).shape[2:], ctx.type(w).shape[2:], st, dil, op,
+                              auto_pad, pads, output_shape)
+    if sp == 1:  # 1-D: one row of a 2-D transposed convolution
+        x = ctx.reshape(x, ctx.type(x).shape[:2] + (1,) + ctx.type(x).shape[2:])
+        w = ctx.reshape(w, ctx.type(w).shape[:2] + (1,) + ctx.type(w).shape[2:])
+        st, dil, op, pd = (1,) + st, (1,) + dil, (0,) + op, (0, pd[0], 0, pd[1])
+    y = ctx.op("conv_transpose", [x, w], strides=st, pads=pd, dilations=dil,
+               groups=int(group), output_padding=op)
+    if len(ins) > 2 and ins[2] is not None:
+        o = ctx.type(y).shape[1]
+        y = ctx.op("ewadd", [y, ctx.op("reshape", [ins[2]], shape=(1, o, 1, 1))])
+    if sp == 1:
+        y = ctx.reshape(y, ctx.out_types[0].shape)
     return [y]
 
 

@@ -1,7 +1,8 @@
 """Elementwise operators with NumPy broadcasting (ONNX multidirectional broadcasting).
 
 Sources: ONNX operator spec (Add, Sub, Mul, Div, Mod, Pow, Relu, Sigmoid, Tanh, Gelu, Erf,
-Sqrt, Exp, Sign, Clip, Where, IsNaN, And, Not, Equal, Cast, Identity); TASO (Jia et al.,
+Sqrt, Exp, Sign, Clip, Where, IsNaN, And, Not, Equal, Cast, Identity, LeakyRelu, HardSigmoid,
+HardSwish); TASO (Jia et al.,
 SOSP 2019, Table 1) for ``ewadd``, ``ewmul``, ``scalar_mul`` and fused activations.
 """
 
@@ -199,6 +200,76 @@ _unary("abs", _jnp("abs"), "Abs", "absolute value (ONNX Abs)")
 _unary("sign", _jnp("sign"), "Sign", "-1, 0 or 1 by the sign of x (ONNX Sign)")
 _unary("erfc", _lax("erfc"), None, "complementary error function 1 - erf(x) (jax.lax.erfc; "
        "written to ONNX as 1 - Erf)", to_onnx=_erfc_onnx)
+
+
+# ---- piecewise-linear activations (ONNX LeakyRelu, HardSigmoid, HardSwish) ---------------
+# Each passes through concat and transpose like relu (it acts on every element alone), which
+# is what lets the generator merge branches around it; leaky_relu is also positively
+# homogeneous (f(2x) = 2 f(x)), hard_sigmoid and hard_swish are not (they saturate).
+
+def _leaky_relu(x, *, alpha=0.01):
+    return jnp.where(x >= 0, x, x * jnp.asarray(alpha, x.dtype))
+
+
+def _hard_sigmoid(x, *, alpha=0.2, beta=0.5):
+    y = x * jnp.asarray(alpha, x.dtype) + jnp.asarray(beta, x.dtype)
+    return jnp.clip(y, jnp.asarray(0, x.dtype), jnp.asarray(1, x.dtype))
+
+
+def _hard_swish(x):
+    # ONNX HardSwish is x * HardSigmoid(x) with alpha = 1/6, beta = 0.5 (onnxruntime multiplies
+    # by the float 1/6, which rounds differently from dividing by 6)
+    return x * _hard_sigmoid(x, alpha=1.0 / 6.0, beta=0.5)
+
+
+_LEAKY_RELU_LAWS = (
+    axiom("leaky_relu(ewadd(x, x), alpha=a) = ewadd(leaky_relu(x, alpha=a), leaky_relu(x, alpha=a))", _V, a=(0.01, 0.2)),
+    axiom("relu(leaky_relu(x, alpha=a)) = relu(x)", _V, a=(0.01, 0.2)),
+    axiom("dim(leaky_relu(x, alpha=a), k) = dim(x, k)", _V, a=(0.2,), k=(-1, -2)),
+    axiom("leaky_relu(concat(x, y, axis=k), alpha=a) = concat(leaky_relu(x, alpha=a), leaky_relu(y, alpha=a), axis=k)", _V, a=(0.01, 0.2), k=(-2, -1)),
+    axiom("leaky_relu(transpose(x, perm=q), alpha=a) = transpose(leaky_relu(x, alpha=a), perm=q)", _V, a=(0.2,), q=((1, 0), (0, 1))),
+)
+_HARD_SIGMOID_LAWS = (
+    axiom("dim(hard_sigmoid(x, alpha=a, beta=b), k) = dim(x, k)", _V, a=(0.2,), b=(0.5,), k=(-1, -2)),
+    axiom("hard_sigmoid(concat(x, y, axis=k), alpha=a, beta=b) = concat(hard_sigmoid(x, alpha=a, beta=b), hard_sigmoid(y, alpha=a, beta=b), axis=k)", _V, a=(0.2, 1 / 6), b=(0.5,), k=(-2, -1)),
+    axiom("hard_sigmoid(transpose(x, perm=q), alpha=a, beta=b) = transpose(hard_sigmoid(x, alpha=a, beta=b), perm=q)", _V, a=(0.2,), b=(0.5,), q=((1, 0), (0, 1))),
+)
+_HARD_SWISH_LAWS = (
+    axiom("dim(hard_swish(x), k) = dim(x, k)", _V, k=(-1, -2)),
+    axiom("hard_swish(concat(x, y, axis=k)) = concat(hard_swish(x), hard_swish(y), axis=k)", _V, k=(-2, -1)),
+    axiom("hard_swish(transpose(x, perm=q)) = transpose(hard_swish(x), perm=q)", _V, q=((1, 0), (0, 1))),
+)
+
+
+def _activation(name, fn, onnx_type, attrs, examples, laws, doc):
+    declare(OpDef(name=name, ref=fn, shape=_same_shape, arity=1, attrs=attrs,
+                  to_onnx=lambda ctx, ins, outs, **a: ctx.node(onnx_type, ins, outs, **a),
+                  fusible=True, layout="elementwise",
+                  examples=tuple(([TensorType((2, 3, 4), _F32)], e) for e in examples),
+                  axioms=laws, doc=doc))
+
+
+_activation("leaky_relu", _leaky_relu, "LeakyRelu", {"alpha": 0.01},
+            ({}, {"alpha": 0.2}), _LEAKY_RELU_LAWS,
+            "x if x >= 0 else alpha * x (ONNX LeakyRelu; jax.nn.leaky_relu)")
+_activation("hard_sigmoid", _hard_sigmoid, "HardSigmoid", {"alpha": 0.2, "beta": 0.5},
+            ({}, {"alpha": 1 / 6, "beta": 0.5}), _HARD_SIGMOID_LAWS,
+            "max(0, min(1, alpha * x + beta)) (ONNX HardSigmoid)")
+_activation("hard_swish", _hard_swish, "HardSwish", {}, ({},), _HARD_SWISH_LAWS,
+            "x * max(0, min(1, x / 6 + 1 / 2)) (ONNX HardSwish; MobileNetV3's h-swish)")
+
+
+@onnx_importer("LeakyRelu", "HardSigmoid")
+def _import_leaky_hard_sigmoid(ctx, ins, alpha=None, beta=None):
+    # ONNX stores the attributes as float32; the float64 of that value is kept, so the
+    # export writes back the same float32 and the reference multiplies by it in x's dtype
+    if ctx.source_op == "LeakyRelu":
+        return [ctx.op("leaky_relu", ins, alpha=0.01 if alpha is None else float(alpha))]
+    return [ctx.op("hard_sigmoid", ins, alpha=0.2 if alpha is None else float(alpha),
+                   beta=0.5 if beta is None else float(beta))]
+
+
+onnx_importer("HardSwish")(lambda ctx, ins, **_: [ctx.op("hard_swish", ins)])
 
 
 def _gelu(x, *, approximate="none"):

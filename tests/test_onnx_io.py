@@ -176,7 +176,7 @@ def test_an_opaque_node_with_an_absent_optional_input_runs():
     from onnx import TensorProto, helper, numpy_helper
 
     scales = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
-    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="nearest")
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="cubic")  # undeclared
     graph = helper.make_graph(
         [node], "resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 3, 3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 6, 6])], [scales])
@@ -242,13 +242,13 @@ def test_an_if_whose_branches_read_the_enclosing_graph_runs_and_exports():
 
 
 def _opaque_chain_model(n_chain: int, with_side_branch: bool = True) -> bytes:
-    """x -> HardSigmoid x n_chain (undeclared: opaque) -> out0; plus, optionally, a node
+    """x -> Elu x n_chain (undeclared: opaque) -> out0; plus, optionally, a node
     that reads both an opaque tensor and a declared Relu of it (cannot join its region)."""
     from onnx import TensorProto, helper
 
     nodes, prev = [], "x"
     for i in range(n_chain):
-        nodes.append(helper.make_node("HardSigmoid", [prev], [f"h{i}"], alpha=0.3))
+        nodes.append(helper.make_node("Elu", [prev], [f"h{i}"], alpha=0.3))
         prev = f"h{i}"
     outs = [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [2, 8])]
     if with_side_branch:
@@ -274,10 +274,10 @@ def test_connected_opaque_nodes_run_as_one_region_and_regions_stay_acyclic():
     # The chain is one region; Max reads h0 and Relu(h0), so it cannot join the chain's
     # region (the region would both feed and follow the Relu), and starts one with Softsign.
     labels = sorted(n.attr("call").label for n in regions)
-    assert labels == ["HardSigmoid+HardSigmoid+HardSigmoid+HardSigmoid+HardSigmoid",
+    assert labels == ["Elu+Elu+Elu+Elu+Elu",
                       "Max+Softsign"], labels
     assert g.meta["opaque_regions"] == 2
-    chain = next(n for n in regions if n.attr("call").label.startswith("Hard"))
+    chain = next(n for n in regions if n.attr("call").label.startswith("Elu"))
     assert chain.attr("call").out_names == ("h0", "h4")  # h0 is read outside the region
     out = export_onnx(g)
     onnx.checker.check_model(out, full_check=True)
@@ -629,20 +629,20 @@ def _run_graph(graph):
 
 def test_an_opaque_region_reads_one_tensor_under_both_its_names():
     """Two equal Relus are one tensor in the IR (hash-consing), read under two names by a
-    region of two opaque nodes (HardSwish, Max): the region's session gets both names as
+    region of two opaque nodes (Softplus, Max): the region's session gets both names as
     inputs (an int8 BiLSTM's initial h and c, equal slices, had lost one)."""
     from onnx import TensorProto, helper
 
     nodes = [helper.make_node("Relu", ["x"], ["s1"]),
              helper.make_node("Relu", ["x"], ["s2"]),
-             helper.make_node("HardSwish", ["x"], ["h"]),
+             helper.make_node("Softplus", ["x"], ["h"]),
              helper.make_node("Max", ["h", "s1", "s2"], ["y"])]
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])
     model = _model(nodes, [x], [y])
     graph = taso_jax.load_onnx(model)
     (region,) = [n for n in graph.nodes if n.op == "opaque"]
-    assert region.attr("call").label == "HardSwish+Max"
+    assert region.attr("call").label == "Softplus+Max"
     assert {"s1", "s2"} <= set(region.attr("call").in_names)
     (xv,), (got,) = _run_graph(graph)
     want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": xv})[0]
@@ -659,7 +659,7 @@ def test_an_empty_constant_for_an_optional_input_is_read_as_absent():
              numpy_helper.from_array(np.zeros(0, np.float32), "scales"),
              numpy_helper.from_array(np.array([1, 2, 8, 8], np.int64), "sizes")]
     nodes = [helper.make_node("Relu", ["x"], ["r"]),
-             helper.make_node("Resize", ["r", "roi", "scales", "sizes"], ["y"], mode="nearest")]
+             helper.make_node("Resize", ["r", "roi", "scales", "sizes"], ["y"], mode="cubic")]
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 8, 8])
     model = _model(nodes, [x], [y], inits, opset=11)
