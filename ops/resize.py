@@ -22,6 +22,8 @@ import numpy as np
 from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, onnx_importer
 from taso_jax.ops._lazy import LazyModule
 
+from taso_jax.ir.dims import is_open, open_dims
+
 jnp = LazyModule("jax.numpy")
 
 _F32 = "float32"
@@ -135,8 +137,8 @@ def _resize_shape(ts, *, sizes, scales, mode, coordinate_transformation_mode, ne
                          f"{coordinate_transformation_mode!r}, {nearest_mode!r}")
     if mode == "linear" and not np.issubdtype(np.dtype(x.dtype), np.floating):
         raise ShapeError(f"resize: linear interpolation of {x.dtype}")
-    return [TensorType(x.shape[:len(x.shape) - len(sizes)] + tuple(int(s) for s in sizes),
-                       x.dtype)]
+    return [TensorType(x.shape[:len(x.shape) - len(sizes)]
+                       + tuple(s if is_open(s) else int(s) for s in sizes), x.dtype)]
 
 
 def _resize_flops(ins, outs, *, mode, **_):
@@ -150,8 +152,10 @@ def _resize_onnx(ctx, ins, outs, *, sizes, scales, mode, coordinate_transformati
     in_shape = ctx.shape(ins[0])
     lead = in_shape[:len(in_shape) - len(sizes)]
     trail = in_shape[len(lead):]
-    if all(np.float32(o) / np.float32(i) == np.float32(s)
-           for o, i, s in zip(sizes, trail, scales, strict=True)):
+    # An open size (taso_jax.ir.dims: an integral scale of an open input size) is written
+    # as its scale: sizes written as constants would hold the bound ones.
+    if not open_dims(sizes) and all(np.float32(o) / np.float32(i) == np.float32(s)
+                                    for o, i, s in zip(sizes, trail, scales, strict=True)):
         extra = ["", "", ctx.const(np.asarray(lead + tuple(sizes), np.int64))]
     else:
         extra = ["", ctx.const(np.asarray((1.0,) * len(lead) + tuple(scales), np.float32))]
@@ -246,6 +250,8 @@ def _import_resize(ctx, ins, *, mode="nearest", coordinate_transformation_mode="
         else:
             full_scales[a] = np.float32(sc[k])
             full_sizes[a] = int(np.floor(np.float32(sc[k]) * np.float32(shape[a])))
+            if is_open(shape[a]) and float(sc[k]).is_integer() and sc[k] >= 1:
+                full_sizes[a] = shape[a] * int(sc[k])  # an open size, scaled: an expression
     # the attributes cover the axes from the first one resampled on (the leading ones, batch
     # and channels, are left out, so that a rule about them matches any batch size)
     moved = [a for a in range(rank) if full_sizes[a] != shape[a] or not np.array_equal(

@@ -157,3 +157,23 @@ def test_a_rewrite_with_open_split_sizes_runs_at_other_sizes():
     _same_in_onnxruntime(model, written, [{"x": (2, 3, D), "y": (2, 5, D)},
                                          {"x": (1, 7, D), "y": (1, 2, D)},
                                          {"x": (4, 1, D), "y": (4, 9, D)}])
+
+
+def test_resize_by_an_integral_scale_keeps_open_image_sides():
+    """Resize x [N, C, H, W] by 2 (nearest) then add a skip tensor upsampled the same way: the
+    output sizes are 2H and 2W, written as scales, so the model runs at other image sizes."""
+    scales = _const("scales", np.array([1.0, 1.0, 2.0, 2.0], np.float32))
+    nodes = [h.make_node("Resize", ["x", "", "scales"], ["up"], mode="nearest"),
+             h.make_node("Relu", ["up"], ["r"]),
+             h.make_node("Resize", ["x", "", "scales"], ["up2"], mode="linear"),
+             h.make_node("Add", ["r", "up2"], ["y"])]
+    g = h.make_graph(nodes, "up", [h.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                              ["N", 3, "H", "W"])],
+                     [h.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, "H2", "W2"])],
+                     [scales])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    graph = load_onnx(model, input_shapes={"x": (1, 3, 8, 8)})
+    resized = [n for n in graph.nodes if n.op == "resize"]
+    assert resized and all(is_open(d) for n in resized for d in n.types[0].shape[2:])
+    _same_in_onnxruntime(model, _written(graph, model), [{"x": (1, 3, 8, 8)},
+                                                         {"x": (2, 3, 5, 12)}])
