@@ -393,15 +393,43 @@ def _reshaped_pair_model(path):
     onnx.save(model, path)
 
 
-def test_a_graph_that_runs_at_its_bound_sizes_only_does_not_replace_the_input(tmp_path,
-                                                                             capsys):
-    """The matmuls merge, but the rewritten graph holds the batch size it was optimized at
-    (its reshape of 1x64 to 2x32 is written as such): written with the batch open it would
-    not run at 2. The
-    input is kept, byte for byte, and the report says why and how to get the fixed-size
-    model; given --input-shape, that model is written."""
+def test_a_rewrite_over_an_open_batch_is_written_with_the_batch_open(tmp_path, capsys):
+    """The matmuls merge over a reshape of [batch, 64] to [2*batch, 32]: the IR carries the
+    reshape's rows as an expression of the open batch (taso_jax.ir.dims), so the written
+    model keeps 'batch' open and matches the original in onnxruntime at other batch sizes."""
+    import onnx
+    import onnxruntime as ort
+
+    src, out = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
+    _reshaped_pair_model(src)
+    args = ["optimize", str(src), "-o", str(out), "--cost-model", "analytic", "--end-to-end",
+            "0", "-q", "--no-time"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "result: rewritten" in text and "symbolic sizes kept open" in text
+    written = onnx.load(out)
+    assert [n.op_type for n in written.graph.node].count("MatMul") == 1
+    assert written.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    a, b = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"])
+            for p in (src, out))
+    for batch in (1, 3, 8):
+        x = np.random.default_rng(batch).standard_normal((batch, 64)).astype(np.float32)
+        for ya, yb in zip(a.run(None, {"x": x}), b.run(None, {"x": x}), strict=True):
+            np.testing.assert_allclose(yb, ya, rtol=1e-5, atol=1e-5)
+
+
+def test_a_graph_that_runs_at_its_bound_sizes_only_does_not_replace_the_input(
+        tmp_path, capsys, monkeypatch):
+    """Where the sizes that follow from the open batch are not known as expressions (here
+    the symbolic shape inference is switched off), the rewritten graph holds the batch size
+    it was optimized at (its reshape of 1x64 to 2x32 is written as such): written with the
+    batch open it would not run at 2. The input is kept, byte for byte, and the report says
+    why and how to get the fixed-size model; given --input-shape, that model is written."""
     import onnx
 
+    import taso_jax.frontends.onnx_import as onnx_import
+
+    monkeypatch.setattr(onnx_import, "open_types", lambda model, symbolic, types: types)
     src, out = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
     _reshaped_pair_model(src)
     args = ["optimize", str(src), "-o", str(out), "--cost-model", "analytic", "--end-to-end",
