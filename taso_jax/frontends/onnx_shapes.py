@@ -56,8 +56,8 @@ IMAGE_CANDIDATES = (224, 64, 32, 512)
 #: image sides (height, width) for open axes 2 and 3 of a 4-D input: squares, then the
 #: text-line shapes of OCR recognisers (height 32 or 48, a long width).
 BATCH_CANDIDATES = (1, 2, 3, 4)
-IMAGE_SIDES = ((224, 224), (320, 320), (640, 640), (64, 64), (48, 48), (32, 32),
-               (32, 100), (32, 128), (32, 320), (48, 320), (32, 640), (48, 640))
+IMAGE_SIDES = ((224, 224), (64, 64), (32, 32), (320, 320), (48, 48), (32, 320), (48, 320),
+               (32, 100), (32, 128), (32, 640), (48, 640), (640, 640))
 #: Seconds and bindings the second round of the probe may spend at most (each trial is
 #: one shape inference and one onnxruntime session): a large model must still fail fast.
 MORE_PROBE_SECONDS = 8.0
@@ -161,7 +161,7 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
     image = {sym for sym in rest if all(
         len(next(x for x in model.graph.input if x.name == name).type.tensor_type.shape.dim)
         == 4 and axis >= 2 for name, axis, _ in open_dims[sym])}
-    fitting, refusal = None, None
+    fitting, refusal, tried = None, None, set()
     # Every open size at the k-th candidate together; then, for a few open sizes, the
     # mixes where some of them are 1 instead (an unnamed batch axis of a state input,
     # silero-vad's state[1], is not axis 0, so it looks like a sequence length).
@@ -176,6 +176,7 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
                      (IMAGE_CANDIDATES if sym in image else SYMBOLIC_CANDIDATES)[k]
                      for sym, v in sizes.items()}
             bind(trial)
+            tried.add(tuple(sorted(trial.items())))
             why = _shapes_refused(model, fed)
             if why is None:
                 fitting = trial
@@ -186,7 +187,7 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
     probed = ""
     if fitting is None:
         batch = [sym for sym, v in sizes.items() if v is not None]
-        for trial, why_picked in _more_trials(model, open_dims, batch, rest, image):
+        for trial, why_picked in _more_trials(model, open_dims, batch, rest, image, tried):
             bind(trial)
             why = _shapes_refused(model, fed)
             if why is None:
@@ -219,27 +220,28 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
 
 
 def _file_batch_sizes(model) -> list[int]:
-    """Sizes above 1 on axis 0 of the file's own ``value_info`` and outputs (at most 3).
+    """Sizes 2..256 on axis 0 of the file's own ``value_info`` and outputs (at most 3).
 
     Most frequent first: a model exported at batch 20 often still says so there.
     """
     counts: dict[int, int] = {}
     for vi in [*model.graph.output, *model.graph.value_info]:
         dims = vi.type.tensor_type.shape.dim
-        if dims and dims[0].HasField("dim_value") and 1 < dims[0].dim_value <= 1024:
+        if dims and dims[0].HasField("dim_value") and 1 < dims[0].dim_value <= 256:
             counts[dims[0].dim_value] = counts.get(dims[0].dim_value, 0) + 1
     return sorted(counts, key=lambda v: (-counts[v], v))[:3]
 
 
 def _more_trials(model, open_dims: Mapping[str, list], batch: list[str], rest: list[str],
-                 image: set[str]):
+                 image: set[str], tried: set):
     """Bindings to try when the first defaults all fail: ``(sizes, note)`` pairs.
 
-    Batch-like symbols (``batch``) take the sizes found in the file
-    (:func:`_file_batch_sizes`), then :data:`BATCH_CANDIDATES`; open image sides
+    Batch-like symbols (``batch``) take 1, the sizes found in the file
+    (:func:`_file_batch_sizes`, up to 256), then :data:`BATCH_CANDIDATES`; open image sides
     (``image``: axes 2 and 3 of 4-D inputs) take :data:`IMAGE_SIDES`, height from axis 2 and
     width from axis 3; other open sizes 1, then 32. Bindings already tried in the first
-    round are skipped, and the generator stops after :data:`MORE_PROBE_TRIALS` bindings or
+    round (``tried``: sorted ``(symbol, size)`` tuples, added to here) are skipped, and
+    the generator stops after :data:`MORE_PROBE_TRIALS` bindings or
     :data:`MORE_PROBE_SECONDS` seconds (checked before each).
     """
     import time
@@ -247,7 +249,8 @@ def _more_trials(model, open_dims: Mapping[str, list], batch: list[str], rest: l
     if not batch and not image:
         return
     found = _file_batch_sizes(model) if batch else []
-    batches = list(dict.fromkeys([*found, *BATCH_CANDIDATES])) if batch else [None]
+    # batch 1 first (an image side may be what failed), then the file's, then 2..4
+    batches = list(dict.fromkeys([1, *found, *BATCH_CANDIDATES])) if batch else [None]
     height = {sym for sym in image if all(axis == 2 for _, axis, _ in open_dims[sym])}
     sides = IMAGE_SIDES if image else [(None, None)]
     others = [sym for sym in rest if sym not in image]
@@ -255,12 +258,13 @@ def _more_trials(model, open_dims: Mapping[str, list], batch: list[str], rest: l
     for b in batches:
         for h, w in sides:
             for o in (1, 32) if others else (None,):
-                if b == 1 and not image:
-                    continue  # tried in the first round
                 trial = {}
                 for sym in open_dims:
                     trial[sym] = (b if sym in batch else (h if sym in height else w)
                                   if sym in image else o)
+                if tuple(sorted(trial.items())) in tried:
+                    continue
+                tried.add(tuple(sorted(trial.items())))
                 if count >= MORE_PROBE_TRIALS or time.perf_counter() - start > \
                         MORE_PROBE_SECONDS:
                     return
