@@ -419,7 +419,7 @@ def _hoisted_input(ctx, xw, layout):
     perm = [2, 0, 1, 3] if layout else [0, 2, 1, 3]
     lead = (batch, t) if layout else (t, batch)
     x = ctx.tmp("Reshape", [ctx.tmp("Transpose", [xw], perm=perm),
-                            ctx.const(np.asarray((*lead, d * g), np.int64))])
+                            ctx.ints((*lead, d * g))])  # open sizes computed at run time
     sel = np.zeros((d, g, d * g), ctx.dtype(xw))
     for k in range(d):
         sel[k, :, k * g:(k + 1) * g] = np.eye(g, dtype=sel.dtype)
@@ -450,7 +450,7 @@ def _rnn_project_onnx(ctx, ins, outs, *, layout):
     kernel = ctx.tmp("Reshape", [ctx.tmp("Transpose", [w], perm=[2, 0, 1]),
                                  ctx.const(np.asarray((i, d * g), np.int64))])
     y = ctx.tmp("Reshape", [ctx.tmp("MatMul", [x, kernel]),
-                            ctx.const(np.asarray((*lead, d, g), np.int64))])
+                            ctx.ints((*lead, d, g))])  # open sizes computed at run time
     ctx.node("Transpose", [y], outs, perm=[1, 2, 0, 3] if layout else [0, 2, 1, 3])
 
 
