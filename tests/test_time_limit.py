@@ -156,3 +156,77 @@ def test_load_onnx_raises_import_time_limit_once_the_model_is_checked(tmp_path):
     with pytest.raises(ModelError):  # a bad model is refused, limit or not
         load_onnx(str(tmp_path / "bad.onnx"), deadline=passed)
     assert load_onnx(model, deadline=Deadline.start(600)).meta["onnx_nodes"] == 120
+
+
+class _PassesOnLook:
+    """A deadline that passes at its ``n``-th look (a huge import, without the wait)."""
+
+    def __init__(self, n: int):
+        self.n, self.looks = n, 0
+
+    def passed(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.n
+
+
+def _long_function(n: int):
+    """``x -> ...`` of ``n`` elementwise equations (multiply and add by literals)."""
+    import jax.numpy as jnp
+
+    def f(w, x):
+        for _ in range(n // 2):
+            x = x * 1.0001 + 0.5
+        return jnp.tanh(x @ w)
+
+    return f
+
+
+def test_the_jaxpr_import_stops_at_its_deadline():
+    import numpy as np
+    from taso_jax.search.limits import Deadline
+
+    from taso_jax.frontends.jaxpr_io import trace_function
+    from taso_jax.frontends.onnx_io import ImportTimeLimit
+
+    f = _long_function(1200)
+    traced = trace_function(f, (np.eye(4, dtype=np.float32), np.ones((2, 4), np.float32)),
+                            {0})
+    assert len(traced.closed.jaxpr.eqns) > 1024
+    deadline = _PassesOnLook(3)  # before the equations, at 256, at 512
+    with pytest.raises(ImportTimeLimit, match="512 equations imported"):
+        traced.to_graph("f", deadline=deadline)
+    assert deadline.looks == 3
+    with pytest.raises(ImportTimeLimit, match="before the equations"):
+        traced.to_graph("f", deadline=Deadline(time.perf_counter() - 1, 1.0))
+    # with time to spare it imports as before
+    g = traced.to_graph("f", deadline=Deadline.start(600))
+    assert g.by_op.get("matmul") and g.meta["source"] == "jaxpr"
+
+
+def test_a_decorated_function_too_long_to_import_runs_jax_jit_with_the_reason(
+        tmp_path, monkeypatch):
+    import warnings
+
+    import jax
+    import numpy as np
+
+    import taso_jax
+
+    monkeypatch.setenv("TASO_JAX_GRAPH_CACHE", str(tmp_path))
+    f = _long_function(1200)
+    w, x = np.eye(4, dtype=np.float32), np.ones((2, 4), np.float32)
+    opt = taso_jax.optimize(f, weight_argnums=0, cost_model="analytic", time_limit=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a choice made under the limit, not a failure
+        y = opt(w, x)
+    np.testing.assert_allclose(y, jax.jit(f)(w, x), rtol=1e-6)
+    assert opt.fallback_reason is None
+    assert opt.original_kept.startswith("not compiled, checked or timed against jax.jit: the "
+                                        "time limit passed during the import")
+    assert opt._last.graph is None and opt._last.result is None
+    out = opt.outcome()
+    assert out.verdict.value == "time_limit" and out.to_json()["out_of_time_in"] == "import"
+    assert "during the import" in opt.report(time=False)
+    assert opt._last.first_call["import"] < 1.0
+    assert not list(tmp_path.rglob("*.json"))  # nothing stored in the graph cache
+    np.testing.assert_allclose(opt(w, x * 2), jax.jit(f)(w, x * 2), rtol=1e-6)
