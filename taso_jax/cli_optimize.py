@@ -187,7 +187,8 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
         opset=int(graph.meta.get("opset", 17)), cache=not args.no_cost_cache)
     try:
         optimizer = Optimizer(options.replace(substitutions=args.substitutions,
-                                              trust_proofs=args.trust_proofs), target=target)
+                                              trust_proofs=args.trust_proofs), target=target,
+                              deadline=deadline)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise UsageError(f"{args.substitutions}: not a valid substitution file ({e})") from e
     from tqdm import tqdm
@@ -226,10 +227,12 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     if unchanged:
         # a candidate may have been ahead when the limit cut the choice's confirmation
         cut = e2e.get("skipped") or result.out_of_time_in == "end-to-end choice"
-        verdict = Verdict.TIME_LIMIT if cut else Verdict.UNCHANGED
+        proofs = result.rules.get("not_proved_in_time")  # the search lacked those rules
+        verdict = Verdict.TIME_LIMIT if cut or proofs else Verdict.UNCHANGED
         outcome = Outcome(verdict, report, graph, why=e2e.get("skipped") or (
-            "the time limit passed during the end-to-end choice" if cut else None),
-            result=result)
+            "the time limit passed during the end-to-end choice" if cut else None) or (
+            f"the time limit passed while the rule file was proved ({proofs} rules not "
+            "proved in time)" if proofs else None), result=result)
         if original is not None:
             # Nothing beat the input: the user's own file is written back byte for byte
             # (its symbolic sizes, names and metadata included): not slower, not wrong.

@@ -230,3 +230,73 @@ def test_a_decorated_function_too_long_to_import_runs_jax_jit_with_the_reason(
     assert opt._last.first_call["import"] < 1.0
     assert not list(tmp_path.rglob("*.json"))  # nothing stored in the graph cache
     np.testing.assert_allclose(opt(w, x * 2), jax.jit(f)(w, x * 2), rtol=1e-6)
+
+
+def _shipped_rules(n: int, path: Path) -> Path:
+    """A rule file of the first ``n`` shipped rules with three operators or fewer in all."""
+    from taso_jax.search.rules import default_substitutions, save_substitutions
+
+    small = [s for s in default_substitutions() if len(s.source) + len(s.target) <= 3]
+    save_substitutions(small[:n], path)
+    return path
+
+
+def test_a_rule_file_proof_stops_at_its_deadline_and_the_next_load_goes_on(
+        tmp_path, monkeypatch):
+    from taso_jax.verify import runner
+
+    rules = _shipped_rules(6, tmp_path / "rules.json")
+    cache = tmp_path / "proofs"
+    proved = []
+    real = runner._prove_json
+    monkeypatch.setattr(runner, "_prove_json",
+                        lambda job: proved.append(job[0]) or real(job))
+    # six rules prove in this process; the deadline passes at its third look: two proved
+    subs = runner.load_proved_rules(rules, cache_dir=str(cache), deadline=_PassesOnLook(3))
+    assert len(proved) == 2
+    stamps = [s.provenance["proof"] for s in subs]
+    assert [p["status"] for p in stamps[2:]] == ["unverified"] * 4
+    assert all(p["why"] == runner.NOT_PROVED_IN_TIME for p in stamps[2:])
+    assert all(p["status"] == "proved" for p in stamps[:2])
+    assert not list(cache.glob("*.json")), "a cut proof is not the file's proof"
+    (partial,) = cache.glob("*.partial.jsonl")
+    assert len(partial.read_text().splitlines()) == 2
+    # the next load proves only the four left, then caches the file's proof
+    proved.clear()
+    again = runner.load_proved_rules(rules, cache_dir=str(cache))
+    assert len(proved) == 4 and all(s.proof_status == "proved" for s in again)
+    assert list(cache.glob("*.json")) and not list(cache.glob("*.partial.jsonl"))
+
+
+def test_optimize_with_a_rule_file_too_long_to_prove_stops_at_the_limit(
+        tmp_path, capsys, monkeypatch):
+    import hashlib
+    import warnings
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the proof cache
+    model = Path(write_model(40, str(tmp_path / "m.onnx")))
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    rules = _shipped_rules(400, tmp_path / "rules.json")
+    out, report = tmp_path / "out.onnx", tmp_path / "r.json"
+    limit = 3.0
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "N of 400 are not proved"
+        rc = main(["optimize", str(model), "-o", str(out), "--substitutions", str(rules),
+                   "--time-limit", str(limit), "--cost-model", "analytic", "-q",
+                   "--no-time", "--json", str(report)])
+    wall = time.perf_counter() - t0
+    assert rc == 0 and wall < limit + MARGIN, wall
+    rep = json.loads(report.read_text())
+    counts = rep["rules"]
+    n = len(json.loads(rules.read_text())["substitutions"])
+    assert 0 < counts["not_proved_in_time"] <= counts["unverified_left_out"]
+    assert counts["used"] + counts["unverified_left_out"] == n
+    assert rep["search"]["out_of_time_in"] in ("", "rule proofs", "search")
+    assert rep["outcome"]["verdict"] == "time_limit"
+    assert "while the rule file was proved" in rep["outcome"]["why"]
+    assert any("not yet proved" in n for n in rep["notes"])
+    assert "not yet proved" in capsys.readouterr().out
+    # the input, byte for byte, and the input itself untouched
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == digest
+    assert hashlib.sha256(model.read_bytes()).hexdigest() == digest
