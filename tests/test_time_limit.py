@@ -300,3 +300,47 @@ def test_optimize_with_a_rule_file_too_long_to_prove_stops_at_the_limit(
     # the input, byte for byte, and the input itself untouched
     assert hashlib.sha256(out.read_bytes()).hexdigest() == digest
     assert hashlib.sha256(model.read_bytes()).hexdigest() == digest
+
+
+def test_a_cut_import_of_a_model_with_external_data_writes_the_same_model(tmp_path, capsys):
+    # Past the limit during the import, the input is written back: byte for byte, or with
+    # its external data inlined (a copy alone would point at the input's data file). That
+    # copy is onnx's own reading of the input, which refuses a data file too short for its
+    # tensors; here it runs in onnxruntime and gives the input's outputs exactly.
+    import hashlib
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(
+        np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "w")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["y"])]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], [w]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    src = tmp_path / "in" / "m.onnx"
+    src.parent.mkdir()
+    onnx.save(model, src, save_as_external_data=True, location="m.data", size_threshold=0)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in src.parent.iterdir()}
+    out, report = tmp_path / "out" / "o.onnx", tmp_path / "r.json"
+    out.parent.mkdir()
+    assert main(["optimize", str(src), "-o", str(out), "--time-limit", "0.001", "-q",
+                 "--json", str(report)]) == 0
+    rep = json.loads(report.read_text())
+    assert rep["out_of_time_in"] == "import" and rep["written_copy_of_input"] == "inlined"
+    assert [p.name for p in out.parent.iterdir()] == ["o.onnx"]  # self-contained
+    feed = {"x": np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)}
+    want = ort.InferenceSession(str(src)).run(None, feed)[0]
+    got = ort.InferenceSession(str(out)).run(None, feed)[0]
+    np.testing.assert_array_equal(got, want)
+    assert before == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                      for p in src.parent.iterdir()}
+    # a data file too short for its tensors is refused (exit 2), limit or not
+    (src.parent / "m.data").write_bytes((src.parent / "m.data").read_bytes()[:8000])
+    assert main(["optimize", str(src), "-o", str(tmp_path / "out" / "p.onnx"),
+                 "--time-limit", "0.001", "-q"]) == 2
+    assert "exceeds available data" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "p.onnx").exists()
