@@ -162,11 +162,11 @@ class Optimizer:
         e2e = report.get("end_to_end") or {}
         if result.graph.key == graph.key:
             # a candidate may have been ahead when the limit cut the choice's confirmation
-            cut = e2e.get("skipped") or result.out_of_time_in == "end-to-end choice"
+            cut = e2e.get("skipped") or result.out_of_time_in  # any phase the limit cut
             proofs = result.rules.get("not_proved_in_time")  # the search lacked those rules
             verdict = Verdict.TIME_LIMIT if cut or proofs else Verdict.UNCHANGED
             return Outcome(verdict, report, graph, why=e2e.get("skipped") or (
-                "the time limit passed during the end-to-end choice" if cut else None) or (
+                f"the time limit passed during the {result.out_of_time_in}" if cut else None) or (
                 f"the time limit passed while the rule file was proved ({proofs} rules not "
                 "proved in time)" if proofs else None), result=result)
         if check:

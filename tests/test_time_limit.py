@@ -344,3 +344,40 @@ def test_a_cut_import_of_a_model_with_external_data_writes_the_same_model(tmp_pa
                  "--time-limit", "0.001", "-q"]) == 2
     assert "exceeds available data" in capsys.readouterr().err
     assert not (tmp_path / "out" / "p.onnx").exists()
+
+
+def test_a_search_cut_by_the_limit_says_so_instead_of_no_faster_graph():
+    # time_limit=0.001: the search ends before it expands a graph; "no faster equivalent
+    # graph was found" would claim a search that did not happen
+    import taso_jax
+
+    b = taso_jax.new_graph()
+    x = b.new_input((4, 8))
+    b.ewadd(b.matmul(x, b.new_weight((8, 8))), b.matmul(x, b.new_weight((8, 8))))
+    r = taso_jax.search_graph(b.graph(), time_limit=0.001, cost_model="analytic", budget=5,
+                              end_to_end=0)
+    assert r.out_of_time_in
+    assert r.outcome.verdict.value == "time_limit"
+    assert r.outcome.why.startswith("the time limit passed during the ")
+    roomy = taso_jax.search_graph(b.graph(), time_limit=600, cost_model="analytic",
+                                  budget=5, end_to_end=0)
+    assert not roomy.out_of_time_in and roomy.outcome.verdict.value == "rewritten"
+
+
+def test_a_model_input_of_2_to_the_40_elements_is_refused_in_one_line(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+
+    big = [1 << 20, 1 << 20]
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, big)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, big)]),
+        opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    onnx.save(model, tmp_path / "m.onnx")
+    out = tmp_path / "o.onnx"
+    assert main(["optimize", str(tmp_path / "m.onnx"), "-o", str(out), "-q",
+                 "--cost-model", "analytic"]) == 2  # was 1, "internal error: MemoryError"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "input 'x' has shape 1048576x1048576" in err[0]
+    assert not out.exists()
