@@ -237,7 +237,9 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
             counts[results[i]["status"]] += 1
     jobs = [(i, s.to_json()) for i, s in enumerate(subs) if results[i] is None]
     pool = None
-    if cluster is not None:
+    if deadline is not None and deadline.passed():  # reading the rules took the time
+        it, engine = iter(()), "none (the time limit had passed)"
+    elif cluster is not None:
         it = _cluster_results(jobs, cluster, workers, rlimit, timeout_ms)
         engine = f"dask ({cluster})"
     elif workers == 1 or len(jobs) < 8:
@@ -250,7 +252,9 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
         # each worker is replaced after a bounded number of chunks.
         pool = ctx.Pool(workers, initializer=_init, initargs=(rlimit, timeout_ms),
                         maxtasksperchild=16)
-        it = pool.imap_unordered(_prove_json, jobs, chunksize=4)
+        # one rule a task under a deadline: only then is the iterator one whose results can
+        # be waited for with a timeout (chunks come back through a plain generator)
+        it = pool.imap_unordered(_prove_json, jobs, chunksize=4 if deadline is None else 1)
         engine = f"process pool ({workers})"
     if deadline is not None and cluster is None:
         it = _until(it, deadline, pool)
