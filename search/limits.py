@@ -22,8 +22,9 @@ __all__ = ["Deadline", "SHARES", "StopReason", "until"]
 #: end-to-end choice has the rest). ``second_opinion``: each search that second-guesses the
 #: cost model (the analytic search, the near ties, the search without one rule).
 #: ``choice_reserve``: what the end-to-end choice keeps for itself; a second opinion that
-#: would leave it less is not run.
-SHARES = {"search": 0.7, "second_opinion": 0.1, "choice_reserve": 0.3}
+#: would leave it less is not run. ``rule_proofs``: the proofs of a rule file that did not
+#: ship with the package (``substitutions=FILE`` without ``trust_proofs``), before the search.
+SHARES = {"search": 0.7, "second_opinion": 0.1, "choice_reserve": 0.3, "rule_proofs": 0.5}
 
 
 class StopReason(enum.StrEnum):

@@ -28,8 +28,10 @@ def search_graph(graph, options: _options.OptimizeOptions | None = None, *, prog
             ``RuntimeWarning``, where they differ), ``rtol``, ``atol`` (its tolerances).
 
     A rule file named by ``substitutions`` is proved again unless ``trust_proofs=True``
-    (:func:`taso_jax.verify.runner.load_proved_rules`). With ``target="onnxruntime"``
-    kernels and candidates are timed in onnxruntime against the input graph's own export.
+    (:func:`taso_jax.verify.runner.load_proved_rules`), within half the time limit: the
+    rules not proved by then are left out, and the next call goes on with their proofs.
+    With ``target="onnxruntime"`` kernels and candidates are timed in onnxruntime against
+    the input graph's own export.
 
     Returns:
         The :class:`~taso_jax.search.backtracking.SearchResult`; its ``graph`` is the graph
@@ -41,8 +43,14 @@ def search_graph(graph, options: _options.OptimizeOptions | None = None, *, prog
         ValueError: a setting out of range, or a rule file that is not one.
         TypeError: an unknown setting.
     """
+    from taso_jax.search.limits import Deadline
+
     run = {k: changes.pop(k) for k in _RUN_KEYWORDS if k in changes}
-    outcome = Optimizer(options, **changes).run(graph, progress=progress, **run)
+    opts = (options or _options.OptimizeOptions()).replace(**changes)
+    # one deadline for a rule file's proofs and the search
+    deadline = Deadline.start(opts.time_limit)
+    outcome = Optimizer(opts, deadline=deadline).run(graph, progress=progress,
+                                                     deadline=deadline, **run)
     result = outcome.result
     result.graph, result.outcome = outcome.graph, outcome
     return result

@@ -352,7 +352,10 @@ def _bench(args) -> int:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -377,15 +380,33 @@ def _limit_flags(p) -> None:
                         "same FILE and limits skips the proofs already there")
 
 
+class _UsageExit(Exception):
+    """A command line argparse refuses: its one-line message, for :func:`main` (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, not argparse's usage and error.
+
+    ``error`` raises :class:`_UsageExit` with ``PROG: MESSAGE (see PROG --help)``, which
+    :func:`main` prints and returns exit code 2 for; subcommand parsers are of this class
+    too (argparse makes them with the parent's class).
+    """
+
+    def error(self, message: str):
+        """Raise :class:`_UsageExit` naming the problem and where help is."""
+        raise _UsageExit(f"{self.prog}: error: {one_line(message)} "
+                         f"(see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``taso-jax`` argument parser."""
+    """The ``taso-jax`` argument parser (errors are one line: :class:`_Parser`)."""
     from taso_jax.report import ATOL, RTOL
     from taso_jax.search.options import TARGETS, OptimizeOptions
 
     d = OptimizeOptions()  # the one set of defaults, shared with the API and the decorator
-    p = argparse.ArgumentParser(prog="taso-jax", description=__doc__.strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common = argparse.ArgumentParser(add_help=False)
+    p = _Parser(prog="taso-jax", description=__doc__.strip(),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true",
                         help="print the traceback of an internal error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -513,7 +534,11 @@ def main(argv: list[str] | None = None) -> int:
     # JAX runs in 32 bits: an ONNX int64 value is computed as int32 by design (weights are
     # saturated, see taso_jax.ir.executor.as_jax_constant), so JAX's notice says nothing new
     warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageExit as e:  # one line and exit 2, as every other bad option gets
+        print(e, file=sys.stderr)
+        return 2
     if not getattr(args, "debug", False):
         # A failing opaque region inside jax.jit is logged by JAX with its traceback before
         # the error reaches us; the one line below says it, --debug shows it.

@@ -153,6 +153,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
             if graph.meta.get("source_opset") != graph.meta.get("opset"):
                 notes.append(f"converted from opset {graph.meta['source_opset']} to "
                              f"{graph.meta['opset']}")
+            _inputs_fit(graph, name)
             _reference_fits(graph, deadline)
             try:
                 references = reference_runs(original, graph)  # a model that fails, fails now
@@ -187,7 +188,8 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
         opset=int(graph.meta.get("opset", 17)), cache=not args.no_cost_cache)
     try:
         optimizer = Optimizer(options.replace(substitutions=args.substitutions,
-                                              trust_proofs=args.trust_proofs), target=target)
+                                              trust_proofs=args.trust_proofs), target=target,
+                              deadline=deadline)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise UsageError(f"{args.substitutions}: not a valid substitution file ({e})") from e
     from tqdm import tqdm
@@ -225,11 +227,13 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     e2e = report.get("end_to_end") or {}
     if unchanged:
         # a candidate may have been ahead when the limit cut the choice's confirmation
-        cut = e2e.get("skipped") or result.out_of_time_in == "end-to-end choice"
-        verdict = Verdict.TIME_LIMIT if cut else Verdict.UNCHANGED
+        cut = e2e.get("skipped") or result.out_of_time_in  # any phase the limit cut
+        proofs = result.rules.get("not_proved_in_time")  # the search lacked those rules
+        verdict = Verdict.TIME_LIMIT if cut or proofs else Verdict.UNCHANGED
         outcome = Outcome(verdict, report, graph, why=e2e.get("skipped") or (
-            "the time limit passed during the end-to-end choice" if cut else None),
-            result=result)
+            f"the time limit passed during the {result.out_of_time_in}" if cut else None) or (
+            f"the time limit passed while the rule file was proved ({proofs} rules not "
+            "proved in time)" if proofs else None), result=result)
         if original is not None:
             # Nothing beat the input: the user's own file is written back byte for byte
             # (its symbolic sizes, names and metadata included): not slower, not wrong.
@@ -353,6 +357,29 @@ def _pass_through(args, name: str, error, external_data, deadline) -> int:
 #: about (a loaded 2-core machine: 6 to 8 s at 20,000 operators); a rewritten graph cannot be
 #: checked without that run.
 REFERENCE_SECONDS_PER_NODE = 0.4e-3
+
+
+def _inputs_fit(graph, name: str) -> None:
+    """Refuse a model with an input of more than 2^31 elements: it is never run (exit 2).
+
+    The check and the timings draw random values for every input; a model declaring a
+    2^40-element input would fail there for want of memory, as our own error.
+
+    Raises:
+        ModelError: naming the input and its shape.
+    """
+    import math
+
+    from taso_jax.cli_files import _MAX_INPUT_ELEMENTS
+    from taso_jax.frontends.onnx_io import ModelError
+
+    for node in graph.inputs:
+        shape = node.types[0].shape
+        if math.prod(shape) > _MAX_INPUT_ELEMENTS:
+            raise ModelError(f"{name}: input {node.name!r} has shape "
+                             f"{'x'.join(map(str, shape))} ({math.prod(shape):,} elements); "
+                             f"more than {_MAX_INPUT_ELEMENTS:,} are not run (give a smaller "
+                             "one with --input-shape where its sizes are symbolic)")
 
 
 def _reference_fits(graph, deadline) -> None:

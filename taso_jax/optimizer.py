@@ -30,7 +30,7 @@ from taso_jax.search.backtracking import SearchResult
 from taso_jax.search.cost import CostModel
 from taso_jax.search.limits import Deadline
 from taso_jax.search.options import VISITED_HELD, OptimizeOptions, run_search, usable_rules
-from taso_jax.verify.runner import rules_for
+from taso_jax.verify.runner import NOT_PROVED_IN_TIME, rules_for
 
 __all__ = ["Optimizer", "XlaTarget", "target_for"]
 
@@ -78,6 +78,12 @@ class Optimizer:
             :func:`~taso_jax.verify.runner.rules_for` the options (a rule file's rules are
             proved again unless ``trust_proofs``). Unproved rules are left out unless
             ``allow_unverified``.
+        deadline: the run's :class:`~taso_jax.search.limits.Deadline`, or ``None`` (no
+            limit on making the optimizer). A rule file's proofs use at most its
+            ``rule_proofs`` share; the rules not proved by then are left out (unless
+            ``allow_unverified``), counted in ``rule_counts["not_proved_in_time"]``, and
+            the proofs done are kept for the next run
+            (:func:`~taso_jax.verify.runner.load_proved_rules`).
 
     Raises:
         ValueError: a setting out of range, a target that is not the options', or a rule
@@ -86,7 +92,7 @@ class Optimizer:
     """
 
     def __init__(self, options: OptimizeOptions | None = None, *, target=None, rules=None,
-                 **changes):
+                 deadline: Deadline | None = None, **changes):
         if isinstance(target, str):  # the option's name (``target="onnxruntime"``)
             changes["target"], target = target, None
         opts = (options or OptimizeOptions()).replace(**changes)
@@ -97,8 +103,13 @@ class Optimizer:
         self.cost_model = self.target.cost_model(opts)
         self.options = opts.replace(cost_model=self.cost_model) \
             if isinstance(opts.cost_model, str) and opts.target != "xla" else opts
-        subs = rules if rules is not None else rules_for(opts)
+        subs = rules if rules is not None else rules_for(
+            opts, deadline.share("rule_proofs") if deadline is not None else None)
         self.rules, self.rule_counts = usable_rules(subs, opts.allow_unverified, stacklevel=4)
+        late = sum(1 for s in subs if isinstance(s.provenance.get("proof"), dict)
+                   and s.provenance["proof"].get("why") == NOT_PROVED_IN_TIME)
+        if late:
+            self.rule_counts["not_proved_in_time"] = late
 
     def search(self, graph: Graph | GraphBuilder, deadline: Deadline | None = None,
                progress: Callable[[int, float], None] | None = None,
@@ -118,6 +129,8 @@ class Optimizer:
                             progress=progress, second_opinions=self.target.second_opinions,
                             record=record)
         result.rules = dict(self.rule_counts)
+        if result.out_of_time_in == "import" and "not_proved_in_time" in self.rule_counts:
+            result.out_of_time_in = "rule proofs"  # what used the time up before the search
         return result
 
     def run(self, graph: Graph | GraphBuilder, *, check: bool = True,
@@ -149,11 +162,13 @@ class Optimizer:
         e2e = report.get("end_to_end") or {}
         if result.graph.key == graph.key:
             # a candidate may have been ahead when the limit cut the choice's confirmation
-            cut = e2e.get("skipped") or result.out_of_time_in == "end-to-end choice"
-            verdict = Verdict.TIME_LIMIT if cut else Verdict.UNCHANGED
+            cut = e2e.get("skipped") or result.out_of_time_in  # any phase the limit cut
+            proofs = result.rules.get("not_proved_in_time")  # the search lacked those rules
+            verdict = Verdict.TIME_LIMIT if cut or proofs else Verdict.UNCHANGED
             return Outcome(verdict, report, graph, why=e2e.get("skipped") or (
-                "the time limit passed during the end-to-end choice" if cut else None),
-                result=result)
+                f"the time limit passed during the {result.out_of_time_in}" if cut else None) or (
+                f"the time limit passed while the rule file was proved ({proofs} rules not "
+                "proved in time)" if proofs else None), result=result)
         if check:
             report["check"] = check_graphs(graph, result.graph, rtol=rtol, atol=atol)
             if not report["check"]["ok"]:

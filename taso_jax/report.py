@@ -357,6 +357,17 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
     return out
 
 
+def proofs_cut_note(late: int) -> str:
+    """The report's note where a rule file's proofs stopped at the time limit.
+
+    ``late``: how many of its rules had not been proved by then.
+    """
+    return (f"the time limit's share for proving the rule file passed with {late} of its "
+            "rules not yet proved: they were left out of the search (unless "
+            "--allow-unverified); the proofs done are kept, so a next run goes on from them "
+            "(--trust-proofs takes the file's own stamps)")
+
+
 def search_report(name: str, graph: Graph, result, options: OptimizeOptions, substitutions,
                   notes=()) -> dict:
     """The report dictionary (printed by :func:`format_report`) for one search.
@@ -368,6 +379,9 @@ def search_report(name: str, graph: Graph, result, options: OptimizeOptions, sub
     if unmeasurable:
         notes = [*notes, f"{len(unmeasurable)} kernel(s) would not run alone on stand-in "
                  f"values and were priced by the analytic model (first: {unmeasurable[0]})"]
+    late = (result.rules or {}).get("not_proved_in_time")
+    if late:
+        notes = [*notes, proofs_cut_note(late)]
     return {
         "model": name, "notes": list(notes), "target": options.target,
         "operators_before": dict(graph.op_counts()),

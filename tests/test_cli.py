@@ -514,3 +514,30 @@ def test_optimize_refuses_a_tolerance_that_is_not_finite_and_non_negative(capsys
     assert main(["optimize", *FAST, "--no-time", flag, value]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and flag in err[0], err
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["optimize", "--budget", "x"], "argument --budget: invalid int value: 'x'"),
+    (["optimize", "--repeats", "abc"], "argument --repeats: not a whole number: 'abc'"),
+    (["verify", "--rlimit", "0"], "argument --rlimit: must be at least 1, got 0"),
+    (["optimize", "--cost-model", "magic"], "argument --cost-model: invalid choice"),
+    (["frobnicate"], "argument COMMAND: invalid choice: 'frobnicate'"),
+    ([], "the following arguments are required: COMMAND"),
+    (["optimize", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_a_usage_error_is_one_line_with_exit_code_2(capsys, argv, problem):
+    # argparse's own errors print its usage and then the error, two lines or more; like
+    # every other bad option they are one line naming the problem, and exit code 2
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert problem in lines[0] and lines[0].startswith("taso-jax")
+    assert lines[0].endswith("--help)") and "usage:" not in lines[0]
+
+
+def test_help_still_prints_the_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["optimize", "--help"])
+    assert e.value.code == 0 and "usage: taso-jax optimize" in capsys.readouterr().out

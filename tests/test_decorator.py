@@ -597,8 +597,10 @@ def test_a_first_call_past_its_time_limit_runs_the_original_without_timing_it(tm
                             time_limit=1e-3)
     _assert_close(opt(weights, *inputs), jax.jit(fn)(weights, *inputs))
     assert opt.fallback_reason is None
+    # (at 1 ms the limit passes during the import already: issue 47, the import is cut)
     assert opt.original_kept.startswith("not compiled, checked or timed against jax.jit: the "
-                                        "time limit (0.001 s) had passed")
+                                        "time limit")
+    assert "0.001 s" in opt.original_kept
     assert "baseline" not in opt._last.report and "check" not in opt._last.report
     assert not list(tmp_path.rglob("*.json"))
     # with time to spare, the same function is timed against jax.jit

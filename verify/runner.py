@@ -29,10 +29,14 @@ from dataclasses import replace
 
 from taso_jax.search.rules import Substitution
 
-__all__ = ["verify_substitutions", "load_proved_rules", "rules_for"]
+__all__ = ["verify_substitutions", "load_proved_rules", "rules_for", "NOT_PROVED_IN_TIME"]
 
 _PROVER = None
 _PROVER_LIMITS: tuple | None = None
+
+#: ``provenance["proof"]["why"]`` of a rule whose proof the deadline cut (its status is
+#: ``"unverified"``: the search leaves it out unless unverified rules are allowed).
+NOT_PROVED_IN_TIME = "the time limit passed before it was proved"
 
 
 def _init(rlimit: int | None, timeout_ms: int | None) -> None:
@@ -179,9 +183,9 @@ def _read_checkpoint(path, limits: dict, axioms: str) -> dict[str, dict]:
 def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None,
                          timeout_ms: int | None = None, workers: int | None = None,
                          progress: Callable[[int, Counter], None] | None = None,
-                         cluster: str | None = None, checkpoint=None
+                         cluster: str | None = None, checkpoint=None, deadline=None
                          ) -> tuple[list[Substitution], dict]:
-    """Prove every substitution from the operator axioms.
+    """Prove every substitution from the operator axioms, or as many as ``deadline`` allows.
 
     Args:
         subs: the substitutions.
@@ -195,11 +199,16 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
         checkpoint: a file that records each finished proof as it arrives; proofs already
             in it (same rule id, same limits, axioms and prover settings, with a digest
             that checks out: :func:`checkpoint_digest`) are not done again.
+        deadline: a :class:`~taso_jax.search.limits.Deadline`, or ``None`` (no limit; not
+            with a cluster). Once it passes no result is waited for: the pool is stopped,
+            and each rule whose proof had not come back is stamped ``"unverified"`` with
+            ``"why":`` :data:`NOT_PROVED_IN_TIME` (one proof already running in this
+            process, ``workers=1``, runs to its end: Z3's ``rlimit`` bounds it).
 
     Returns:
         ``(stamped, stats)``: the substitutions with ``provenance["proof"]`` set, and
         ``{"counts": {"proved", "unproved", "unknown"}, "seconds", "axioms", "resumed",
-        "engine"}`` (``resumed``: proofs read from the checkpoint).
+        "engine", "not_proved_in_time"}`` (``resumed``: proofs read from the checkpoint).
 
     Raises:
         RuntimeError: a cluster was asked for and Dask is not installed.
@@ -228,7 +237,9 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
             counts[results[i]["status"]] += 1
     jobs = [(i, s.to_json()) for i, s in enumerate(subs) if results[i] is None]
     pool = None
-    if cluster is not None:
+    if deadline is not None and deadline.passed():  # reading the rules took the time
+        it, engine = iter(()), "none (the time limit had passed)"
+    elif cluster is not None:
         it = _cluster_results(jobs, cluster, workers, rlimit, timeout_ms)
         engine = f"dask ({cluster})"
     elif workers == 1 or len(jobs) < 8:
@@ -241,9 +252,14 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
         # each worker is replaced after a bounded number of chunks.
         pool = ctx.Pool(workers, initializer=_init, initargs=(rlimit, timeout_ms),
                         maxtasksperchild=16)
-        it = pool.imap_unordered(_prove_json, jobs, chunksize=4)
+        # one rule a task under a deadline: only then is the iterator one whose results can
+        # be waited for with a timeout (chunks come back through a plain generator)
+        it = pool.imap_unordered(_prove_json, jobs, chunksize=4 if deadline is None else 1)
         engine = f"process pool ({workers})"
+    if deadline is not None and cluster is None:
+        it = _until(it, deadline, pool)
     log = open(checkpoint, "a") if checkpoint else None  # noqa: SIM115
+    cut = False
     try:
         for done, (i, r) in enumerate(it, len(subs) - len(jobs) + 1):
             results[i] = r
@@ -256,22 +272,47 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
                 log.flush()
             if progress:
                 progress(done, counts)
+        cut = any(r is None for r in results)
     finally:
         if log is not None:
             log.close()
         if pool is not None:
-            pool.close()
+            if cut or any(r is None for r in results):  # the limit, or an interruption:
+                pool.terminate()  # the proofs still queued are not waited for
+            else:
+                pool.close()
             pool.join()
-    stamped = [replace(s, provenance={**s.provenance, "proof": {**r, **limits}})
+    late = {"status": "unverified", "why": NOT_PROVED_IN_TIME}
+    stamped = [replace(s, provenance={**s.provenance, "proof": {**r, **limits}
+                                      if r is not None else dict(late)})
                for s, r in zip(subs, results, strict=True)]
     stats = {"counts": {k: counts.get(k, 0) for k in ("proved", "unproved", "unknown")},
              "seconds": round(time.perf_counter() - t0, 1), "axioms": len(all_axioms()),
-             "resumed": len(subs) - len(jobs), "engine": engine}
+             "resumed": len(subs) - len(jobs), "engine": engine,
+             "not_proved_in_time": sum(r is None for r in results)}
     return stamped, stats
 
 
+def _until(results, deadline, pool) -> Iterator[tuple[int, dict]]:
+    """The proofs of ``results`` that arrive before ``deadline`` passes.
+
+    A pool's results are waited for at most until the deadline (``pool`` given: ``results``
+    is its ``imap_unordered`` iterator); proofs in this process are started only before it.
+    """
+    import multiprocessing
+
+    while not deadline.passed():
+        try:
+            if pool is not None:
+                yield results.next(timeout=max(deadline.left(), 1e-3))
+            else:
+                yield next(results)
+        except (StopIteration, multiprocessing.TimeoutError):
+            return
+
+
 def load_proved_rules(path, trust_proofs: bool = False, rlimit: int | None = None,
-                      cache_dir: str | None = None) -> list[Substitution]:
+                      cache_dir: str | None = None, deadline=None) -> list[Substitution]:
     """Read a rule file and prove its rules again, unless told to trust their stamps.
 
     A proof stamp in a file that did not ship with the package is a claim, not a proof (a
@@ -280,6 +321,12 @@ def load_proved_rules(path, trust_proofs: bool = False, rlimit: int | None = Non
     out whatever is not proved. The result is cached by the file's content hash (SHA-256)
     under ``<user cache dir>/taso_jax/proofs/`` (or ``cache_dir``), so a file is proved
     once. ``trust_proofs`` keeps the file's own stamps.
+
+    Under a ``deadline`` (a :class:`~taso_jax.search.limits.Deadline`) the proofs stop when
+    it passes: the rules proved by then carry their stamps, the others are stamped
+    ``"unverified"`` (:data:`NOT_PROVED_IN_TIME`), and nothing is cached as the file's
+    proof. Each finished proof is kept in a checkpoint beside the cache entry
+    (``.partial.jsonl``), so the next load of the same file goes on from there.
 
     Raises:
         OSError: the file cannot be read.
@@ -306,22 +353,33 @@ def load_proved_rules(path, trust_proofs: bool = False, rlimit: int | None = Non
             return load_substitutions(cached)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged cache entry is proved again below
-    stamped, _ = verify_substitutions(subs, rlimit=rlimit)
+    partial = cached.with_name(cached.stem + ".partial.jsonl")
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        save_substitutions(stamped, cached)
+        partial.touch()
     except OSError:
-        pass  # no cache: the proofs are redone next time
+        partial = None  # no cache: the proofs are redone next time
+    stamped, stats = verify_substitutions(subs, rlimit=rlimit, checkpoint=partial,
+                                          deadline=deadline)
+    if stats["not_proved_in_time"]:
+        return stamped  # the checkpoint keeps what was proved; the file is not done
+    try:
+        save_substitutions(stamped, cached)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
+    except OSError:
+        pass
     return stamped
 
 
-def rules_for(options) -> list[Substitution]:
+def rules_for(options, deadline=None) -> list[Substitution]:
     """The rules an :class:`~taso_jax.search.options.OptimizeOptions` names, proofs checked.
 
     A rule file path is read with :func:`load_proved_rules` (its proofs redone unless
-    ``options.trust_proofs``); the shipped set and lists of rules are taken as they are.
+    ``options.trust_proofs``, until ``deadline`` at most); the shipped set and lists of
+    rules are taken as they are.
     """
     subs = options.substitutions
     if isinstance(subs, str) or hasattr(subs, "__fspath__"):
-        return load_proved_rules(subs, trust_proofs=options.trust_proofs)
+        return load_proved_rules(subs, trust_proofs=options.trust_proofs, deadline=deadline)
     return options.load_rules()

@@ -565,9 +565,10 @@ class OptimizedFunction(FirstCallPipeline):
         Its verdict: :attr:`~taso_jax.outcome.Verdict.REWRITTEN` where the optimized graph
         runs, :attr:`~taso_jax.outcome.Verdict.UNCHANGED` where ``jax.jit`` of the original
         runs because it is as fast, :attr:`~taso_jax.outcome.Verdict.TIME_LIMIT` where the
-        time limit passed after the search, :attr:`~taso_jax.outcome.Verdict.FALLBACK`
-        where the pipeline failed. With ``time=True`` the report's ``time`` is measured now
-        (:meth:`measure`, ``repeats`` rounds).
+        time limit passed during the import or the search,
+        :attr:`~taso_jax.outcome.Verdict.FALLBACK` where the pipeline failed. With
+        ``time=True`` the report's ``time`` is measured now (:meth:`measure`, ``repeats``
+        rounds).
         """
         from taso_jax.outcome import Outcome, Verdict
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from taso_jax.frontends import graph_cache
 from taso_jax.frontends.jaxpr_io import TracedFunction, _fn_name, trace_function
+from taso_jax.frontends.onnx_model import ImportTimeLimit
 from taso_jax.frontends.signature_entry import _Entry, _hashable, _is_tracer, _leaf_signature
 from taso_jax.ir.executor import StagedGraph, time_function, time_interleaved
 from taso_jax.report import compare_outputs, search_report
@@ -37,6 +38,7 @@ from taso_jax.search.choose import (
     device_name,
     rounds_for,
 )
+from taso_jax.search.limits import Deadline
 from taso_jax.search.options import SEARCH_REVISION
 
 __all__ = ["FirstCallPipeline"]
@@ -54,7 +56,8 @@ MIN_SPEEDUP = 1.03
 #: report's ``search`` seconds count the backtracking search alone).
 SEARCH_STAGE = "search and choice"
 
-#: How ``original_kept`` starts where the time limit passed after the search.
+#: How ``original_kept`` starts where the time limit passed during the import or the
+#: search.
 _PAST_LIMIT = "not compiled, checked or timed against jax.jit"
 #: Interleaved runs of each when the optimized function is timed against the original.
 BASELINE_REPEATS = 25
@@ -204,10 +207,26 @@ class FirstCallPipeline:
             stages[name] = stages.get(name, 0.0) + now - clock
             clock = now
 
-        graph = traced.to_graph(_fn_name(self.fn))
+        # one deadline for the import and the search (the trace is jax.jit's own work)
+        deadline = Deadline.start(self.options.time_limit)
+        try:
+            graph = traced.to_graph(_fn_name(self.fn), deadline=deadline)
+        except ImportTimeLimit as e:  # a huge function: jax.jit of it, never stored
+            lap("import")
+            entry.original_kept = (f"{_PAST_LIMIT}: {e} (time limit "
+                                   f"{self.options.time_limit:g} s)")
+            entry.report = {"model": _fn_name(self.fn), "imported": False,
+                            "time_limit": self.options.time_limit, "out_of_time_in": "import",
+                            "original_kept": entry.original_kept}
+            return
         leaves, kinds, paths = traced.leaves, traced.kinds, traced.paths
         opts = self.options
+        made = time.perf_counter()
         optimizer = self._optimizer()
+        # reading the rules (once per function, 1-3 s for the shipped set) is not the
+        # import's or the search's time: the deadline moves by what it took
+        made = time.perf_counter() - made
+        deadline = Deadline(deadline.at + made, deadline.seconds)
         subs = optimizer.rules
         key = graph_cache.cache_key(graph, self._cache_parts(subs))
         lap("import")
@@ -220,7 +239,7 @@ class FirstCallPipeline:
                                   explored=0, seconds=0.0, stopped="graph cache")
             entry.cache_hit = True
         else:
-            result = optimizer.search(graph)
+            result = optimizer.search(graph, deadline)
         lap(SEARCH_STAGE)
         staged = StagedGraph(result.graph)
         weight_index = {p: j for j, p in enumerate(

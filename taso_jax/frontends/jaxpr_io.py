@@ -36,7 +36,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from taso_jax.frontends.context import ImportContext
-from taso_jax.frontends.onnx_io import ModelError
+from taso_jax.frontends.onnx_io import ImportTimeLimit, ModelError
 from taso_jax.ir.graph import Graph, Node, intern_node, leaf_node
 from taso_jax.ir.opaque import OpaqueOp
 from taso_jax.ops import JAXPR_IMPORTERS, ShapeError, TensorType
@@ -159,6 +159,28 @@ def _ttype(aval) -> TensorType:
     return TensorType(tuple(int(d) for d in aval.shape), dtype)
 
 
+#: Equations imported between two looks at the deadline (inlined ones counted too).
+_DEADLINE_EVERY = 256
+
+
+class _Clock:
+    """The import's deadline and how many equations it has imported (across inlining)."""
+
+    def __init__(self, deadline, total: int):
+        self.deadline, self.total, self.done = deadline, total, 0
+
+    def tick(self) -> None:
+        """Count one equation; every :data:`_DEADLINE_EVERY`, look at the deadline."""
+        self.done += 1
+        if self.done % _DEADLINE_EVERY == 0:
+            self.check(f"{self.done:,} equations imported (of {self.total:,} at the top level)")
+
+    def check(self, step: str) -> None:
+        """Raise :class:`ImportTimeLimit` naming ``step`` where the deadline has passed."""
+        if self.deadline is not None and self.deadline.passed():
+            raise ImportTimeLimit(f"the time limit passed during the import: {step}")
+
+
 def _inner_jaxpr(eqn):
     """``(jaxpr, consts)`` of a call-like equation, else ``None``."""
     if eqn.primitive.name not in INLINED:
@@ -172,13 +194,15 @@ def _inner_jaxpr(eqn):
     return None
 
 
-def _import_eqns(jaxpr, env: dict, ctx: ImportContext, opaque: dict, inlined: dict):
+def _import_eqns(jaxpr, env: dict, ctx: ImportContext, opaque: dict, inlined: dict,
+                 clock: _Clock):
     def read(v):
         if isinstance(v, jcore.Literal):
             return ctx.weight(np.asarray(v.val, dtype=_ttype(v.aval).dtype), "literal")
         return env[v]
 
     for eqn in jaxpr.eqns:
+        clock.tick()
         name = eqn.primitive.name
         sub = _inner_jaxpr(eqn)
         if sub is not None:
@@ -188,7 +212,7 @@ def _import_eqns(jaxpr, env: dict, ctx: ImportContext, opaque: dict, inlined: di
                 env[v] = ctx.weight(np.asarray(c))
             for v, x in zip(inner.invars, eqn.invars, strict=True):
                 env[v] = read(x)
-            _import_eqns(inner, env, ctx, opaque, inlined)
+            _import_eqns(inner, env, ctx, opaque, inlined, clock)
             for v, x in zip(eqn.outvars, inner.outvars, strict=True):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = read(x)
@@ -228,7 +252,8 @@ def _opaque(eqn, env, read) -> list:
 
 
 def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_names: Sequence[str],
-                 name: str = "jax_function", sink_layout: bool = True) -> Graph:
+                 name: str = "jax_function", sink_layout: bool = True, *,
+                 deadline=None) -> Graph:
     """Import a ``ClosedJaxpr`` into a :class:`~taso_jax.ir.graph.Graph`.
 
     Args:
@@ -238,10 +263,13 @@ def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_name
         out_names: one name per jaxpr output.
         name: graph name (``graph.meta["name"]``).
         sink_layout: run :func:`taso_jax.ir.layout.sink_transposes` after import.
+        deadline: a :class:`~taso_jax.search.limits.Deadline`, or ``None`` (no limit): the
+            import looks at it every 256 equations and before each normalization.
 
     Raises:
         ModelError: a jaxpr with side effects (``jax.debug.print``, ``io_callback``) or an
             element type that is not a NumPy dtype (PRNG keys).
+        ImportTimeLimit: ``deadline`` passed; the message names the step.
     """
     from taso_jax.frontends.canonical import normalize_affine
     from taso_jax.ir.layout import sink_transposes
@@ -268,7 +296,9 @@ def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_name
             env[v] = node.outputs[0]
     opaque: dict[str, int] = {}
     inlined: dict[str, int] = {}
-    _import_eqns(jaxpr, env, ctx, opaque, inlined)
+    clock = _Clock(deadline, len(jaxpr.eqns))
+    clock.check("before the equations")
+    _import_eqns(jaxpr, env, ctx, opaque, inlined, clock)
     outputs = []
     for v in jaxpr.outvars:
         if isinstance(v, jcore.Literal):
@@ -287,8 +317,10 @@ def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_name
             live[label] = live.get(label, 0) + 1
     if live != opaque:
         g = Graph(g.inputs, g.outputs, g.output_names, weights, {**meta, "opaque": live})
+    clock.check(f"after the {clock.done:,} equations")
     if sink_layout:
         g = sink_transposes(g)
+        clock.check("after the layout transposes were sunk")
     return normalize_affine(g)
 
 
@@ -403,9 +435,16 @@ class TracedFunction:
             specs.append((path, kind == "weight", value))
         return specs
 
-    def to_graph(self, name: str, sink_layout: bool = True) -> Graph:
-        """The traced function as a graph (:func:`import_jaxpr`)."""
-        return import_jaxpr(self.closed, self.weight_specs(), self.out_names, name, sink_layout)
+    def to_graph(self, name: str, sink_layout: bool = True, deadline=None) -> Graph:
+        """The traced function as a graph (:func:`import_jaxpr`, under ``deadline``).
+
+        Raises:
+            ModelError: as :func:`import_jaxpr`.
+            ImportTimeLimit: ``deadline`` (a :class:`~taso_jax.search.limits.Deadline`)
+                passed during the import.
+        """
+        return import_jaxpr(self.closed, self.weight_specs(), self.out_names, name, sink_layout,
+                            deadline=deadline)
 
 
 def abstract_leaf(x):
