@@ -437,7 +437,7 @@ _CT = {"x": ("N", "C", "H", "W"), "y": ("N", "C", "H", "W"), "w": ("C", "D", 3, 
        "v": ("C", "D", 3, 3), "s": (1, "D", 1, 1)}
 _CTG = {"x": ("N", "q*E", "H", "W"), "y": ("N", "q*E", "H", "W"), "w": ("q*E", "D", 2, 3),
         "v": ("q*E", "D", 2, 3)}
-_CTA = {"st": ((1, 1), (2, 2), (2, 1)), "pd": ((0, 0, 0, 0), (1, 0, 1, 1)),
+_CTA = {"st": ((2, 2), (2, 1)), "pd": ((0, 0, 0, 0), (1, 0, 1, 1)),
         "dl": ((1, 1), (2, 1))}
 _CONV_TRANSPOSE_LAWS = (
     axiom("conv_transpose(ewadd(x, y), w, strides=st, pads=pd, dilations=dl, groups=q) = ewadd(conv_transpose(x, w, strides=st, pads=pd, dilations=dl, groups=q), conv_transpose(y, w, strides=st, pads=pd, dilations=dl, groups=q))",

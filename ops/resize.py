@@ -239,8 +239,15 @@ def _import_resize(ctx, ins, *, mode="nearest", coordinate_transformation_mode="
         return None if v is None or np.size(v) == 0 else np.asarray(v).reshape(-1)
 
     sc, sz = given(2), given(3)
+    scales_absent = len(ins) <= 2 or ins[2] is None or (
+        ctx.const(ins[2]) is not None and np.size(ctx.const(ins[2])) == 0)
+    if sc is None and sz is None and scales_absent and len(ins) > 3 and ins[3] is not None:
+        # sizes computed at run time (from Shape, as PyTorch exports an upsample to a skip
+        # connection's size): shapes are static, so they are the output's, which ONNX shape
+        # inference or the import's probe run bound
+        sz = np.asarray([ctx.out_types[0].shape[a] for a in axes])
     if (sc is None) == (sz is None):
-        return None  # runtime scales or sizes, or neither: opaque
+        return None  # runtime scales, or neither: opaque
     full_scales = [np.float32(1.0)] * rank
     full_sizes = list(shape)
     for k, a in enumerate(axes):

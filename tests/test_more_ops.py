@@ -296,3 +296,33 @@ def test_fake_quantization_is_exact_against_onnxruntime():
     for x in (steps * scale[None, :, None], 100 * steps * scale[None, :, None]):
         feeds = {"x": np.broadcast_to(x, (4, 3, 5)).astype(np.float32)}
         _assert_same(_ours(g, feeds), _onnxruntime(model, feeds), exact=True)
+
+
+def test_a_resize_to_sizes_computed_from_a_shape_is_declared():
+    """PyTorch exports an upsample to a skip connection's size as Resize with sizes
+    computed from Shape (U^2-Net-p, 38 of them): shapes are static, so the sizes are the
+    output's, and the node is declared; linear with pytorch_half_pixel, as there."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Shape", ["skip"], ["shape"]),
+             helper.make_node("Slice", ["shape", "two", "four"], ["hw"]),
+             helper.make_node("Concat", ["nc", "hw"], ["sizes"], axis=0),
+             helper.make_node("Resize", ["x", "", "", "sizes"], ["up"], mode="linear",
+                              coordinate_transformation_mode="pytorch_half_pixel"),
+             helper.make_node("Add", ["up", "skip"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(v, np.int64), k)
+             for k, v in (("two", [2]), ("four", [4]), ("nc", [1, 2]))]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 5, 4]),
+                     helper.make_tensor_value_info("skip", TensorProto.FLOAT, [1, 2, 9, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 9, 7])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = taso_jax.load_onnx(model)
+    assert g.op_counts()["resize"] == 1 and "opaque" not in g.op_counts()
+    rng = np.random.default_rng(0)
+    for factor in (1.0, 100.0):
+        feeds = {"x": factor * rng.standard_normal((1, 2, 5, 4)).astype(np.float32),
+                 "skip": rng.standard_normal((1, 2, 9, 7)).astype(np.float32)}
+        want = _onnxruntime(model, feeds)
+        _assert_same(_ours(g, feeds), want, exact=False)
+        _assert_same(_onnxruntime(taso_jax.export_onnx(g), feeds), want, exact=False)
