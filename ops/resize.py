@@ -152,10 +152,13 @@ def _resize_onnx(ctx, ins, outs, *, sizes, scales, mode, coordinate_transformati
     in_shape = ctx.shape(ins[0])
     lead = in_shape[:len(in_shape) - len(sizes)]
     trail = in_shape[len(lead):]
-    # An open size (taso_jax.ir.dims: an integral scale of an open input size) is written
-    # as its scale: sizes written as constants would hold the bound ones.
-    if not open_dims(sizes) and all(np.float32(o) / np.float32(i) == np.float32(s)
-                                    for o, i, s in zip(sizes, trail, scales, strict=True)):
+    # Open output sizes (taso_jax.ir.dims: an integral scale of an open input size, or a
+    # skip connection's size) are written computed from the inputs' shapes at run time:
+    # constants would hold the bound ones.
+    if open_dims(sizes):
+        extra = ["", "", ctx.ints(tuple(lead) + tuple(sizes))]
+    elif all(np.float32(o) / np.float32(i) == np.float32(s)
+             for o, i, s in zip(sizes, trail, scales, strict=True)):
         extra = ["", "", ctx.const(np.asarray(lead + tuple(sizes), np.int64))]
     else:
         extra = ["", ctx.const(np.asarray((1.0,) * len(lead) + tuple(scales), np.float32))]
@@ -245,15 +248,15 @@ def _import_resize(ctx, ins, *, mode="nearest", coordinate_transformation_mode="
         # sizes computed at run time (from Shape, as PyTorch exports an upsample to a skip
         # connection's size): shapes are static, so they are the output's, which ONNX shape
         # inference or the import's probe run bound
-        sz = np.asarray([ctx.out_types[0].shape[a] for a in axes])
+        sz = [ctx.out_types[0].shape[a] for a in axes]  # open sizes stay expressions
     if (sc is None) == (sz is None):
         return None  # runtime scales, or neither: opaque
     full_scales = [np.float32(1.0)] * rank
     full_sizes = list(shape)
     for k, a in enumerate(axes):
         if sz is not None:
-            full_sizes[a] = int(sz[k])
-            full_scales[a] = np.float32(full_sizes[a]) / np.float32(shape[a])
+            full_sizes[a] = sz[k] if is_open(sz[k]) else int(sz[k])
+            full_scales[a] = np.float32(int(full_sizes[a])) / np.float32(int(shape[a]))
         else:
             full_scales[a] = np.float32(sc[k])
             full_sizes[a] = int(np.floor(np.float32(sc[k]) * np.float32(shape[a])))
