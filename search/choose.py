@@ -25,13 +25,13 @@ from taso_jax.ir.executor import (
     time_function,
     time_interleaved,
 )
-from taso_jax.ir.graph import Graph
+from taso_jax.ir.graph import LEAF_OPS, Graph
 from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
            "measured_set", "keep_fastest", "paired_speedup", "confirm_faster", "with_layouts",
-           "compiled_runs", "compiled_run", "screen_in_pairs", "signed_rank_greater",
-           "floor_us", "rounds_for", "NHWC_LAYOUT"]
+           "compiled_runs", "compiled_run", "screen_in_pairs", "screen_fastest",
+           "signed_rank_greater", "floor_us", "rounds_for", "NHWC_LAYOUT"]
 
 #: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
 NHWC_LAYOUT = "layout:nhwc"
@@ -117,7 +117,8 @@ def signed_rank_greater(x: Sequence[float]) -> float:
 
 
 def confirm_faster(loop, first: tuple | None = None,
-                   min_speedup: float = MIN_SPEEDUP) -> tuple[dict, list, list]:
+                   min_speedup: float = MIN_SPEEDUP,
+                   span_seconds: float | None = None) -> tuple[dict, list, list]:
     """:func:`paired_speedup` on ``loop() -> (baseline times, candidate times)``.
 
     ``first`` is the first loop's result when it has already run. While the candidate is
@@ -126,11 +127,16 @@ def confirm_faster(loop, first: tuple | None = None,
     of looking. A verdict of "faster" is then checked in one more loop: the candidate must
     be ahead there too (median per-round speedup above 1), and the test holds on all
     rounds (one loop covers a fraction of a second; the machine drifts over seconds).
+    With ``span_seconds``, loops run here whose round times (microseconds, both functions)
+    add up to at least that many seconds already cover a stretch of the machine's drift that
+    long, and no check loop runs (``test["spanned_s"]`` then gives their seconds, and
+    ``test["check_speedup"]`` is absent).
     Returns ``(test, baseline times, candidate times)``, ``test["loops"]`` counting the
     loops; a loop cut short (fewer than 5 rounds, past a deadline) is not added and ends
     the looking, and a check loop cut short leaves the verdict "not faster".
     """
     started = time.perf_counter()
+    spanned = span_seconds is not None and first is None
     base, cand = first if first is not None else loop()
     test = paired_speedup(base, cand, min_speedup)
     loops = 1
@@ -144,7 +150,11 @@ def confirm_faster(loop, first: tuple | None = None,
             break
         base, cand = [*base, *more_base], [*cand, *more_cand]
         test = paired_speedup(base, cand, min_speedup)
-    if test["faster"]:  # decided in one stretch of time: check it in another
+    span = (sum(base) + sum(cand)) * 1e-6
+    spanned = spanned and span >= span_seconds
+    if spanned:
+        test["spanned_s"] = span
+    if test["faster"] and not spanned:  # decided in one stretch of time: check it in another
         more_base, more_cand = loop()
         loops += 1
         again = paired_speedup(more_base, more_cand, min_speedup)
@@ -396,7 +406,8 @@ def _measured_set(result, sample: int) -> list[tuple]:
     Each is ``(cost in us, graph, path)``, the input first. Candidates whose estimates are
     within :data:`ESTIMATE_TIE` of a cheaper candidate's are left out (the cost model sees
     them as one graph; timing several and keeping the fastest picks noise), but for those
-    added to be ``judged``
+    added to be ``judged``, which are always kept and, cheaper, do not leave out the
+    candidate they tie with
     (:func:`taso_jax.search.second_opinions.add_near_tie_candidate`).
     """
     chosen: dict = {}
@@ -409,7 +420,8 @@ def _measured_set(result, sample: int) -> list[tuple]:
                 abs(c - k) <= ESTIMATE_TIE * max(k, 1e-9) for k in kept)):
             continue
         chosen[g.key] = (c, g, path)
-        kept.append(c)
+        if not cand.judged:  # timed beside its near tie, it does not displace that tie
+            kept.append(c)
     pool = sorted(result.visited, key=lambda v: v.cost)
     if sample > 0 and pool:
         for i in np.linspace(0, len(pool) - 1, min(sample, len(pool))).round().astype(int):
@@ -438,7 +450,8 @@ def with_layouts(graphs: list[tuple], judged: frozenset = frozenset()) -> list[t
 
 
 def choose_fastest(result, repeats: int = 20, sample: int = 0,
-                   deadline: float | None = None, layouts: bool = False) -> dict:
+                   deadline: float | None = None, layouts: bool = False,
+                   confirm: bool = True) -> dict:
     """Time a search's candidate graphs end to end and make ``result`` the fastest.
 
     ``result`` is a :class:`taso_jax.search.SearchResult`. Its input graph, its
@@ -461,6 +474,10 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     too (:func:`with_layouts`), and after them the NHWC form of whichever graph screened
     fastest, where that is another.
 
+    With ``confirm=False`` the choice screens only (:func:`screen_fastest`): the caller
+    confirms the graph picked against its own baseline (the decorator against ``jax.jit`` of
+    the user's function), so that one comparison, not two, decides.
+
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
     "rank_correlation", "device", "repeats", "paired", "floors_us"}``: medians in
     microseconds (``floors_us``: the fastest rounds, which ranked the candidates), the rank
@@ -473,6 +490,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     if layouts:
         graphs = with_layouts(graphs, frozenset(c.graph.key for c in result.candidates
                                                 if c.judged))
+    if not confirm:
+        return screen_fastest(result, graphs, repeats, deadline)
     xs = _inputs_for(graphs[0][1])
     base, skipped = start_choice(result, graphs, deadline, lambda: compiled_run(graphs[0][1], xs),
                                  lambda run: time_function(run, repeats=1, warmup=0)[0],
@@ -520,6 +539,94 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]), device_name(),
                         confirm=confirm, best=best, duel=duel)
+
+
+#: Why a screen-only choice picked its graph by estimate (:func:`screen_fastest`).
+BY_ESTIMATE = "no time left to screen the candidates: the cheapest by estimate was picked"
+
+
+def screen_fastest(result, graphs: list[tuple], repeats: int = 20,
+                   deadline: float | None = None) -> dict:
+    """Pick the graph to confirm, by screening only; the caller confirms it.
+
+    ``graphs`` are ``(cost in us, graph, path)``, the input first (:func:`measured_set`,
+    :func:`with_layouts`). Where two or more candidates can be screened before ``deadline``
+    (a ``time.perf_counter()`` value; the input is compiled only where twice the guess of
+    :data:`COMPILE_SECONDS_PER_NODE` fits in what is left, and screening starts only if
+    time is still left once it is compiled), each is timed against the input in one short
+    interleaved loop (:func:`screen_in_pairs`, rounds from :func:`rounds_for`) and the one
+    whose fastest round is lowest is picked, if that round is below the input's; else the
+    input is kept. With a single candidate, or no time to screen, the graph cheapest by
+    estimate is picked untimed (the report's ``"picked_by"`` is then ``"estimate"``, with
+    :data:`BY_ESTIMATE` as ``"why_untimed"``); among graphs within :data:`ESTIMATE_TIE` of
+    the cheapest, which the cost model cannot tell apart, the one with the fewest runtime
+    operators (fewer kernels and intermediate buffers: a LoRA adapter merged into its weight
+    rather than a concatenation of its first factor with that weight). No confirmation
+    runs here: the caller must time the graph picked against its own baseline before using
+    it (``"confirmed_by": "caller"``); that is what keeps the result never slower.
+
+    ``result.graph``, ``cost_after`` and ``applied`` follow the pick (in place). Returns the
+    dict :func:`choose_fastest` documents (``"paired"`` and ``"duel"`` ``None``), with
+    ``"picked_by"`` (``"screening"`` or ``"estimate"``) and ``"confirmed_by"`` added.
+    """
+    device = device_name()
+    n_timed = 0
+
+    def by_estimate(why: str | None) -> dict:
+        lowest = min(c for c, _, _ in graphs)
+        tied = [i for i, (c, _, _) in enumerate(graphs) if c <= lowest * (1.0 + ESTIMATE_TIE)]
+        chosen = min(tied, key=lambda i: (_runtime_nodes(graphs[i][1]), graphs[i][0], i))
+        cost, graph, path = graphs[chosen]
+        result.graph, result.cost_after, result.applied = graph, cost, Counter(path)
+        return {"measured": n_timed, "original_kept": chosen == 0, "chosen": chosen,
+                "times_us": [float("nan")] * len(graphs), "floors_us": [],
+                "estimates_us": [c for c, _, _ in graphs], "rank_correlation": None,
+                "device": device, "repeats": 0, "paired": None, "duel": None,
+                "picked_by": "estimate", "confirmed_by": "caller",
+                **({"why_untimed": why} if why else {})}
+
+    if len(graphs) < 3:
+        return by_estimate(None)  # one candidate: the caller's comparison decides alone
+    left = float("inf") if deadline is None else deadline - time.perf_counter()
+    if 2 * COMPILE_SECONDS_PER_NODE * len(graphs[0][1].nodes) > left:
+        return by_estimate(BY_ESTIMATE)
+    xs = _inputs_for(graphs[0][1])
+    t0 = time.perf_counter()
+    base = compiled_run(graphs[0][1], xs)
+    made = time.perf_counter() - t0
+    call_seconds = time_function(base, repeats=1, warmup=0)[0] / 1e6
+    screen = rounds_for(call_seconds, SCREEN_LOOP_SECONDS, SCREEN_MIN_ROUNDS, repeats)
+    # Screening one candidate only picks what the caller's comparison would decide anyway:
+    # it pays where two can be made (each taken to compile as the input did) and screened.
+    need = 2 * (made + 2 * (screen + 2) * call_seconds)
+    if deadline is not None and deadline - time.perf_counter() < need:
+        discard_compiled(graphs[0][1])
+        return by_estimate(f"{BY_ESTIMATE} (screening two needs about {need:.1f} s)")
+
+    def loop(a, b):
+        return time_interleaved([a, b], screen, 1, deadline, min_seconds=SCREEN_SECONDS)
+
+    times, best, _ = screen_in_pairs(graphs, base, lambda g: compiled_run(g, xs), loop,
+                                     deadline, discard=discard_compiled, hold_best=False)
+    graphs = graphs[:len(times)]
+    n_timed = len(times)
+    floors = [floor_us(t) for t in times]
+    chosen = best if best and floors[best] < floors[0] else 0
+    cost, graph, path = graphs[chosen]
+    result.graph, result.cost_after, result.applied = graph, cost, Counter(path)
+    medians = [float(np.median(t)) for t in times]
+    rho = rank_correlation([c for c, _, _ in graphs], medians)
+    return {"measured": n_timed, "original_kept": chosen == 0, "chosen": chosen,
+            "times_us": medians, "floors_us": floors,
+            "estimates_us": [c for c, _, _ in graphs],
+            "rank_correlation": None if rho != rho else rho, "device": device,
+            "repeats": len(times[0]), "paired": None, "duel": None,
+            "picked_by": "screening", "confirmed_by": "caller"}
+
+
+def _runtime_nodes(graph: Graph) -> int:
+    """Operators of ``graph`` that run on every call (not weight-only, not leaves)."""
+    return sum(1 for n in graph.nodes if not n.weight_only and n.op not in LEAF_OPS)
 
 
 def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | None = None,

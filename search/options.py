@@ -257,7 +257,8 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
                opts: OptimizeOptions, *, deadline: Deadline | None = None,
                chooser: Callable[..., dict] | None = None,
                progress: Callable[[int, float], None] | None = None,
-               second_opinions: bool = True, record: int | None = VISITED_HELD) -> SearchResult:
+               second_opinions: bool = True, record: int | None = VISITED_HELD,
+               confirm: bool = True) -> SearchResult:
     """The one search pipeline: backtracking search, second opinions, end-to-end choice.
 
     This is the only place these are put together; every front door reaches it through
@@ -283,6 +284,9 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
             end-to-end choice).
         record: how many graphs besides the input ``result.visited`` holds, the cheapest
             (``None``: every graph the search built, as a benchmark of the cost model wants).
+        confirm: whether the default end-to-end choice confirms the graph it picks against
+            the input (``False``: it screens only, and the caller must time the graph picked
+            against its own baseline: :func:`~taso_jax.search.choose.screen_fastest`).
 
     Returns:
         A :class:`~taso_jax.search.backtracking.SearchResult`; ``result.end_to_end`` holds
@@ -314,7 +318,8 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     layouts = chooser is None and opts.layout_candidates and has_nchw_convolutions(graph)
     if opts.end_to_end > 0 and (len(result.candidates) > 1 or layouts):
         if chooser is None:
-            chooser = partial(choose_fastest, layouts=opts.layout_candidates)
+            chooser = partial(choose_fastest, layouts=opts.layout_candidates,
+                              confirm=confirm)
         result.end_to_end = chooser(result, deadline=deadline.at)
         # the candidates that lost are not run again: free their executables and weights
         forget_compiled(keep=(graph, result.graph))

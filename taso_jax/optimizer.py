@@ -113,12 +113,15 @@ class Optimizer:
 
     def search(self, graph: Graph | GraphBuilder, deadline: Deadline | None = None,
                progress: Callable[[int, float], None] | None = None,
-               record: int | None = VISITED_HELD) -> SearchResult:
+               record: int | None = VISITED_HELD, confirm: bool = True) -> SearchResult:
         """The search pipeline on ``graph``: search, second opinions, end-to-end choice.
 
         ``deadline`` (default: ``options.time_limit`` from now) bounds all of it; ``record``
         is how many visited graphs the result holds
-        (:func:`~taso_jax.search.options.run_search`). Returns the
+        (:func:`~taso_jax.search.options.run_search`). With ``confirm=False`` the end-to-end
+        choice only screens, and the caller must confirm the graph it picked faster than its
+        own baseline before using it (the decorator, against ``jax.jit`` of the function).
+        Returns the
         :class:`~taso_jax.search.backtracking.SearchResult`, with ``rules`` (the counts of
         rules used and left out) set. ``graph`` is not changed.
         """
@@ -127,7 +130,7 @@ class Optimizer:
         result = run_search(graph, self.rules, self.cost_model, self.options,
                             deadline=deadline, chooser=self.target.chooser(self.options),
                             progress=progress, second_opinions=self.target.second_opinions,
-                            record=record)
+                            record=record, confirm=confirm)
         result.rules = dict(self.rule_counts)
         if result.out_of_time_in == "import" and "not_proved_in_time" in self.rule_counts:
             result.out_of_time_in = "rule proofs"  # what used the time up before the search

@@ -422,6 +422,19 @@ def end_to_end_line(e: dict) -> str:
     if e.get("skipped"):
         return (f"end-to-end choice ({e['device']}, {e.get('runtime', 'jax.jit')}): kept the "
                 f"input, no candidate timed: {e['skipped']}")
+    if e.get("confirmed_by"):  # screened only (search.choose.screen_fastest)
+        if e.get("picked_by") == "estimate":
+            picked = (f"picked {'the input' if e['original_kept'] else f'candidate {k}'} "
+                      f"of {len(e['estimates_us'])} graphs by estimate, untimed"
+                      + (f" ({e['why_untimed']})" if e.get("why_untimed") else ""))
+        else:
+            picked = (f"screened the input graph and {e['measured'] - 1} candidates ("
+                      + ", ".join(f"{t:.0f}" for t in ts) + " us, medians of "
+                      f"{e['repeats']}); picked "
+                      + ("the input: no candidate's fastest round was below its own"
+                         if e["original_kept"] else f"candidate {k} by its fastest round"))
+        return (f"end-to-end choice ({e['device']}, {e.get('runtime', 'jax.jit')}): {picked}; "
+                "the graph picked is confirmed by its caller's own comparison")
     if e["original_kept"]:
         verdict = f"kept the input: no candidate ran faster in a paired test{rounds}"
     elif d and d["faster"]:

@@ -4,6 +4,7 @@ that keeps the optimizer from returning a graph slower than its input."""
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 import numpy as np
@@ -625,3 +626,31 @@ def test_bench_refuses_an_out_folder_it_cannot_write_before_any_work(tmp_path, c
     assert a_file.read_text() == "mine"
     assert main(["bench", "--small", "--out", str(a_file / "below")]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_a_screen_only_choice_picks_by_estimate_without_time_and_never_confirms():
+    from taso_jax.search.choose import ESTIMATE_TIE
+
+    from taso_jax.report import end_to_end_line
+
+    g, slow = _matmul_graphs()  # g: x @ a (one operator); slow: x @ a + x @ 0 (three)
+    b = taso_jax.new_graph(seed=2)
+    x = b.new_input((256, 512), name="x")
+    b.mark_output(b.relu(b.matmul(x, b.new_weight((512, 512)))), "y")
+    source = b.graph()
+    tie = 1 - ESTIMATE_TIE / 3  # the cost model cannot tell the two candidates apart
+    cands = [Candidate(5.0, g, ("one",)), Candidate(5.0 * tie, slow, ("three",), judged=True)]
+    r = SearchResult(source, 10.0, 10.0, {}, 1, 3, 0.0, "budget", candidates=cands,
+                     visited=[Candidate(10.0, source, ()), *cands])
+    e = choose_fastest(r, repeats=15, deadline=time.perf_counter() - 1.0, confirm=False)
+    # past the deadline nothing is compiled or timed: the tie goes to fewer operators
+    assert r.graph is g and r.applied == {"one": 1} and not e["original_kept"]
+    assert e["picked_by"] == "estimate" and e["confirmed_by"] == "caller"
+    assert e["measured"] == 0 and e["paired"] is None and e["why_untimed"]
+    assert "confirmed by its caller" in end_to_end_line(e)
+    # with time to screen, the graphs are timed, the pick is left to the caller to confirm
+    r2 = SearchResult(source, 10.0, 10.0, {}, 1, 3, 0.0, "budget", candidates=cands,
+                      visited=[Candidate(10.0, source, ()), *cands])
+    e2 = choose_fastest(r2, repeats=15, confirm=False)
+    assert e2["picked_by"] == "screening" and e2["measured"] == 3 and e2["paired"] is None
+    assert r2.graph is not slow  # slower than the other candidate by two matmuls' work

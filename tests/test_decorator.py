@@ -844,3 +844,69 @@ def test_the_fast_path_never_serves_the_original_for_an_optimized_signature(monk
             calls.clear()
             np.testing.assert_allclose(cell(w, x), 8.0 * np.ones((x.shape[0], 5)), rtol=1e-6)
             assert (calls[-1:] == [(2, 4)]) if x is optimized else (calls == []), calls
+
+
+def _count_confirmations(monkeypatch) -> list:
+    """Patch ``confirm_faster`` where the choice and the first call use it; count its calls."""
+    import taso_jax.search.choose as choose
+
+    import taso_jax.frontends.first_call as first_call
+
+    calls, real = [], choose.confirm_faster
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("span_seconds"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(choose, "confirm_faster", counting)
+    monkeypatch.setattr(first_call, "confirm_faster", counting)
+    return calls
+
+
+def test_one_comparison_against_jax_jit_decides_a_first_call(monkeypatch):
+    """The end-to-end choice only screens; the timing against jax.jit of the function is the
+    first call's one comparison, and the report gives its verdict."""
+    calls = _count_confirmations(monkeypatch)
+    fn, weights, inputs = jax_models.make_nasrnn(hidden=64, steps=2)
+    opt = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", budget=20)
+    _assert_close(opt(weights, *inputs), jax.jit(fn)(weights, *inputs))
+    e, report = opt._last.result.end_to_end, opt._last.report
+    assert e["confirmed_by"] == "caller" and e["paired"] is None and e["duel"] is None
+    if opt.optimized_graph.key == opt.graph.key:  # nothing picked: nothing compiled or timed
+        assert calls == [] and "baseline" not in report and "check" not in report
+        assert opt.original_kept == "the search changed nothing"
+    else:
+        assert len(calls) == 1 and report["check"]["ok"]
+        paired = report["baseline"]["paired"]
+        assert (opt.original_kept is None) == paired["faster"]
+        if opt.original_kept:  # the reason quotes that comparison's rounds
+            assert f"won {paired['wins']} of {paired['rounds']} rounds" in opt.original_kept
+
+
+def test_a_rewrite_is_timed_once_against_jax_jit(monkeypatch):
+    # one candidate: no screening; its one comparison decides, its verdict is the report's
+    calls = _count_confirmations(monkeypatch)
+
+    @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]  # x@a + x@b => x@(a+b), folded
+
+    w = {"a": jnp.ones((64, 64)), "b": jnp.ones((64, 64))}
+    np.testing.assert_allclose(cell(w, jnp.ones((8, 64))), 128.0, rtol=1e-6)
+    assert len(calls) == 1
+    baseline = cell._last.report["baseline"]
+    assert baseline["repeats"] == baseline["paired"]["rounds"] >= 10
+    assert (cell.original_kept is None) == baseline["paired"]["faster"]
+
+
+def test_an_unchanged_function_is_not_compiled_checked_or_timed(monkeypatch):
+    calls = _count_confirmations(monkeypatch)
+
+    @taso_jax.optimize(**{**OPTS, "end_to_end": 2})
+    def f(x, y):
+        return jnp.tanh(x) * y
+
+    np.testing.assert_allclose(f(jnp.ones(3), jnp.ones(3)), np.tanh(1.0), rtol=1e-6)
+    assert f.original_kept == "the search changed nothing" and calls == []
+    assert "check" not in f._last.report and "baseline" not in f._last.report
+    assert f._last.run._cache_size() == 0  # the optimized stages were never compiled

@@ -51,6 +51,7 @@ class _Entry:
     cache_hit: bool = False  # the optimized graph came from the graph cache
     all_arrays: bool = False  # every leaf of the traced arguments is an array (jax.jit-able)
     key_leaves: dict = field(default_factory=dict)  # leaf index -> PRNG impl (typed keys)
+    original_warm: bool = False  # the output check compiled and ran jax.jit of the function
 
 
 def _is_tracer(x) -> bool:
