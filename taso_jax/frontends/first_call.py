@@ -68,6 +68,18 @@ _BEFORE_CHOICE = ("import", "search", "second opinions")
 _KEPT_INPUT = "the search changed nothing"
 
 
+@functools.cache
+def _shipped_rules() -> tuple:
+    """The shipped rule set, read once per process for every decorated function.
+
+    Reading and parsing it took 1.5-2 s of each first call on the loaded 2-core machine
+    (1,039 rules); the rules are frozen records, so one tuple serves every function.
+    """
+    from taso_jax.search.rules import default_substitutions
+
+    return tuple(default_substitutions())
+
+
 def _nothing_to_run(graph, result) -> bool:
     """Whether ``result`` delivers ``graph`` itself and it has no weight-only work to fold.
 
@@ -398,7 +410,9 @@ class FirstCallPipeline:
         from taso_jax.optimizer import Optimizer
 
         if self._optimizer_made is None:
-            self._optimizer_made = Optimizer(self.options)
+            shipped = self.options.substitutions is None
+            self._optimizer_made = Optimizer(self.options,
+                                             rules=_shipped_rules() if shipped else None)
         return self._optimizer_made
 
     def _donated_inputs(self, traced: TracedFunction, args, static_pos) -> tuple[int, ...]:
