@@ -646,18 +646,29 @@ class MeasuredCostModel(CostModel):
         return micros
 
     def _retime_pair(self, a: Node, b: Node) -> tuple[float, float]:
-        """Fastest single runs of ``a`` and ``b``, timed in alternating rounds (us)."""
+        """Fastest single runs of ``a`` and ``b``, timed in alternating rounds (us).
+
+        Each is run once, warmed up, first; as in :meth:`_robust_time`, a kernel whose runs
+        would last more than :data:`KERNEL_BUDGET_US` then gets fewer runs a round (at least
+        one) and no warm-ups (two of a Llama block's kernels at S=1024 took 5-7 s to retime
+        on the loaded 2-core machine, past the search's share of a 10 s limit).
+        """
         from taso_jax.ir.executor import time_function
 
         runs = [self._runner(a), self._runner(b)]
-        per_round = max(3, self.repeats // ROUNDS)
-        best = [float("inf"), float("inf")]
+        per_round = [max(3, self.repeats // ROUNDS)] * 2
+        # one warmed-up run of each first: a long kernel's rounds are cut before they start
+        best = [float(min(time_function(r[0], repeats=1, warmup=1))) for r in runs]
+        long = [t * self.repeats > KERNEL_BUDGET_US for t in best]
+        for i in (0, 1):
+            if long[i]:
+                per_round[i] = max(1, int(KERNEL_BUDGET_US / (best[i] * ROUNDS)))
         for r in range(2 * ROUNDS):
             order = (0, 1) if r % 2 == 0 else (1, 0)
             for i in order:
                 run = runs[i][r % len(runs[i])]
-                t = time_function(run, repeats=per_round, warmup=2 if r < 2 * len(runs[i])
-                                  else 0)
+                warmup = 2 if r < 2 * len(runs[i]) and not long[i] else 0
+                t = time_function(run, repeats=per_round[i], warmup=warmup)
                 best[i] = min(best[i], float(min(t)))
         return best[0], best[1]
 

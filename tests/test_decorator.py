@@ -109,16 +109,18 @@ def test_nasrnn_weight_concatenation_is_precomputed():
 def test_end_to_end_choice_runs_the_fastest_measured_graph():
     # By default the first call times the search's cheapest graphs and the original under
     # jax.jit and keeps the fastest; whichever wins, outputs match the original.
+    # (It screens them; the decorator's own comparison with jax.jit then confirms the pick.)
     fn, weights, inputs = jax_models.make_nasrnn(hidden=64, steps=2)
-    opt = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", budget=20)
+    opt = taso_jax.optimize(fn, weight_argnums=0, cost_model="analytic", budget=20,
+                            time_limit=60.0)
     _assert_close(opt(weights, *inputs), jax.jit(fn)(weights, *inputs))
     e = opt._last.result.end_to_end
     assert e["measured"] >= 2 and len(e["times_us"]) == e["measured"]
     kept = opt.optimized_graph
     if e["original_kept"]:
         assert kept.key == opt.graph.key
-    else:
-        assert min(e["times_us"]) < e["times_us"][0]  # the input is timed first
+    else:  # the input is timed first; the pick's fastest round was below its own
+        assert e["floors_us"][e["chosen"]] < e["floors_us"][0]
         assert kept.op_counts()["matmul"] < opt.graph.op_counts()["matmul"]
     assert "end-to-end choice" in opt.report(time=False)
     # end_to_end=0 trusts the estimate and times nothing
