@@ -486,7 +486,8 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     equal), and the confirmation's :func:`paired_speedup` (``None`` when no candidate's
     fastest round was below the input's).
     """
-    graphs = measured_set(result, sample, deadline)
+    # screening only, past the deadline nothing is timed: every candidate is picked from
+    graphs = measured_set(result, sample, deadline if confirm else None)
     if layouts:
         graphs = with_layouts(graphs, frozenset(c.graph.key for c in result.candidates
                                                 if c.judged))
