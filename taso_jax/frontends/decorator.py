@@ -11,7 +11,9 @@ split into two jitted stages (:class:`taso_jax.ir.executor.StagedGraph`):
 * ``run(folded, *inputs)``: everything that depends on the runtime inputs.
 
 Before the optimized function is used, its outputs are compared with ``jax.jit`` of the
-original function on the call's own arguments (random values where they are tracers). If
+original function on the call's own arguments (random values where they are tracers), and
+it is timed against that function in one interleaved comparison, which alone decides
+whether it runs (the end-to-end choice before it only screens the candidates). If
 anything in that pipeline fails, or the outputs differ, the signature falls back to
 ``jax.jit`` of the original function and a warning says why: never a wrong answer.
 
@@ -59,7 +61,10 @@ from taso_jax.search.options import OptimizeOptions
 __all__ = ["OptimizedFunction", "optimize_function"]
 
 #: The decorator's default search time limit in seconds (users of jax.jit expect a first
-#: call in seconds; the command line's default is the options record's 60 s).
+#: call in seconds; the command line's default is the options record's 60 s). It bounds the
+#: import, the search and the end-to-end choice's screening; the compile, the output check
+#: and the one comparison with jax.jit of the function come after it (where the limit passed
+#: before the choice began, they are skipped and the original runs).
 DECORATOR_TIME_LIMIT = 10.0
 #: Signatures (shapes, dtypes, static values) kept compiled per decorated function at most;
 #: the least recently called is dropped (60 shapes had held 413 MB against jax.jit's 176).
