@@ -448,7 +448,8 @@ class FirstCallPipeline:
         by :func:`~taso_jax.search.choose.confirm_faster` over :data:`BASELINE_REPEATS`
         rounds, fewer for long calls (:func:`~taso_jax.search.choose.rounds_for`; at least
         :data:`MIN_SPEEDUP`; an undecided first loop with the optimized ahead is extended,
-        and a "faster" verdict must hold in one more loop). This is the first call's one
+        and a "faster" verdict must hold in one more loop unless its rounds already spanned
+        :data:`~taso_jax.search.choose.CONFIRM_LOOP_SECONDS`). This is the first call's one
         comparison: the end-to-end choice before it only screened the candidates
         (:func:`~taso_jax.search.choose.screen_fastest`), and its verdict and rounds are
         the report's ``"baseline"``. Called under a transformation (nothing concrete to
