@@ -336,8 +336,11 @@ def _onnx_pads(ctx, x_hw, k_hw, strides, dilations, auto_pad, pads):
 def _import_conv(ctx, ins, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
                  pads=None, strides=None):
     x, w = ins[0], ins[1]
+    if len(ctx.type(x).shape) == 3 and len(ctx.type(w).shape) == 3:
+        return _import_conv1d(ctx, ins, auto_pad=auto_pad, dilations=dilations, group=group,
+                              pads=pads, strides=strides)
     if len(ctx.type(x).shape) != 4:
-        return None  # 1-D and 3-D convolutions stay opaque
+        return None  # 3-D convolutions stay opaque
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     dil = tuple(dilations or (1, 1))
     st = tuple(strides or (1, 1))
@@ -349,6 +352,31 @@ def _import_conv(ctx, ins, *, auto_pad="NOTSET", dilations=None, group=1, kernel
         o = ctx.type(w).shape[0]
         y = ctx.op("ewadd", [y, ctx.op("reshape", [ins[2]], shape=(1, o, 1, 1))])
     return [y]
+
+
+def _import_conv1d(ctx, ins, *, auto_pad, dilations, group, pads, strides):
+    """ONNX Conv over one spatial axis (``x [N, C, L]``, ``w [O, C/group, k]``) as conv2d.
+
+    The signal becomes an image of height 1 (``[N, C, 1, L]``, kernel ``[O, C/group, 1, k]``,
+    strides, dilations and pads 1 / 0 on the new axis), and the output ``[N, O, 1, L']``
+    goes back to ``[N, O, L']``: what XLA lowers a 1-D convolution to as well. Audio and
+    sequence models (speech-quality nets, EEG detectors, voice activity detectors) are made
+    of them.
+    """
+    x, w = ins[0], ins[1]
+    n, c, length = ctx.type(x).shape
+    o, cg, k = ctx.type(w).shape
+    x4 = ctx.op("reshape", [x], shape=(n, c, 1, length))
+    w4 = ctx.op("reshape", [w], shape=(o, cg, 1, k))
+    pads2 = None if pads is None else (0, int(pads[0]), 0, int(pads[1]))
+    y = _import_conv(ctx, [x4, w4, *ins[2:]], auto_pad=auto_pad,
+                     dilations=(1, *(dilations or (1,))), group=group,
+                     kernel_shape=None, pads=pads2, strides=(1, *(strides or (1,))))
+    if y is None:
+        return None
+    (y,) = y
+    yn, yo, _, yl = y.shape
+    return [ctx.op("reshape", [y], shape=(yn, yo, yl))]
 
 
 # ---- conv_transpose -------------------------------------------------------------------------

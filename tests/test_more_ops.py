@@ -326,3 +326,30 @@ def test_a_resize_to_sizes_computed_from_a_shape_is_declared():
         want = _onnxruntime(model, feeds)
         _assert_same(_ours(g, feeds), want, exact=False)
         _assert_same(_onnxruntime(taso_jax.export_onnx(g), feeds), want, exact=False)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 3, 50), (4, 3, 5), {"pads": [2, 2]}),
+    ((2, 4, 33), (8, 2, 3), {"strides": [2], "dilations": [2], "group": 2, "pads": [1, 0]}),
+    ((1, 6, 16), (6, 1, 4), {"group": 6, "auto_pad": "SAME_UPPER"}),
+    ((3, 2, 9), (5, 2, 9), {}),
+])
+def test_a_1d_convolution_is_a_declared_conv2d_and_matches_onnxruntime(x_shape, w_shape, attrs):
+    """ONNX Conv over one spatial axis imports as conv2d on a height-1 image (no opaque node),
+    with pads, strides, dilations, groups, auto_pad and the bias, at two input scales, and
+    its export runs in onnxruntime with the same outputs."""
+    from onnx import helper
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    b = rng.standard_normal(w_shape[0]).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
+    model = _single_node_model(node, x_shape, {"w": w, "b": b})
+    graph = taso_jax.load_onnx(model)
+    assert "opaque" not in graph.op_counts() and "conv2d" in graph.op_counts()
+    exported = taso_jax.export_onnx(graph)
+    for factor in (1.0, 100.0):
+        feeds = {"x": factor * rng.standard_normal(x_shape).astype(np.float32)}
+        want = _onnxruntime(model, feeds)
+        _assert_same(_ours(graph, feeds), want, exact=False)
+        _assert_same(_onnxruntime(exported, feeds), want, exact=False)
