@@ -18,7 +18,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from taso_jax.ops import OPS, ShapeError, TensorType
 from taso_jax.search.match import rewrites
-from taso_jax.search.rules import default_substitutions
+from taso_jax.verify.from_laws import derived_rules
 
 import taso_jax
 from taso_jax.ir.executor import compile_graph
@@ -198,9 +198,9 @@ def test_shape_rule_refuses_bad_shapes():
 
 
 def _hoisted(g):
-    """``g`` with every recurrence rewritten by the shipped hoisting rules."""
-    rules = [r for r in default_substitutions() if r.name.startswith(("lower-lstm_scan",
-                                                                        "lower-gru_scan"))]
+    """``g`` with every recurrence rewritten by the hoisting rules read off the laws."""
+    rules = [r for r in derived_rules() if r.name.startswith(("lower-lstm_scan",
+                                                                "lower-gru_scan"))]
     assert len(rules) == 4
     for rule in rules:
         while (nxt := next(iter(rewrites(rule, g)), None)) is not None:
@@ -214,7 +214,7 @@ def _hoisted(g):
     ("GRU", {"init": True}),
 ])
 def test_hoisted_round_trip_equals_the_original_in_onnxruntime(kind, attrs):
-    """Import, hoist the input projection (the shipped rule), export: the written model
+    """Import, hoist the input projection (the derived rule), export: the written model
     equals the original in onnxruntime at two input scales, and so does the graph in JAX."""
     model, model0 = _model(kind, t=7, **attrs)
     g = taso_jax.load_onnx(model)
@@ -234,7 +234,7 @@ def test_hoisted_round_trip_equals_the_original_in_onnxruntime(kind, attrs):
 
 def test_the_search_hoists_where_the_cost_model_says_it_pays():
     """With a cost model that prices the input product inside the recurrence higher, the
-    search applies the shipped rule and the result equals the input."""
+    search applies the derived rule and the result equals the input."""
     from taso_jax.search.cost import AnalyticCostModel
 
     class StepCost(AnalyticCostModel):
@@ -246,7 +246,13 @@ def test_the_search_hoists_where_the_cost_model_says_it_pays():
 
     model, _ = _model("LSTM", t=20, inputs=32, hidden=8)
     g = taso_jax.load_onnx(model)
-    r = taso_jax.search_graph(g, cost_model=StepCost(), budget=10, end_to_end=0)
+    from taso_jax.verify.runner import verify_substitutions
+
+    rules, _ = verify_substitutions([r for r in derived_rules()
+                                     if r.name.startswith("lower-lstm_scan")], workers=1)
+    assert rules and all(r.proof_status == "proved" for r in rules)
+    r = taso_jax.search_graph(g, cost_model=StepCost(), budget=10, end_to_end=0,
+                              substitutions=rules)
     assert "lstm_scan" in _ops(r.graph), r.applied
     feeds = _feeds(model)
     for a, b in zip(_run(r.graph, feeds), _run(g, feeds), strict=True):
