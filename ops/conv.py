@@ -410,14 +410,18 @@ def _conv_transpose(x, w, *, strides, pads, dilations, groups, output_padding):
     lo = [d * (kk - 1) - p for kk, d, p in zip(k, dilations, pads[:2], strict=True)]
     hi = [d * (kk - 1) - p + o for kk, d, p, o in zip(k, dilations, pads[2:], output_padding,
                                                         strict=True)]
-    y = lax.conv_general_dilated(
-        x, _conv_transpose_kernel(w, groups), (1, 1),
-        [(max(a, 0), max(b, 0)) for a, b in zip(lo, hi, strict=True)],
-        lhs_dilation=strides, rhs_dilation=dilations,
+    # The input dilated by the strides (interior padding) and padded by d * (k - 1) - pad
+    # on each side (a negative pad crops), then a VALID convolution. Written with lax.pad
+    # rather than the convolution's lhs_dilation: XLA:CPU's algebraic simplifier aborted the
+    # process (a failed check, "Window dimensions do not match RHS shape") on a kernel wider
+    # than its cropped input with lhs_dilation (x [5, 4, 5, 2], w [4, 3, 2, 3], strides 2,
+    # pads (1, 0, 1, 1)).
+    zero = jnp.zeros((), x.dtype)
+    xp = lax.pad(x, zero, [(0, 0, 0), (0, 0, 0)] + [
+        (a, b, s - 1) for a, b, s in zip(lo, hi, strides, strict=True)])
+    return lax.conv_general_dilated(
+        xp, _conv_transpose_kernel(w, groups), (1, 1), "VALID", rhs_dilation=dilations,
         dimension_numbers=("NCHW", "OIHW", "NCHW"), feature_group_count=groups)
-    # a pad larger than d * (k - 1) crops the output
-    h0, w0 = max(-lo[0], 0), max(-lo[1], 0)
-    return y[:, :, h0:y.shape[2] - max(-hi[0], 0), w0:y.shape[3] - max(-hi[1], 0)]
 
 
 def _conv_transpose_shape(ts, *, strides, pads, dilations, groups, output_padding):
