@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from taso_jax.ir.dims import Dim
+from taso_jax.ops.dims import Dim
 
 __all__ = [
     "OPS",

@@ -21,8 +21,7 @@ from taso_jax.ops import (
     onnx_importer,
 )
 from taso_jax.ops._lazy import LazyModule, deferred
-
-from taso_jax.ir.dims import is_open, open_dims
+from taso_jax.ops.dims import is_open, open_dims
 
 jax = LazyModule("jax")
 
@@ -40,7 +39,7 @@ def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
         raise ShapeError(f"shapes {list(shapes)} do not broadcast") from e
     if not any(open_dims(s) for s in shapes):
         return out
-    # An open size (taso_jax.ir.dims.Dim) is kept where an input has it: the first input's
+    # An open size (taso_jax.ops.dims.Dim) is kept where an input has it: the first input's
     # size at that axis that is not 1, else the first one (right-aligned, as NumPy).
     kept = list(out)
     for k in range(1, len(out) + 1):

@@ -21,8 +21,7 @@ from __future__ import annotations
 import numpy as np
 from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, onnx_importer
 from taso_jax.ops._lazy import LazyModule
-
-from taso_jax.ir.dims import is_open, open_dims
+from taso_jax.ops.dims import is_open, open_dims
 
 jnp = LazyModule("jax.numpy")
 
@@ -152,7 +151,7 @@ def _resize_onnx(ctx, ins, outs, *, sizes, scales, mode, coordinate_transformati
     in_shape = ctx.shape(ins[0])
     lead = in_shape[:len(in_shape) - len(sizes)]
     trail = in_shape[len(lead):]
-    # Open output sizes (taso_jax.ir.dims: an integral scale of an open input size, or a
+    # Open output sizes (taso_jax.ops.dims: an integral scale of an open input size, or a
     # skip connection's size) are written computed from the inputs' shapes at run time:
     # constants would hold the bound ones.
     if open_dims(sizes):

@@ -19,8 +19,7 @@ from taso_jax.ops import (
     onnx_importer,
 )
 from taso_jax.ops._lazy import LazyModule
-
-from taso_jax.ir.dims import is_open, open_dims, same_size
+from taso_jax.ops.dims import is_open, open_dims, same_size
 
 jnp = LazyModule("jax.numpy")
 
@@ -203,7 +202,7 @@ def _reshape_shape(ts, *, shape):
 def _reshape_to_onnx(ctx, ins, outs, *, shape):
     """ONNX Reshape whose shape still holds at other bindings of the model's open sizes.
 
-    With no open size (:mod:`taso_jax.ir.dims`) in the input or the target: output sizes
+    With no open size (:mod:`taso_jax.ops.dims`) in the input or the target: output sizes
     equal to the input's at the same leading positions are written 0 (ONNX: copy that size
     from the input), and a single size after them -1 (whatever is left), so a model written
     with its batch size open reshapes right at any batch size. With open sizes: a size
@@ -309,7 +308,7 @@ declare(OpDef(
 def _open_bounds(bounds, s: int, e: int, st: int, d) -> tuple:
     """Slice ``bounds`` (Python's ``slice.indices`` at the bound size) over an open size ``d``.
 
-    Where the axis's size is open (:class:`~taso_jax.ir.dims.Dim`), a start or end counted
+    Where the axis's size is open (:class:`~taso_jax.ops.dims.Dim`), a start or end counted
     from the back (negative) or past the end is the size's expression plus the offset, so
     the written model slices the same part at other sizes; others stay as bound.
     """

@@ -25,10 +25,10 @@ from types import MappingProxyType
 from typing import Any
 
 from taso_jax.ops import OPS, ShapeError
+from taso_jax.ops.dims import same_size, same_value
 from taso_jax.search.pattern import AttrVar, NodeRef, PNode, Ref, resolve_attr
 from taso_jax.search.rules import Substitution
 
-from taso_jax.ir.dims import same_size, same_value
 from taso_jax.ir.graph import Graph, Node, Tensor, make_node
 
 __all__ = ["Match", "NoMatch", "Rewrite", "MatchState", "find_matches", "prepare", "apply",
@@ -144,7 +144,7 @@ def unify_shape(pattern: tuple, shape: tuple[int, ...], sym: dict) -> dict | Non
     if len(pattern) != len(shape):
         return None
     for p, d in zip(pattern, shape, strict=True):
-        # same_size: equal at every binding of a model's open sizes (taso_jax.ir.dims), so a
+        # same_size: equal at every binding of a model's open sizes (taso_jax.ops.dims), so a
         # rule that needs two sizes equal (or a size of 1) does not match N bound at 1
         if isinstance(p, int):
             if not same_size(p, d):

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from taso_jax.ops import ShapeError
-
-from taso_jax.ir.dims import is_open
+from taso_jax.ops.dims import is_open
 
 __all__ = ["NodeRef", "VarRef", "Ref", "AttrVar", "SizeTerm", "SizeExpr", "PNode",
            "parse_ref", "parse_attr", "is_symbolic", "resolve_attr", "attr_to_json",

@@ -395,7 +395,7 @@ def _reshaped_pair_model(path):
 
 def test_a_rewrite_over_an_open_batch_is_written_with_the_batch_open(tmp_path, capsys):
     """The matmuls merge over a reshape of [batch, 64] to [2*batch, 32]: the IR carries the
-    reshape's rows as an expression of the open batch (taso_jax.ir.dims), so the written
+    reshape's rows as an expression of the open batch (taso_jax.ops.dims), so the written
     model keeps 'batch' open and matches the original in onnxruntime at other batch sizes."""
     import onnx
     import onnxruntime as ort

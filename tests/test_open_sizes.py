@@ -1,5 +1,5 @@
 """Open sizes in the IR (issue 46, item 1): sizes that follow from a model's ``dim_param``s are
-carried as expressions (:mod:`taso_jax.ir.dims`) from ONNX import through substitutions to the
+carried as expressions (:mod:`taso_jax.ops.dims`) from ONNX import through substitutions to the
 export, which computes them from the inputs' shapes at run time.
 
 Equivalence is checked in onnxruntime (the independent executor) against the original model
@@ -16,12 +16,12 @@ import onnxruntime as ort
 from onnx import TensorProto
 from onnx import helper as h
 from onnx import numpy_helper as nh
+from taso_jax.ops.dims import Dim, is_open, same_size, same_value, symbol
 from taso_jax.search.match import rewrites, unify_shape
 from taso_jax.search.rules import load_substitutions
 
 from taso_jax.frontends.onnx_export import export_onnx
 from taso_jax.frontends.onnx_io import load_onnx, symbolic_dims, with_symbolic_dims
-from taso_jax.ir.dims import Dim, is_open, same_size, same_value, symbol
 
 D = 16
 

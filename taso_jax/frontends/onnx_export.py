@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from taso_jax.ir.dims import is_open
 from taso_jax.ir.graph import Graph, Tensor
 from taso_jax.ops import OPS, TensorType
+from taso_jax.ops.dims import is_open
 
 __all__ = ["export_onnx", "EXTERNAL_MIN_BYTES", "PROTOBUF_LIMIT_BYTES", "serialize_onnx",
            "write_onnx"]

@@ -1,9 +1,9 @@
-"""The open sizes of an ONNX model, carried into the IR as expressions (:mod:`taso_jax.ir.dims`).
+"""The open sizes of an ONNX model, carried into the IR as expressions (:mod:`taso_jax.ops.dims`).
 
 A model whose inputs leave sizes open (``dim_param``, or no size) is imported at one binding
 of them (:func:`taso_jax.frontends.onnx_shapes._fix_input_shapes`). :func:`open_types` gives
 every value of the model its type at that binding with each size that follows from an open
-one as a :class:`~taso_jax.ir.dims.Dim`: the bound value, and the expression onnxruntime's
+one as a :class:`~taso_jax.ops.dims.Dim`: the bound value, and the expression onnxruntime's
 symbolic shape inference (``onnxruntime.tools.symbolic_shape_infer``, which follows the
 ``Shape``/``Gather``/``Concat`` arithmetic exporters write for reshape targets) finds for it.
 The importers build nodes on those types, so reshape targets, slice ends and the sizes the
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from taso_jax.ir.dims import Dim, from_expression, symbol
 from taso_jax.ops import TensorType
+from taso_jax.ops.dims import Dim, from_expression, symbol
 
 __all__ = ["open_types"]
 
@@ -50,7 +50,7 @@ def open_types(model, symbolic: Mapping[str, Mapping[int, str]],
 
     Returns:
         The same mapping, where each size that onnxruntime's symbolic shape inference
-        expresses over the open input sizes is a :class:`~taso_jax.ir.dims.Dim` whose
+        expresses over the open input sizes is a :class:`~taso_jax.ops.dims.Dim` whose
         expression evaluates to the bound size. Sizes it does not express (fresh
         ``unk__`` names, a value that disagrees with the binding, a failed inference) stay
         plain integers: fixed at the binding, as before. Inputs' open sizes are always
