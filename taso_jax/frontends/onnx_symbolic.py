@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from taso_jax.frontends.onnx_tensor_types import symbolic_inference
 from taso_jax.ops import TensorType
 from taso_jax.ops.dims import Dim, from_expression, symbol
 
@@ -114,18 +115,8 @@ def _infer(light, names: Mapping[tuple[str, int], str]) -> dict[str, list]:
                 d.Clear()
                 d.dim_param = sym
     del light.graph.value_info[:]
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        # Its steps rather than its infer_shapes: where inference stays incomplete, that one
-        # saves the model into the current folder and raises (see onnx_tensor_types).
-        ssi = SymbolicShapeInference(2**31 - 1, True, False, 0)
-        ssi._preprocess(light)
-        while ssi.run_:
-            ssi._infer_impl()
-        ssi._update_output_from_vi()
-        inferred = ssi.out_mp_
-    except Exception:  # noqa: BLE001 - any failure: the sizes stay fixed at the binding
+    inferred = symbolic_inference(light, auto_merge=True)
+    if inferred is None:  # the sizes stay fixed at the binding
         return {}
     out: dict[str, list] = {}
     for vi in [*inferred.graph.value_info, *inferred.graph.output]:

@@ -251,6 +251,28 @@ PROBE_OUTPUTS = 32
 INFER_OVER = 128
 
 
+def symbolic_inference(model, auto_merge: bool = False):
+    """``model`` with onnxruntime's symbolic shape inference's value_info, or None.
+
+    Runs the tool's steps rather than its ``infer_shapes``: where inference stays
+    incomplete, that one saves the model into the current folder (a user's!) and raises;
+    the shapes it did find are returned here. ``auto_merge`` merges sizes that an operator
+    needs equal (a broadcast of two open sizes) instead of failing. None where the tool
+    fails; it is a help, never a requirement.
+    """
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        ssi = SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)
+        ssi._preprocess(model)
+        while ssi.run_:
+            ssi._infer_impl()
+        ssi._update_output_from_vi()
+        return ssi.out_mp_
+    except Exception:  # noqa: BLE001 - any failure of the tool
+        return None
+
+
 def _missing_types_by_inference(model, names: list[str], types: dict[str, TensorType]):
     """Static shapes of ``names`` from onnxruntime's symbolic shape inference.
 
@@ -261,20 +283,8 @@ def _missing_types_by_inference(model, names: list[str], types: dict[str, Tensor
     probe runs of 32 tensors each took 3 s. It reads the whole model (a copy of the
     weights while it runs).
     """
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        # Its steps, not its infer_shapes: where inference stays incomplete, that one
-        # saves the model into the current folder (a user's!) and raises; the shapes it
-        # did find are used here, and the probe runs read the rest.
-        ssi = SymbolicShapeInference(2**31 - 1, False, False, 0)
-        ssi._preprocess(model)
-        while ssi.run_:
-            ssi._infer_impl()
-        ssi._update_output_from_vi()
-        inferred = ssi.out_mp_
-        del ssi
-    except Exception:  # noqa: BLE001 - any failure leaves the names to the probe runs
+    inferred = symbolic_inference(model)
+    if inferred is None:  # the names are left to the probe runs
         return
     wanted = set(names)
     for vi in [*inferred.graph.value_info, *inferred.graph.output]:
