@@ -105,8 +105,10 @@ def test_a_mask_that_is_not_causal_stays_a_where():
 
 def test_derived_rules_are_shipped_and_proved():
     """Every rule read off a law is in the shipped rule file, stamped proved, and proved
-    again here from the axioms."""
-    rules = derived_rules()
+    again here from the axioms; the recurrent hoisting rules are left out of the shipped set
+    on purpose (their ONNX form is slower: the file's generator settings say why)."""
+    rules = [r for r in derived_rules()
+             if not r.name.startswith(("lower-lstm_scan", "lower-gru_scan"))]
     names = {r.name for r in rules}
     assert {"attention-from-matmul-causal_mask-softmax",
             "lower-attention-blocked-128"} <= names
