@@ -209,21 +209,9 @@ def _single_node_model(node, x_shape, inits):
 def test_conv_transpose_pads_and_bias_match_onnxruntime(x_shape, w_shape, attrs):
     """Pads derived from output_shape and auto_pad (split as onnxruntime splits them),
     groups, output padding, 1-D, and the bias, at two input scales."""
-    from onnx import helper
 
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal(w_shape).astype(np.float32)
-    b = rng.standard_normal(w_shape[1] * attrs.get("group", 1)).astype(np.float32)
-    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)
-    model = _single_node_model(node, x_shape, {"w": w, "b": b})
-    graph = taso_jax.load_onnx(model)
-    assert "opaque" not in graph.op_counts() and "conv_transpose" in graph.op_counts()
-    exported = taso_jax.export_onnx(graph)
-    for factor in (1.0, 100.0):
-        feeds = {"x": factor * rng.standard_normal(x_shape).astype(np.float32)}
-        want = _onnxruntime(model, feeds)
-        _assert_same(_ours(graph, feeds), want, exact=False)
-        _assert_same(_onnxruntime(exported, feeds), want, exact=False)
+    _check_convolution("ConvTranspose", "conv_transpose", x_shape, w_shape, attrs,
+                       w_shape[1] * attrs.get("group", 1), seed=0)
 
 
 def _int8_model():
@@ -338,15 +326,22 @@ def test_a_1d_convolution_is_a_declared_conv2d_and_matches_onnxruntime(x_shape, 
     """ONNX Conv over one spatial axis imports as conv2d on a height-1 image (no opaque node),
     with pads, strides, dilations, groups, auto_pad and the bias, at two input scales, and
     its export runs in onnxruntime with the same outputs."""
+
+    _check_convolution("Conv", "conv2d", x_shape, w_shape, attrs, w_shape[0], seed=1)
+
+
+def _check_convolution(op_type, declared, x_shape, w_shape, attrs, out_channels, seed):
+    """One ONNX convolution node with a bias imports as ``declared`` (nothing opaque), and
+    it and its export match onnxruntime at two input scales."""
     from onnx import helper
 
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     w = rng.standard_normal(w_shape).astype(np.float32)
-    b = rng.standard_normal(w_shape[0]).astype(np.float32)
-    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
+    b = rng.standard_normal(out_channels).astype(np.float32)
+    node = helper.make_node(op_type, ["x", "w", "b"], ["y"], **attrs)
     model = _single_node_model(node, x_shape, {"w": w, "b": b})
     graph = taso_jax.load_onnx(model)
-    assert "opaque" not in graph.op_counts() and "conv2d" in graph.op_counts()
+    assert "opaque" not in graph.op_counts() and declared in graph.op_counts()
     exported = taso_jax.export_onnx(graph)
     for factor in (1.0, 100.0):
         feeds = {"x": factor * rng.standard_normal(x_shape).astype(np.float32)}
