@@ -67,6 +67,22 @@ def test_a_broken_axiom_is_caught():
         check_axiom(axiom("matmul(x, y) = x", {"x": (2, 3), "y": (2, 3)}), "bad")
 
 
+def test_the_first_draw_checks_every_attribute_combination():
+    """check_axioms samples the attribute combinations only on its later shape draws."""
+    import itertools
+
+    import numpy as np
+    from taso_jax.verify.laws import _instances, _param_values
+
+    conv = next(ax for n, ax in AXIOMS if n == "conv2d" and "groups=q" in ax.law
+                and len(list(itertools.product(*_param_values(ax).values()))) > 16)
+    combos = {tuple(sorted(a.items())) for _, a in _instances(conv, np.random.default_rng(0),
+                                                              1)}
+    assert len(combos) == len(list(itertools.product(*_param_values(conv).values())))
+    later = list(_instances(conv, np.random.default_rng(1), 1, sample=16))
+    assert len(later) == 16 and len({tuple(sorted(a.items())) for _, a in later}) == 16
+
+
 @pytest.fixture(scope="module")
 def prover():
     return Prover()
