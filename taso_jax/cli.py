@@ -243,6 +243,7 @@ def _verify(args) -> int:
     _check_workers(args)
     _check_proof_files(args)
     from taso_jax.search.rules import (
+        RuleFileError,
         default_substitutions,
         load_substitutions,
         save_substitutions,
@@ -251,8 +252,8 @@ def _verify(args) -> int:
 
     try:
         subs = (load_substitutions(args.file) if args.file else default_substitutions())
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise UsageError(f"{args.file}: not a valid substitution file ({e})") from e
+    except RuleFileError as e:  # it names the file and what is wrong
+        raise UsageError(str(e)) from e
     bar, progress = _verify_progress(len(subs), args.quiet)
     stamped, stats = verify_substitutions(subs, rlimit=args.rlimit, timeout_ms=args.timeout_ms,
                                           workers=args.workers, progress=progress,

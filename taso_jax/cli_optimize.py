@@ -138,6 +138,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     )
     from taso_jax.search.cost import get_cost_model
     from taso_jax.search.options import OptimizeOptions
+    from taso_jax.search.rules import RuleFileError
 
     if args.model is None:
         from taso_jax.examples import example
@@ -211,6 +212,8 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
         optimizer = Optimizer(options.replace(substitutions=args.substitutions,
                                               trust_proofs=args.trust_proofs), target=target,
                               deadline=deadline)
+    except RuleFileError as e:  # it names the file and what is wrong
+        raise UsageError(str(e)) from e
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise UsageError(f"{args.substitutions}: not a valid substitution file ({e})") from e
     from tqdm import tqdm
