@@ -576,3 +576,22 @@ def test_an_input_deleted_during_the_run_is_named_as_the_cause(tmp_path, capsys,
     assert len(err) == 1, err
     assert err[0].startswith(f"taso-jax: error: {src}: the input model was deleted or moved")
     assert not out.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_an_output_folder_that_takes_no_file_is_refused_before_any_work(tmp_path, capsys,
+                                                                         monkeypatch):
+    # os.access says yes to root for /proc (and for a read-only mount): the folder is
+    # probed with a file of its own before the model is read, not found out at the write
+    import taso_jax.frontends.onnx_io as onnx_io
+
+    def no_import(*a, **k):
+        raise AssertionError("the model was imported before the output folder was checked")
+
+    src, _ = _clip_model_and_wrong_rule(tmp_path)
+    monkeypatch.setattr(onnx_io, "load_onnx", no_import)
+    assert main(["optimize", str(src), "-o", "/proc/o.onnx", *FAST, "--no-time"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "-o '/proc/o.onnx'" in err[0], err
+    assert "cannot create a file in folder" in err[0] or "is not writable" in err[0], err
+    assert not list(tmp_path.glob(".taso_jax.*"))
