@@ -289,24 +289,37 @@ def load_substitutions(path) -> list[Substitution]:
     """Read a substitution file written by :func:`save_substitutions`.
 
     Raises:
-        ValueError: not a substitution file (not JSON, nested too deep, an integer past
-            int64, not the format, a malformed rule: :class:`RuleFileError` naming the rule),
-            or a newer format version.
+        RuleFileError: not a substitution file (not UTF-8 or not JSON, nested too deep, an
+            integer past int64, not the format, a newer format version, a malformed rule);
+            the message names the file and what is wrong with it. A ``ValueError``, which
+            the command line reports in one line with exit code 2.
         OSError: the file cannot be read.
     """
+    from taso_jax._text import one_line
+
     with open(path, encoding="utf-8") as f:
         try:
-            doc = json.load(f, parse_int=_parse_int)
+            return _rules_in(json.load(f, parse_int=_parse_int))
         except RecursionError:  # json's decoder recurses once per level
-            raise RuleFileError("JSON nested too deep") from None
+            problem = "JSON nested too deep"
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            # json's JSONDecodeError and UnicodeDecodeError are ValueErrors, and say only
+            # where in the text: the file is named here, for every caller
+            problem = one_line(str(e), 300) if isinstance(e, ValueError) else (
+                f"{type(e).__name__}: {one_line(str(e), 300)}")
+    raise RuleFileError(f"{path}: not a valid substitution file ({problem})")
+
+
+def _rules_in(doc) -> list[Substitution]:
+    """The rules of a parsed substitution file (:func:`load_substitutions`)."""
     if not isinstance(doc, dict) or doc.get("format") != "taso_jax.substitutions":
-        raise ValueError(f"{path}: not a taso_jax substitution file")
+        raise RuleFileError("not a taso_jax substitution file")
     version = doc.get("version", 0)
     if not isinstance(version, int) or isinstance(version, bool):
         raise RuleFileError(f"format version {str(version)[:20]!r} is not an integer")
     if version > FORMAT_VERSION:
-        raise ValueError(f"{path}: format version {doc['version']} is newer than "
-                         f"{FORMAT_VERSION}")
+        raise RuleFileError(f"format version {doc['version']} is newer than {FORMAT_VERSION} "
+                            "(written by a newer taso_jax)")
     rules = doc.get("substitutions")
     if not isinstance(rules, list):
         raise RuleFileError("'substitutions' must be a list of rules")

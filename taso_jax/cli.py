@@ -106,6 +106,25 @@ def _check_generate_options(args) -> None:
         args.output = DEFAULT_GENERATE_OUTPUT
 
 
+def _generate_domains(text: str | None, by_name: dict) -> list[str]:
+    """``--domains``: every domain when absent; an empty or unknown name is refused (exit 2).
+
+    An empty list is not read as "every domain": ``--domains ''`` (a variable left empty in
+    a script) would otherwise start the longest generation there is.
+    """
+    if text is None:
+        return list(by_name)
+    names = [n.strip() for n in text.split(",")]
+    choose = f"choose from {', '.join(by_name)}"
+    if not any(names):
+        raise UsageError(f"--domains {text!r} names no domain; {choose} (leave --domains out "
+                         "for every domain)")
+    unknown = [repr(n) for n in names if n not in by_name]
+    if unknown:
+        raise UsageError(f"--domains: unknown domain(s) {', '.join(unknown)}; {choose}")
+    return list(dict.fromkeys(names))
+
+
 def _check_workers(args) -> None:
     """``--workers``: from 1 to 4 per core (each is a process, with Z3 or JAX loaded)."""
     most = 4 * (os.cpu_count() or 1)
@@ -156,11 +175,7 @@ def _generate(args) -> int:
     from taso_jax.verify.generator import DEFAULT_DOMAINS, generate
 
     by_name = {d.name: d for d in DEFAULT_DOMAINS}
-    names = args.domains.split(",") if args.domains else list(by_name)
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise UsageError(f"unknown domain(s) {', '.join(unknown)}; choose from "
-                         f"{', '.join(by_name)}")
+    names = _generate_domains(args.domains, by_name)
 
     bar = tqdm(desc="generate", unit="stage", file=sys.stderr, disable=args.quiet)
 
@@ -171,7 +186,7 @@ def _generate(args) -> int:
     t0 = time.perf_counter()
     subs, stats = generate([by_name[n] for n in names], max_ops=args.max_ops,
                            seed=args.seed, progress=progress, workers=args.workers,
-                           cluster=args.cluster, laws=not args.domains)
+                           cluster=args.cluster, laws=args.domains is None)
     bar.close()
     print(stats.summary())
     for stage, sec in stats.seconds.items():
@@ -228,6 +243,7 @@ def _verify(args) -> int:
     _check_workers(args)
     _check_proof_files(args)
     from taso_jax.search.rules import (
+        RuleFileError,
         default_substitutions,
         load_substitutions,
         save_substitutions,
@@ -236,8 +252,8 @@ def _verify(args) -> int:
 
     try:
         subs = (load_substitutions(args.file) if args.file else default_substitutions())
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise UsageError(f"{args.file}: not a valid substitution file ({e})") from e
+    except RuleFileError as e:  # it names the file and what is wrong
+        raise UsageError(str(e)) from e
     bar, progress = _verify_progress(len(subs), args.quiet)
     stamped, stats = verify_substitutions(subs, rlimit=args.rlimit, timeout_ms=args.timeout_ms,
                                           workers=args.workers, progress=progress,

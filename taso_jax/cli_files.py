@@ -83,6 +83,25 @@ def check_output_path(path: str, option: str, protected: dict[str, str]) -> None
         raise UsageError(f"{option} {path!r}: folder {folder!r} does not exist")
     if not os.access(folder, os.W_OK):
         raise UsageError(f"{option} {path!r}: folder {folder!r} is not writable")
+    _probe_folder(path, option, folder)
+
+
+def _probe_folder(path: str, option: str, folder: str) -> None:
+    """Create and remove a file in ``folder``: what the atomic write will do at the end.
+
+    ``os.access`` answers from the permission bits, and for root almost always yes: a
+    read-only mount, ``/proc`` or ``/sys`` pass it and fail only at the write, after the
+    whole run.
+    """
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".taso_jax.probe.")
+    except OSError as e:
+        raise UsageError(f"{option} {path!r}: cannot create a file in folder {folder!r} "
+                         f"({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 #: Largest model file read: protobuf's limit, 2 GiB (onnx cannot parse a larger file; larger

@@ -55,7 +55,28 @@ def _optimize(args) -> int:
                          f"{args.time_limit}") from e
     notes = []
     with tempfile.TemporaryDirectory(prefix="taso_jax_") as scratch:
-        return _optimize_in(args, deadline, notes, scratch)
+        try:
+            return _optimize_in(args, deadline, notes, scratch)
+        except Exception as e:
+            _blame_missing_input(args, e)
+            raise
+
+
+def _blame_missing_input(args, error: Exception) -> None:
+    """Name the input file that went missing during the run, if one did, as the cause.
+
+    The model is read again from its path where it is needed (the reference outputs, the
+    output check, a byte copy of an unchanged model), so a model deleted or moved meanwhile
+    fails there, and the failure would otherwise read as onnxruntime's or the copy's own
+    (``NO_SUCHFILE``, "the original model does not run").
+    """
+    from taso_jax.frontends.onnx_io import ModelError
+
+    inputs = [(args.model, "the input model"), (args.substitutions, "the --substitutions file")]
+    for path, what in inputs:
+        if path is not None and not os.path.exists(path):
+            raise ModelError(f"{path}: {what} was deleted or moved during the run, so it "
+                             f"could not be read again ({one_line(str(error), 160)})") from error
 
 
 def _converted_reference(model: str, graph, notes: list, scratch: str, refused):
@@ -117,6 +138,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     )
     from taso_jax.search.cost import get_cost_model
     from taso_jax.search.options import OptimizeOptions
+    from taso_jax.search.rules import RuleFileError
 
     if args.model is None:
         from taso_jax.examples import example
@@ -190,6 +212,8 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
         optimizer = Optimizer(options.replace(substitutions=args.substitutions,
                                               trust_proofs=args.trust_proofs), target=target,
                               deadline=deadline)
+    except RuleFileError as e:  # it names the file and what is wrong
+        raise UsageError(str(e)) from e
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise UsageError(f"{args.substitutions}: not a valid substitution file ({e})") from e
     from tqdm import tqdm

@@ -541,3 +541,57 @@ def test_help_still_prints_the_usage(capsys):
     with pytest.raises(SystemExit) as e:
         main(["optimize", "--help"])
     assert e.value.code == 0 and "usage: taso-jax optimize" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("when", ["reference", "copy"])
+def test_an_input_deleted_during_the_run_is_named_as_the_cause(tmp_path, capsys, monkeypatch,
+                                                               when):
+    # the model is read again from its path (the reference outputs, the byte copy of an
+    # unchanged model); deleted meanwhile, the error names it, not onnxruntime's NO_SUCHFILE
+    import os
+
+    import taso_jax.cli_optimize as cli_optimize
+    import taso_jax.report as report
+
+    src, _ = _clip_model_and_wrong_rule(tmp_path)
+    if when == "reference":
+        runs = report.reference_runs
+
+        def delete_first(original, graph, *a, **k):
+            os.remove(src)
+            return runs(original, graph, *a, **k)
+
+        monkeypatch.setattr(report, "reference_runs", delete_first)
+    else:
+        copy = cli_optimize._write_copy
+
+        def delete_first(args, original, *a, **k):
+            os.remove(src)
+            return copy(args, original, *a, **k)
+
+        monkeypatch.setattr(cli_optimize, "_write_copy", delete_first)
+    out = tmp_path / "o.onnx"
+    assert main(["optimize", str(src), "-o", str(out), *FAST, "--no-time"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith(f"taso-jax: error: {src}: the input model was deleted or moved")
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_an_output_folder_that_takes_no_file_is_refused_before_any_work(tmp_path, capsys,
+                                                                         monkeypatch):
+    # os.access says yes to root for /proc (and for a read-only mount): the folder is
+    # probed with a file of its own before the model is read, not found out at the write
+    import taso_jax.frontends.onnx_io as onnx_io
+
+    def no_import(*a, **k):
+        raise AssertionError("the model was imported before the output folder was checked")
+
+    src, _ = _clip_model_and_wrong_rule(tmp_path)
+    monkeypatch.setattr(onnx_io, "load_onnx", no_import)
+    assert main(["optimize", str(src), "-o", "/proc/o.onnx", *FAST, "--no-time"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "-o '/proc/o.onnx'" in err[0], err
+    assert "cannot create a file in folder" in err[0] or "is not writable" in err[0], err
+    assert not list(tmp_path.glob(".taso_jax.*"))

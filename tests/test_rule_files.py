@@ -111,6 +111,7 @@ def _one_line_exit_2(capsys, rc: int, path, expected: str) -> None:
     assert rc == 2, captured.err
     assert len(err) == 1 and err[0].startswith("taso-jax: error:"), err
     assert str(path) in err[0] and expected in err[0], err[0]
+    assert err[0].count(str(path)) == 1, err[0]  # named once, not once per layer
     assert "Traceback" not in captured.out + captured.err
 
 
@@ -172,3 +173,35 @@ def test_optimize_refuses_an_alpha_that_is_not_finite(capsys, value):
                "--alpha", value])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(err) == 1 and "--alpha must be a finite number >= 1" in err[0], err
+
+
+@pytest.mark.parametrize("case", ["empty_file", "not_utf8", "top_level_list", "deep_document",
+                                  "wrong_arity"])
+@pytest.mark.parametrize("door", ["load_substitutions", "search_graph", "decorator"])
+def test_the_python_api_names_a_malformed_rule_file_as_the_command_line_does(tmp_path,
+                                                                             case, door):
+    # json's own error ("Expecting value: line 1 column 1") says where in the text, not
+    # which file: each front door raises the RuleFileError that names it (the error the
+    # command line reports with exit code 2), the decorator included (not a fallback)
+    import warnings
+
+    import jax.numpy as jnp
+
+    import taso_jax
+
+    path = _write(tmp_path, case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to jax.jit
+        with pytest.raises(RuleFileError) as raised:
+            if door == "load_substitutions":
+                load_substitutions(path)
+            elif door == "search_graph":
+                b = taso_jax.new_graph()
+                b.relu(b.new_input(dims=(2, 3)))
+                taso_jax.search_graph(b, substitutions=str(path), cost_model="analytic")
+            else:
+                taso_jax.optimize(lambda x: jnp.tanh(x) + 1, substitutions=str(path),
+                                  cost_model="analytic")(jnp.ones(3))
+    message = str(raised.value)
+    assert message.startswith(f"{path}: not a valid substitution file ("), message
+    assert CASES[case][1] in message and message.count(str(path)) == 1, message

@@ -384,3 +384,39 @@ def test_a_model_input_of_2_to_the_40_elements_is_refused_in_one_line(tmp_path, 
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "input 'x' has shape 1048576x1048576" in err[0]
     assert not out.exists()
+
+
+def test_a_decorated_function_proves_its_rule_file_under_the_time_limit(tmp_path,
+                                                                         monkeypatch):
+    # as on the command line, a rule file's proofs take at most their share of the first
+    # call's limit; the rules not proved by then are left out, and the next signature's
+    # first call goes on with the proofs (the optimizer is not kept)
+    import warnings
+
+    import jax
+    import numpy as np
+
+    import taso_jax
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the proof cache
+    monkeypatch.setenv("TASO_JAX_GRAPH_CACHE", str(tmp_path / "graphs"))
+    rules = _shipped_rules(400, tmp_path / "rules.json")
+    limit = 2.0
+
+    def f(x, w1, w2):
+        return x @ w1 + x @ w2
+
+    opt = taso_jax.optimize(f, substitutions=str(rules), time_limit=limit,
+                            cost_model="analytic")
+    x, w = np.ones((4, 8), np.float32), np.eye(8, dtype=np.float32)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "N of 400 are not proved"
+        y = opt(x, w, 2 * w)
+    wall = time.perf_counter() - t0
+    np.testing.assert_allclose(y, jax.jit(f)(x, w, 2 * w), rtol=1e-6)
+    assert wall < limit + MARGIN, wall
+    assert opt.fallback_reason is None
+    assert opt._last.report["rules"]["not_proved_in_time"] > 0
+    assert opt._optimizer_made is None  # the next first call proves on
+    assert "not yet proved" in opt.report(time=False)

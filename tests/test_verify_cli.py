@@ -194,7 +194,10 @@ def test_verify_reads_only_regular_rule_files(tmp_path, capsys, kind):
 @pytest.mark.parametrize("args, expected", [
     (["--max-ops", "1000000000"], "--max-ops"), (["--max-ops", "0"], "--max-ops"),
     (["--seed", "-1"], "--seed"), (["--workers", "0"], "--workers"),
-    (["--workers", "100000"], "--workers")])
+    (["--workers", "100000"], "--workers"),
+    # an empty list is not "every domain" (that is the longest generation there is)
+    (["--domains", ""], "names no domain"), (["--domains", ","], "names no domain"),
+    (["--domains", "conv,nope"], "unknown domain(s) 'nope'")])
 def test_generate_refuses_out_of_range_numbers_before_any_work(tmp_path, capsys, args,
                                                                expected):
     out = tmp_path / "s.json"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import time
 import warnings
 from collections import Counter
@@ -40,6 +41,7 @@ from taso_jax.search.choose import (
 )
 from taso_jax.search.limits import Deadline
 from taso_jax.search.options import SEARCH_REVISION
+from taso_jax.search.rules import RuleFileError
 
 __all__ = ["FirstCallPipeline"]
 
@@ -78,6 +80,29 @@ def _shipped_rules() -> tuple:
     from taso_jax.search.rules import default_substitutions
 
     return tuple(default_substitutions())
+
+
+def _proves_rule_file(options) -> bool:
+    """Whether making the optimizer proves a rule file's rules (a path, not trusted)."""
+    subs = options.substitutions
+    return (isinstance(subs, str) or hasattr(subs, "__fspath__")) and not options.trust_proofs
+
+
+def _rule_file_error(error: Exception, substitutions) -> bool:
+    """Whether ``error`` is about the caller's rule file: malformed, or not readable.
+
+    Such an error is raised to the caller, not hidden behind a fallback to ``jax.jit``: it
+    names the file and what is wrong (a
+    :class:`~taso_jax.search.rules.RuleFileError`, which the command line reports with exit
+    code 2, or the ``OSError`` of reading it).
+    """
+    if isinstance(error, RuleFileError):
+        return True
+    if not isinstance(error, OSError) or error.filename is None:
+        return False
+    if not (isinstance(substitutions, str) or hasattr(substitutions, "__fspath__")):
+        return False
+    return os.fspath(error.filename) == os.fspath(substitutions)
 
 
 def _nothing_to_run(graph, result) -> bool:
@@ -215,6 +240,8 @@ class FirstCallPipeline:
             with jax.ensure_compile_time_eval():
                 self._optimize(entry, traced, args, static_pos)
         except Exception as e:  # anything in our pipeline: fall back, never a wrong answer
+            if _rule_file_error(e, self.options.substitutions):
+                raise  # the caller's own setting, as a bad argnum is: not ours to hide
             entry.fallback = f"{type(e).__name__}: {e}"
             warnings.warn(f"taso_jax.optimize({_fn_name(fn)}): falling back to jax.jit "
                           f"of the original function ({entry.fallback})",
@@ -249,11 +276,12 @@ class FirstCallPipeline:
         leaves, kinds, paths = traced.leaves, traced.kinds, traced.paths
         opts = self.options
         made = time.perf_counter()
-        optimizer = self._optimizer()
-        # reading the rules (once per function, 1-3 s for the shipped set) is not the
-        # import's or the search's time: the deadline moves by what it took
-        made = time.perf_counter() - made
-        deadline = Deadline(deadline.at + made, deadline.seconds)
+        optimizer = self._optimizer(deadline)
+        if not _proves_rule_file(opts):
+            # reading the rules (once per function, 1-3 s for the shipped set) is not the
+            # import's or the search's time: the deadline moves by what it took
+            made = time.perf_counter() - made
+            deadline = Deadline(deadline.at + made, deadline.seconds)
         subs = optimizer.rules
         key = graph_cache.cache_key(graph, self._cache_parts(subs))
         lap("import")
@@ -405,15 +433,24 @@ class FirstCallPipeline:
                     "check": _stored_check(entry.report.get("check"))})
         entry.report["original_kept"] = entry.original_kept
 
-    def _optimizer(self):
-        """The :class:`~taso_jax.optimizer.Optimizer` of this function's options, made once."""
+    def _optimizer(self, deadline: Deadline):
+        """The :class:`~taso_jax.optimizer.Optimizer` of this function's options, made once.
+
+        A rule file's proofs (``substitutions=FILE`` without ``trust_proofs``) run under the
+        first call's ``deadline``, with at most its ``rule_proofs`` share, as on the command
+        line. Where they were cut, the optimizer is not kept: the next signature's first call
+        goes on with the proofs from where these stopped (their checkpoint).
+        """
         from taso_jax.optimizer import Optimizer
 
-        if self._optimizer_made is None:
-            shipped = self.options.substitutions is None
-            self._optimizer_made = Optimizer(self.options,
-                                             rules=_shipped_rules() if shipped else None)
-        return self._optimizer_made
+        if self._optimizer_made is not None:
+            return self._optimizer_made
+        shipped = self.options.substitutions is None
+        made = Optimizer(self.options, rules=_shipped_rules() if shipped else None,
+                         deadline=deadline if _proves_rule_file(self.options) else None)
+        if "not_proved_in_time" not in made.rule_counts:
+            self._optimizer_made = made
+        return made
 
     def _donated_inputs(self, traced: TracedFunction, args, static_pos) -> tuple[int, ...]:
         """Positions, among the runtime stage's arguments, of the donated input leaves."""
