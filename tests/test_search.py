@@ -835,3 +835,33 @@ def test_a_search_collects_garbage_less_often_and_restores_the_collector():
         assert gc.get_freeze_count() > own // 2 and gc.get_threshold() == before
     finally:
         gc.unfreeze()
+
+
+def test_second_opinions_leave_the_end_to_end_choice_its_share(monkeypatch):
+    """A second opinion gets only what the choice's reserve leaves, and none starts where
+    that is under a quarter of its share (a search that overran leaves its time to the
+    choice)."""
+    import time
+
+    from taso_jax.search import options
+    from taso_jax.search.limits import SHARES, Deadline
+
+    calls = []
+
+    def record(name):
+        def run(*args, time_limit, **kw):
+            calls.append((name, time_limit))
+        return run
+
+    for name in ("add_analytic_candidate", "add_near_tie_candidate", "add_ablation_candidate"):
+        monkeypatch.setattr(options, name, record(name))
+    opts = options.OptimizeOptions(time_limit=10.0)
+    reserve = SHARES["choice_reserve"] * 10.0
+    options.add_second_opinions(None, None, [], None, opts,
+                                Deadline(time.perf_counter() + reserve + 0.1, 10.0))
+    assert calls == []
+    options.add_second_opinions(None, None, [], None, opts,
+                                Deadline(time.perf_counter() + reserve + 0.6, 10.0))
+    assert [c[0] for c in calls] == ["add_analytic_candidate", "add_near_tie_candidate",
+                                     "add_ablation_candidate"]
+    assert all(0.25 * 1.0 <= t <= 0.6 for _, t in calls)
