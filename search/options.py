@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 from taso_jax.search.backtracking import SearchResult, backtracking_search
-from taso_jax.search.choose import choose_fastest
+from taso_jax.search.choose import choose_fastest, compile_ahead
 from taso_jax.search.cost import COST_MODEL_NAMES, AnalyticCostModel, CostModel, get_cost_model
 from taso_jax.search.limits import SHARES, Deadline
 from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
@@ -320,6 +320,9 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
               and not isinstance(cost_model, AnalyticCostModel))
     limit = deadline.seconds * (SHARES["search"] - (SHARES["second_opinion"] if second else 0.0)
                                 if opts.end_to_end > 0 else 1.0)
+    # the choice's first step, compiling the input, overlaps the search
+    ahead = (compile_ahead(graph) if chooser is None and confirm and opts.end_to_end > 0
+             else None)
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
                                  budget=opts.budget, time_limit=limit,
                                  progress=progress, keep=max(1, opts.end_to_end),
@@ -337,11 +340,15 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         if chooser is None:
             chooser = partial(choose_fastest, layouts=opts.layout_candidates,
                               confirm=confirm)
+        if ahead is not None:
+            ahead.join(deadline.left())
         result.end_to_end = chooser(result, deadline=deadline.at)
         # the candidates that lost are not run again: free their executables and weights
         forget_compiled(keep=(graph, result.graph))
         if deadline.passed() and not result.out_of_time_in:
             result.out_of_time_in = "end-to-end choice"
+    if ahead is not None:  # no choice ran: the compilation ends within the limit, not later
+        ahead.join(deadline.left())
     result.unmeasurable = list(cost_model.unmeasurable)
     return result
 

@@ -865,3 +865,26 @@ def test_second_opinions_leave_the_end_to_end_choice_its_share(monkeypatch):
     assert [c[0] for c in calls] == ["add_analytic_candidate", "add_near_tie_candidate",
                                      "add_ablation_candidate"]
     assert all(0.25 * 1.0 <= t <= 0.6 for _, t in calls)
+
+
+def test_the_input_is_compiled_ahead_for_the_choice(monkeypatch):
+    """A graph of at least COMPILE_AHEAD_NODES nodes is compiled in a background thread, and
+    the choice then finds it compiled; a smaller one is not."""
+    from taso_jax.search import choose
+
+    from taso_jax.ir import executor
+    from taso_jax.ir.executor import compile_graph, forget_compiled
+
+    graph = resnet_module()
+    forget_compiled()
+    assert len(graph.nodes) < choose.COMPILE_AHEAD_NODES
+    assert choose.compile_ahead(graph) is None
+    monkeypatch.setattr(choose, "COMPILE_AHEAD_NODES", 1)
+    thread = choose.compile_ahead(graph)
+    thread.join(120)
+    assert not thread.is_alive()
+    made = []
+    monkeypatch.setattr(executor, "CompiledGraph", made.append)
+    compiled = compile_graph(graph)
+    assert compiled.graph is graph and made == []
+    forget_compiled()
