@@ -337,11 +337,12 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
             result.out_of_time_in = "second opinions"
     layouts = chooser is None and opts.layout_candidates and has_nchw_convolutions(graph)
     if opts.end_to_end > 0 and (len(result.candidates) > 1 or layouts):
-        if chooser is None:
-            chooser = partial(choose_fastest, layouts=opts.layout_candidates,
-                              confirm=confirm)
         if ahead is not None:
             ahead.join(deadline.left())
+        if chooser is None:
+            chooser = partial(choose_fastest, layouts=opts.layout_candidates,
+                              confirm=confirm,
+                              made_seconds=ahead.seconds if ahead is not None else 0.0)
         result.end_to_end = chooser(result, deadline=deadline.at)
         # the candidates that lost are not run again: free their executables and weights
         forget_compiled(keep=(graph, result.graph))

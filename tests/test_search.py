@@ -888,3 +888,23 @@ def test_the_input_is_compiled_ahead_for_the_choice(monkeypatch):
     compiled = compile_graph(graph)
     assert compiled.graph is graph and made == []
     forget_compiled()
+
+
+def test_a_choice_that_found_the_input_compiled_weighs_what_compiling_took():
+    """start_choice with ``made_seconds``: the input made at once (compiled ahead) still
+    counts as the time its compilation took, and no candidate is made where that does not
+    fit before the deadline."""
+    import time
+
+    from taso_jax.search.choose import start_choice
+
+    graph = resnet_module()
+    result = _search(graph, cost_model=AnalyticCostModel(), budget=0)
+    graphs = [(1.0, graph, ()), (1.0, graph, ("x",))]
+    deadline = time.perf_counter() + 5.0
+    base, skipped = start_choice(result, graphs, deadline, lambda: "base", lambda b: 10.0,
+                                 "cpu", made_seconds=0.0)
+    assert base == "base" and skipped is None
+    base, skipped = start_choice(result, graphs, deadline, lambda: "base", lambda b: 10.0,
+                                 "cpu", made_seconds=60.0)
+    assert base is None and "one comparison needs about 60" in skipped["skipped"]
