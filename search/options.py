@@ -348,8 +348,8 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         forget_compiled(keep=(graph, result.graph))
         if deadline.passed() and not result.out_of_time_in:
             result.out_of_time_in = "end-to-end choice"
-    if ahead is not None:  # no choice ran: the compilation ends within the limit, not later
-        ahead.join(deadline.left())
+    if ahead is not None:  # a compilation is not left running into the export or the exit
+        ahead.join()
     result.unmeasurable = list(cost_model.unmeasurable)
     return result
 
