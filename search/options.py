@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 from taso_jax.search.backtracking import SearchResult, backtracking_search
-from taso_jax.search.choose import choose_fastest
+from taso_jax.search.choose import choose_fastest, compile_ahead
 from taso_jax.search.cost import COST_MODEL_NAMES, AnalyticCostModel, CostModel, get_cost_model
 from taso_jax.search.limits import SHARES, Deadline
 from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
@@ -233,24 +233,41 @@ def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Subst
     and the best graph of a search without one rule every candidate applies
     (:func:`~taso_jax.search.second_opinions.add_ablation_candidate`), each limited to the
     ``second_opinion`` share of the ``deadline``'s span (default: ``opts.time_limit`` from
-    now) and to what is left of the ``deadline``; none starts once it has passed. The last
-    runs only where the end-to-end choice keeps its ``choice_reserve`` share after it.
+    now) and to what the end-to-end choice's ``choice_reserve`` share leaves of the
+    ``deadline`` (:func:`_second_opinion_seconds`): a search that ran past its share leaves
+    the time to the choice of the graphs it found, not to more candidates.
     ``result.graph`` is not changed.
     """
     deadline = deadline or Deadline.start(opts.time_limit)
-    if deadline.passed():
+    seconds = _second_opinion_seconds(deadline)
+    if seconds is None:
         return
     add_analytic_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
-                           budget=opts.budget, time_limit=deadline.share_seconds("second_opinion"))
-    if deadline.passed():
+                           budget=opts.budget, time_limit=seconds)
+    seconds = _second_opinion_seconds(deadline)
+    if seconds is None:
         return
-    add_near_tie_candidate(result, subs, cost_model,
-                           time_limit=deadline.share_seconds("second_opinion"))
-    if deadline.left() >= deadline.seconds * (SHARES["choice_reserve"]
-                                              + SHARES["second_opinion"]):
+    add_near_tie_candidate(result, subs, cost_model, time_limit=seconds)
+    seconds = _second_opinion_seconds(deadline)
+    if seconds is not None:
         add_ablation_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
-                               budget=opts.budget,
-                               time_limit=deadline.share_seconds("second_opinion"))
+                               budget=opts.budget, time_limit=seconds)
+
+
+#: The least part of its share a second opinion is started with (:func:`add_second_opinions`).
+SECOND_OPINION_LEAST = 0.25
+
+
+def _second_opinion_seconds(deadline: Deadline) -> float | None:
+    """Seconds a second opinion started now may take, or ``None``: none is started.
+
+    Its ``second_opinion`` share of ``deadline``'s span, less whatever would cut into the
+    ``choice_reserve`` share the end-to-end choice keeps; ``None`` where that is below
+    :data:`SECOND_OPINION_LEAST` of the share.
+    """
+    share = SHARES["second_opinion"] * deadline.seconds
+    seconds = min(share, deadline.left() - SHARES["choice_reserve"] * deadline.seconds)
+    return seconds if seconds >= SECOND_OPINION_LEAST * share else None
 
 
 def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel,
@@ -303,6 +320,9 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
               and not isinstance(cost_model, AnalyticCostModel))
     limit = deadline.seconds * (SHARES["search"] - (SHARES["second_opinion"] if second else 0.0)
                                 if opts.end_to_end > 0 else 1.0)
+    # the choice's first step, compiling the input, overlaps the search
+    ahead = (compile_ahead(graph) if chooser is None and confirm and opts.end_to_end > 0
+             else None)
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
                                  budget=opts.budget, time_limit=limit,
                                  progress=progress, keep=max(1, opts.end_to_end),
@@ -317,14 +337,19 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
             result.out_of_time_in = "second opinions"
     layouts = chooser is None and opts.layout_candidates and has_nchw_convolutions(graph)
     if opts.end_to_end > 0 and (len(result.candidates) > 1 or layouts):
+        if ahead is not None:
+            ahead.join(deadline.left())
         if chooser is None:
             chooser = partial(choose_fastest, layouts=opts.layout_candidates,
-                              confirm=confirm)
+                              confirm=confirm,
+                              made_seconds=ahead.seconds if ahead is not None else 0.0)
         result.end_to_end = chooser(result, deadline=deadline.at)
         # the candidates that lost are not run again: free their executables and weights
         forget_compiled(keep=(graph, result.graph))
         if deadline.passed() and not result.out_of_time_in:
             result.out_of_time_in = "end-to-end choice"
+    if ahead is not None:  # a compilation is not left running into the export or the exit
+        ahead.join()
     result.unmeasurable = list(cost_model.unmeasurable)
     return result
 

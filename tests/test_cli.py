@@ -429,7 +429,7 @@ def test_a_graph_that_runs_at_its_bound_sizes_only_does_not_replace_the_input(
 
     import taso_jax.frontends.onnx_import as onnx_import
 
-    monkeypatch.setattr(onnx_import, "open_types", lambda model, symbolic, types: types)
+    monkeypatch.setattr(onnx_import, "open_types", lambda model, symbolic, types, **kw: types)
     src, out = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
     _reshaped_pair_model(src)
     args = ["optimize", str(src), "-o", str(out), "--cost-model", "analytic", "--end-to-end",

@@ -13,6 +13,7 @@ import pickle
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto
 from onnx import helper as h
 from onnx import numpy_helper as nh
@@ -177,3 +178,73 @@ def test_resize_by_an_integral_scale_keeps_open_image_sides():
     assert resized and all(is_open(d) for n in resized for d in n.types[0].shape[2:])
     _same_in_onnxruntime(model, _written(graph, model), [{"x": (1, 3, 8, 8)},
                                                          {"x": (2, 3, 5, 12)}])
+
+
+def test_unequal_sizes_are_told_apart_without_simplify(monkeypatch):
+    """``2*floor((H-1)/2) + 2`` (a stride-2 convolution, upsampled by 2) equals ``H`` at the
+    even sides only: a binding where they differ settles it, and SymPy's ``simplify`` (half a
+    second on a detector's nested floors) is not called."""
+    import sympy
+    from taso_jax.ops import dims
+
+    h_ = symbol("H")
+    up = 2 * sympy.floor((h_ - 1) / 2) + 2
+    monkeypatch.setattr(sympy, "simplify", lambda e: pytest.fail("simplify was called"))
+    dims._equal.cache_clear()
+    assert not same_size(Dim(224, up), Dim(224, h_))
+    dims._equal.cache_clear()
+
+
+def test_resize_sizes_are_inferred_without_simplify():
+    """Onnxruntime's symbolic inference writes a Resize's size as ``simplify(floor(d * 2.0))``;
+    here the scale becomes the integer 2, so ``floor`` drops without ``simplify``."""
+    import sympy
+    from onnxruntime.tools import symbolic_shape_infer as tool
+
+    from taso_jax.frontends.onnx_tensor_types import _CheapSimplify
+
+    h_ = sympy.Symbol("H", integer=True, nonnegative=True)
+    d = sympy.floor((h_ - 1) / 2) + 1
+    cheap = _CheapSimplify(tool.sympy)
+    assert cheap.simplify(sympy.floor(d * sympy.Float(2.0))) == 2 * d
+    assert cheap.floor is sympy.floor
+
+
+def test_symbolic_inference_is_given_up_past_its_deadline():
+    """A passed deadline: no inference (the sizes stay fixed at the binding); none: done."""
+    from taso_jax.search.limits import Deadline
+
+    from taso_jax.frontends.onnx_tensor_types import symbolic_inference
+
+    model = _flatten_model()
+    assert symbolic_inference(model, auto_merge=True) is not None
+    assert symbolic_inference(model, auto_merge=True,
+                              deadline=Deadline(at=0.0, seconds=1.0)) is None
+
+
+def test_strided_convolutions_and_upsamplings_import_with_open_sides():
+    """Four stride-2 convolutions, then four Resizes by 2, each added to the skip tensor of its
+    level (a detector's shape): the sides stay open expressions, and the written model runs at
+    another image size."""
+    rng = np.random.default_rng(3)
+    w = _const("w", (0.1 * rng.standard_normal((4, 4, 3, 3))).astype(np.float32))
+    scales = _const("scales", np.array([1.0, 1.0, 2.0, 2.0], np.float32))
+    nodes, skips, x = [], [], "x"
+    for k in range(4):
+        nodes.append(h.make_node("Conv", [x, "w"], [f"c{k}"], strides=[2, 2], pads=[1, 1, 1, 1]))
+        skips.append(x)
+        x = f"c{k}"
+    for k in reversed(range(4)):
+        nodes.append(h.make_node("Resize", [x, "", "scales"], [f"u{k}"], mode="nearest"))
+        nodes.append(h.make_node("Add", [f"u{k}", skips[k]], [f"a{k}"]))
+        x = f"a{k}"
+    g = h.make_graph(nodes, "unet", [h.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                ["N", 4, "H", "W"])],
+                     [h.make_tensor_value_info(x, TensorProto.FLOAT, ["N", 4, "H", "W"])],
+                     [w, scales])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    graph = load_onnx(model, input_shapes={"x": (1, 4, 32, 48)})
+    resized = [n for n in graph.nodes if n.op == "resize"]
+    assert len(resized) == 4 and all(is_open(d) for n in resized for d in n.types[0].shape[2:])
+    _same_in_onnxruntime(model, _written(graph, model), [{"x": (1, 4, 32, 48)},
+                                                         {"x": (2, 4, 64, 16)}])

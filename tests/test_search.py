@@ -835,3 +835,76 @@ def test_a_search_collects_garbage_less_often_and_restores_the_collector():
         assert gc.get_freeze_count() > own // 2 and gc.get_threshold() == before
     finally:
         gc.unfreeze()
+
+
+def test_second_opinions_leave_the_end_to_end_choice_its_share(monkeypatch):
+    """A second opinion gets only what the choice's reserve leaves, and none starts where
+    that is under a quarter of its share (a search that overran leaves its time to the
+    choice)."""
+    import time
+
+    from taso_jax.search import options
+    from taso_jax.search.limits import SHARES, Deadline
+
+    calls = []
+
+    def record(name):
+        def run(*args, time_limit, **kw):
+            calls.append((name, time_limit))
+        return run
+
+    for name in ("add_analytic_candidate", "add_near_tie_candidate", "add_ablation_candidate"):
+        monkeypatch.setattr(options, name, record(name))
+    opts = options.OptimizeOptions(time_limit=10.0)
+    reserve = SHARES["choice_reserve"] * 10.0
+    options.add_second_opinions(None, None, [], None, opts,
+                                Deadline(time.perf_counter() + reserve + 0.1, 10.0))
+    assert calls == []
+    options.add_second_opinions(None, None, [], None, opts,
+                                Deadline(time.perf_counter() + reserve + 0.6, 10.0))
+    assert [c[0] for c in calls] == ["add_analytic_candidate", "add_near_tie_candidate",
+                                     "add_ablation_candidate"]
+    assert all(0.25 * 1.0 <= t <= 0.6 for _, t in calls)
+
+
+def test_the_input_is_compiled_ahead_for_the_choice(monkeypatch):
+    """A graph of at least COMPILE_AHEAD_NODES nodes is compiled in a background thread, and
+    the choice then finds it compiled; a smaller one is not."""
+    from taso_jax.search import choose
+
+    from taso_jax.ir import executor
+    from taso_jax.ir.executor import compile_graph, forget_compiled
+
+    graph = resnet_module()
+    forget_compiled()
+    assert len(graph.nodes) < choose.COMPILE_AHEAD_NODES
+    assert choose.compile_ahead(graph) is None
+    monkeypatch.setattr(choose, "COMPILE_AHEAD_NODES", 1)
+    thread = choose.compile_ahead(graph)
+    thread.join(120)
+    assert not thread.is_alive()
+    made = []
+    monkeypatch.setattr(executor, "CompiledGraph", made.append)
+    compiled = compile_graph(graph)
+    assert compiled.graph is graph and made == []
+    forget_compiled()
+
+
+def test_a_choice_that_found_the_input_compiled_weighs_what_compiling_took():
+    """start_choice with ``made_seconds``: the input made at once (compiled ahead) still
+    counts as the time its compilation took, and no candidate is made where that does not
+    fit before the deadline."""
+    import time
+
+    from taso_jax.search.choose import start_choice
+
+    graph = resnet_module()
+    result = _search(graph, cost_model=AnalyticCostModel(), budget=0)
+    graphs = [(1.0, graph, ()), (1.0, graph, ("x",))]
+    deadline = time.perf_counter() + 5.0
+    base, skipped = start_choice(result, graphs, deadline, lambda: "base", lambda b: 10.0,
+                                 "cpu", made_seconds=0.0)
+    assert base == "base" and skipped is None
+    base, skipped = start_choice(result, graphs, deadline, lambda: "base", lambda b: 10.0,
+                                 "cpu", made_seconds=60.0)
+    assert base is None and "one comparison needs about 60" in skipped["skipped"]

@@ -225,7 +225,8 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
 
     if symbolic:  # the sizes that follow from the open ones, as expressions
         _check_deadline(deadline, "before the symbolic shape inference of the open sizes")
-        types = open_types(model, symbolic, types)
+        types = open_types(model, symbolic, types,
+                           deadline=None if deadline is None else deadline.share("open_sizes"))
     env: dict[str, Tensor] = {}
     for name, arr in weights.items():
         env[name] = leaf_node("weight", name, TensorType(arr.shape, str(arr.dtype))).outputs[0]

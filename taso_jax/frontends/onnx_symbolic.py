@@ -38,7 +38,7 @@ def _safe_symbols(symbolic: Mapping[str, Mapping[int, str]]) -> dict[tuple[str, 
 
 
 def open_types(model, symbolic: Mapping[str, Mapping[int, str]],
-               types: Mapping[str, TensorType]) -> dict[str, TensorType]:
+               types: Mapping[str, TensorType], deadline=None) -> dict[str, TensorType]:
     """``types`` with the sizes that follow from the model's open sizes as expressions.
 
     Args:
@@ -48,12 +48,14 @@ def open_types(model, symbolic: Mapping[str, Mapping[int, str]],
             :func:`taso_jax.frontends.onnx_shapes.symbolic_dims` (input or output name ->
             ``{axis: dim_param}``).
         types: value name -> its type at the binding (``_value_types`` and the probe runs).
+        deadline: a :class:`~taso_jax.search.limits.Deadline` past which the inference is
+            given up, as where it fails; ``None``: no limit.
 
     Returns:
         The same mapping, where each size that onnxruntime's symbolic shape inference
         expresses over the open input sizes is a :class:`~taso_jax.ops.dims.Dim` whose
         expression evaluates to the bound size. Sizes it does not express (fresh
-        ``unk__`` names, a value that disagrees with the binding, a failed inference) stay
+        ``unk__`` names, a value that disagrees with the binding, a failed or late inference) stay
         plain integers: fixed at the binding, as before. Inputs' open sizes are always
         :class:`Dim` symbols.
     """
@@ -81,7 +83,7 @@ def open_types(model, symbolic: Mapping[str, Mapping[int, str]],
             if axis < len(shape) and sym in binding and binding[sym] == shape[axis]:
                 shape[axis] = Dim(shape[axis], symbol(sym))
         out[name] = TensorType(tuple(shape), t.dtype)
-    inferred = _infer(_light_model(model), names)
+    inferred = _infer(_light_model(model), names, deadline)
     if not inferred:
         return out
     known = frozenset(binding)
@@ -101,11 +103,12 @@ def open_types(model, symbolic: Mapping[str, Mapping[int, str]],
     return out
 
 
-def _infer(light, names: Mapping[tuple[str, int], str]) -> dict[str, list]:
+def _infer(light, names: Mapping[tuple[str, int], str], deadline=None) -> dict[str, list]:
     """Onnxruntime's symbolic shapes of ``light``'s values with its inputs opened again.
 
     Returns value name -> sizes, each an int or an expression string over the names in
-    ``names``; empty where the inference fails (it is a help, never a requirement).
+    ``names``; empty where the inference fails or ``deadline`` passes (it is a help, never
+    a requirement).
     """
     for inp in light.graph.input:
         dims = inp.type.tensor_type.shape.dim
@@ -115,7 +118,7 @@ def _infer(light, names: Mapping[tuple[str, int], str]) -> dict[str, list]:
                 d.Clear()
                 d.dim_param = sym
     del light.graph.value_info[:]
-    inferred = symbolic_inference(light, auto_merge=True)
+    inferred = symbolic_inference(light, auto_merge=True, deadline=deadline)
     if inferred is None:  # the sizes stay fixed at the binding
         return {}
     out: dict[str, list] = {}

@@ -8,6 +8,7 @@ that no session holds a copy of them.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -251,26 +252,90 @@ PROBE_OUTPUTS = 32
 INFER_OVER = 128
 
 
-def symbolic_inference(model, auto_merge: bool = False):
+def symbolic_inference(model, auto_merge: bool = False, deadline=None):
     """``model`` with onnxruntime's symbolic shape inference's value_info, or None.
 
     Runs the tool's steps rather than its ``infer_shapes``: where inference stays
     incomplete, that one saves the model into the current folder (a user's!) and raises;
     the shapes it did find are returned here. ``auto_merge`` merges sizes that an operator
-    needs equal (a broadcast of two open sizes) instead of failing. None where the tool
-    fails; it is a help, never a requirement.
+    needs equal (a broadcast of two open sizes) instead of failing. ``deadline`` (a
+    :class:`~taso_jax.search.limits.Deadline`, or ``None``: no limit) is looked at before
+    each operator the tool infers; once it has passed, the inference is given up. Its
+    ``Resize`` rule runs without SymPy's ``simplify`` (:func:`_resize_rule`). None where
+    the tool fails or the deadline passed; it is a help, never a requirement.
     """
     try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+        from onnxruntime.tools import symbolic_shape_infer as tool
 
-        ssi = SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)
+        ssi = tool.SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)
+        if "Resize" in ssi.dispatcher_:
+            ssi.dispatcher_["Resize"] = _resize_rule(tool, ssi.dispatcher_["Resize"])
+        if deadline is not None:
+            ssi.dispatcher_ = {op: _until(rule, deadline)
+                               for op, rule in ssi.dispatcher_.items()}
         ssi._preprocess(model)
         while ssi.run_:
             ssi._infer_impl()
         ssi._update_output_from_vi()
         return ssi.out_mp_
-    except Exception:  # noqa: BLE001 - any failure of the tool
+    except Exception:  # noqa: BLE001 - any failure of the tool, or the deadline passed
         return None
+
+
+class _InferenceTimeLimit(Exception):
+    """The deadline of a symbolic shape inference passed."""
+
+
+def _until(rule, deadline):
+    """The tool's ``rule`` for one operator, refused once ``deadline`` has passed.
+
+    Raises:
+        _InferenceTimeLimit: (from the rule returned) the deadline has passed.
+    """
+    def checked(node):
+        if deadline.passed():
+            raise _InferenceTimeLimit
+        return rule(node)
+    return checked
+
+
+class _CheapSimplify:
+    """The ``sympy`` module as the tool's ``Resize`` rule sees it: ``simplify`` made cheap.
+
+    The rule writes each size as ``simplify(floor(d * scale))``, ``d`` the input's size
+    expression. Past a few strided convolutions and upsamplings ``d`` nests floors, and
+    ``simplify`` of it took 76 of the 84 s a PP-OCRv4 detector's import took (18 Resize
+    nodes). Here ``simplify`` only makes each float an exact rational, which lets SymPy's
+    own evaluation drop the floor where the product is an integer (``floor(2*d) = 2*d``
+    for an integer ``d``): the same value, a form that may be longer.
+    """
+
+    def __init__(self, sympy):
+        self._sympy = sympy
+
+    def __getattr__(self, name):
+        return getattr(self._sympy, name)
+
+    def simplify(self, expr):
+        sympy = self._sympy
+        expr = sympy.sympify(expr)
+        return expr.xreplace({f: sympy.Rational(float(f)) for f in expr.atoms(sympy.Float)})
+
+
+_TOOL_LOCK = threading.Lock()
+
+
+def _resize_rule(tool, rule):
+    """The tool's ``Resize`` rule run with :class:`_CheapSimplify` as its ``sympy``."""
+    def resize(node):
+        with _TOOL_LOCK:
+            real = tool.sympy
+            tool.sympy = _CheapSimplify(real)
+            try:
+                return rule(node)
+            finally:
+                tool.sympy = real
+    return resize
 
 
 def _missing_types_by_inference(model, names: list[str], types: dict[str, TensorType]):
