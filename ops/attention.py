@@ -81,7 +81,7 @@ def _causal_mask_onnx(ctx, ins, outs, *, offset, fill):
 declare(OpDef(
     name="causal_mask", ref=_causal_mask,
     shape=_causal_mask_shape, arity=1, attrs={"offset": 0, "fill": float("-inf")},
-    to_onnx=_causal_mask_onnx, fusible=True,
+    to_onnx=_causal_mask_onnx, fusible=True, trailing=2,
     examples=(([TensorType((2, 5, 5), _F32)], {}),
               ([TensorType((3, 2, 6), _F32)], {"offset": 4, "fill": -1e9})),
     doc="x[..., i, j] where j <= i + offset, else fill: a causal (lower-triangular) mask "

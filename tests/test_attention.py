@@ -197,3 +197,81 @@ def test_grouped_kv_heads_attend_without_copies(causal):
         np.testing.assert_allclose(np.asarray(out),
                                    np.asarray(jax.jit(fn)(args[0] * scale, *args[1:])),
                                    rtol=1e-4, atol=1e-5)
+
+
+def _dpa_forms():
+    """jax.nn.dot_product_attention and the library wrappers of it, ``[batch, seq, heads,
+    dim]`` in and out; each with the operators its imported graph must reach."""
+    forms = {
+        "causal": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                   True),
+        "bidirectional": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v), False),
+    }
+    try:
+        from flax import nnx
+    except ImportError:
+        return forms
+
+    def nnx_causal(q, k, v):
+        return nnx.dot_product_attention(q, k, v, mask=nnx.make_causal_mask(q[..., 0, 0]))
+
+    forms["nnx_causal"] = (nnx_causal, True)
+    return forms
+
+
+@pytest.mark.parametrize("form", sorted(_dpa_forms()))
+def test_dot_product_attention_becomes_attention(form):
+    """jax.nn.dot_product_attention computes in a 5-D layout with a group axis of size 1;
+    with the unit axes squeezed away at import its scores reach the 4-D composition that
+    attention's laws are stated on, so the search introduces ``attention`` (the causal form
+    lowered to query blocks) and the result equals jax.jit of the function at two scales."""
+    fn, causal = _dpa_forms()[form]
+    s_len, d = 256, 16
+    args = [jax.random.normal(jax.random.key(i), (2, s_len, 2, d)) for i in range(3)]
+    g = taso_jax.from_jax(fn, *args)
+    (sm,) = [n for n in g.nodes if n.op == "softmax"]
+    chain = [sm.inputs[0].node.op]
+    while chain[-1] in ("causal_mask", "scalar_mul"):
+        chain.append({t.node.op: t.node for t in [sm.inputs[0]]}[chain[-1]].inputs[0].node.op)
+        sm = sm.inputs[0].node
+    assert chain[-1] == "matmul" and ("causal_mask" in chain) == causal, chain
+    assert all(len(n.types[0].shape) == 4 for n in g.nodes
+               if n.op in ("softmax", "causal_mask", "scalar_mul", "matmul")), _ops(g)
+    if causal:  # the analytic cost model prefers skipping the masked half; else a tie
+        result = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0, time_limit=60)
+        atts = [dict(n.attrs) for n in result.graph.nodes if n.op == "attention"]
+        assert len(atts) == 1 and atts[0]["impl"] == "blocked", _ops(result.graph)
+        g = result.graph
+    run = taso_jax.compile_graph(g)
+    for scale in (1.0, 10.0):
+        out = run(args[0] * scale, *args[1:])
+        out = out[0] if isinstance(out, tuple | list) else out
+        np.testing.assert_allclose(np.asarray(out),
+                                   np.asarray(jax.jit(fn)(args[0] * scale, *args[1:])),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_unit_axes_squeezed_through_trailing_operators():
+    """A reshape and a transpose that only move unit axes pass through the scale, the
+    causal mask and the softmax (which act on trailing axes) and cancel; a reshape that
+    changes the trailing axes the mask acts on stays."""
+    from taso_jax.ir.layout import squeeze_unit_axes
+
+    def fn(s):
+        t = s.reshape(2, 8, 1, 8) * np.float32(0.5)
+        t = jnp.transpose(t, (2, 0, 1, 3))
+        t = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), t, -jnp.inf)
+        return jax.nn.softmax(t, axis=-1).reshape(2, 8, 8)
+
+    s = jax.random.normal(jax.random.key(0), (2, 8, 8))
+    g = taso_jax.from_jax(fn, s)
+    assert "reshape" not in _ops(g) and "transpose" not in _ops(g), _ops(g)
+    out = taso_jax.compile_graph(g)(s)
+    out = out[0] if isinstance(out, tuple | list) else out
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(fn)(s)), rtol=1e-6)
+
+    def moved(s):  # the mask's rows become [2, 8] of a 16-row matrix: not a unit change
+        return jnp.where(jnp.tril(jnp.ones((16, 8), bool)), s.reshape(16, 8), -jnp.inf)
+
+    g = squeeze_unit_axes(taso_jax.from_jax(moved, s))
+    assert "reshape" in _ops(g), _ops(g)
