@@ -47,8 +47,10 @@ def _import_softmax(ctx, ins, axis=-1):
 
 
 def _through(t, ops: tuple[str, ...]):
-    """``t`` before the named operators (one input each), ``stop_gradient`` and transposes
-    that only move unit axes."""
+    """``t`` before the named operators (one input each) and ``stop_gradient``.
+
+    Transposes that only move unit axes are passed too.
+    """
     while t.node.op in ops or (t.node.op == "opaque" and getattr(
             dict(t.node.attrs).get("call"), "primitive", None) == "stop_gradient") or (
             t.node.op == "transpose" and _unit_moves(t.node)):
@@ -72,8 +74,11 @@ def _reduced_axis(t, op: str):
 
 
 def _unit_source(t):
-    """The tensor that ``t`` is a reshape of, through reshapes and transposes that only
-    insert, remove or move unit axes (which keep every element in row-major place)."""
+    """The tensor that ``t`` is a reshape of, through unit-axis reshapes and transposes.
+
+    Those only insert, remove or move axes of size 1, which keeps every element in its
+    row-major place.
+    """
     def squeezed(shape):
         return tuple(d for d in shape if d != 1)
 
