@@ -1,4 +1,6 @@
-"""Attention: scaled dot-product attention and the causal mask, with lowerings per device.
+"""Attention: dot-product attention, its causal mask, grouped K/V heads, an additive mask.
+
+Each with its lowerings per device.
 
 ``attention(q, kt, v)`` is ``softmax(q @ kt) @ v`` over the last two axes, with the keys
 given transposed (``kt``: ``[..., D, Sk]``), as JAX's ``dot_general`` import and ONNX
