@@ -217,7 +217,73 @@ def make_lora_mlp(seq: int = 1024, dtype: str = "float32", batch: int = 1, dim: 
     return fn, cast(w, dtype), cast((x,), dtype)
 
 
+def make_causal_attention_additive(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                                   heads: int = 12, head_dim: int = 64):
+    """:func:`make_causal_attention` with the causal mask added to the scores as a constant
+    of 0 and ``-inf`` (``s + jnp.where(tril, 0, -inf)``), on ``[batch, heads, seq, head_dim]``."""
+    scale = head_dim ** -0.5
+
+    def fn(w, q, k, v):
+        n = q.shape[2]
+        bias = jnp.where(jnp.tril(jnp.ones((n, n), dtype=bool)), 0.0, -jnp.inf).astype(q.dtype)
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * scale + bias
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+    return fn, {}, cast(_qkv(seq, batch, heads, head_dim, "bhsd"), dtype)
+
+
+def make_masked_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                          heads: int = 12, head_dim: int = 64):
+    """Attention with an additive padding mask read at run time, ``[batch, 1, seq, seq]`` of
+    0 and ``finfo.min`` (the last quarter of the keys masked), added to the scaled scores;
+    ``q, k, v`` are ``[batch, heads, seq, head_dim]``."""
+    scale = head_dim ** -0.5
+
+    def fn(w, q, k, v, mask):
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * scale + mask
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+    keep = np.arange(seq) < seq - seq // 4
+    mask = np.where(keep, 0.0, np.finfo(np.float32).min).astype(np.float32)
+    mask = np.broadcast_to(mask, (batch, 1, seq, seq))
+    return fn, {}, cast((*_qkv(seq, batch, heads, head_dim, "bhsd"), jnp.asarray(mask)), dtype)
+
+
+def make_gqa_causal_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                              heads: int = 12, kv_heads: int = 4, head_dim: int = 64):
+    """Causal grouped-query attention written for plain attention: ``k, v [batch, seq,
+    kv_heads, head_dim]`` repeated to the ``heads`` of ``q [batch, seq, heads, head_dim]``."""
+    rng = np.random.default_rng(1)
+    q = _normal(rng, (batch, seq, heads, head_dim))
+    k, v = (_normal(rng, (batch, seq, kv_heads, head_dim)) for _ in range(2))
+
+    def fn(w, q, k, v):
+        k, v = (jnp.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+        n = q.shape[1]
+        s = jnp.where(jnp.tril(jnp.ones((n, n), dtype=bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    return fn, {}, cast((q, k, v), dtype)
+
+
 # ---- library modules ---------------------------------------------------------------------
+
+
+def make_linen_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                         heads: int = 12, head_dim: int = 64):
+    """flax.linen's ``dot_product_attention`` with ``linen.make_causal_mask``, on ``q, k, v``
+    of shape ``[batch, seq, heads, head_dim]``; no weights."""
+    try:
+        from flax import linen
+    except ImportError as e:
+        raise Unavailable("flax not installed") from e
+
+    def fn(w, q, k, v):
+        mask = linen.make_causal_mask(jnp.ones(q.shape[:2]))
+        return linen.dot_product_attention(q, k, v, mask=mask)
+
+    return fn, {}, cast(_qkv(seq, batch, heads, head_dim, "bshd"), dtype)
 
 
 def make_nnx_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
@@ -308,6 +374,10 @@ def make_hf_gpt2(seq: int = 128, dtype: str = "float32", batch: int = 1, **confi
 
 MODELS = {"causal_attention": make_causal_attention,
           "causal_attention_dpa": make_causal_attention_dpa,
+          "causal_attention_additive": make_causal_attention_additive,
+          "masked_attention": make_masked_attention,
+          "gqa_causal_attention": make_gqa_causal_attention,
+          "linen_attention": make_linen_attention,
           "llama_block": make_llama_block, "llama_decode": make_llama_decode,
           "lora_mlp": make_lora_mlp, "nnx_attention": make_nnx_attention,
           "eqx_attention": make_eqx_attention, "hf_bert": make_hf_bert,
@@ -316,6 +386,10 @@ MODELS = {"causal_attention": make_causal_attention,
 #: Sizes (keyword arguments besides ``seq`` and ``dtype``) at which each model is tiny.
 TINY = {"causal_attention": {"heads": 2, "head_dim": 8},
         "causal_attention_dpa": {"heads": 2, "head_dim": 8},
+        "causal_attention_additive": {"heads": 2, "head_dim": 8},
+        "masked_attention": {"heads": 2, "head_dim": 8},
+        "gqa_causal_attention": {"heads": 4, "kv_heads": 2, "head_dim": 8},
+        "linen_attention": {"heads": 2, "head_dim": 8},
         "llama_block": {"dim": 32, "heads": 4, "kv_heads": 2, "mlp": 48},
         "llama_decode": {"dim": 32, "heads": 4, "kv_heads": 2, "mlp": 48},
         "lora_mlp": {"dim": 32, "hidden": 48, "rank": 4},

@@ -115,6 +115,11 @@ class OpDef:
             gives their number from its attributes (``None`` where an attribute variable
             leaves it open); ``None`` for an operator of one output. Rule files are checked
             against it.
+        trailing: for a one-input operator that acts on its last ``trailing`` axes and
+            independently over the leading ones (``causal_mask``: 2), so that a reshape that
+            only inserts or removes unit leading axes passes through it
+            (:func:`taso_jax.ir.layout.squeeze_unit_axes`); ``None`` otherwise. Elementwise
+            operators and one-input ``layout="axis"`` operators need not declare it.
     """
 
     name: str
@@ -135,6 +140,7 @@ class OpDef:
     numpy_ref: Callable[..., Any] | None = None
     grouped_kernel_axis: int | None = None
     num_outputs: Callable[[dict[str, Any]], int | None] | None = None
+    trailing: int | None = None
 
     def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """Fill defaults, reject unknown names, and freeze values into a sorted tuple.

@@ -1,4 +1,6 @@
-"""Attention: scaled dot-product attention and the causal mask, with lowerings per device.
+"""Attention: dot-product attention, its causal mask, grouped K/V heads, an additive mask.
+
+Each with its lowerings per device.
 
 ``attention(q, kt, v)`` is ``softmax(q @ kt) @ v`` over the last two axes, with the keys
 given transposed (``kt``: ``[..., D, Sk]``), as JAX's ``dot_general`` import and ONNX
@@ -81,7 +83,7 @@ def _causal_mask_onnx(ctx, ins, outs, *, offset, fill):
 declare(OpDef(
     name="causal_mask", ref=_causal_mask,
     shape=_causal_mask_shape, arity=1, attrs={"offset": 0, "fill": float("-inf")},
-    to_onnx=_causal_mask_onnx, fusible=True,
+    to_onnx=_causal_mask_onnx, fusible=True, trailing=2,
     examples=(([TensorType((2, 5, 5), _F32)], {}),
               ([TensorType((3, 2, 6), _F32)], {"offset": 4, "fill": -1e9})),
     doc="x[..., i, j] where j <= i + offset, else fill: a causal (lower-triangular) mask "
@@ -327,6 +329,9 @@ _GQA_LAWS = (
           _GQA, derive="rtl", r=(2, 3), c=(False, True), o=(0,), f=(float("-inf"),)),
     axiom("grouped_attention(q, transpose(k, perm=(0, 2, 3, 1)), transpose(v, perm=(0, 2, 1, 3)), reps=r, causal=c, offset=o, fill=f) = attention(q, transpose(repeat(k, axis=-2, reps=r), perm=(0, 2, 3, 1)), transpose(repeat(v, axis=-2, reps=r), perm=(0, 2, 1, 3)), causal=c, offset=o, fill=f)",
           _GQA_BSHD, derive="rtl", r=(2, 4), c=(False, True), o=(0,), f=(float("-inf"),)),
+    # The causal grouped form lowered to query blocks, as attention's lowering law.
+    axiom("grouped_attention(q, kt, v, reps=r, causal=True, offset=o, fill=f) = grouped_attention(q, kt, v, reps=r, causal=True, offset=o, fill=f, impl=i, block=b)",
+          _GQA, derive="ltr", r=(2,), o=(0,), f=_F, i=("blocked",), b=(64, 128, 256)),
 )
 
 declare(OpDef(
@@ -341,3 +346,71 @@ declare(OpDef(
     doc="attention(q, repeat(kt, reps, axis=-3), repeat(v, reps, axis=-3)) without the "
         "copies: reps query heads share each K/V head (grouped-query attention, Ainslie et "
         "al. 2023)"))
+
+
+# ---- additive mask -------------------------------------------------------------------------
+# ``masked_attention(q, kt, v, mask)`` is ``softmax(q @ kt + mask) @ v``: the attention of code
+# that adds a bias or a mask of 0 and large negative values (-inf, finfo.min) to its scores
+# (``jax.nn.dot_product_attention(bias=...)``, Hugging Face's extended attention masks). The
+# mask broadcasts against the scores ``[..., Sq, Sk]`` without enlarging them. It has one
+# lowering, the composition: a mask read at run time gives no block that could be skipped.
+# A constant causal mask is a ``causal_mask`` instead (``causal_additive``), for which the
+# blocked lowering of ``attention`` applies.
+
+def _masked(q, kt, v, mask):
+    return jnp.matmul(jax.nn.softmax(jnp.matmul(q, kt) + mask, axis=-1), v)
+
+
+def _masked_shape(ts):
+    q, kt, v, mask = ts
+    (out,) = _attention_shape([q, kt, v], causal=False, offset=0, fill=float("-inf"),
+                              impl="naive", block=128)
+    scores = broadcast_shape(q.shape[:-2], kt.shape[:-2]) + (q.shape[-2], kt.shape[-1])
+    if mask.dtype != q.dtype or len(mask.shape) > len(scores) \
+            or broadcast_shape(scores, mask.shape) != scores:
+        raise ShapeError(f"masked_attention: mask {mask.shape} {mask.dtype} does not "
+                         f"broadcast into the scores {scores} {q.dtype}")
+    return [out]
+
+
+def _masked_flops(ins, outs):
+    return _attention_flops(ins[:3], outs, causal=False, impl="naive")
+
+
+def _masked_onnx(ctx, ins, outs):
+    s = ctx.tmp("Add", [ctx.tmp("MatMul", ins[:2]), ins[3]])
+    ctx.node("MatMul", [ctx.tmp("Softmax", [s], axis=-1), ins[2]], outs)
+
+
+# The definition, with a mask of the scores' full shape, is the axiom. The same law with a
+# mask broadcast over the heads (``[1, 1, Sq, Sk]``, or per batch ``[B, 1, Sq, Sk]``, as JAX
+# code writes ``mask[None, None]``) is the same formula to the prover, which does not see
+# shapes: those, and the scaled forms, are theorems, as for attention.
+_QKVM = {**_QKV, "m": ("...", "M", "N")}
+_BHQKV = {"q": ("B", "H", "M", "K"), "kt": ("B", "H", "K", "N"), "v": ("B", "H", "N", "P")}
+_MASK_SHAPES = (_QKVM, {**_BHQKV, "m": (1, 1, "M", "N")}, {**_BHQKV, "m": ("B", 1, "M", "N")})
+_MASKED_LAWS = (
+    axiom("masked_attention(q, kt, v, m) = matmul(softmax(ewadd(matmul(q, kt), m), axis=-1), v)",
+          _MASK_SHAPES[0], derive="rtl"),
+    axiom("masked_attention(q, kt, v, m) = matmul(softmax(ewadd(matmul(q, kt), m), axis=-1), v)",
+          _MASK_SHAPES[1], derive="rtl", theorem=True),
+    axiom("masked_attention(q, kt, v, m) = matmul(softmax(ewadd(matmul(q, kt), m), axis=-1), v)",
+          _MASK_SHAPES[2], derive="rtl", theorem=True),
+    axiom("masked_attention(scalar_mul(q, scalar=s), kt, v, m) = matmul(softmax(ewadd(scalar_mul(matmul(q, kt), scalar=s), m), axis=-1), v)",
+          _MASK_SHAPES[0], derive="rtl", theorem=True, s=(0.125,)),
+    axiom("masked_attention(scalar_mul(q, scalar=s), kt, v, m) = matmul(softmax(ewadd(scalar_mul(matmul(q, kt), scalar=s), m), axis=-1), v)",
+          _MASK_SHAPES[1], derive="rtl", theorem=True, s=(0.125,)),
+    axiom("masked_attention(scalar_mul(q, scalar=s), kt, v, m) = matmul(softmax(ewadd(scalar_mul(matmul(q, kt), scalar=s), m), axis=-1), v)",
+          _MASK_SHAPES[2], derive="rtl", theorem=True, s=(0.125,)),
+)
+
+declare(OpDef(
+    name="masked_attention", ref=_masked, shape=_masked_shape, arity=4,
+    to_onnx=_masked_onnx, flops=_masked_flops, axioms=_MASKED_LAWS,
+    examples=(([TensorType((2, 6, 4), _F32), TensorType((2, 4, 7), _F32),
+                TensorType((2, 7, 3), _F32), TensorType((2, 6, 7), _F32)], {}),
+              ([TensorType((1, 2, 5, 4), _F32), TensorType((1, 2, 4, 5), _F32),
+                TensorType((1, 2, 5, 3), _F32), TensorType((5, 5), _F32)], {})),
+    doc="softmax(q @ kt + mask) @ v over the last two axes, keys transposed, the additive "
+        "mask broadcast into the scores (jax.nn.dot_product_attention with a bias; ONNX "
+        "MatMul, Add, Softmax, MatMul)"))

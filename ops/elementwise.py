@@ -437,7 +437,7 @@ def _import_identity(ctx, ins, training_mode=None, **_):
 # lax binary operators broadcast size-1 dimensions and rank-0 literals like NumPy, so they map
 # one to one; rank-0 literals arrive as scalar weights.
 
-for _prim, _op in (("add", "ewadd"), ("pow", "pow"), ("tanh", "tanh"),
+for _prim, _op in (("pow", "pow"), ("tanh", "tanh"),
                    ("logistic", "sigmoid"), ("erf", "erf"), ("sqrt", "sqrt"), ("exp", "exp"),
                    ("neg", "neg"), ("eq", "equal"), ("lt", "less"), ("sin", "sin"),
                    ("cos", "cos"), ("log", "log"), ("erfc", "erfc"), ("abs", "abs"),
@@ -617,6 +617,42 @@ def _causal_select(ctx, pred, on_true, on_false):
         offset = causal_offset(~np.asarray(keep) if negate else np.asarray(keep))
         if offset is not None:
             return ctx.op("causal_mask", [x], offset=offset, fill=value)
+    return None
+
+
+@jaxpr_importer("add")
+def _import_add(ctx, ins, **_):
+    masked = _causal_additive(ctx, *ins)
+    return [masked if masked is not None else ctx.op("ewadd", ins)]
+
+
+def _causal_additive(ctx, a, b):
+    """``causal_mask(x, offset, fill=-inf)`` for ``x + m`` with a constant causal mask ``m``.
+
+    ``m`` is 0 where key ``j <= i + offset`` and ``-inf`` elsewhere over the last two axes,
+    the same over the leading ones (``jnp.where(jnp.tril(...), 0, -jnp.inf)``, added to the
+    scores). Adding ``-inf`` gives ``-inf`` for every score but ``+inf``, so this is the
+    causal ``where``; a finite fill (``-1e9``, ``finfo.min``) is not: ``x + fill`` differs
+    from ``fill`` with ``x``, which a fully masked row would show.
+    """
+    from taso_jax.ops.attention import causal_offset
+
+    out = ctx.out_types[0]
+    if len(out.shape) < 2 or not np.issubdtype(np.dtype(out.dtype), np.floating):
+        return None
+    for x, m in ((a, b), (b, a)):
+        if ctx.type(x).shape != out.shape or ctx.weight_only(x):
+            continue
+        mask = ctx.const(_unbroadcast(m))
+        if mask is None or np.shape(mask)[-2:] != out.shape[-2:]:
+            continue
+        mask = np.asarray(mask)
+        keep = mask == 0
+        if not np.all(keep | (mask == -np.inf)):
+            continue
+        offset = causal_offset(keep)
+        if offset is not None:
+            return ctx.op("causal_mask", [x], offset=offset, fill=float("-inf"))
     return None
 
 

@@ -144,7 +144,8 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
     operand, then those of the right (jax.lax.dot_general). Where the right operand is laid
     out as a matmul's left one (batch, free, contracting) and the left is not, the product
     is taken the other way round and transposed: ``einsum("bkhd,bhqk->bhdq", v, p)`` becomes
-    ``p @ v`` transposed, the form in which attention's laws see it.
+    ``p @ v`` transposed, the form in which attention's laws see it. The right operand
+    counts as laid out when only its axes of size 1 are out of place.
     """
     lhs, rhs = ins
     (lc, rc), (lb, rb) = dimension_numbers
@@ -155,7 +156,10 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
     lf = [i for i in range(len(ls)) if i not in (*lc, *lb)]
     rf = [i for i in range(len(rs)) if i not in (*rc, *rb)]
     left_laid_out = [*lb, *lf, *lc] == list(range(len(ls)))
-    right_laid_out_as_left = [*rb, *rf, *rc] == list(range(len(rs)))
+    # Unit axes do not count: jax.nn.dot_product_attention's probabilities carry a group axis
+    # of size 1 ahead of the batch axes, and moving it moves no element.
+    moved = [a for a in (*rb, *rf, *rc) if rs[a] != 1]
+    right_laid_out_as_left = moved == sorted(moved)
     if left_laid_out or not right_laid_out_as_left or not lf or not rf:
         return [ctx.reshape(_dot(ctx, lhs, rhs, lc, rc, lb, rb)[0], out.shape)]
     y, nb, nr, nl = _dot(ctx, rhs, lhs, rc, lc, rb, lb)  # (batch, rhs free, lhs free)

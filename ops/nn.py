@@ -47,11 +47,21 @@ def _import_softmax(ctx, ins, axis=-1):
 
 
 def _through(t, ops: tuple[str, ...]):
-    """``t`` before the named operators (one input each) and ``stop_gradient``."""
+    """``t`` before the named operators (one input each) and ``stop_gradient``.
+
+    Transposes that only move unit axes are passed too.
+    """
     while t.node.op in ops or (t.node.op == "opaque" and getattr(
-            dict(t.node.attrs).get("call"), "primitive", None) == "stop_gradient"):
+            dict(t.node.attrs).get("call"), "primitive", None) == "stop_gradient") or (
+            t.node.op == "transpose" and _unit_moves(t.node)):
         t = t.node.inputs[0]
     return t
+
+
+def _unit_moves(n) -> bool:
+    """``n``, a transpose, keeps its axes longer than 1 in order."""
+    moved = [a for a in dict(n.attrs)["perm"] if n.inputs[0].shape[a] != 1]
+    return moved == sorted(moved)
 
 
 def _reduced_axis(t, op: str):
@@ -63,12 +73,34 @@ def _reduced_axis(t, op: str):
     return (x, axes[0] % len(x.shape) - len(x.shape)) if len(axes) == 1 else None
 
 
+def _unit_source(t):
+    """The tensor that ``t`` is a reshape of, through unit-axis reshapes and transposes.
+
+    Those only insert, remove or move axes of size 1, which keeps every element in its
+    row-major place.
+    """
+    def squeezed(shape):
+        return tuple(d for d in shape if d != 1)
+
+    while True:
+        n = t.node
+        if n.op == "reshape" and squeezed(n.inputs[0].shape) == squeezed(t.shape):
+            t = n.inputs[0]
+        elif n.op == "transpose" and _unit_moves(n):
+            t = n.inputs[0]
+        else:
+            return t
+
+
 def softmax_idiom(ctx, num, den):
     """``softmax(x, axis)`` if ``num / den`` is the softmax written out, else ``None``.
 
     The written-out form, as ``jax.nn.softmax`` traces: ``e / sum(e, axis)`` with
     ``e = exp(x - stop_gradient(max(x, axis)))``, the reductions' axis restored by a
-    reshape. It is the definition of softmax (ONNX Softmax-13), so nothing is lost; under
+    reshape. The maximum may be taken over another view of ``x`` that differs from it only
+    in unit axes (``jax.nn.dot_product_attention`` moves a unit group axis in between) when
+    both reduce the last axis. It is the definition of softmax (ONNX Softmax-13), so nothing
+    is lost; under
     ``jax.grad`` the operator's derivative is the same, since softmax is invariant to the
     shift.
     """
@@ -77,7 +109,10 @@ def softmax_idiom(ctx, num, den):
     x, shift = num.node.inputs[0].node.inputs
     total = _reduced_axis(_through(den, ("reshape",)), "reduce_sum")
     peak = _reduced_axis(_through(shift, ("reshape", "clip")), "reduce_max")
-    if total is None or peak is None or total != (num, peak[1]) or peak[0] != x:
+    if total is None or peak is None or total != (num, peak[1]):
+        return None
+    if peak[0] != x and not (peak[1] == -1 and x.shape[-1] == peak[0].shape[-1]
+                             and _unit_source(peak[0]) == _unit_source(x)):
         return None
     axis = peak[1]
     kept = tuple(1 if i == len(x.shape) + axis else d for i, d in enumerate(x.shape))

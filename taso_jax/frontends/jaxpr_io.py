@@ -262,7 +262,8 @@ def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_name
             weight's array (ignored for runtime inputs).
         out_names: one name per jaxpr output.
         name: graph name (``graph.meta["name"]``).
-        sink_layout: run :func:`taso_jax.ir.layout.sink_transposes` after import.
+        sink_layout: run :func:`taso_jax.ir.layout.squeeze_unit_axes` and
+            :func:`taso_jax.ir.layout.sink_transposes` after import.
         deadline: a :class:`~taso_jax.search.limits.Deadline`, or ``None`` (no limit): the
             import looks at it every 256 equations and before each normalization.
 
@@ -272,7 +273,7 @@ def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_name
         ImportTimeLimit: ``deadline`` passed; the message names the step.
     """
     from taso_jax.frontends.canonical import normalize_affine
-    from taso_jax.ir.layout import sink_transposes
+    from taso_jax.ir.layout import sink_transposes, squeeze_unit_axes
 
     if closed.effects:
         effects = sorted(map(str, closed.effects))
@@ -319,7 +320,7 @@ def import_jaxpr(closed, in_leaves: Sequence[tuple[str, bool, object]], out_name
         g = Graph(g.inputs, g.outputs, g.output_names, weights, {**meta, "opaque": live})
     clock.check(f"after the {clock.done:,} equations")
     if sink_layout:
-        g = sink_transposes(g)
+        g = sink_transposes(squeeze_unit_axes(g))
         clock.check("after the layout transposes were sunk")
     return normalize_affine(g)
 

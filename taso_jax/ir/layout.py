@@ -28,7 +28,8 @@ from __future__ import annotations
 from taso_jax.ir.graph import Graph, Node, Tensor, leaf_node, make_node, rebuild_node
 from taso_jax.ops import OPS
 
-__all__ = ["sink_transposes", "to_nhwc", "nhwc_form", "has_nchw_convolutions"]
+__all__ = ["sink_transposes", "squeeze_unit_axes", "to_nhwc", "nhwc_form",
+           "has_nchw_convolutions"]
 
 Perm = tuple[int, ...] | None  # None: identity
 
@@ -241,3 +242,106 @@ def to_nhwc(graph: Graph) -> Graph:
     outs = tuple(env.get(t, t) for t in graph.outputs)
     return _Sinker(Graph(graph.inputs, outs, graph.output_names, graph.weights, graph.meta),
                    channels_last=True).run()
+
+
+# ---- unit axes ----------------------------------------------------------------------------
+# jax.nn.dot_product_attention computes in a 5-D layout ([batch, kv heads, query, group, key]
+# and its transposes) that has a group axis of size 1 for plain multi-head attention: the
+# scores reach the scale, the mask and the softmax through reshapes and transposes that only
+# insert, remove or move unit axes. Such a reshape keeps every element in place (row-major
+# order ignores unit axes), so it passes through any operator that acts on trailing axes the
+# reshape leaves alone; sinking it there and merging the reshapes that meet leaves the
+# 4-D composition that attention's laws are stated on.
+
+def _squeezed(shape) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
+def _unit_only(n: Node) -> bool:
+    """``n`` is a reshape, or a transpose, that only inserts, removes or moves unit axes."""
+    if n.op == "reshape":
+        return _squeezed(n.inputs[0].shape) == _squeezed(n.types[0].shape)
+    if n.op == "transpose":
+        shape = n.inputs[0].shape
+        moved = [a for a in n.attr("perm") if shape[a] != 1]
+        return moved == sorted(moved)
+    return False
+
+
+def _trailing(n: Node) -> int | None:
+    """How many trailing axes ``n`` acts on, independently over the leading ones; else None."""
+    d = OPS.get(n.op)
+    if d is None:
+        return None
+    if d.layout == "elementwise":
+        return 0
+    if d.layout == "axis" and len(n.inputs) == 1:
+        axis = n.attr("axis")
+        return -axis if axis < 0 else None
+    return d.trailing
+
+
+class _Squeezer:
+    """Carries each tensor as ``reshape(base, shape)`` while only unit axes differ."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.wo = graph.weight_only
+        self.base: dict[Tensor, Tensor] = {}
+
+    def materialize(self, t: Tensor) -> Tensor:
+        u = self.base[t]
+        if u.shape == t.shape:
+            return u
+        return make_node("reshape", [u], {"shape": tuple(t.shape)}).outputs[0]
+
+    def _through(self, n: Node) -> bool:
+        """Apply ``n`` to the bases of its inputs where the reshapes commute with it."""
+        k = _trailing(n)
+        if k is None or n in self.wo or len(n.outputs) != 1:
+            return False
+        out = n.types[0].shape
+        if any(t.shape != out for t in n.inputs):
+            return False  # broadcasting: the reshape would not pass through the other operand
+        runtime = [self.base[t] for t in n.inputs if t.node not in self.wo]
+        if not runtime:
+            return False
+        shape = runtime[0].shape
+        if shape == out or any(b.shape != shape for b in runtime):
+            return False
+        if k and (len(shape) < k or tuple(shape[-k:]) != tuple(out[-k:])):
+            return False
+        # Weight-only operands (a broadcast fill, a constant mask) are reshaped to match:
+        # that reshape is folded ahead of time.
+        bases = [make_node("reshape", [self.materialize(t)], {"shape": tuple(shape)}).outputs[0]
+                 if t.node in self.wo else self.base[t] for t in n.inputs]
+        new = rebuild_node(n, bases)
+        self.base[n.outputs[0]] = new.outputs[0]
+        return True
+
+    def run(self) -> Graph:
+        for n in self.graph.nodes:
+            if n.op in ("input", "weight"):
+                self.base[n.outputs[0]] = n.outputs[0]
+            elif _unit_only(n) and n not in self.wo:
+                self.base[n.outputs[0]] = self.base[n.inputs[0]]
+            elif not self._through(n):
+                new = rebuild_node(n, [self.materialize(t) for t in n.inputs])
+                for t, nt in zip(n.outputs, new.outputs, strict=True):
+                    self.base[t] = nt
+        outs = tuple(self.materialize(t) for t in self.graph.outputs)
+        return Graph(self.graph.inputs, outs, self.graph.output_names, self.graph.weights,
+                     self.graph.meta)
+
+
+def squeeze_unit_axes(graph: Graph) -> Graph:
+    """Return an equivalent graph with the reshapes that only move unit axes sunk and merged.
+
+    A reshape or transpose that only inserts, removes or moves axes of size 1 is carried
+    lazily and passes through elementwise operators (operands of one shape), one-input
+    ``layout="axis"`` operators over a negative axis, and operators declaring
+    ``OpDef.trailing``, as long as the trailing axes they act on are unchanged; it is written
+    out, as one reshape, where something else reads the tensor. Values are unchanged (such a
+    reshape moves no element). Inputs, outputs and their shapes are unchanged.
+    """
+    return _Squeezer(graph).run()
