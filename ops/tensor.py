@@ -253,9 +253,93 @@ declare(OpDef(
 
 
 @onnx_importer("Reshape", "Flatten", "Squeeze", "Unsqueeze")
-def _import_reshape(ctx, ins, **_):
-    # All shapes are static after import, so the target shape is the inferred output shape.
-    return [ctx.op("reshape", [ins[0]], shape=ctx.out_types[0].shape)]
+def _import_reshape(ctx, ins, *, axis=1, allowzero=0, **_):
+    # All shapes are static after import, so the target shape is the inferred output shape,
+    # with the open sizes that the ONNX operator carries over from its input.
+    shape = ctx.out_types[0].shape
+    derived = _carried_sizes(ctx, ins, int(axis), int(allowzero))
+    if derived is not None and len(derived) == len(shape):
+        shape = tuple(d if is_open(d) or not is_open(e) or int(e) != int(d) else e
+                      for d, e in zip(shape, derived, strict=True))
+    return [ctx.op("reshape", [ins[0]], shape=shape)]
+
+
+def _product(dims) -> int:
+    out = 1
+    for d in dims:
+        out = d * out
+    return out
+
+
+def _aligned_sizes(x: tuple, y: tuple) -> tuple:
+    """``y``'s sizes, each matched to an equal one of ``x`` at the same place from either end.
+
+    A reshape whose target is computed at run time (``Shape``, ``Gather``, ``Concat``)
+    mostly keeps the leading and trailing sizes and merges or splits the middle: the sizes
+    equal from the left and from the right are taken from ``x`` (with their open sizes),
+    and where one size of ``y`` is left between them it is the product of ``x``'s sizes
+    left there. A guess, not a derivation: the check at a second binding of the open
+    sizes catches a wrong one (and the input is then kept).
+    """
+    n, m = len(x), len(y)
+    out = list(y)
+    i = 0
+    while i < min(n, m) and int(x[i]) == int(y[i]):
+        out[i] = x[i]
+        i += 1
+    j = 0
+    while j < min(n, m) - i and int(x[n - 1 - j]) == int(y[m - 1 - j]):
+        out[m - 1 - j] = x[n - 1 - j]
+        j += 1
+    if m - i - j == 1 and n - i - j >= 1:
+        rest = _product(x[i:n - j])
+        if int(rest) == int(y[i]):
+            out[i] = rest
+    return tuple(out)
+
+
+def _carried_sizes(ctx, ins, axis: int, allowzero: int) -> tuple | None:
+    """The output sizes of an ONNX Reshape, Flatten, Squeeze or Unsqueeze, from its input's.
+
+    Computed from the operator's definition (ONNX operator spec: Reshape's 0 copies the
+    input's size at that position and -1 takes what is left; Flatten's two sizes are the
+    products before and after ``axis``; Squeeze and Unsqueeze drop and insert sizes of 1),
+    so that a size following an input's open size (:class:`~taso_jax.ops.dims.Dim`) keeps
+    its expression where onnxruntime's symbolic shape inference gave none (its Flatten of
+    an open batch is a fresh name). A Reshape whose target is computed at run time gets
+    :func:`_aligned_sizes`. ``None`` where the input has no open size, or the axes of a
+    Squeeze or Unsqueeze are not constants.
+    """
+    x = tuple(ctx.type(ins[0]).shape)
+    if not open_dims(x):
+        return None
+    op = ctx.source_op
+    if op == "Flatten":
+        a = axis + len(x) if axis < 0 else axis
+        return (_product(x[:a]), _product(x[a:]))
+    if op not in ("Reshape", "Squeeze", "Unsqueeze"):
+        return None
+    value = ctx.const(ins[1]) if len(ins) > 1 and ins[1] is not None else None
+    if op == "Squeeze":
+        axes = ({int(a) % len(x) for a in np.ravel(value)} if value is not None
+                else {k for k, d in enumerate(x) if int(d) == 1 and not is_open(d)})
+        return tuple(d for k, d in enumerate(x) if k not in axes)
+    if value is None:
+        return _aligned_sizes(x, ctx.out_types[0].shape) if op == "Reshape" else None
+    if op == "Unsqueeze":
+        rank = len(x) + np.size(value)
+        axes = {int(a) % rank for a in np.ravel(value)}
+        rest = iter(x)
+        return tuple(1 if k in axes else next(rest) for k in range(rank))
+    out = [x[k] if t == 0 and not allowzero and k < len(x) else int(t)
+           for k, t in enumerate(np.ravel(value).tolist())]
+    if out.count(-1) == 1:
+        k = out.index(-1)
+        known = _product(out[:k] + out[k + 1:])
+        if int(known) == 0:
+            return None
+        out[k] = _product(x) // known
+    return tuple(out)
 
 
 # ---- slice / pad / gather / expand --------------------------------------------------------

@@ -248,3 +248,53 @@ def test_strided_convolutions_and_upsamplings_import_with_open_sides():
     assert len(resized) == 4 and all(is_open(d) for n in resized for d in n.types[0].shape[2:])
     _same_in_onnxruntime(model, _written(graph, model), [{"x": (1, 4, 32, 48)},
                                                          {"x": (2, 4, 64, 16)}])
+
+
+def _reshapes_model() -> onnx.ModelProto:
+    """x [N, C, 1, W] through the reshapes exporters write: Squeeze (axes an input),
+    Unsqueeze, a Reshape by a constant [0, -1, W'] target, a Flatten at axis 1 and a Reshape
+    whose target is computed through Shape/Slice/Cast/Concat; an OCR recogniser's tail."""
+    c = 6
+    rng = np.random.default_rng(2)
+    inits = [_const("two", np.array([2], np.int64)), _const("zero", np.array([0], np.int64)),
+             _const("t1", np.array([0, -1, c], np.int64)), _const("W", rng.standard_normal(
+                 (c, c)).astype(np.float32)), _const("lo", np.array([0], np.int64)),
+             _const("hi", np.array([2], np.int64)), _const("Cc", np.array([c], np.int64))]
+    nodes = [
+        h.make_node("Squeeze", ["x", "two"], ["sq"]),                  # [N, C, W]
+        h.make_node("Transpose", ["sq"], ["tr"], perm=[0, 2, 1]),      # [N, W, C]
+        h.make_node("Reshape", ["tr", "t1"], ["r1"]),                  # [N, W, C]
+        h.make_node("Flatten", ["r1"], ["fl"], axis=2),                # [N*W, C]
+        h.make_node("MatMul", ["fl", "W"], ["mm"]),                    # [N*W, C]
+        h.make_node("Shape", ["tr"], ["sh"]),
+        h.make_node("Slice", ["sh", "lo", "hi"], ["nw"]),
+        h.make_node("Cast", ["nw"], ["nwf"], to=TensorProto.FLOAT),
+        h.make_node("Cast", ["nwf"], ["nwi"], to=TensorProto.INT64),
+        h.make_node("Concat", ["nwi", "Cc"], ["back"], axis=0),
+        h.make_node("Reshape", ["mm", "back"], ["r2"]),                # [N, W, C]
+        h.make_node("Unsqueeze", ["r2", "zero"], ["un"]),              # [1, N, W, C]
+        h.make_node("Relu", ["un"], ["y"]),
+    ]
+    g = h.make_graph(nodes, "reshapes", [h.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                    ["N", c, 1, "W"])],
+                     [h.make_tensor_value_info("y", TensorProto.FLOAT, [1, "N", "W", c])],
+                     inits)
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_reshapes_flattens_and_squeezes_carry_open_sizes_from_their_input():
+    # Flatten's product, Squeeze/Unsqueeze's kept sizes, a constant target's 0 and -1 and a
+    # run-time target are all followed from the input's open sizes: bound at N=1 (and W=4),
+    # no reshape is left holding its sizes, and the written model runs at other sizes.
+    model = _reshapes_model()
+    graph = load_onnx(model, input_shapes={"x": (1, 6, 1, 4)})
+    reshapes = [n for n in graph.nodes if n.op == "reshape"]
+    assert len(reshapes) >= 4
+    for n in reshapes:
+        shape = n.attr("shape")
+        assert sum(is_open(d) for d in shape) >= 1, (n.inputs[0].shape, shape)
+    flat = next(n for n in reshapes if len(n.attr("shape")) == 2)
+    assert str(flat.attr("shape")[0].expr) in ("s0*s1", "s1*s0")
+    written = _written(graph, model)
+    _same_in_onnxruntime(model, written, [{"x": (1, 6, 1, 4)}, {"x": (3, 6, 1, 5)},
+                                         {"x": (2, 6, 1, 9)}])
