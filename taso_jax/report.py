@@ -272,12 +272,21 @@ def other_bindings(graph: Graph, symbolic: dict) -> list[dict[str, tuple[int, ..
     return trials
 
 
+#: The least absolute tolerance of :func:`check_other_sizes` (torch.testing's float32 default):
+#: float32 rounding noise. A text detector's sigmoid map is all but 0 on random images (its
+#: largest value 5e-6 at 2x3x672x896), so a tolerance scaled by that (1e-4 x 5e-6) failed a
+#: rewrite whose outputs differed by 1.5e-7 there; at the bound sizes the values are
+#: compared at two input scales without this floor.
+OTHER_SIZES_ATOL = 1e-5
+
+
 def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
                       rtol: float = RTOL, atol: float | None = None, seed: int = 2) -> dict:
     """Check ``optimized``, its sizes left open, against ``original`` at other sizes.
 
     The first binding of :func:`other_bindings` at which the original runs is used; inputs
-    are N(0, 1) (integers as :func:`~taso_jax.ir.executor.random_inputs` draws them).
+    are N(0, 1) (integers as :func:`~taso_jax.ir.executor.random_inputs` draws them), and
+    the absolute tolerance is at least :data:`OTHER_SIZES_ATOL`.
     Returns ``{"ok", "shapes", ...}`` with the comparison (:func:`compare_outputs`),
     ``"ok": None`` when the original itself runs at none of the trial sizes, and
     ``"error"`` when the optimized model does not run there.
@@ -295,7 +304,8 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
         except Exception:
             continue
         actual, failed = _actual(optimized, [feeds], len(reference), rtol, atol)
-        r = failed or compare_outputs(actual[0], reference, rtol, atol)
+        r = failed or compare_outputs(actual[0], reference, rtol, atol,
+                                      floor=[OTHER_SIZES_ATOL] * len(reference))
         return {**r, "shapes": {k: list(v) for k, v in shapes.items()}}
     return {"ok": None, "shapes": None}
 

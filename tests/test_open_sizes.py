@@ -298,3 +298,30 @@ def test_reshapes_flattens_and_squeezes_carry_open_sizes_from_their_input():
     written = _written(graph, model)
     _same_in_onnxruntime(model, written, [{"x": (1, 6, 1, 4)}, {"x": (3, 6, 1, 5)},
                                          {"x": (2, 6, 1, 9)}])
+
+
+def _tiny_output_model(shift: float) -> onnx.ModelProto:
+    """x [N, D] -> Sigmoid(x @ W - 30) + shift: an output all but 0 on random inputs."""
+    w = np.random.default_rng(3).standard_normal((D, D)).astype(np.float32)
+    nodes = [h.make_node("MatMul", ["x", "W"], ["m"]), h.make_node("Sub", ["m", "c"], ["s"]),
+             h.make_node("Sigmoid", ["s"], ["g"]), h.make_node("Add", ["g", "e"], ["y"])]
+    g = h.make_graph(nodes, "tiny", [h.make_tensor_value_info("x", TensorProto.FLOAT, ["N", D])],
+                     [h.make_tensor_value_info("y", TensorProto.FLOAT, ["N", D])],
+                     [_const("W", w), _const("c", np.float32(30.0)),
+                      _const("e", np.float32(shift))])
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_the_check_at_other_sizes_allows_float32_rounding_on_outputs_near_zero():
+    from taso_jax.report import check_other_sizes
+
+    original = _tiny_output_model(0.0)
+    graph = load_onnx(original, input_shapes={"x": (1, D)})
+    symbolic = symbolic_dims(original)
+    # rounding-sized differences on an output of ~1e-9 pass; a wrong value does not
+    near = check_other_sizes(original.SerializeToString(),
+                             _tiny_output_model(2e-7).SerializeToString(), graph, symbolic)
+    assert near["ok"] and near["shapes"] == {"x": [2, D]}, near
+    wrong = check_other_sizes(original.SerializeToString(),
+                              _tiny_output_model(1e-3).SerializeToString(), graph, symbolic)
+    assert wrong["ok"] is False
