@@ -421,6 +421,29 @@ def test_a_faster_verdict_must_hold_in_a_second_loop():
     assert not test["faster"] and test["loops"] == 1
 
 
+def test_confirmation_loops_stopped_halfway_leave_the_check_loop_its_rounds():
+    from taso_jax.search.choose import confirm_faster, halfway
+
+    from taso_jax.ir.executor import time_interleaved
+
+    def slow():
+        time.sleep(0.004)
+
+    def fast():
+        time.sleep(0.002)
+
+    def verdict(stop):  # 0.3 s left, loops of 200 rounds planned (too many to finish)
+        deadline = time.perf_counter() + 0.3
+        return confirm_faster(lambda: time_interleaved([slow, fast], 200, 1, stop(deadline),
+                                                        min_sample_us=0))[0]
+
+    at_deadline = verdict(lambda d: d)  # the first loop takes it all: 3 rounds past it
+    assert not at_deadline["faster"] and at_deadline["loops"] == 2
+    half = verdict(halfway)  # the check loop gets half of what is left
+    assert half["faster"] and half["loops"] == 2 and half["check_speedup"] > 1.0
+    assert halfway(None) is None
+
+
 def test_an_undecided_gain_is_looked_at_again_within_a_bound():
     from taso_jax.search.choose import CONFIRM_MAX_ROUNDS, confirm_faster
 
