@@ -18,7 +18,7 @@ Run: python benchmarks/choice_spread.py [MODEL] [--runs 3] [--loops 3] [--small]
 ``--busy-core`` keeps one core busy (a Python loop in a child process) for the whole run, the
 load under which issue 17 asked for the spread. Prints a markdown table; times are
 microseconds of one ``jax.jit`` call on the current device, speedups the median of per-round
-ratios (:func:`taso_jax.search.choose.paired_speedup`).
+ratios (:func:`taso_jax.search.paired_test.paired_speedup`).
 """
 
 from __future__ import annotations

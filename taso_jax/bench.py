@@ -22,14 +22,9 @@ from taso_jax._io import atomic_write
 from taso_jax.ir.executor import MIN_SAMPLE_US
 from taso_jax.ir.graph import Graph, TensorType, leaf_node, rebuild_node, topo_order
 from taso_jax.optimizer import Optimizer
-from taso_jax.search.choose import (
-    choose_fastest,
-    device_name,
-    paired_speedup,
-    rank_correlation,
-    time_graphs,
-)
+from taso_jax.search.choose import choose_fastest, device_name, rank_correlation, time_graphs
 from taso_jax.search.options import OptimizeOptions
+from taso_jax.search.paired_test import paired_speedup
 
 __all__ = ["bench_graph", "with_float_dtype", "search_and_choose", "graph_digest", "rule_family",
            "merge_rows", "read_results", "results_path", "write_results", "format_table"]

@@ -445,7 +445,7 @@ def test_confirmation_loops_stopped_halfway_leave_the_check_loop_its_rounds():
 
 
 def test_an_undecided_gain_is_looked_at_again_within_a_bound():
-    from taso_jax.search.choose import CONFIRM_MAX_ROUNDS, confirm_faster
+    from taso_jax.search.paired_test import CONFIRM_MAX_ROUNDS, confirm_faster
 
     def verdicts(speedup, seeds=range(100)):
         out = []

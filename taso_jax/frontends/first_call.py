@@ -32,22 +32,17 @@ from taso_jax.frontends.signature_entry import _Entry, _hashable, _is_tracer, _l
 from taso_jax.ir.executor import StagedGraph, time_function, time_interleaved
 from taso_jax.report import compare_outputs, search_report
 from taso_jax.search.backtracking import SearchResult
-from taso_jax.search.choose import (
-    CONFIRM_LOOP_SECONDS,
-    CONFIRM_MIN_ROUNDS,
-    confirm_faster,
-    device_name,
-    rounds_for,
-)
+from taso_jax.search.choose import CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, device_name
 from taso_jax.search.limits import Deadline
 from taso_jax.search.options import SEARCH_REVISION
+from taso_jax.search.paired_test import confirm_faster, rounds_for
 from taso_jax.search.rules import RuleFileError
 
 __all__ = ["FirstCallPipeline"]
 
 #: The optimized function must beat ``jax.jit`` of the original by this factor (median of
 #: the per-round ratios) and pass a signed-rank test
-#: (:func:`taso_jax.search.choose.paired_speedup`) to be used. Medians of two functions
+#: (:func:`taso_jax.search.paired_test.paired_speedup`) to be used. Medians of two functions
 #: compared as a whole spread up to ~10% on a 2-core CPU (a flax BERT block with nothing
 #: rewritten was once taken as 1.05x faster and ran 0.72x); the paired test sees each
 #: round's load on both.
@@ -482,8 +477,8 @@ class FirstCallPipeline:
         ``end_to_end > 0`` it and the optimized function, with this wrapper's own per-call
         work (flattening the arguments, recognizing the weights), are timed in one loop,
         interleaved, on the call's arguments, and the optimized one must be confirmed faster
-        by :func:`~taso_jax.search.choose.confirm_faster` over :data:`BASELINE_REPEATS`
-        rounds, fewer for long calls (:func:`~taso_jax.search.choose.rounds_for`; at least
+        by :func:`~taso_jax.search.paired_test.confirm_faster` over :data:`BASELINE_REPEATS`
+        rounds, fewer for long calls (:func:`~taso_jax.search.paired_test.rounds_for`; at least
         :data:`MIN_SPEEDUP`; an undecided first loop with the optimized ahead is extended,
         and a "faster" verdict must hold in one more loop unless its rounds already spanned
         :data:`~taso_jax.search.choose.CONFIRM_LOOP_SECONDS`). This is the first call's one

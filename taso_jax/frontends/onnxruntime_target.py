@@ -291,7 +291,7 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     of ``repeats`` rounds, and only the best one so far is remembered (its session is made
     again to confirm it). The best candidate by its fastest round
     (:func:`~taso_jax.search.choose.floor_us`) is kept only if
-    :func:`~taso_jax.search.choose.paired_speedup` confirms it faster than the original in
+    :func:`~taso_jax.search.paired_test.paired_speedup` confirms it faster than the original in
     a fresh head-to-head loop; otherwise ``result.graph`` becomes the input graph
     (``original_kept``). ``result`` is changed in place. Near ties are not timed head to
     head (``duel`` of :func:`~taso_jax.search.choose.keep_fastest`):
