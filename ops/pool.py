@@ -19,15 +19,8 @@ from taso_jax.ops import (
     onnx_importer,
 )
 from taso_jax.ops._lazy import LazyModule
-from taso_jax.ops.conv import (
-    NCHW_TO_NHWC,
-    NHWC_TO_NCHW,
-    _inverse,
-    _onnx_pads,
-    _window_out,
-    canonical_padding,
-    explicit_pads,
-)
+from taso_jax.ops.conv import NCHW_TO_NHWC, NHWC_TO_NCHW, _inverse
+from taso_jax.ops.windows import _onnx_pads, _window_out, canonical_padding, explicit_pads
 
 jnp = LazyModule("jax.numpy")
 lax = LazyModule("jax.lax")

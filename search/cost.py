@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 from taso_jax.ops import OPS
+from taso_jax.search._cost_cache import open_cost_cache
 
 from taso_jax._text import one_line
 from taso_jax.ir.graph import LEAF_OPS, Graph, Node
@@ -332,7 +333,9 @@ class MeasuredCostModel(CostModel):
         self._db = None
         self._lock = threading.Lock()
         if cache_path is not False:
-            self._db = _open_cache(cache_path or default_cache_path())
+            # a file that is not this program's cache is never written or moved; a
+            # damaged cache of its own is moved aside (open_cost_cache)
+            self._db = open_cost_cache(cache_path or default_cache_path())
         self._analytic = self._fallback()  # opaque and fused operators
 
     @staticmethod
@@ -671,18 +674,6 @@ class MeasuredCostModel(CostModel):
                 t = time_function(run, repeats=per_round[i], warmup=warmup)
                 best[i] = min(best[i], float(min(t)))
         return best[0], best[1]
-
-
-def _open_cache(path: str) -> sqlite3.Connection | None:
-    """The SQLite cost cache at ``path``, or ``None`` where none can be used.
-
-    See :func:`taso_jax.search._cost_cache.open_cost_cache`: a file that is not this
-    program's cache (an ONNX model named by mistake) is never written or moved; a damaged
-    cache of its own is moved aside to a free ``.corrupt`` name.
-    """
-    from taso_jax.search._cost_cache import open_cost_cache
-
-    return open_cost_cache(path)
 
 
 #: The cost models that can be named by a string.
