@@ -20,6 +20,7 @@ from taso_jax.search.paired_test import (  # re-exported: the choice's tests and
     confirm_faster,
     halfway,
     paired_speedup,
+    rank_correlation,
     rounds_for,
     signed_rank_greater,
 )
@@ -269,32 +270,6 @@ def compile_ahead(graph: Graph) -> threading.Thread | None:
     thread.seconds = 0.0
     thread.start()
     return thread
-
-
-def rank_correlation(x, y) -> float:
-    """Spearman's rank correlation of two equally long sequences (NaN below 3 points).
-
-    Ties get their average rank. Source: Spearman (1904); the Pearson correlation of ranks.
-    """
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    if len(x) != len(y):
-        raise ValueError(f"rank_correlation: lengths differ ({len(x)} vs {len(y)})")
-    if len(x) < 3:
-        return float("nan")
-
-    def ranks(v):
-        order = np.argsort(v, kind="stable")
-        r = np.empty(len(v))
-        r[order] = np.arange(len(v), dtype=float)
-        for value in np.unique(v):  # average rank for ties
-            tied = v == value
-            r[tied] = r[tied].mean()
-        return r
-
-    rx, ry = ranks(x), ranks(y)
-    if rx.std() == 0 or ry.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(rx, ry)[0, 1])
 
 
 def _measured_set(result, sample: int) -> list[tuple]:

@@ -5,7 +5,9 @@ per-round ratios are compared, not two medians: :func:`paired_speedup` takes a o
 Wilcoxon signed-rank test (:func:`signed_rank_greater`) on their logarithms, and
 :func:`confirm_faster` looks again while undecided and checks a "faster" verdict in a
 second stretch of time. :func:`rounds_for` and :func:`halfway` size those loops. The end-to-end
-choice (:mod:`taso_jax.search.choose`) and the decorator's first call use them.
+choice (:mod:`taso_jax.search.choose`) and the decorator's first call use them;
+:func:`rank_correlation` says how well a cost model's order of graphs agreed with their
+measured order.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = ["paired_speedup", "signed_rank_greater", "confirm_faster", "halfway", "rounds_for",
+           "rank_correlation",
            "TEST_LEVEL", "MIN_SPEEDUP", "CONFIRM_MAX_ROUNDS", "CONFIRM_MAX_SECONDS"]
 
 #: A candidate replaces the baseline only if, round by round in one interleaved loop, it ran
@@ -181,3 +184,29 @@ def rounds_for(call_seconds: float, loop_seconds: float, least: int, most: int) 
     """
     fit = loop_seconds / max(2.0 * call_seconds, 1e-9)
     return int(min(most, max(least, fit)))
+
+
+def rank_correlation(x, y) -> float:
+    """Spearman's rank correlation of two equally long sequences (NaN below 3 points).
+
+    Ties get their average rank. Source: Spearman (1904); the Pearson correlation of ranks.
+    """
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) != len(y):
+        raise ValueError(f"rank_correlation: lengths differ ({len(x)} vs {len(y)})")
+    if len(x) < 3:
+        return float("nan")
+
+    def ranks(v):
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in np.unique(v):  # average rank for ties
+            tied = v == value
+            r[tied] = r[tied].mean()
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(rx, ry)[0, 1])
