@@ -36,7 +36,8 @@ def paired_speedup(baseline: Sequence[float], candidate: Sequence[float],
                    min_speedup: float = MIN_SPEEDUP, level: float = TEST_LEVEL) -> dict:
     """Whether ``candidate`` ran faster than ``baseline``, round by round.
 
-    Both are wall times (any unit) from one interleaved loop (:func:`time_graphs`,
+    Both are wall times (any unit) from one interleaved loop
+    (:func:`taso_jax.search.choose.time_graphs`,
     :func:`taso_jax.ir.executor.time_interleaved`): ``baseline[i]`` and ``candidate[i]``
     ran in the same round, under the same machine load. Returns ``{"speedup", "wins",
     "rounds", "p_value", "faster"}``: the median of ``baseline[i] / candidate[i]``, the
@@ -102,6 +103,12 @@ def signed_rank_greater(x: Sequence[float]) -> float:
     return 0.5 * math.erfc((stat - mean) / math.sqrt(var) / math.sqrt(2.0))
 
 
+#: Rounds :func:`confirm_faster` looks at, at most, before the check loop, while undecided.
+CONFIRM_MAX_ROUNDS = 100
+#: Seconds :func:`confirm_faster` keeps looking, at most, while undecided.
+CONFIRM_MAX_SECONDS = 10.0
+
+
 def confirm_faster(loop, first: tuple | None = None,
                    min_speedup: float = MIN_SPEEDUP,
                    span_seconds: float | None = None) -> tuple[dict, list, list]:
@@ -152,12 +159,6 @@ def confirm_faster(loop, first: tuple | None = None,
         test["check_speedup"] = again["speedup"]
     test["loops"] = loops
     return test, base, cand
-
-
-#: Rounds :func:`confirm_faster` looks at, at most, before the check loop, while undecided.
-CONFIRM_MAX_ROUNDS = 100
-#: Seconds :func:`confirm_faster` keeps looking, at most, while undecided.
-CONFIRM_MAX_SECONDS = 10.0
 
 
 def halfway(deadline: float | None) -> float | None:
