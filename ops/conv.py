@@ -24,7 +24,7 @@ from taso_jax.ops import (
     onnx_importer,
 )
 from taso_jax.ops._lazy import LazyModule, deferred
-from taso_jax.ops.windows import (  # noqa: F401  (explicit_pads: callers import it from here)
+from taso_jax.ops.windows import (
     _onnx_pads,
     _window_out,
     canonical_padding,

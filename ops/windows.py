@@ -1,8 +1,9 @@
 """Window arithmetic shared by the convolution and pooling operators.
 
-Padding attributes, ONNX pads and ``auto_pad``, and output sizes. A padding attribute is ``"same"`` (begin ``d*(k-1)//2``, end the rest), ``"valid"`` or an
-explicit ``(top, left, bottom, right)`` tuple; ONNX's ``pads`` list the beginnings of the
-spatial axes, then their ends (ONNX operator spec: Conv, MaxPool, AveragePool).
+Padding attributes, ONNX pads and ``auto_pad``, and output sizes. A padding attribute is
+``"same"`` (begin ``d*(k-1)//2``, end the rest), ``"valid"`` or an explicit ``(top, left,
+bottom, right)`` tuple; ONNX's ``pads`` list the beginnings of the spatial axes, then their
+ends (ONNX operator spec: Conv, MaxPool, AveragePool).
 """
 
 from __future__ import annotations

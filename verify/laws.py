@@ -26,6 +26,7 @@ import numpy as np
 from taso_jax.ops import OPS, Axiom, ShapeError, TensorType
 
 __all__ = ["all_axioms", "all_laws", "check_axiom", "check_axioms", "evaluate", "Z3Encoding",
+           "law_operators",
            "AxiomError", "IllTypedAxiom", "law_outputs"]
 
 
@@ -123,6 +124,13 @@ def evaluate(node: ast.expr, env: dict, where: str = "axiom"):
         return tuple(np.asarray(o) for o in out) if isinstance(out, tuple | list) \
             else np.asarray(out)
     raise AxiomError(f"{where}: unsupported syntax {ast.dump(node)[:60]}")
+
+
+def law_operators(ax: Axiom) -> frozenset[str]:
+    """The declared operators a law's two sides call (``dim`` and arithmetic are not)."""
+    return frozenset(node.func.id for side in ax.sides for node in ast.walk(_parse(side, ax.law))
+                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                     and node.func.id in OPS)
 
 
 def _attribute_uses(ax: Axiom) -> dict[str, list[tuple[str, str]]]:

@@ -25,9 +25,9 @@ from taso_jax.search.pattern import (
     resolve_attr,
 )
 from taso_jax.search.rules import Substitution
-from taso_jax.verify.laws import Z3Encoding, all_axioms
+from taso_jax.verify.laws import Z3Encoding, all_axioms, law_operators
 
-__all__ = ["Prover", "bind_attributes", "law_operators", "CORE_OPERATORS", "DEFAULT_RLIMIT"]
+__all__ = ["Prover", "bind_attributes", "CORE_OPERATORS", "DEFAULT_RLIMIT"]
 
 #: Z3 resource limit per proof attempt (see :class:`Prover`).
 DEFAULT_RLIMIT = 2_000_000
@@ -36,18 +36,6 @@ DEFAULT_RLIMIT = 2_000_000
 #: families (Jia et al., SOSP 2019, Table 3) and the activations fused into matmul and conv2d.
 CORE_OPERATORS = frozenset({"ewadd", "ewmul", "scalar_mul", "matmul", "conv2d", "concat",
                             "split", "transpose", "enlarge", "relu", "sigmoid", "tanh"})
-
-
-def law_operators(ax) -> frozenset[str]:
-    """The declared operators a law's two sides call (``dim`` and arithmetic are not)."""
-    import ast
-
-    from taso_jax.ops import OPS
-
-    return frozenset(n.func.id for side in ax.sides
-                     for n in ast.walk(ast.parse(side, mode="eval"))
-                     if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                     and n.func.id in OPS)
 
 
 class Prover:
