@@ -324,5 +324,6 @@ from taso_jax.ops import (  # noqa: E402,F401
     quantize,
     recurrent,
     resize,
+    taps,
     tensor,
 )
