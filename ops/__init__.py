@@ -320,6 +320,7 @@ from taso_jax.ops import (  # noqa: E402,F401
     matmul,
     nn,
     norm,
+    pointwise,
     pool,
     quantize,
     recurrent,

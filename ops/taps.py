@@ -37,7 +37,7 @@ lax = LazyModule("jax.lax")
 MAX_TAPS = 64
 
 
-def _taps(x, w, *, strides, padding, dilations, activation):
+def _taps(x, w, *, strides, padding, dilations, groups, activation):
     kh, kw = w.shape[2:]
     t, lf, b, r = explicit_pads(padding, (kh, kw), dilations)
     xp = jnp.pad(x, ((0, 0), (0, 0), (t, b), (lf, r)))
@@ -55,15 +55,15 @@ def _taps(x, w, *, strides, padding, dilations, activation):
     return _act(out, activation)
 
 
-def _taps_shape(ts, *, strides, padding, dilations, activation):
+def _taps_shape(ts, *, strides, padding, dilations, groups, activation):
     x, w = ts
     if len(x.shape) != 4 or len(w.shape) != 4:
         raise ShapeError(f"conv2d_taps: expects NCHW input and OIHW kernel, got {x.shape}, "
                          f"{w.shape}")
     c = x.shape[1]
-    if w.shape[:2] != (c, 1):
-        raise ShapeError(f"conv2d_taps: a depthwise kernel [{c}, 1, KH, KW] is needed for "
-                         f"{c} channels, got {w.shape}")
+    if w.shape[:2] != (c, 1) or groups != c:
+        raise ShapeError(f"conv2d_taps: a depthwise kernel [{c}, 1, KH, KW] and {c} groups "
+                         f"are needed for {c} channels, got {w.shape}, {groups} groups")
     if not np.issubdtype(np.dtype(x.dtype), np.floating):
         raise ShapeError(f"conv2d_taps: needs a float dtype, got {x.dtype}")
     if int(w.shape[2]) * int(w.shape[3]) > MAX_TAPS:
@@ -82,7 +82,7 @@ def _i64(values) -> np.ndarray:
     return np.array([int(v) for v in values], np.int64)
 
 
-def _taps_onnx(ctx, ins, outs, *, strides, padding, dilations, activation):
+def _taps_onnx(ctx, ins, outs, *, strides, padding, dilations, groups, activation):
     x, w = ins
     c, _, kh, kw = ctx.shape(w)
     t, lf, b, r = explicit_pads(padding, (kh, kw), dilations)
@@ -112,8 +112,10 @@ def _taps_onnx(ctx, ins, outs, *, strides, padding, dilations, activation):
 # Its definition: a convolution whose groups are its channels, one kernel row each. Read left
 # to right it is the rule that introduces the operator (any kernel size, strides, padding,
 # dilations and fused activation; the target's shape rule turns down every other conv2d).
+# ``groups`` is carried although it must equal the channels: Z3 does not see shapes, and a
+# law that dropped it would say that conv2d does not depend on its groups.
 _TAPS_LAWS = (
-    axiom("conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q, activation=f) = conv2d_taps(x, w, strides=st, padding=p, dilations=dl, activation=f)",
+    axiom("conv2d(x, w, strides=st, padding=p, dilations=dl, groups=q, activation=f) = conv2d_taps(x, w, strides=st, padding=p, dilations=dl, groups=q, activation=f)",
           {"x": ("N", "q", "H", "W"), "w": ("q", 1, "K", "L")}, derive="ltr",
           q=(3,), st=((1, 1), (2, 1)), p=("same", (1, 0, 2, 1)), dl=((1, 1), (2, 1)),
           f=("none", "relu")),
@@ -121,12 +123,14 @@ _TAPS_LAWS = (
 
 declare(OpDef(
     name="conv2d_taps", ref=_taps, shape=_taps_shape, arity=2,
-    attrs={"strides": (1, 1), "padding": "same", "dilations": (1, 1), "activation": "none"},
+    attrs={"strides": (1, 1), "padding": "same", "dilations": (1, 1), "groups": 1,
+           "activation": "none"},
     to_onnx=_taps_onnx, flops=_taps_flops, axioms=_TAPS_LAWS,
     examples=(
-        ([TensorType((1, 4, 9, 9), "float32"), TensorType((4, 1, 3, 3), "float32")], {}),
+        ([TensorType((1, 4, 9, 9), "float32"), TensorType((4, 1, 3, 3), "float32")],
+         {"groups": 4}),
         ([TensorType((2, 3, 8, 7), "float32"), TensorType((3, 1, 5, 3), "float32")],
-         {"strides": (2, 1), "padding": (1, 0, 2, 1), "dilations": (2, 1),
+         {"strides": (2, 1), "padding": (1, 0, 2, 1), "dilations": (2, 1), "groups": 3,
           "activation": "relu"}),
     ),
     doc="depthwise 2-D convolution (NCHW x [C, 1, KH, KW] -> NCHW) as the sum of its kernel "
