@@ -30,8 +30,9 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
     costs little. This is what folds a shift-then-scale (``(y + a) * b``, as flax writes
     batchnorm) into a convolution: distributing is cost-neutral, the fold that follows is
     not. At most ``max_tries`` sideways rewrites are tried (pairs that worked earlier in
-    this search come first); ``table`` holds each rule's matches in ``graph`` where known
-    (by rule id, as :func:`greedy_descent` keeps them). Returns ``(graph, cost,
+    this search come first), of rules whose targets some rule's source can continue from;
+    ``table`` holds each rule's matches in ``graph`` where known (by rule id, as
+    :func:`greedy_descent` keeps them). Returns ``(graph, cost,
     [rule1, rule2], steps)`` or ``None``; ``steps`` are the two rewrites as
     ``(graph before, graph after, mapping, rebuilt)``, for carrying matches across them.
     No rewrite is looked at past ``deadline``, no kernel measured past ``measure_until``
@@ -41,7 +42,12 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
     old = graph.node_set
     target = cost * (1 - 1e-9)
     hits = state.pair_hits
-    first = _relevant(substitutions, graph)
+    # A rule none of whose target operators starts any rule's source enables nothing (the
+    # lowerings to conv2d_taps and pointwise_matmul, ties under the analytic model: on
+    # NasNet-A their rewrites used up every try); it is not tried sideways.
+    starts = {p.op for s in substitutions for p in s.source}
+    first = [s for s in _relevant(substitutions, graph)
+             if any(p.op in starts for p in s.target)]
     first.sort(key=lambda s: -hits[s.id])
     table = table or {}
     for sub in first:
