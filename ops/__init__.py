@@ -120,6 +120,11 @@ class OpDef:
             only inserts or removes unit leading axes passes through it
             (:func:`taso_jax.ir.layout.squeeze_unit_axes`); ``None`` otherwise. Elementwise
             operators and one-input ``layout="axis"`` operators need not declare it.
+        lowering: the operator is another operator's implementation, with the same
+            arithmetic and memory traffic, that runs faster on some devices
+            (``conv2d_taps``, ``pointwise_matmul``): only measurement can choose it, and the
+            analytic cost model prices it out of the search's reach
+            (:data:`taso_jax.search.cost.LOWERING_PENALTY`) instead of at a tie.
     """
 
     name: str
@@ -141,6 +146,7 @@ class OpDef:
     grouped_kernel_axis: int | None = None
     num_outputs: Callable[[dict[str, Any]], int | None] | None = None
     trailing: int | None = None
+    lowering: bool = False
 
     def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """Fill defaults, reject unknown names, and freeze values into a sorted tuple.

@@ -79,7 +79,7 @@ _POINTWISE_LAWS = (
 )
 
 declare(OpDef(
-    name="pointwise_matmul", ref=_pointwise, shape=_pointwise_shape, arity=2,
+    name="pointwise_matmul", lowering=True, ref=_pointwise, shape=_pointwise_shape, arity=2,
     attrs={"activation": "none"},
     to_onnx=_pointwise_onnx, flops=_pointwise_flops, axioms=_POINTWISE_LAWS,
     examples=(

@@ -122,7 +122,7 @@ _TAPS_LAWS = (
 )
 
 declare(OpDef(
-    name="conv2d_taps", ref=_taps, shape=_taps_shape, arity=2,
+    name="conv2d_taps", lowering=True, ref=_taps, shape=_taps_shape, arity=2,
     attrs={"strides": (1, 1), "padding": "same", "dilations": (1, 1), "groups": 1,
            "activation": "none"},
     to_onnx=_taps_onnx, flops=_taps_flops, axioms=_TAPS_LAWS,
