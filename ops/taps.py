@@ -27,6 +27,7 @@ import numpy as np
 from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare
 from taso_jax.ops._lazy import LazyModule
 from taso_jax.ops.conv import _act, _conv2d_shape, _emit_act
+from taso_jax.ops.tensor import _i64
 from taso_jax.ops.windows import explicit_pads
 
 jnp = LazyModule("jax.numpy")
@@ -76,10 +77,6 @@ def _taps_shape(ts, *, strides, padding, dilations, groups, activation):
 def _taps_flops(ins, outs, **_):
     kh, kw = ins[1].shape[2:]
     return 2.0 * outs[0].size * kh * kw
-
-
-def _i64(values) -> np.ndarray:
-    return np.array([int(v) for v in values], np.int64)
 
 
 def _taps_onnx(ctx, ins, outs, *, strides, padding, dilations, groups, activation):
