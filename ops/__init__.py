@@ -323,6 +323,7 @@ from taso_jax.ops import (  # noqa: E402,F401
     attention,
     conv,
     elementwise,
+    im2col,
     matmul,
     nn,
     norm,

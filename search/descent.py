@@ -43,8 +43,8 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
     target = cost * (1 - 1e-9)
     hits = state.pair_hits
     # A rule none of whose target operators starts any rule's source enables nothing (the
-    # lowerings to conv2d_taps and pointwise_matmul, ties under the analytic model: on
-    # NasNet-A their rewrites used up every try); it is not tried sideways.
+    # lowerings such as conv2d_taps, ties under the analytic model: on NasNet-A their
+    # rewrites used up every try); it is not tried sideways.
     starts = {p.op for s in substitutions for p in s.source}
     first = [s for s in _relevant(substitutions, graph)
              if any(p.op in starts for p in s.target)]

@@ -17,6 +17,7 @@ from conftest import (
     model_path,
     randomize_weights,
 )
+from taso_jax.ops import OPS
 from taso_jax.search import AnalyticCostModel, MeasuredCostModel, backtracking_search
 from taso_jax.search.match import find_matches
 
@@ -90,7 +91,7 @@ def test_the_analytic_search_adds_its_best_graph_as_a_candidate(monkeypatch):
         name = "split-hater"
 
         def _cost(self, node):  # the lowerings of a convolution dearer than it, not a tie
-            lowered = node.op in ("pointwise_matmul", "conv2d_taps")
+            lowered = node.op in OPS and OPS[node.op].lowering
             return 1e9 if node.op == "split" else 2.0 if lowered else 1.0
 
     g = resnet_module(channels=8, size=8)
@@ -735,7 +736,7 @@ def test_the_descent_halves_a_convolutions_groups_to_its_cheapest_form_past_dear
 
     class ByGroups(AnalyticCostModel):
         def _cost(self, node):
-            if node.op in ("conv2d_taps", "pointwise_matmul"):
+            if node.op in OPS and OPS[node.op].lowering:
                 return 1e3  # the lowerings do not pay here: the halvings are under test
             if node.op == "conv2d":
                 return prices[node.attr_dict["groups"]]
