@@ -19,8 +19,8 @@ dilation and fused activation; read left to right it gives the one rule that int
 (``pointwise_matmul``'s) and column matrices over :data:`MAX_COLUMN_BYTES`. Its ONNX form
 is Pad, one Slice per tap (ends relative to the padded input's end, so it holds at every
 binding of open sizes), Concat on the channels, Reshape ``[0, 0, -1]``, MatMul by the
-kernel's view and Reshape to the output's sizes (computed from the input's shape where
-they are open).
+kernel's view and Reshape to the output's sizes (the batch size kept, the output's height
+and width read off a tap's shape where they are open).
 
 Sources: ONNX operator spec (Conv, Pad, Slice, Concat, MatMul, Reshape); Chellapilla,
 Puri and Simard, "High performance convolutional neural networks for document processing"
@@ -33,6 +33,7 @@ import numpy as np
 from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare
 from taso_jax.ops._lazy import LazyModule
 from taso_jax.ops.conv import _act, _conv2d_shape, _emit_act
+from taso_jax.ops.dims import is_open
 from taso_jax.ops.tensor import _i64
 from taso_jax.ops.windows import explicit_pads
 
@@ -99,7 +100,7 @@ def _im2col_flops(ins, outs, **_):
 def _im2col_onnx(ctx, ins, outs, *, strides, padding, dilations, activation):
     x, w = ins
     o, c, kh, kw = ctx.shape(w)
-    n, _, h, wd = ctx.shape(x)
+    _, _, h, wd = ctx.shape(x)
     t, lf, b, r = explicit_pads(padding, (kh, kw), dilations)
     if any((t, lf, b, r)):
         x = ctx.tmp("Pad", [x, ctx.const(_i64([0, 0, t, lf, 0, 0, b, r])),
@@ -119,8 +120,14 @@ def _im2col_onnx(ctx, ins, outs, *, strides, padding, dilations, activation):
                                  ctx.const(_i64([o, kh * kw * c]))])
     ho = _out_size(h, t + b, kh, dh, strides[0])
     wo = _out_size(wd, lf + r, kw, dw, strides[1])
+    if is_open(ho) or is_open(wo):  # read off a tap's shape at run time: [N, C, Ho, Wo]
+        spatial = ctx.tmp("Slice", [ctx.tmp("Shape", [taps[0]]), ctx.const(_i64([2])),
+                                    ctx.const(_i64([4])), ctx.const(_i64([0]))])
+        sizes = ctx.tmp("Concat", [ctx.const(_i64([0, o])), spatial], axis=0)
+    else:  # 0: the batch size of the product, whatever it is
+        sizes = ctx.const(_i64([0, o, int(ho), int(wo)]))
     y = outs[0] if activation == "none" else ctx.fresh()
-    ctx.node("Reshape", [ctx.tmp("MatMul", [kernel, columns]), ctx.ints([n, o, ho, wo])], [y])
+    ctx.node("Reshape", [ctx.tmp("MatMul", [kernel, columns]), sizes], [y])
     if activation != "none":
         _emit_act(ctx, y, outs, activation)
 

@@ -408,6 +408,22 @@ def _open_bounds(bounds, s: int, e: int, st: int, d) -> tuple:
     return start, stop, step
 
 
+def _runtime_bounds(s, e, st: int, d, extent) -> tuple:
+    """Slice bounds on an axis of size ``d`` whose start ``s`` or end ``e`` (``None``) is
+    computed at run time (``Shape`` arithmetic, as this project's export writes a bound at
+    an open size): the other bound as given, the missing one where ``extent`` entries (the
+    output's size, from ONNX shape inference, with its expression where open) begin or end.
+    Forward steps only, and a step of 1 where the start is missing (``ValueError``).
+    """
+    if st <= 0 or (s is None and st != 1) or (s is None and e is None):
+        raise ValueError("a slice whose bounds are computed at run time")
+    if s is None:  # the end as given, the start extent entries before it
+        stop = _open_bounds(slice(0, int(e), 1).indices(int(d)), 0, int(e), 1, d)[1]
+        return stop - extent, stop, 1
+    start = _open_bounds(slice(int(s), int(d), st).indices(int(d)), int(s), int(d), st, d)[0]
+    return start, start + st * (extent - 1) + 1 if int(extent) > 0 else start, st
+
+
 @onnx_importer("Slice")
 def _import_slice(ctx, ins, **attrs):
     shape = ctx.type(ins[0]).shape
@@ -416,18 +432,25 @@ def _import_slice(ctx, ins, **attrs):
         steps = None
     else:
         vals = [ctx.const(t) if t is not None else None for t in ins[1:]] + [None] * 3
-        if any(v is None for v, t in zip(vals, ins[1:3], strict=False)) or any(
-                t is not None and v is None for v, t in zip(vals[2:4], ins[3:5], strict=False)):
+        if any(t is not None and v is None for v, t in zip(vals[2:4], ins[3:5],
+                                                            strict=False)):
             return None
         starts, ends, axes, steps = (None if v is None else np.asarray(v).tolist()
                                      for v in vals[:4])
-    axes = axes if axes is not None else list(range(len(starts)))
-    steps = steps if steps is not None else [1] * len(starts)
+        if starts is None and ends is None:
+            return None
+    n_axes = len(starts if starts is not None else ends if ends is not None else axes or ())
+    axes = axes if axes is not None else list(range(n_axes))
+    steps = steps if steps is not None else [1] * n_axes
     full = [(0, d, 1) for d in shape]
-    for s, e, a, st in zip(starts, ends, axes, steps, strict=True):
+    for k, (a, st) in enumerate(zip(axes, steps, strict=True)):
         a = a + len(shape) if a < 0 else a
-        full[a] = _open_bounds(slice(int(s), int(e), int(st)).indices(shape[a]), int(s),
-                               int(e), int(st), shape[a])
+        s, e = (None if b is None else int(b[k]) for b in (starts, ends))
+        if s is None or e is None:  # computed at run time: read off the output's size
+            full[a] = _runtime_bounds(s, e, int(st), shape[a], ctx.out_types[0].shape[a])
+            continue
+        full[a] = _open_bounds(slice(s, e, int(st)).indices(shape[a]), s, e, int(st),
+                               shape[a])
     # Python's range end for a negative step that runs past the front is -1: store as -1.
     return [ctx.op("slice", [ins[0]], starts=tuple(f[0] for f in full),
                    ends=tuple(f[1] for f in full), steps=tuple(f[2] for f in full))]

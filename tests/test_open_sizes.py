@@ -325,3 +325,43 @@ def test_the_check_at_other_sizes_allows_float32_rounding_on_outputs_near_zero()
     wrong = check_other_sizes(original.SerializeToString(),
                               _tiny_output_model(1e-3).SerializeToString(), graph, symbolic)
     assert wrong["ok"] is False
+
+
+def _cache_trim_model() -> onnx.ModelProto:
+    """A streaming model's cache: x [1, T, D] and cache [1, 4, D] concatenated on time, then
+    the last 4 steps kept (Slice whose start, T, is read off x's shape at run time, as
+    exporters write it, and whose end is the end), and the tail [T:] too: two outputs."""
+    inits = [_const("one", np.array([1], np.int64)), _const("big", np.array([2**62], np.int64)),
+             _const("axis", np.array([1], np.int64))]
+    nodes = [h.make_node("Concat", ["cache", "x"], ["all"], axis=1),
+             h.make_node("Shape", ["x"], ["sh"]),
+             h.make_node("Gather", ["sh", "one"], ["t"], axis=0),
+             h.make_node("Slice", ["all", "t", "big", "axis"], ["kept"]),
+             h.make_node("Relu", ["kept"], ["new_cache"]),
+             h.make_node("Slice", ["all", "one", "t", "axis"], ["head"]),
+             h.make_node("Tanh", ["head"], ["y"])]
+    g = h.make_graph(nodes, "cache",
+                     [h.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", D]),
+                      h.make_tensor_value_info("cache", TensorProto.FLOAT, [1, 4, D])],
+                     [h.make_tensor_value_info("new_cache", TensorProto.FLOAT, [1, 4, D]),
+                      h.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T2", D])], inits)
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_slices_with_bounds_computed_at_run_time_import_and_hold_at_other_sizes():
+    """A Slice whose start or end is computed from an input's shape at run time (a
+    streaming cache trimmed to its last steps) imports as a slice, not an opaque node that
+    would run in onnxruntime inside jax.jit; its bounds follow the open size, so the written
+    file equals the original at other bindings, and it imports back without opaque nodes."""
+    model = _cache_trim_model()
+    graph = load_onnx(model, input_shapes={"x": (1, 6, D)})
+    assert not graph.meta.get("opaque") or "Slice" not in graph.meta["opaque"]
+    slices = [n for n in graph.nodes if n.op == "slice"]
+    assert len(slices) == 2 and all(any(is_open(v) for v in n.attr("starts") + n.attr("ends"))
+                                    for n in slices)
+    written = _written(graph, model)
+    _same_in_onnxruntime(model, written, [{"x": (1, 6, D), "cache": (1, 4, D)},
+                                         {"x": (1, 1, D), "cache": (1, 4, D)},
+                                         {"x": (1, 9, D), "cache": (1, 4, D)}])
+    back = load_onnx(written, input_shapes={"x": (1, 3, D)})
+    assert "opaque" not in {n.op for n in back.nodes}
