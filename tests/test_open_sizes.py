@@ -365,3 +365,21 @@ def test_slices_with_bounds_computed_at_run_time_import_and_hold_at_other_sizes(
                                          {"x": (1, 9, D), "cache": (1, 4, D)}])
     back = load_onnx(written, input_shapes={"x": (1, 3, D)})
     assert "opaque" not in {n.op for n in back.nodes}
+
+
+def test_a_one_dimensional_transposed_convolution_keeps_its_open_batch():
+    """A 1-D ConvTranspose is imported as one row of a 2-D one between reshapes; those
+    reshapes carry the open batch size, so the written file runs at another batch size
+    (they were written at the bound batch, and an EEG model's file failed at batch 2)."""
+    w = np.random.default_rng(3).standard_normal((4, 3, 5)).astype(np.float32)
+    nodes = [h.make_node("ConvTranspose", ["x", "w"], ["c"], strides=[2], pads=[1, 1]),
+             h.make_node("Relu", ["c"], ["y"])]
+    g = h.make_graph(nodes, "ct1d", [h.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                               ["N", 4, 30])],
+                     [h.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 61])],
+                     [_const("w", w)])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    graph = load_onnx(model, input_shapes={"x": (1, 4, 30)})
+    reshapes = [n for n in graph.nodes if n.op == "reshape" and not n.weight_only]
+    assert len(reshapes) == 2 and all(is_open(n.attr("shape")[0]) for n in reshapes)
+    _same_in_onnxruntime(model, _written(graph, model), [{"x": (1, 4, 30)}, {"x": (3, 4, 30)}])

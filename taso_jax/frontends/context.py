@@ -12,6 +12,7 @@ import numpy as np
 from taso_jax.ir.executor import run_node
 from taso_jax.ir.graph import Tensor, leaf_node, make_node
 from taso_jax.ops import OPS, TensorType
+from taso_jax.ops.dims import is_open
 
 __all__ = ["ImportContext"]
 
@@ -84,8 +85,9 @@ class ImportContext:
         return t if perm == tuple(range(len(perm))) else self.op("transpose", [t], perm=perm)
 
     def reshape(self, t: Tensor, shape) -> Tensor:
-        """``t`` reshaped to ``shape`` (``t`` itself when the shape is already that)."""
-        shape = tuple(int(d) for d in shape)
+        """``t`` reshaped to ``shape`` (``t`` itself when the shape is already that); open
+        sizes (:class:`~taso_jax.ops.dims.Dim`) stay open."""
+        shape = tuple(d if is_open(d) else int(d) for d in shape)
         return t if t.shape == shape else self.op("reshape", [t], shape=shape)
 
     def weight_only(self, t: Tensor) -> bool:
