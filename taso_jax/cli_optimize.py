@@ -319,6 +319,14 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
                               why="the optimized graph runs at the sizes it was optimized "
                                   "at only")
             return _write_input(args, original, external_data, graph, outcome, deadline)
+    if args.target == "xla" and original is not None and not unchanged:
+        lost = _opaque_after_reimport(data, result.graph)
+        if lost:  # under jax.jit those would run in onnxruntime, one callback each
+            outcome = Outcome(Verdict.FALLBACK, report, graph, result=result,
+                              why=f"the optimized model does not import back as it was "
+                                  f"optimized ({lost}), so it would run slower under "
+                                  f"jax.jit")
+            return _write_input(args, original, external_data, graph, outcome, deadline)
     if not args.no_time and not unchanged and deadline.passed():  # two sessions more
         report["notes"].append("the report's own onnxruntime timing was left out: the time "
                                "limit had passed (--time-limit)")
@@ -530,6 +538,35 @@ def _keep_sizes_open(data: bytes, general: bytes, original: str, graph, report: 
     report["notes"].append("written with the sizes it was optimized at, not symbolic: "
                            + why)
     return data
+
+
+def _opaque_after_reimport(data, optimized) -> str | None:
+    """What the written model (``data``: bytes or a path) loses when imported back, or None.
+
+    The XLA target's file is run by importing it (:func:`~taso_jax.frontends.onnx_io.
+    load_onnx`, at the sizes the graph was optimized at); an operator that the export wrote
+    in a form the import does not declare comes back opaque and runs in onnxruntime inside
+    ``jax.jit``, one host callback each (a streaming VAD's rewritten file ran 13x slower that
+    way before the import read Slices with bounds computed at run time). Returns a phrase
+    naming the opaque operators beyond the ``optimized`` graph's, or the import's error.
+    """
+    from collections import Counter
+
+    from taso_jax.frontends.onnx_io import load_onnx
+
+    shapes = {n.name: tuple(int(d) for d in n.types[0].shape) for n in optimized.inputs}
+    try:
+        back = load_onnx(data, shapes)
+    except Exception as e:  # noqa: BLE001 - any failure to read our own file keeps the input
+        return f"importing it fails: {one_line(str(e), 160)}"
+
+    def opaque(g) -> Counter:
+        return Counter(n.attr("call").label for n in g.nodes if n.op == "opaque")
+
+    extra = opaque(back) - opaque(optimized)
+    if not extra:
+        return None
+    return "kept opaque: " + ", ".join(f"{k} x{v}" for k, v in sorted(extra.items()))
 
 
 def _write_json(path: str | None, report: dict) -> None:
