@@ -2,8 +2,9 @@
 
 A one-group convolution, NCHW x OIHW ``[O, C, KH, KW]``, is the product of the kernel's
 ``[O, KH*KW*C]`` view with the column matrix ``[KH*KW*C, Ho*Wo]`` of each image: the
-``KH * KW`` strided slices of the padded input (one per kernel tap, as in
-:mod:`taso_jax.ops.taps`) stacked along the channels (Chellapilla et al., 2006, "im2col").
+``KH * KW`` strided slices of the padded input (one per kernel tap,
+:func:`taso_jax.ops.taps.kernel_taps`) stacked along the channels (Chellapilla et al.,
+2006, "im2col").
 The column matrix is ``KH * KW`` times the input, so it pays only where the convolution
 itself runs badly. Measured under ``jax.jit`` on 2 cores, float32: XLA:CPU runs a
 convolution with few input channels slowly, and the product is faster there (a 3x3
@@ -34,11 +35,10 @@ from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare
 from taso_jax.ops._lazy import LazyModule
 from taso_jax.ops.conv import _act, _conv2d_shape, _emit_act
 from taso_jax.ops.dims import is_open
+from taso_jax.ops.taps import kernel_taps, onnx_kernel_taps
 from taso_jax.ops.tensor import _i64
-from taso_jax.ops.windows import explicit_pads
 
 jnp = LazyModule("jax.numpy")
-lax = LazyModule("jax.lax")
 
 #: Largest column matrix (``KH*KW*C x Ho*Wo`` per image, float32 at the bound sizes, in
 #: bytes) the operator builds: past it the copy costs more memory than the convolution
@@ -46,22 +46,10 @@ lax = LazyModule("jax.lax")
 MAX_COLUMN_BYTES = 16 << 20
 
 
-def _out_size(size, pad, k, dilation, stride):
-    return (size + pad - dilation * (k - 1) - 1) // stride + 1
-
-
 def _im2col(x, w, *, strides, padding, dilations, activation):
     o, c, kh, kw = w.shape
-    t, lf, b, r = explicit_pads(padding, (kh, kw), dilations)
-    xp = jnp.pad(x, ((0, 0), (0, 0), (t, b), (lf, r)))
-    n = xp.shape[0]
-    (sh, sw), (dh, dw) = strides, dilations
-    ho = _out_size(x.shape[2], t + b, kh, dh, sh)
-    wo = _out_size(x.shape[3], lf + r, kw, dw, sw)
-    taps = [lax.slice(xp, (0, 0, i * dh, j * dw),
-                      (n, c, i * dh + sh * (ho - 1) + 1, j * dw + sw * (wo - 1) + 1),
-                      (1, 1, sh, sw))
-            for i in range(kh) for j in range(kw)]
+    taps = kernel_taps(x, (kh, kw), strides=strides, padding=padding, dilations=dilations)
+    n, _, ho, wo = taps[0].shape
     columns = jnp.concatenate(taps, axis=1).reshape(n, kh * kw * c, ho * wo)
     # the kernel's [O, KH, KW, C] order matches the taps' order along the columns
     kernel = w.transpose(0, 2, 3, 1).reshape(o, kh * kw * c)
@@ -100,26 +88,12 @@ def _im2col_flops(ins, outs, **_):
 def _im2col_onnx(ctx, ins, outs, *, strides, padding, dilations, activation):
     x, w = ins
     o, c, kh, kw = ctx.shape(w)
-    _, _, h, wd = ctx.shape(x)
-    t, lf, b, r = explicit_pads(padding, (kh, kw), dilations)
-    if any((t, lf, b, r)):
-        x = ctx.tmp("Pad", [x, ctx.const(_i64([0, 0, t, lf, 0, 0, b, r])),
-                            ctx.scalar(0, ctx.dtype(x))])
-    end = np.iinfo(np.int64).max
-    (dh, dw) = dilations
-    axes, steps = ctx.const(_i64([2, 3])), ctx.const(_i64(strides))
-    taps = []
-    for i in range(kh):
-        for j in range(kw):
-            # the tap's window ends (k - 1 - i) * d before the padded input's end, at any size
-            stop = [-(kh - 1 - i) * dh or end, -(kw - 1 - j) * dw or end]
-            taps.append(ctx.tmp("Slice", [x, ctx.const(_i64([i * dh, j * dw])),
-                                          ctx.const(_i64(stop)), axes, steps]))
+    taps = onnx_kernel_taps(ctx, x, (kh, kw), strides=strides, padding=padding,
+                            dilations=dilations)
     columns = ctx.tmp("Reshape", [ctx.tmp("Concat", taps, axis=1), ctx.const(_i64([0, 0, -1]))])
     kernel = ctx.tmp("Reshape", [ctx.tmp("Transpose", [w], perm=[0, 2, 3, 1]),
                                  ctx.const(_i64([o, kh * kw * c]))])
-    ho = _out_size(h, t + b, kh, dh, strides[0])
-    wo = _out_size(wd, lf + r, kw, dw, strides[1])
+    _, _, ho, wo = ctx.shape(outs[0])
     if is_open(ho) or is_open(wo):  # read off a tap's shape at run time: [N, C, Ho, Wo]
         spatial = ctx.tmp("Slice", [ctx.tmp("Shape", [taps[0]]), ctx.const(_i64([2])),
                                     ctx.const(_i64([4])), ctx.const(_i64([0]))])

@@ -38,21 +38,54 @@ lax = LazyModule("jax.lax")
 MAX_TAPS = 64
 
 
-def _taps(x, w, *, strides, padding, dilations, groups, activation):
-    kh, kw = w.shape[2:]
+def kernel_taps(x, kernel_hw, *, strides, padding, dilations) -> list:
+    """The ``KH * KW`` windows of a convolution over ``x``, one per kernel tap.
+
+    ``x`` is NCHW; tap ``(i, j)`` (row-major order) is the padded input shifted by
+    ``(i * dh, j * dw)`` and strided, ``[N, C, Ho, Wo]``: the input values that kernel
+    position meets at every output position. Shared by ``conv2d_taps`` (which scales and
+    sums them) and ``conv2d_im2col`` (which stacks them into a column matrix).
+    """
+    kh, kw = kernel_hw
     t, lf, b, r = explicit_pads(padding, (kh, kw), dilations)
     xp = jnp.pad(x, ((0, 0), (0, 0), (t, b), (lf, r)))
     n, c, hp, wp = xp.shape
     (sh, sw), (dh, dw) = strides, dilations
     ho, wo = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
+    return [lax.slice(xp, (0, 0, i * dh, j * dw),
+                      (n, c, i * dh + sh * (ho - 1) + 1, j * dw + sw * (wo - 1) + 1),
+                      (1, 1, sh, sw))
+            for i in range(kh) for j in range(kw)]
+
+
+def onnx_kernel_taps(ctx, x: str, kernel_hw, *, strides, padding, dilations) -> list[str]:
+    """:func:`kernel_taps` written to ONNX: Pad, then one strided Slice per tap.
+
+    Each slice ends relative to the padded input's end, so the taps are right at every
+    binding of the model's open sizes. Returns the taps' names, row-major.
+    """
+    kh, kw = kernel_hw
+    t, lf, b, r = explicit_pads(padding, (kh, kw), dilations)
+    if any((t, lf, b, r)):
+        x = ctx.tmp("Pad", [x, ctx.const(_i64([0, 0, t, lf, 0, 0, b, r])),
+                            ctx.scalar(0, ctx.dtype(x))])
+    end = np.iinfo(np.int64).max
+    dh, dw = dilations
+    axes, steps = ctx.const(_i64([2, 3])), ctx.const(_i64(strides))
+    # the tap's window ends (k - 1 - i) * d before the padded input's end, at any size
+    return [ctx.tmp("Slice", [x, ctx.const(_i64([i * dh, j * dw])),
+                              ctx.const(_i64([-(kh - 1 - i) * dh or end,
+                                              -(kw - 1 - j) * dw or end])), axes, steps])
+            for i in range(kh) for j in range(kw)]
+
+
+def _taps(x, w, *, strides, padding, dilations, groups, activation):
+    c, _, kh, kw = w.shape
+    taps = kernel_taps(x, (kh, kw), strides=strides, padding=padding, dilations=dilations)
     out = None
-    for i in range(kh):
-        for j in range(kw):
-            y0, x0 = i * dh, j * dw
-            tap = lax.slice(xp, (0, 0, y0, x0), (n, c, y0 + sh * (ho - 1) + 1,
-                                                  x0 + sw * (wo - 1) + 1), (1, 1, sh, sw))
-            term = tap * w[:, 0, i, j].reshape(1, c, 1, 1)
-            out = term if out is None else out + term
+    for k, tap in enumerate(taps):
+        term = tap * w[:, 0, k // kw, k % kw].reshape(1, c, 1, 1)
+        out = term if out is None else out + term
     return _act(out, activation)
 
 
@@ -82,26 +115,16 @@ def _taps_flops(ins, outs, **_):
 def _taps_onnx(ctx, ins, outs, *, strides, padding, dilations, groups, activation):
     x, w = ins
     c, _, kh, kw = ctx.shape(w)
-    t, lf, b, r = explicit_pads(padding, (kh, kw), dilations)
-    if any((t, lf, b, r)):
-        x = ctx.tmp("Pad", [x, ctx.const(_i64([0, 0, t, lf, 0, 0, b, r])),
-                            ctx.scalar(0, ctx.dtype(x))])
+    taps = onnx_kernel_taps(ctx, x, (kh, kw), strides=strides, padding=padding,
+                            dilations=dilations)
     # [C, 1, KH, KW] -> [KH*KW, 1, C, 1, 1]: tap k's weights are entry k, shaped [1, C, 1, 1]
     per_tap = ctx.tmp("Reshape", [ctx.tmp("Transpose", [w], perm=[2, 3, 1, 0]),
                                   ctx.const(_i64([kh * kw, 1, c, 1, 1]))])
-    end = np.iinfo(np.int64).max
-    (dh, dw), acc = dilations, None
-    axes, steps = ctx.const(_i64([2, 3])), ctx.const(_i64(strides))
-    for i in range(kh):
-        for j in range(kw):
-            # the tap's window ends (k - 1 - i) * d before the padded input's end, at any size
-            stop = [-(kh - 1 - i) * dh or end, -(kw - 1 - j) * dw or end]
-            tap = ctx.tmp("Slice", [x, ctx.const(_i64([i * dh, j * dw])),
-                                    ctx.const(_i64(stop)), axes, steps])
-            weight = ctx.tmp("Gather", [per_tap, ctx.const(np.asarray(i * kw + j, np.int64))],
-                             axis=0)
-            term = ctx.tmp("Mul", [tap, weight])
-            acc = term if acc is None else ctx.tmp("Add", [acc, term])
+    acc = None
+    for k, tap in enumerate(taps):
+        weight = ctx.tmp("Gather", [per_tap, ctx.const(np.asarray(k, np.int64))], axis=0)
+        term = ctx.tmp("Mul", [tap, weight])
+        acc = term if acc is None else ctx.tmp("Add", [acc, term])
     _emit_act(ctx, acc, outs, activation)
 
 

@@ -409,11 +409,13 @@ def _open_bounds(bounds, s: int, e: int, st: int, d) -> tuple:
 
 
 def _runtime_bounds(s, e, st: int, d, extent) -> tuple:
-    """Slice bounds on an axis of size ``d`` whose start ``s`` or end ``e`` (``None``) is
-    computed at run time (``Shape`` arithmetic, as this project's export writes a bound at
-    an open size): the other bound as given, the missing one where ``extent`` entries (the
-    output's size, from ONNX shape inference, with its expression where open) begin or end.
-    Forward steps only, and a step of 1 where the start is missing (``ValueError``).
+    """Slice bounds on an axis of size ``d`` whose start or end is computed at run time.
+
+    ``s`` or ``e`` is ``None`` where it comes from ``Shape`` arithmetic (as this project's
+    export writes a bound at an open size): the other bound is taken as given, and the
+    missing one where ``extent`` entries (the output's size, from ONNX shape inference,
+    with its expression where open) begin or end. Forward steps only, and a step of 1
+    where the start is missing (``ValueError``).
     """
     if st <= 0 or (s is None and st != 1) or (s is None and e is None):
         raise ValueError("a slice whose bounds are computed at run time")

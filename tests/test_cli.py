@@ -605,10 +605,12 @@ def _two_matmuls_model(path) -> None:
     from onnx import numpy_helper as nh
 
     rng = np.random.default_rng(0)
-    nodes = [h.make_node("MatMul", ["x", "w1"], ["a"]), h.make_node("MatMul", ["x", "w2"], ["b"]),
+    nodes = [h.make_node("MatMul", ["x", "w1"], ["a"]),
+             h.make_node("MatMul", ["x", "w2"], ["b"]),
              h.make_node("Relu", ["a"], ["ya"]), h.make_node("Relu", ["b"], ["yb"])]
     g = h.make_graph(nodes, "two", [h.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
-                     [h.make_tensor_value_info(y, TensorProto.FLOAT, [4, 16]) for y in ("ya", "yb")],
+                     [h.make_tensor_value_info(y, TensorProto.FLOAT, [4, 16])
+                      for y in ("ya", "yb")],
                      [nh.from_array(rng.standard_normal((16, 16)).astype(np.float32), w)
                       for w in ("w1", "w2")])
     onnx.save(h.make_model(g, opset_imports=[h.make_opsetid("", 17)]), str(path))
@@ -621,8 +623,9 @@ def test_a_written_model_that_imports_back_with_opaque_operators_is_not_delivere
     inside jax.jit (a streaming VAD's file ran 13x slower). The command keeps the input
     then, and says why. Here the Split and Slice importers are taken away after the input
     is read, so the merged matmuls' file re-imports with an opaque operator."""
-    from taso_jax import cli_optimize
     from taso_jax.ops import ONNX_IMPORTERS
+
+    from taso_jax import cli_optimize
 
     src = tmp_path / "m.onnx"
     _two_matmuls_model(src)

@@ -85,8 +85,10 @@ class ImportContext:
         return t if perm == tuple(range(len(perm))) else self.op("transpose", [t], perm=perm)
 
     def reshape(self, t: Tensor, shape) -> Tensor:
-        """``t`` reshaped to ``shape`` (``t`` itself when the shape is already that); open
-        sizes (:class:`~taso_jax.ops.dims.Dim`) stay open."""
+        """``t`` reshaped to ``shape`` (``t`` itself when the shape is already that).
+
+        Open sizes (:class:`~taso_jax.ops.dims.Dim`) stay open.
+        """
         shape = tuple(d if is_open(d) else int(d) for d in shape)
         return t if t.shape == shape else self.op("reshape", [t], shape=shape)
 
