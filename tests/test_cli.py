@@ -23,8 +23,12 @@ def _digest(p):
 
 
 def test_builtin_example_report(capsys, tmp_path):
+    # --end-to-end 0: the analytic model's choice (the merged matmuls) is delivered; timed
+    # against the input on this CPU it is kept only in some runs (about 1.1x, near noise),
+    # and a kept input has no output check to report
     report = tmp_path / "r.json"
-    assert main(["optimize", *FAST, "--repeats", "3", "--json", str(report)]) == 0
+    assert main(["optimize", *FAST, "--end-to-end", "0", "--repeats", "3",
+                 "--json", str(report)]) == 0
     out = capsys.readouterr().out
     for line in ("operators:", "estimated cost (analytic)", "measured time", "search:",
                  "output check", "substitutions applied"):
