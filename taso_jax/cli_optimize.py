@@ -543,12 +543,13 @@ def _keep_sizes_open(data: bytes, general: bytes, original: str, graph, report: 
 def _opaque_after_reimport(data, optimized) -> str | None:
     """What the written model (``data``: bytes or a path) loses when imported back, or None.
 
-    The XLA target's file is run by importing it (:func:`~taso_jax.frontends.onnx_io.
-    load_onnx`, at the sizes the graph was optimized at); an operator that the export wrote
-    in a form the import does not declare comes back opaque and runs in onnxruntime inside
-    ``jax.jit``, one host callback each (a streaming VAD's rewritten file ran 13x slower that
-    way before the import read Slices with bounds computed at run time). Returns a phrase
-    naming the opaque operators beyond the ``optimized`` graph's, or the import's error.
+    The XLA target's file is run by importing it
+    (:func:`~taso_jax.frontends.onnx_io.load_onnx`, here at the sizes the graph was
+    optimized at); an operator that the export wrote in a form the import does not declare
+    comes back opaque and runs in onnxruntime inside ``jax.jit``, one host callback each (a
+    streaming VAD's rewritten file ran 13x slower that way before the import read Slices
+    with bounds computed at run time). Returns a phrase naming the opaque operators beyond
+    the ``optimized`` graph's, or the import's error.
     """
     from collections import Counter
 
