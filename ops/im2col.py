@@ -40,8 +40,8 @@ from taso_jax.ops.tensor import _i64
 
 jnp = LazyModule("jax.numpy")
 
-#: Largest column matrix (``KH*KW*C x Ho*Wo`` per image, float32 at the bound sizes, in
-#: bytes) the operator builds: past it the copy costs more memory than the convolution
+#: Largest column matrix (``KH*KW*C x Ho*Wo`` per image in the input's dtype, at the bound
+#: sizes, in bytes) the operator builds: past it the copy costs more memory than the convolution
 #: it replaces is worth (a 3x3 kernel on 128 channels at 320x320 would need 470 MB).
 MAX_COLUMN_BYTES = 16 << 20
 
@@ -73,7 +73,8 @@ def _im2col_shape(ts, *, strides, padding, dilations, activation):
                          "(pointwise_matmul)")
     (y,) = _conv2d_shape(ts, strides=strides, padding=padding, dilations=dilations,
                          groups=1, activation=activation)
-    column_bytes = kh * kw * int(c) * int(y.shape[2]) * int(y.shape[3]) * 4
+    column_bytes = (kh * kw * int(c) * int(y.shape[2]) * int(y.shape[3])
+                    * np.dtype(x.dtype).itemsize)
     if column_bytes > MAX_COLUMN_BYTES:
         raise ShapeError(f"conv2d_im2col: its column matrix would take {column_bytes} bytes "
                          f"per image, more than {MAX_COLUMN_BYTES}")
