@@ -267,6 +267,22 @@ def make_gqa_causal_attention(seq: int = 1024, dtype: str = "float32", batch: in
     return fn, {}, cast((q, k, v), dtype)
 
 
+
+def make_gqa_causal_attention_dpa(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                                  heads: int = 12, kv_heads: int = 4, head_dim: int = 64):
+    """Causal grouped-query attention through ``jax.nn.dot_product_attention(is_causal=True)``
+    with ``k, v [batch, seq, kv_heads, head_dim]`` and ``q [batch, seq, heads, head_dim]``:
+    the function groups the query heads itself (a ``[batch, seq, kv_heads, heads // kv_heads,
+    head_dim]`` view), no K/V copies."""
+    rng = np.random.default_rng(1)
+    q = _normal(rng, (batch, seq, heads, head_dim))
+    k, v = (_normal(rng, (batch, seq, kv_heads, head_dim)) for _ in range(2))
+
+    def fn(w, q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    return fn, {}, cast((q, k, v), dtype)
+
 # ---- library modules ---------------------------------------------------------------------
 
 
@@ -377,6 +393,7 @@ MODELS = {"causal_attention": make_causal_attention,
           "causal_attention_additive": make_causal_attention_additive,
           "masked_attention": make_masked_attention,
           "gqa_causal_attention": make_gqa_causal_attention,
+          "gqa_causal_attention_dpa": make_gqa_causal_attention_dpa,
           "linen_attention": make_linen_attention,
           "llama_block": make_llama_block, "llama_decode": make_llama_decode,
           "lora_mlp": make_lora_mlp, "nnx_attention": make_nnx_attention,
@@ -389,6 +406,7 @@ TINY = {"causal_attention": {"heads": 2, "head_dim": 8},
         "causal_attention_additive": {"heads": 2, "head_dim": 8},
         "masked_attention": {"heads": 2, "head_dim": 8},
         "gqa_causal_attention": {"heads": 4, "kv_heads": 2, "head_dim": 8},
+        "gqa_causal_attention_dpa": {"heads": 4, "kv_heads": 2, "head_dim": 8},
         "linen_attention": {"heads": 2, "head_dim": 8},
         "llama_block": {"dim": 32, "heads": 4, "kv_heads": 2, "mlp": 48},
         "llama_decode": {"dim": 32, "heads": 4, "kv_heads": 2, "mlp": 48},

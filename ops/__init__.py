@@ -125,6 +125,12 @@ class OpDef:
             (``conv2d_taps``, ``pointwise_matmul``): only measurement can choose it, and the
             analytic cost model prices it out of the search's reach
             (:data:`taso_jax.search.cost.LOWERING_PENALTY`) instead of at a tie.
+        composition: for a fused operator, ``composition(node)`` gives the nodes of the
+            composition that ``node`` runs as (its definition), where it has no other
+            implementation at ``node``'s attributes, else ``None``. The measured cost model
+            prices such a node as the sum of those nodes: timed as one kernel it would look
+            cheaper than the same arithmetic timed piece by piece, though XLA compiles the
+            two alike (``masked_attention``, ``attention`` without a causal mask).
     """
 
     name: str
@@ -147,6 +153,7 @@ class OpDef:
     num_outputs: Callable[[dict[str, Any]], int | None] | None = None
     trailing: int | None = None
     lowering: bool = False
+    composition: Callable[[Any], list | None] | None = None
 
     def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """Fill defaults, reject unknown names, and freeze values into a sorted tuple.

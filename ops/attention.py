@@ -168,6 +168,24 @@ def _attention_flops(ins, outs, *, causal, impl, **_):
     return full / 2 if causal and impl == "blocked" else full
 
 
+def _composition(node, mask=None):
+    """The nodes of ``softmax(q @ kt [+ mask]) @ v`` on ``node``'s inputs (a list)."""
+    from taso_jax.ir.graph import make_node
+
+    q, kt, v = node.inputs[:3]
+    nodes = [make_node("matmul", [q, kt], {})]
+    if mask is not None:
+        nodes.append(make_node("ewadd", [nodes[-1].outputs[0], mask], {}))
+    nodes.append(make_node("softmax", [nodes[-1].outputs[0]], {"axis": -1}))
+    nodes.append(make_node("matmul", [nodes[-1].outputs[0], v], {}))
+    return nodes
+
+
+def _attention_composition(node):
+    """Attention without a causal mask has no lowering but its definition."""
+    return None if node.attr("causal") else _composition(node)
+
+
 def _attention_onnx(ctx, ins, outs, *, causal, offset, fill, impl, block, kt_shape=None):
     s = ctx.tmp("MatMul", ins[:2])
     if causal:
@@ -183,6 +201,8 @@ def _attention_onnx(ctx, ins, outs, *, causal, offset, fill, impl, block, kt_sha
 # Read right to left, each law gives the rule that introduces ``attention``; the lowering law,
 # read left to right, gives one rule per block size.
 _QKV = {"q": ("...", "M", "K"), "kt": ("...", "K", "N"), "v": ("...", "N", "P")}
+#: Grouped K/V heads: one K/V head (a unit axis) against the G query heads of its group.
+_QKV_G = {"q": ("...", "G", "M", "K"), "kt": ("...", 1, "K", "N"), "v": ("...", 1, "N", "P")}
 _F = (float("-inf"), -1e9)
 _ATTENTION_LAWS = (
     axiom("attention(q, kt, v) = matmul(softmax(matmul(q, kt), axis=-1), v)", _QKV,
@@ -195,12 +215,27 @@ _ATTENTION_LAWS = (
           _QKV, derive="rtl", theorem=True, s=(0.125,), o=(0, 1), f=_F),
     axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = attention(q, kt, v, causal=True, offset=o, fill=f, impl=i, block=b)",
           _QKV, derive="ltr", o=(0, 1), f=_F, i=("blocked",), b=(64, 128, 256)),
+    # The same laws with one K/V head broadcast over a group of query heads: the form of
+    # jax.nn.dot_product_attention with fewer K/V heads than query heads, whose product per
+    # group the dot_general import keeps (ops/matmul.py, _split_free). Theorems: instances of
+    # the definitions above, which hold at any shapes the products broadcast over.
+    axiom("attention(q, kt, v) = matmul(softmax(matmul(q, kt), axis=-1), v)", _QKV_G,
+          derive="rtl", theorem=True),
+    axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = matmul(softmax(causal_mask(matmul(q, kt), offset=o, fill=f), axis=-1), v)",
+          _QKV_G, derive="rtl", theorem=True, o=(0, 1), f=_F),
+    axiom("attention(scalar_mul(q, scalar=s), kt, v) = matmul(softmax(scalar_mul(matmul(q, kt), scalar=s), axis=-1), v)",
+          _QKV_G, derive="rtl", theorem=True, s=(0.125,)),
+    axiom("attention(scalar_mul(q, scalar=s), kt, v, causal=True, offset=o, fill=f) = matmul(softmax(causal_mask(scalar_mul(matmul(q, kt), scalar=s), offset=o, fill=f), axis=-1), v)",
+          _QKV_G, derive="rtl", theorem=True, s=(0.125,), o=(0, 1), f=_F),
+    axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = attention(q, kt, v, causal=True, offset=o, fill=f, impl=i, block=b)",
+          _QKV_G, derive="ltr", theorem=True, o=(0, 1), f=_F, i=("blocked",), b=(64, 128, 256)),
 )
 
 declare(OpDef(
     name="attention", ref=_attention, shape=_attention_shape, arity=3,
     attrs={"causal": False, "offset": 0, "fill": float("-inf"), "impl": "naive", "block": 128},
     to_onnx=_attention_onnx, flops=_attention_flops, axioms=_ATTENTION_LAWS,
+    composition=_attention_composition,
     examples=(([TensorType((2, 6, 4), _F32), TensorType((2, 4, 6), _F32),
                 TensorType((2, 6, 3), _F32)], {}),
               ([TensorType((1, 2, 7, 4), _F32), TensorType((1, 2, 4, 7), _F32),
@@ -407,6 +442,7 @@ _MASKED_LAWS = (
 declare(OpDef(
     name="masked_attention", ref=_masked, shape=_masked_shape, arity=4,
     to_onnx=_masked_onnx, flops=_masked_flops, axioms=_MASKED_LAWS,
+    composition=lambda node: _composition(node, mask=node.inputs[3]),
     examples=(([TensorType((2, 6, 4), _F32), TensorType((2, 4, 7), _F32),
                 TensorType((2, 7, 3), _F32), TensorType((2, 6, 7), _F32)], {}),
               ([TensorType((1, 2, 5, 4), _F32), TensorType((1, 2, 4, 5), _F32),

@@ -118,22 +118,67 @@ def _import_gemm(ctx, ins, *, alpha=1.0, beta=1.0, transA=0, transB=0):  # noqa:
 
 # ---- jaxpr primitives ---------------------------------------------------------------------
 
+def _split_free(shape, free):
+    """The free axes of one operand of a batched product: (broadcast axes, matrix axis).
+
+    With two or more free axes longer than 1, the longest (the last of equals) is the matmul's
+    row or column axis and the others become broadcast batch axes: grouped-query attention's
+    ``einsum("BTKGH,BSKH->BKTGS")`` is then a product per query group against the one K/V
+    head, rows the queries, which is what attention's laws state (folding the group into the
+    rows, ``[B, K, T*G, S]``, hides them). Otherwise ``None``: the free axes fold into one.
+    """
+    long = [a for a in free if shape[a] != 1]
+    if len(long) < 2:
+        return None
+    m = max(reversed(long), key=lambda a: shape[a])
+    return [a for a in free if a != m], m
+
+
 def _dot(ctx, lhs, rhs, lc, rc, lb, rb):
     """``lhs`` against ``rhs`` as one batched ``matmul``: shape (batch, lhs free, rhs free)."""
     ls, rs = ctx.type(lhs).shape, ctx.type(rhs).shape
     lf = [i for i in range(len(ls)) if i not in (*lc, *lb)]
     rf = [i for i in range(len(rs)) if i not in (*rc, *rb)]
     k = int(np.prod([ls[i] for i in lc], dtype=np.int64))
-    n = int(np.prod([rs[i] for i in rf], dtype=np.int64))
-    b = ctx.reshape(ctx.transpose(rhs, (*rb, *rc, *rf)), (*(rs[i] for i in rb), k, n))
-    if not lb:  # [..., M, K] @ [K, N]: the free dimensions of the left operand stay as they are
-        lead = tuple(ls[i] for i in lf) or (1,)
-        a = ctx.reshape(ctx.transpose(lhs, (*lf, *lc)), (*lead, k))
-    else:
-        m = int(np.prod([ls[i] for i in lf], dtype=np.int64))
-        a = ctx.reshape(ctx.transpose(lhs, (*lb, *lf, *lc)), (*(ls[i] for i in lb), m, k))
     shape = (*(ls[i] for i in lb), *(ls[i] for i in lf), *(rs[i] for i in rf))
-    return ctx.reshape(ctx.op("matmul", [a, b]), shape), len(lb), len(lf), len(rf)
+    lsplit, rsplit = (_split_free(ls, lf), _split_free(rs, rf)) if lb else (None, None)
+    if lsplit is None and rsplit is None:
+        n = int(np.prod([rs[i] for i in rf], dtype=np.int64))
+        b = ctx.reshape(ctx.transpose(rhs, (*rb, *rc, *rf)), (*(rs[i] for i in rb), k, n))
+        if not lb:  # [..., M, K] @ [K, N]: the free dimensions of the left operand stay
+            lead = tuple(ls[i] for i in lf) or (1,)
+            a = ctx.reshape(ctx.transpose(lhs, (*lf, *lc)), (*lead, k))
+        else:
+            m = int(np.prod([ls[i] for i in lf], dtype=np.int64))
+            a = ctx.reshape(ctx.transpose(lhs, (*lb, *lf, *lc)), (*(ls[i] for i in lb), m, k))
+        return ctx.reshape(ctx.op("matmul", [a, b]), shape), len(lb), len(lf), len(rf)
+    # Free axes kept apart as broadcast batch axes: a [*batch, *El, 1.., M, K] against
+    # b [*batch, 1.., *Er, K, N]. Positions in the product: batch, El, Er, M, N; a side that is
+    # not split has no broadcast axes and one folded M (or N).
+    batch = [ls[i] for i in lb]
+    el, mi = lsplit if lsplit else ([], None)
+    er, ni = rsplit if rsplit else ([], None)
+    m = ls[mi] if lsplit else int(np.prod([ls[i] for i in lf], dtype=np.int64))
+    n = rs[ni] if rsplit else int(np.prod([rs[i] for i in rf], dtype=np.int64))
+    lorder = (*el, mi) if lsplit else tuple(lf)
+    rorder = (*er, ni) if rsplit else tuple(rf)
+    a = ctx.reshape(ctx.transpose(lhs, (*lb, *lorder, *lc)),
+                    (*batch, *(ls[i] for i in el), *(1,) * len(er), m, k))
+    b = ctx.reshape(ctx.transpose(rhs, (*rb, *er, *rc, *rorder[len(er):])),
+                    (*batch, *(1,) * len(el), *(rs[i] for i in er), k, n))
+    y = ctx.op("matmul", [a, b])
+    nb, ne = len(lb), len(el) + len(er)
+    # Product axes: batch, El, Er, M, N -> batch, lhs free in order, rhs free in order.
+    pos = {("l", x): nb + i for i, x in enumerate(el)}
+    pos.update({("r", x): nb + len(el) + i for i, x in enumerate(er)})
+    if lsplit:
+        pos[("l", mi)] = nb + ne
+    if rsplit:
+        pos[("r", ni)] = nb + ne + 1
+    lpart = [pos[("l", x)] for x in lf] if lsplit else [nb + ne]
+    rpart = [pos[("r", x)] for x in rf] if rsplit else [nb + ne + 1]
+    y = ctx.transpose(y, (*range(nb), *lpart, *rpart))
+    return ctx.reshape(y, shape), len(lb), len(lf), len(rf)
 
 
 @jaxpr_importer("dot_general")
@@ -160,6 +205,11 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
     # of size 1 ahead of the batch axes, and moving it moves no element.
     moved = [a for a in (*rb, *rf, *rc) if rs[a] != 1]
     right_laid_out_as_left = moved == sorted(moved)
+    # Or the right operand's contracting axes are its last while the left's are not (the
+    # probabilities of grouped-query attention, [G, B, K, T, S], against v^T): p @ v again.
+    if not right_laid_out_as_left and lb and _split_free(rs, rf):
+        right_laid_out_as_left = (list(rc) == list(range(len(rs) - len(rc), len(rs)))
+                                  and list(lc) != list(range(len(ls) - len(lc), len(ls))))
     if left_laid_out or not right_laid_out_as_left or not lf or not rf:
         return [ctx.reshape(_dot(ctx, lhs, rhs, lc, rc, lb, rb)[0], out.shape)]
     y, nb, nr, nl = _dot(ctx, rhs, lhs, rc, lc, rb, lb)  # (batch, rhs free, lhs free)

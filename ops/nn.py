@@ -92,6 +92,37 @@ def _unit_source(t):
             return t
 
 
+def _moved_alike(x, source, shift) -> bool:
+    """Whether ``x`` and the maximum ``shift`` are ``source`` in one order of leading axes.
+
+    ``x`` is ``source`` with its leading axes transposed, and ``shift``, the maximum over
+    the last axis of ``source``, went through the same transpose of those axes. The grouped form of ``jax.nn.dot_product_attention`` takes the maximum of the scores
+    ``[B, K, T, G, S]`` and subtracts it, transposed, from the scores transposed to
+    ``[G, B, K, T, S]``: the same row maximum, met at the same row.
+    """
+    n = x.node
+    if n.op != "transpose" or n.inputs[0] != source:
+        return False
+    perm, rank = tuple(dict(n.attrs)["perm"]), len(x.shape)
+    if perm[-1] != rank - 1:
+        return False
+    moved, t = tuple(range(rank - 1)), shift
+    while True:  # back to the maximum through the kept axis, clips and transposes
+        op = t.node.op
+        if op == "transpose" and len(t.shape) == rank - 1:
+            moved = tuple(dict(t.node.attrs)["perm"][i] for i in moved)
+        elif op == "reshape" and t.shape[:rank - 1] == t.node.inputs[0].shape \
+                and t.shape[rank - 1:] == (1,):
+            pass
+        elif op == "clip" or (op == "opaque" and getattr(
+                dict(t.node.attrs).get("call"), "primitive", None) == "stop_gradient"):
+            pass
+        else:
+            break
+        t = t.node.inputs[0]
+    return t.node.op == "reduce_max" and t.node.inputs[0] == source and moved == perm[:-1]
+
+
 def softmax_idiom(ctx, num, den):
     """``softmax(x, axis)`` if ``num / den`` is the softmax written out, else ``None``.
 
@@ -99,7 +130,8 @@ def softmax_idiom(ctx, num, den):
     ``e = exp(x - stop_gradient(max(x, axis)))``, the reductions' axis restored by a
     reshape. The maximum may be taken over another view of ``x`` that differs from it only
     in unit axes (``jax.nn.dot_product_attention`` moves a unit group axis in between) when
-    both reduce the last axis. It is the definition of softmax (ONNX Softmax-13), so nothing
+    both reduce the last axis, or in the order of the leading axes when the maximum is
+    moved back the same way (the same function with grouped K/V heads). It is the definition of softmax (ONNX Softmax-13), so nothing
     is lost; under
     ``jax.grad`` the operator's derivative is the same, since softmax is invariant to the
     shift.
@@ -108,11 +140,15 @@ def softmax_idiom(ctx, num, den):
         return None
     x, shift = num.node.inputs[0].node.inputs
     total = _reduced_axis(_through(den, ("reshape",)), "reduce_sum")
-    peak = _reduced_axis(_through(shift, ("reshape", "clip")), "reduce_max")
+    peak = _reduced_axis(_through(shift, ("reshape", "clip", "transpose")), "reduce_max")
     if total is None or peak is None or total != (num, peak[1]):
         return None
-    if peak[0] != x and not (peak[1] == -1 and x.shape[-1] == peak[0].shape[-1]
-                             and _unit_source(peak[0]) == _unit_source(x)):
+    moved = _through(shift, ("reshape", "clip")).node.op == "transpose"
+    if moved:  # the maximum of x with its leading axes in another order, moved back
+        if not (peak[1] == -1 and _moved_alike(x, peak[0], shift)):
+            return None
+    elif peak[0] != x and not (peak[1] == -1 and x.shape[-1] == peak[0].shape[-1]
+                               and _unit_source(peak[0]) == _unit_source(x)):
         return None
     axis = peak[1]
     kept = tuple(1 if i == len(x.shape) + axis else d for i, d in enumerate(x.shape))

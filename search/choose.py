@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
+from taso_jax.ops import OPS
 from taso_jax.search.paired_test import (  # re-exported: the choice's tests and callers
     confirm_faster,
     halfway,
@@ -506,8 +507,19 @@ def screen_fastest(result, graphs: list[tuple], repeats: int = 20,
 
 
 def _runtime_nodes(graph: Graph) -> int:
-    """Operators of ``graph`` that run on every call (not weight-only, not leaves)."""
-    return sum(1 for n in graph.nodes if not n.weight_only and n.op not in LEAF_OPS)
+    """Operators of ``graph`` that run on every call (not weight-only, not leaves).
+
+    A fused operator that runs as its composition (``OpDef.composition``) counts as the
+    operators of that composition: introducing it saves no kernel.
+    """
+    count = 0
+    for n in graph.nodes:
+        if n.weight_only or n.op in LEAF_OPS:
+            continue
+        composition = OPS[n.op].composition if n.op in OPS else None
+        parts = composition(n) if composition is not None else None
+        count += 1 if parts is None else len(parts)
+    return count
 
 
 def screen_in_pairs(graphs: list[tuple], base, make, loop, deadline: float | None = None,

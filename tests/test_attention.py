@@ -239,6 +239,64 @@ def test_dot_product_attention_becomes_attention(form):
     _check_at_two_scales(g, fn, args)
 
 
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dot_product_attention_with_grouped_kv_heads(causal):
+    """jax.nn.dot_product_attention with fewer K/V heads than query heads groups the queries
+    itself ([B, T, K, G, H]); the import keeps the group as a broadcast axis of the products,
+    the scores reach attention's composition with one K/V head per group, the search
+    introduces ``attention`` with no K/V copies (causal: lowered to query blocks), and the
+    result equals jax.jit of the function at two scales, in JAX and in onnxruntime."""
+    import onnxruntime as ort
+
+    s_len, d = 256, 16
+
+    def fn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+
+    key = jax.random.key(7)
+    args = [jax.random.normal(jax.random.fold_in(key, i), (2, s_len, h, d))
+            for i, h in enumerate((8, 2, 2))]
+    g = taso_jax.from_jax(fn, *args)
+    (sm,) = [n for n in g.nodes if n.op == "softmax"]
+    assert sm.types[0].shape == (2, 2, 4, s_len, s_len), g  # [B, K, G, T, S]: rows are queries
+    result = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0, time_limit=60)
+    atts = [n for n in result.graph.nodes if n.op == "attention"]
+    assert len(atts) == 1, _ops(result.graph)
+    assert atts[0].inputs[1].shape == (2, 2, 1, d, s_len)  # one K/V head per group, no copy
+    assert dict(atts[0].attrs)["impl"] == ("blocked" if causal else "naive")
+    assert "repeat" not in _ops(result.graph)
+    _check_at_two_scales(result.graph, fn, args)
+    model = taso_jax.export_onnx(result.graph)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    for scale in (1.0, 10.0):
+        feeds = [np.asarray(args[0]) * scale, *map(np.asarray, args[1:])]
+        (out,) = sess.run(None, dict(zip(names, feeds, strict=True)))
+        np.testing.assert_allclose(out, np.asarray(jax.jit(fn)(*feeds)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["moved_alike", "max_not_moved", "max_moved_x_not"])
+def test_softmax_with_its_maximum_taken_in_another_axis_order(form):
+    """A softmax whose maximum is taken before a transpose of the leading axes and moved
+    back the same way is a softmax; moved one way and not the other, it stays written out
+    (its maximum would meet other rows: the square sizes make both forms type-check)."""
+
+    def fn(f):
+        x = f.transpose(1, 0, 2) if form != "max_moved_x_not" else f
+        peak = jnp.max(f, axis=-1)
+        peak = peak.T if form != "max_not_moved" else peak
+        e = jnp.exp(x - jax.lax.stop_gradient(peak[..., None]))
+        return e / jnp.sum(e, axis=-1, keepdims=True)
+
+    f = jax.random.normal(jax.random.key(3), (6, 6, 10)) * 4
+    g = taso_jax.from_jax(fn, f)
+    assert ("softmax" in _ops(g)) == (form == "moved_alike"), _ops(g)
+    out = taso_jax.compile_graph(g)(f)
+    out = out[0] if isinstance(out, tuple | list) else out
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(fn)(f)), rtol=1e-5,
+                               atol=1e-6)
+
 def test_unit_axes_squeezed_through_trailing_operators():
     """A reshape and a transpose that only move unit axes pass through the scale, the
     causal mask and the softmax (which act on trailing axes) and cancel; a reshape that
@@ -342,3 +400,32 @@ def test_grouped_causal_attention_lowered_to_query_blocks():
     atts = [dict(n.attrs) for n in result.graph.nodes if n.op == "grouped_attention"]
     assert len(atts) == 1 and atts[0]["impl"] == "blocked", _ops(result.graph)
     _check_at_two_scales(result.graph, fn, args)
+
+
+def test_fused_attention_without_another_lowering_is_priced_as_its_composition(tmp_path):
+    """masked_attention, and attention without a causal mask, run as their definitions: the
+    measured cost model prices them as the sum of those operators' kernels (timed as one
+    kernel they would look cheaper, a gain no graph delivers), and the end-to-end choice's
+    tie-break counts their operators; causal attention, which has the blocked lowering, is
+    timed as its own kernel."""
+    from taso_jax.search.choose import _runtime_nodes
+    from taso_jax.search.cost import MeasuredCostModel
+
+    f32 = "float32"
+    q, kt, v = (leaf_node("input", n, TensorType(s, f32)).outputs[0]
+                for n, s in (("q", (1, 2, 32, 8)), ("kt", (1, 2, 8, 32)), ("v", (1, 2, 32, 8))))
+    m = leaf_node("input", "m", TensorType((1, 1, 32, 32), f32)).outputs[0]
+    model = MeasuredCostModel(cache_path=str(tmp_path / "costs.sqlite"), repeats=3)
+    masked = make_node("masked_attention", [q, kt, v, m], {})
+    plain = make_node("attention", [q, kt, v], {})
+    causal = make_node("attention", [q, kt, v], {"causal": True})
+    for node in (masked, plain):
+        parts = OPS[node.op].composition(node)
+        assert [p.op for p in parts][-2:] == ["softmax", "matmul"]
+        assert model.node_cost(node) == pytest.approx(sum(model._cost(p) for p in parts))
+    assert OPS["attention"].composition(causal) is None
+    s = make_node("softmax", [make_node("matmul", [q, kt], {}).outputs[0]], {"axis": -1})
+    composed = make_node("matmul", [s.outputs[0], v], {})
+    graphs = [taso_jax.Graph((q.node, kt.node, v.node), (t,), ("y",), {}, {})
+              for t in (plain.outputs[0], composed.outputs[0], causal.outputs[0])]
+    assert [_runtime_nodes(g) for g in graphs] == [3, 3, 1]

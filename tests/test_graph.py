@@ -123,6 +123,32 @@ def test_graphs_share_device_copies_of_read_only_weights_only():
     assert host[1] is mutable and host[0] is f1[0]
 
 
+
+def test_a_weight_read_transposed_by_a_product_is_not_folded_into_a_copy():
+    """A weight-only transpose that only products read stays in the runtime stage (XLA reads
+    the weight transposed inside the product); one that another operator reads too is
+    folded, as is arithmetic on weights."""
+    from taso_jax.ir.executor import StagedGraph
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    v = rng.standard_normal((8, 16)).astype(np.float32)
+    g = new_graph()
+    x = g.new_input((4, 8), name="x")
+    read = g.transpose(g.new_weight(data=w, name="w"), perm=(1, 0))  # only a product reads it
+    both = g.transpose(g.ewmul(g.new_weight(data=v, name="v"), g.new_weight(data=v, name="u")),
+                       perm=(1, 0))  # [16, 8]: a product and an addition read it
+    h = g.matmul(x, read)
+    g.mark_output(g.ewadd(g.matmul(h, both), g.reduce_sum(both, axes=(0,), keepdims=True)), "y")
+    graph = g.graph()
+    staged = StagedGraph(graph)
+    assert sorted(t.node.op for t in staged.const_keys) == ["reduce_sum", "transpose", "weight"]
+    assert [t.node.name for t in staged.const_keys if t.node.op == "weight"] == ["w"]
+    x0 = np.ones((4, 8), np.float32)
+    ref = (x0 @ w.T) @ (v * v).T + (v * v).T.sum(axis=0, keepdims=True)
+    np.testing.assert_allclose(np.asarray(compile_graph(graph)(x0)[0]), ref, rtol=1e-4)
+
+
 def test_a_shared_fold_is_keyed_by_which_weight_holds_which_array():
     from taso_jax.ir.executor import StagedGraph, _frozen
 

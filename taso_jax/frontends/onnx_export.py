@@ -221,7 +221,7 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
     import onnx
     from onnx import helper, numpy_helper
 
-    from taso_jax.ir.executor import folded_values
+    from taso_jax.ir.executor import folded_values, read_transposed
 
     opset = opset or max(int(graph.meta.get("opset", 17)), 13)
     ctx = _ExportContext(opset)
@@ -232,7 +232,9 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
     else:
         const_keys, folded = (folded_values if fold is True else fold)(graph)
         const_keys, folded, computed = _fold_no_larger(graph, const_keys, folded)
-        skipped = graph.weight_only - computed
+        # weights that products read transposed are folded without the transpose, which is
+        # written as an operator (onnxruntime folds it when it loads the file)
+        skipped = graph.weight_only - computed - read_transposed(graph)
     names: dict[Tensor, str] = {}
     for n in graph.inputs:
         names[n.outputs[0]] = n.name

@@ -81,6 +81,8 @@ class _Sinker:
             if kind is not None and n not in self.wo:
                 done = {"elementwise": self._elementwise, "reduce": self._reduce,
                         "axis": self._axis}[kind](n)
+            elif n.op in OPS and OPS[n.op].trailing and n not in self.wo:
+                done = self._trailing(n)
             if not done:
                 ins = [self.materialize(t) for t in n.inputs]
                 new = rebuild_node(n, ins)
@@ -158,6 +160,22 @@ class _Sinker:
             out_perm = _compose(None, tuple(left.index(p[i]) for i in range(rank)
                                             if i not in axes))
         self.lazy[n.outputs[0]] = (new.outputs[0], out_perm)
+        return True
+
+    def _trailing(self, n: Node) -> bool:
+        """A one-input operator on its last ``trailing`` axes, past a transpose of the others.
+
+        ``causal_mask`` of grouped-query scores held as ``[G, B, K, T, S]``: the transpose
+        leaves the last two axes in place, so it commutes with the operator.
+        """
+        if len(n.inputs) != 1 or len(n.outputs) != 1:
+            return False
+        u, p = self.lazy[n.inputs[0]]
+        k, rank = OPS[n.op].trailing, len(n.types[0].shape)
+        if p is None or rank < k or tuple(p[rank - k:]) != tuple(range(rank - k, rank)):
+            return False
+        new = rebuild_node(n, [u])
+        self.lazy[n.outputs[0]] = (new.outputs[0], p)
         return True
 
     def _axis(self, n: Node) -> bool:
