@@ -169,16 +169,14 @@ def _attention_flops(ins, outs, *, causal, impl, **_):
 
 
 def _composition(node, mask=None):
-    """The nodes of ``softmax(q @ kt [+ mask]) @ v`` on ``node``'s inputs (a list)."""
-    from taso_jax.ir.graph import make_node
-
+    """``softmax(q @ kt [+ mask]) @ v`` on ``node``'s inputs, as ``OpDef.composition`` steps."""
     q, kt, v = node.inputs[:3]
-    nodes = [make_node("matmul", [q, kt], {})]
+    steps = [("matmul", [q, kt], {})]
     if mask is not None:
-        nodes.append(make_node("ewadd", [nodes[-1].outputs[0], mask], {}))
-    nodes.append(make_node("softmax", [nodes[-1].outputs[0]], {"axis": -1}))
-    nodes.append(make_node("matmul", [nodes[-1].outputs[0], v], {}))
-    return nodes
+        steps.append(("ewadd", [0, mask], {}))
+    steps.append(("softmax", [len(steps) - 1], {"axis": -1}))
+    steps.append(("matmul", [len(steps) - 1, v], {}))
+    return steps
 
 
 def _attention_composition(node):

@@ -517,8 +517,8 @@ def _runtime_nodes(graph: Graph) -> int:
         if n.weight_only or n.op in LEAF_OPS:
             continue
         composition = OPS[n.op].composition if n.op in OPS else None
-        parts = composition(n) if composition is not None else None
-        count += 1 if parts is None else len(parts)
+        steps = composition(n) if composition is not None else None
+        count += 1 if steps is None else len(steps)
     return count
 
 
