@@ -438,8 +438,9 @@ class MeasuredCostModel(CostModel):
 
         See :func:`composition_nodes`. Such a fused operator (``OpDef.composition``:
         ``masked_attention``, ``attention`` without a causal mask) compiles as its
-        composition does; timed as one kernel it would look cheaper than that composition timed piece by piece (the score matrix
-        written between the kernels), a gain no graph delivers: GPT-2 small's twelve
+        composition does; timed as one kernel it would look cheaper than that composition
+        timed piece by piece (the score matrix written between the kernels), a gain no
+        graph delivers: GPT-2 small's twelve
         masked attentions, so introduced, timed 0.92x against jax.jit.
         """
         return composition_nodes(node)
