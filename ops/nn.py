@@ -96,9 +96,10 @@ def _moved_alike(x, source, shift) -> bool:
     """Whether ``x`` and the maximum ``shift`` are ``source`` in one order of leading axes.
 
     ``x`` is ``source`` with its leading axes transposed, and ``shift``, the maximum over
-    the last axis of ``source``, went through the same transpose of those axes. The grouped form of ``jax.nn.dot_product_attention`` takes the maximum of the scores
-    ``[B, K, T, G, S]`` and subtracts it, transposed, from the scores transposed to
-    ``[G, B, K, T, S]``: the same row maximum, met at the same row.
+    the last axis of ``source``, went through the same transpose of those axes. The grouped
+    form of ``jax.nn.dot_product_attention`` takes the maximum of the scores ``[B, K, T, G,
+    S]`` and subtracts it, transposed, from the scores transposed to ``[G, B, K, T, S]``: the
+    same row maximum, met at the same row.
     """
     n = x.node
     if n.op != "transpose" or n.inputs[0] != source:
@@ -131,7 +132,8 @@ def softmax_idiom(ctx, num, den):
     reshape. The maximum may be taken over another view of ``x`` that differs from it only
     in unit axes (``jax.nn.dot_product_attention`` moves a unit group axis in between) when
     both reduce the last axis, or in the order of the leading axes when the maximum is
-    moved back the same way (the same function with grouped K/V heads). It is the definition of softmax (ONNX Softmax-13), so nothing
+    moved back the same way (the same function with grouped K/V heads). It is the
+    definition of softmax (ONNX Softmax-13), so nothing
     is lost; under
     ``jax.grad`` the operator's derivative is the same, since softmax is invariant to the
     shift.

@@ -34,10 +34,10 @@ from taso_jax.ops import OPS
 from taso_jax.search._cost_cache import open_cost_cache
 
 from taso_jax._text import one_line
-from taso_jax.ir.graph import LEAF_OPS, Graph, Node, make_node
+from taso_jax.ir.graph import LEAF_OPS, Graph, Node, composition_nodes
 
 __all__ = ["CostModel", "AnalyticCostModel", "fused_cost", "MeasuredCostModel", "graph_cost",
-           "get_cost_model", "composition_nodes"]
+           "get_cost_model"]
 
 
 #: One number per cost model, for the prices it leaves on nodes: a node holds no reference
@@ -149,23 +149,6 @@ def _passed(measure_until: float | None) -> bool:
 
 
 LOWERING_PENALTY = 2.0  #: analytic factor on a lowering (``OpDef.lowering``): not a tie
-
-
-def composition_nodes(node: Node) -> list[Node] | None:
-    """The nodes of ``node``'s ``OpDef.composition``, built on its inputs; else ``None``.
-
-    ``None`` also where the operator declares none or has another implementation at
-    ``node``'s attributes (``attention`` with a causal mask).
-    """
-    composition = OPS[node.op].composition if node.op in OPS else None
-    steps = composition(node) if composition is not None else None
-    if steps is None:
-        return None
-    nodes: list[Node] = []
-    for op, ins, attrs in steps:
-        nodes.append(make_node(op, [nodes[i].outputs[0] if isinstance(i, int) else i
-                                    for i in ins], attrs))
-    return nodes
 
 
 def _bytes(types: Iterable) -> float:
@@ -386,8 +369,11 @@ class MeasuredCostModel(CostModel):
             # Timed alone, an elementwise or layout operator would be charged a whole kernel;
             # under jax.jit it is fused into its neighbour, so only its arithmetic counts.
             return fused_cost(node, self._analytic.gflops)
-        parts = self._composition(node)
+        parts = composition_nodes(node)
         if parts is not None:
+            # a fused operator that runs as its composition: timed as one kernel it would
+            # look cheaper than the same kernels timed one by one, though XLA compiles both
+            # alike (GPT-2 small's twelve masked attentions, so introduced: 0.92x)
             return sum(self._cost(p) for p in parts)
         node = self._timed_form(node)
         micros = self._priced(node, self.key(node))
@@ -427,23 +413,10 @@ class MeasuredCostModel(CostModel):
         """
         if node.op == "opaque" or OPS[node.op].fusible:
             return False
-        parts = self._composition(node)
+        parts = composition_nodes(node)
         if parts is not None:
             return any(self._unmeasured(p) for p in parts)
         return self._lookup(self.key(self._timed_form(node))) is None
-
-    @staticmethod
-    def _composition(node: Node) -> list[Node] | None:
-        """The nodes ``node`` runs as where it has no other implementation, else ``None``.
-
-        See :func:`composition_nodes`. Such a fused operator (``OpDef.composition``:
-        ``masked_attention``, ``attention`` without a causal mask) compiles as its
-        composition does; timed as one kernel it would look cheaper than that composition
-        timed piece by piece (the score matrix written between the kernels), a gain no
-        graph delivers: GPT-2 small's twelve
-        masked attentions, so introduced, timed 0.92x against jax.jit.
-        """
-        return composition_nodes(node)
 
     def _timed_form(self, node: Node) -> Node:
         """The kernel timed to price ``node``: itself, or its NHWC form (``nhwc_convolutions``)."""

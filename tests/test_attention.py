@@ -409,7 +409,9 @@ def test_fused_attention_without_another_lowering_is_priced_as_its_composition(t
     tie-break counts their operators; causal attention, which has the blocked lowering, is
     timed as its own kernel."""
     from taso_jax.search.choose import _runtime_nodes
-    from taso_jax.search.cost import MeasuredCostModel, composition_nodes
+    from taso_jax.search.cost import MeasuredCostModel
+
+    from taso_jax.ir.graph import composition_nodes
 
     f32 = "float32"
     q, kt, v = (leaf_node("input", n, TensorType(s, f32)).outputs[0]

@@ -26,7 +26,8 @@ import numpy as np
 
 from taso_jax.ops import OPS, ShapeError, TensorType, get_op
 
-__all__ = ["Graph", "GraphBuilder", "Node", "Tensor", "make_node", "new_graph", "GraphError"]
+__all__ = ["Graph", "GraphBuilder", "Node", "Tensor", "make_node", "new_graph", "GraphError",
+           "composition_nodes"]
 
 LEAF_OPS = ("input", "weight")
 
@@ -153,6 +154,24 @@ def make_node(op: str, inputs: Iterable[Tensor], attrs: Mapping[str, Any] | None
     norm = opdef.normalize_attrs(a)
     types = opdef.infer(in_types, dict(norm))
     return intern_node(op, norm, inputs, tuple(types))
+
+
+def composition_nodes(node: Node) -> list[Node] | None:
+    """The nodes of ``node``'s ``OpDef.composition``, built on its inputs, else ``None``.
+
+    ``None`` also where the operator declares none, or has another implementation at
+    ``node``'s attributes (``attention`` with a causal mask). The measured cost model prices
+    such a node as these nodes.
+    """
+    composition = OPS[node.op].composition if node.op in OPS else None
+    steps = composition(node) if composition is not None else None
+    if steps is None:
+        return None
+    nodes: list[Node] = []
+    for op, ins, attrs in steps:
+        nodes.append(make_node(op, [nodes[i].outputs[0] if isinstance(i, int) else i
+                                    for i in ins], attrs))
+    return nodes
 
 
 def rebuild_node(node: Node, inputs) -> Node:
