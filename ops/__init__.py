@@ -126,13 +126,13 @@ class OpDef:
             analytic cost model prices it out of the search's reach
             (:data:`taso_jax.search.cost.LOWERING_PENALTY`) instead of at a tie.
         composition: for a fused operator, ``composition(node)`` gives the steps of the
-            composition that ``node`` runs as (its definition), where it has no other
-            implementation at ``node``'s attributes, else ``None``. A step is ``(operator,
+            composition that ``node`` runs as (its definition), where ``node``'s attributes
+            select no other implementation (``impl="blocked"``), else ``None``. A step is ``(operator,
             inputs, attributes)``; an input is one of ``node``'s input tensors or the index
             of an earlier step, whose first output it reads. The measured cost model
             prices such a node as the sum of those nodes: timed as one kernel it would look
             cheaper than the same arithmetic timed piece by piece, though XLA compiles the
-            two alike (``masked_attention``, ``attention`` without a causal mask).
+            two alike (``masked_attention``, ``attention`` in its naive lowering).
     """
 
     name: str

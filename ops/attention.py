@@ -13,7 +13,8 @@ picks one per device through the rules ``attention(impl='naive') => attention(im
 * ``naive``: the composition itself, an ``[Sq, Sk]`` score matrix;
 * ``blocked``: for causal attention, queries in blocks of ``block`` rows, each against the
   key prefix it can see, so the masked upper triangle is neither computed nor stored (about
-  half the arithmetic at ``Sq = Sk``); normalized after the second matmul;
+  half the arithmetic at ``Sq = Sk``); normalized after the second matmul; at most
+  :data:`MAX_BLOCKS` blocks.
 
 The blocked form gives the masked keys exactly zero weight, as the naive form does
 with ``fill = -inf``; with a finite ``fill`` (``-1e9``, ``finfo.min``) the naive form gives
@@ -38,10 +39,13 @@ from taso_jax.ops.elementwise import broadcast_shape
 jax = LazyModule("jax")
 jnp = LazyModule("jax.numpy")
 
-__all__ = ["causal_offset", "repeat_idiom", "IMPLS", "SKIP_FILL"]
+__all__ = ["causal_offset", "repeat_idiom", "IMPLS", "SKIP_FILL", "MAX_BLOCKS"]
 
 #: The lowerings of ``attention``.
 IMPLS = ("naive", "blocked")
+#: Most query blocks of the blocked lowering: XLA compiles each block's kernels apart (32
+#: blocks of 64 at S=2048 took 4.4 s to compile on XLA:CPU, and ran slower than 16 of 128).
+MAX_BLOCKS = 16
 #: Largest ``fill`` for which a lowering may skip masked keys instead of weighting them
 #: ``exp(fill - max)`` (zero in float32 and bfloat16 below ``max - 104``).
 SKIP_FILL = -1e4
@@ -153,6 +157,9 @@ def _attention_shape(ts, *, causal, offset, fill, impl, block):
                          f"{v.dtype}")
     if impl not in IMPLS or int(block) < 1:
         raise ShapeError(f"attention: unknown lowering {impl!r} (block {block})")
+    if impl == "blocked" and -(-q.shape[-2] // int(block)) > MAX_BLOCKS:
+        raise ShapeError(f"attention: {q.shape[-2]} queries in blocks of {block} make more "
+                         f"than {MAX_BLOCKS} blocks")
     if impl != "naive" and (float(fill) > SKIP_FILL or (causal and offset < 0)):
         raise ShapeError(f"attention: the {impl} lowering skips masked keys, which the "
                          f"fill {fill} does not make zero")
@@ -160,28 +167,52 @@ def _attention_shape(ts, *, causal, offset, fill, impl, block):
     return [TensorType(batch + (q.shape[-2], v.shape[-1]), q.dtype)]
 
 
-def _attention_flops(ins, outs, *, causal, impl, **_):
-    """Two matmuls and a softmax over the score matrix; the blocked form does about half."""
+def _attention_flops(ins, outs, *, causal, impl, offset=0, block=128, **_):
+    """Two matmuls and a softmax over the score matrix.
+
+    The blocked form does them over its blocks' key prefixes: about half at ``Sq = Sk``,
+    less the smaller the blocks.
+    """
     q, kt, _v = ins
     rows, sk = outs[0].size // outs[0].shape[-1], kt.shape[-1]
     full = float(rows) * sk * (2 * q.shape[-1] + 2 * outs[0].shape[-1] + 5)
-    return full / 2 if causal and impl == "blocked" else full
+    if not (causal and impl == "blocked"):
+        return full
+    sq = q.shape[-2]
+    seen = sum((min(start + block, sq) - start) * min(sk, min(start + block, sq) + offset)
+               for start in range(0, sq, block))
+    return full * seen / (sq * sk)
 
 
-def _composition(node, mask=None):
-    """``softmax(q @ kt [+ mask]) @ v`` on ``node``'s inputs, as ``OpDef.composition`` steps."""
+def _composition(node, mask=None, causal=None):
+    """``softmax(q @ kt [+ mask]) @ v`` on ``node``'s inputs, as ``OpDef.composition`` steps.
+
+    ``causal``: the ``causal_mask`` attributes applied to the scores, if any.
+    """
     q, kt, v = node.inputs[:3]
     steps = [("matmul", [q, kt], {})]
     if mask is not None:
         steps.append(("ewadd", [0, mask], {}))
+    if causal is not None:
+        steps.append(("causal_mask", [len(steps) - 1], causal))
     steps.append(("softmax", [len(steps) - 1], {"axis": -1}))
     steps.append(("matmul", [len(steps) - 1, v], {}))
     return steps
 
 
 def _attention_composition(node):
-    """Attention without a causal mask has no lowering but its definition."""
-    return None if node.attr("causal") else _composition(node)
+    """The naive lowering runs as the definition; the blocked one is a kernel of its own.
+
+    Timed as one kernel, naive causal attention (72 ms at S=1024, 12 heads, XLA:CPU) cost
+    more than its matmuls and softmax timed one by one (56 ms), so the rewrite that
+    introduces it lay beyond the search's alpha relaxation, and the blocked lowerings
+    behind it out of reach.
+    """
+    if node.attr("impl") == "blocked" and node.attr("causal"):
+        return None
+    causal = ({"offset": node.attr("offset"), "fill": node.attr("fill")}
+              if node.attr("causal") else None)
+    return _composition(node, causal=causal)
 
 
 def _attention_onnx(ctx, ins, outs, *, causal, offset, fill, impl, block, kt_shape=None):
@@ -212,7 +243,7 @@ _ATTENTION_LAWS = (
     axiom("attention(scalar_mul(q, scalar=s), kt, v, causal=True, offset=o, fill=f) = matmul(softmax(causal_mask(scalar_mul(matmul(q, kt), scalar=s), offset=o, fill=f), axis=-1), v)",
           _QKV, derive="rtl", theorem=True, s=(0.125,), o=(0, 1), f=_F),
     axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = attention(q, kt, v, causal=True, offset=o, fill=f, impl=i, block=b)",
-          _QKV, derive="ltr", o=(0, 1), f=_F, i=("blocked",), b=(64, 128, 256)),
+          _QKV, derive="ltr", o=(0, 1), f=_F, i=("blocked",), b=(128, 256, 512)),
     # The same laws with one K/V head broadcast over a group of query heads: the form of
     # jax.nn.dot_product_attention with fewer K/V heads than query heads, whose product per
     # group the dot_general import keeps (ops/matmul.py, _split_free). Theorems: instances of
@@ -226,7 +257,7 @@ _ATTENTION_LAWS = (
     axiom("attention(scalar_mul(q, scalar=s), kt, v, causal=True, offset=o, fill=f) = matmul(softmax(causal_mask(scalar_mul(matmul(q, kt), scalar=s), offset=o, fill=f), axis=-1), v)",
           _QKV_G, derive="rtl", theorem=True, s=(0.125,), o=(0, 1), f=_F),
     axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = attention(q, kt, v, causal=True, offset=o, fill=f, impl=i, block=b)",
-          _QKV_G, derive="ltr", theorem=True, o=(0, 1), f=_F, i=("blocked",), b=(64, 128, 256)),
+          _QKV_G, derive="ltr", theorem=True, o=(0, 1), f=_F, i=("blocked",), b=(128, 256, 512)),
 )
 
 declare(OpDef(
@@ -362,9 +393,18 @@ _GQA_LAWS = (
           _GQA, derive="rtl", r=(2, 3), c=(False, True), o=(0,), f=(float("-inf"),)),
     axiom("grouped_attention(q, transpose(k, perm=(0, 2, 3, 1)), transpose(v, perm=(0, 2, 1, 3)), reps=r, causal=c, offset=o, fill=f) = attention(q, transpose(repeat(k, axis=-2, reps=r), perm=(0, 2, 3, 1)), transpose(repeat(v, axis=-2, reps=r), perm=(0, 2, 1, 3)), causal=c, offset=o, fill=f)",
           _GQA_BSHD, derive="rtl", r=(2, 4), c=(False, True), o=(0,), f=(float("-inf"),)),
+    # The same two laws for causal attention already lowered to query blocks: the greedy
+    # descent may lower attention before it sees the repeat (a Llama block's GQA kept its
+    # K/V copies that way, 1.89x where the grouped form ran 2.54x).
+    axiom("grouped_attention(q, kt, v, reps=r, causal=True, offset=o, fill=f, impl=i, block=b) = attention(q, repeat(kt, axis=-3, reps=r), repeat(v, axis=-3, reps=r), causal=True, offset=o, fill=f, impl=i, block=b)",
+          _GQA, derive="rtl", r=(2, 3), o=(0,), f=(float("-inf"),), i=("blocked",),
+          b=(128, 256)),
+    axiom("grouped_attention(q, transpose(k, perm=(0, 2, 3, 1)), transpose(v, perm=(0, 2, 1, 3)), reps=r, causal=True, offset=o, fill=f, impl=i, block=b) = attention(q, transpose(repeat(k, axis=-2, reps=r), perm=(0, 2, 3, 1)), transpose(repeat(v, axis=-2, reps=r), perm=(0, 2, 1, 3)), causal=True, offset=o, fill=f, impl=i, block=b)",
+          _GQA_BSHD, derive="rtl", r=(2, 4), o=(0,), f=(float("-inf"),), i=("blocked",),
+          b=(128, 256)),
     # The causal grouped form lowered to query blocks, as attention's lowering law.
     axiom("grouped_attention(q, kt, v, reps=r, causal=True, offset=o, fill=f) = grouped_attention(q, kt, v, reps=r, causal=True, offset=o, fill=f, impl=i, block=b)",
-          _GQA, derive="ltr", r=(2,), o=(0,), f=_F, i=("blocked",), b=(64, 128, 256)),
+          _GQA, derive="ltr", r=(2,), o=(0,), f=_F, i=("blocked",), b=(128, 256, 512)),
 )
 
 declare(OpDef(

@@ -472,6 +472,28 @@ def test_an_undecided_gain_is_looked_at_again_within_a_bound():
     assert np.mean([t["faster"] for t in verdicts(0.95)]) <= 0.02
 
 
+def test_a_tie_is_not_looked_at_again():
+    """Ahead by less than halfway to MIN_SPEEDUP, an undecided candidate gets no more loops
+    (BERT-base's merged projections, 1.00-1.01x: 6 s of its first call); ahead by more, it
+    does."""
+    from taso_jax.search.paired_test import MIN_SPEEDUP, confirm_faster
+
+    def loop_at(speedup):
+        rng = np.random.default_rng(0)
+
+        def loop():  # 16 rounds, +-20% load a round, +-1% a call: short of MIN_SPEEDUP
+            load = np.exp(rng.normal(0, 0.2, 16))
+            base = 100 * load * np.exp(rng.normal(0, 0.02, 16))
+            return list(base), list(base / speedup * np.exp(rng.normal(0, 0.01, 16)))
+        return loop
+
+    tie, base, _ = confirm_faster(loop_at(1.007))
+    assert 1.0 < tie["speedup"] < MIN_SPEEDUP ** 0.5 and not tie["faster"]
+    assert tie["loops"] == 1 and len(base) == 16
+    ahead, base, _ = confirm_faster(loop_at(1.022))
+    assert ahead["loops"] > 1 and len(base) > 16
+
+
 def test_screening_then_times_what_the_best_suggests():
     from taso_jax.search.choose import screen_in_pairs
 

@@ -407,17 +407,28 @@ def test_kernel_timing_keeps_the_fastest_run_and_retimes_a_wide_spread(tmp_path,
 
     import taso_jax.ir.executor as executor
 
-    rounds = iter([[10.0] * 5, [30.0] * 5, [11.0] * 5, [9.6, 9.0, 9.8, 9.7, 9.6], [9.5] * 5,
-                   [12.0] * 5])
-    monkeypatch.setattr(executor, "time_function", lambda run, repeats, warmup: next(rounds))
+    def runs_of(*rounds):
+        """A stand-in for time_function serving these run times, ``repeats`` at a call."""
+        stream = iter([t for r in rounds for t in r])
+        return lambda run, repeats, warmup: [next(stream) for _ in range(repeats)], stream
+
+    fake, stream = runs_of([10.0] * 5, [30.0] * 5, [11.0] * 5, [9.6, 9.0, 9.8, 9.7, 9.6],
+                           [9.5] * 5, [12.0] * 5)
+    monkeypatch.setattr(executor, "time_function", fake)
     cm = MeasuredCostModel(cache_path=str(tmp_path / "c.sqlite"), repeats=15)
     micros, spread = cm._robust_time(lambda: None)
     assert micros == 9.0 and spread == pytest.approx(30.0 / 9.5)  # six rounds were run
     with pytest.raises(StopIteration):
-        next(rounds)
-    calm = iter([[10.2, 10.0, 10.4, 10.3, 10.1], [10.5] * 5, [11.0] * 5])
-    monkeypatch.setattr(executor, "time_function", lambda run, repeats, warmup: next(calm))
+        next(stream)
+    fake, _ = runs_of([10.2, 10.0, 10.4, 10.3, 10.1], [10.5] * 5, [11.0] * 5)
+    monkeypatch.setattr(executor, "time_function", fake)
     assert cm._robust_time(lambda: None) == (10.0, pytest.approx(11.0 / 10.2))  # 3 rounds
+    # a long kernel is sized by its first run: 0.4 s a run, one run a round (three in all,
+    # where a whole first round of five would have come first)
+    fake, stream = runs_of([4e5, 3.9e5, 4.1e5])
+    monkeypatch.setattr(executor, "time_function", fake)
+    assert cm._robust_time(lambda: None)[0] == 3.9e5
+    assert 4e5 * 3 > cost.KERNEL_BUDGET_US and next(stream, None) is None
     assert cost.WIDE_SPREAD < 30.0 / 9.0
     # the spread is stored beside the time, and an old cache gains the column
     old = tmp_path / "old.sqlite"

@@ -16,7 +16,7 @@ How a law becomes a rule:
   pairs each output of the source with the same output of the target;
 * an attribute variable that appears on the source side becomes an attribute variable of
   the rule (``"?f"``); one that appears only on the target side is a choice, and each of its
-  values in the axiom's ``params`` gives a rule of its own (``impl="blocked", block=64``).
+  values in the axiom's ``params`` gives a rule of its own (``impl="blocked", block=256``).
 
 Source: TASO (Jia et al., SOSP 2019, Section 4) for rules as proved graph equalities.
 """

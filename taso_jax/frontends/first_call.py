@@ -495,15 +495,15 @@ class FirstCallPipeline:
         interleaved, on the call's arguments, and the optimized one must be confirmed faster
         by :func:`~taso_jax.search.paired_test.confirm_faster` over :data:`BASELINE_REPEATS`
         rounds, fewer for long calls (:func:`~taso_jax.search.paired_test.rounds_for`; at least
-        :data:`MIN_SPEEDUP`; an undecided first loop with the optimized ahead is extended,
-        and a "faster" verdict must hold in one more loop unless its rounds already spanned
-        :data:`~taso_jax.search.choose.CONFIRM_LOOP_SECONDS`). This is the first call's one
-        comparison: the end-to-end choice before it only screened the candidates
-        (:func:`~taso_jax.search.choose.screen_fastest`), and its verdict and rounds are
-        the report's ``"baseline"``. Called under a transformation (nothing concrete to
-        time), the choice confirmed its pick against the input graph instead, and ``None``
-        is returned. With ``end_to_end=0``, a graph that the search left unchanged and that
-        has no weight-only work to fold runs the original.
+        :data:`MIN_SPEEDUP`; an undecided first loop with the optimized ahead by at least
+        half of that is extended, and a "faster" verdict must hold in one more loop unless
+        its rounds already spanned :data:`~taso_jax.search.choose.CONFIRM_LOOP_SECONDS`).
+        This is the first call's one comparison: the end-to-end choice before it only
+        screened the candidates (:func:`~taso_jax.search.choose.screen_fastest`), and its
+        verdict and rounds are the report's ``"baseline"``. Called under a transformation
+        (nothing concrete to time), the choice confirmed its pick against the input graph
+        instead, and ``None`` is returned. With ``end_to_end=0``, a graph that the search
+        left unchanged and that has no weight-only work to fold runs the original.
         """
         if self.options.end_to_end == 0:
             return _KEPT_INPUT if _nothing_to_run(entry.graph, result) else None

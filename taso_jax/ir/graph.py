@@ -159,8 +159,8 @@ def make_node(op: str, inputs: Iterable[Tensor], attrs: Mapping[str, Any] | None
 def composition_nodes(node: Node) -> list[Node] | None:
     """The nodes of ``node``'s ``OpDef.composition``, built on its inputs, else ``None``.
 
-    ``None`` also where the operator declares none, or has another implementation at
-    ``node``'s attributes (``attention`` with a causal mask). The measured cost model prices
+    ``None`` also where the operator declares none, or where ``node``'s attributes select
+    another implementation (``attention`` lowered in query blocks). The measured cost model prices
     such a node as these nodes.
     """
     composition = OPS[node.op].composition if node.op in OPS else None
