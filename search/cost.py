@@ -32,6 +32,12 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from taso_jax.ops import OPS
 from taso_jax.search._cost_cache import open_cost_cache
+from taso_jax.search._kernel_timing import (
+    KERNEL_BUDGET_US,
+    ROUNDS,
+    robust_time,
+    stand_in_rounds,
+)
 
 from taso_jax._text import one_line
 from taso_jax.ir.graph import LEAF_OPS, Graph, Node, composition_nodes
@@ -214,18 +220,6 @@ def _work(node: Node) -> tuple[float, float]:
         flops = float(opdef.cost_flops(ins, list(node.types), dict(node.attrs)))
     return flops, _bytes(ins) + _bytes(node.types)
 
-
-#: Timing rounds per kernel (see :meth:`MeasuredCostModel._robust_time`), and the spread
-#: (largest round median over smallest) above which a kernel is timed again.
-ROUNDS = 3
-WIDE_SPREAD = 1.25
-#: Microseconds of timed runs per kernel above which a kernel gets fewer runs: an attention
-#: over a 1024 x 1024 score matrix at 100 ms a call would otherwise take seconds to price.
-KERNEL_BUDGET_US = 1_000_000
-#: Bytes above which a kernel's input is one buffer shared by its timing rounds, and
-#: samples in the random block its values repeat (:meth:`MeasuredCostModel._runner`).
-SHARED_INPUT_BYTES = 32 * 2**20
-RANDOM_BLOCK = 2**20
 
 #: Version of the way a kernel is timed, stored with every cached time. A cached time taken
 #: by another method is measured again. 3: the fastest single run of :data:`ROUNDS` rounds,
@@ -508,39 +502,8 @@ class MeasuredCostModel(CostModel):
             self._drop_cache(e)
 
     def _robust_time(self, run) -> tuple[float, float]:
-        """``(microseconds, spread)`` of ``run()``, robust to a loaded machine.
-
-        :data:`ROUNDS` rounds of ``repeats / ROUNDS`` runs each. Load only ever adds time,
-        so the kernel's time is the fastest single run of all, in microseconds. The spread
-        is the slowest round's median over the fastest's; above :data:`WIDE_SPREAD` the
-        kernel is timed :data:`ROUNDS` rounds more. The first run after the warm-up (which
-        compiles) sizes the rounds: a kernel whose runs would last more than
-        :data:`KERNEL_BUDGET_US` gets fewer of them (at least one a round) and no more
-        warm-up. Sized after a whole first round instead, an attention over a 2048 x 2048
-        score matrix took 11 runs to price where 7 do. ``run`` may be a list of
-        calls, used in turn, one per round: the same kernel on inputs allocated apart (see
-        :meth:`_runner`).
-        """
-        from taso_jax.ir.executor import time_function
-
-        runs = run if isinstance(run, list) else [run]
-        per_round, warmup = max(3, self.repeats // ROUNDS), 2
-        first = time_function(runs[0], repeats=1, warmup=1)
-        call = float(first[0])
-        if call * self.repeats > KERNEL_BUDGET_US:  # a long kernel: fewer, still fastest-of
-            per_round, warmup = max(1, int(KERNEL_BUDGET_US / (call * ROUNDS))), 0
-        if per_round > 1:
-            first += time_function(runs[0], repeats=per_round - 1, warmup=max(warmup - 1, 0))
-        rounds = [first]
-        rounds += [time_function(runs[i % len(runs)], repeats=per_round,
-                                 warmup=warmup if i < len(runs) else 0) for i in range(1, ROUNDS)]
-        medians = [float(np.median(r)) for r in rounds]
-        if max(medians) > WIDE_SPREAD * min(medians):
-            rounds += [time_function(runs[i % len(runs)], repeats=per_round, warmup=0)
-                       for i in range(ROUNDS)]
-            medians = [float(np.median(r)) for r in rounds]
-        fastest = float(min(min(r) for r in rounds))
-        return fastest, max(medians) / max(min(medians), 1e-9)
+        """``(microseconds, spread)`` of ``run()``: :func:`.robust_time` at ``repeats``."""
+        return robust_time(run, self.repeats)
 
     def _drop_cache(self, error: Exception) -> None:
         warnings.warn(f"kernel cost cache disabled for this run ({error}); costs are measured "
@@ -557,37 +520,19 @@ class MeasuredCostModel(CostModel):
     def _runner(self, node: Node) -> list:
         """:data:`ROUNDS` calls, each running ``node`` once as a jitted kernel.
 
-        All use the same seeded random values, in buffers allocated apart: one buffer can
-        time a kernel slow for a whole measurement, and a round per buffer lets the fastest
-        run find a fast one. An input of more than :data:`SHARED_INPUT_BYTES` is one buffer
-        shared by the rounds, and its values repeat a block of :data:`RANDOM_BLOCK`
-        samples: drawing and copying the ``[1, 12, 2048, 2048]`` scores of an attention
-        took 2 s of a 2.5 s measurement.
+        On the seeded random inputs of
+        :func:`~taso_jax.search._kernel_timing.stand_in_rounds`, one copy a round.
         """
         import jax
 
         from taso_jax.ir.executor import run_node
 
-        rng = np.random.default_rng(0)
-        values = []
-        for t in node.inputs:
-            n = int(np.prod(t.shape, dtype=np.int64))
-            if np.issubdtype(np.dtype(t.dtype), np.floating):
-                block = rng.standard_normal(min(n, RANDOM_BLOCK), dtype=np.float32)
-                values.append(np.resize(block, t.shape).astype(t.dtype, copy=False))
-            elif t.dtype == "bool":
-                values.append(np.resize(rng.integers(0, 2, min(n, RANDOM_BLOCK)).astype(bool),
-                                        t.shape))
-            else:
-                values.append(np.zeros(t.shape, t.dtype))
         key = self.key(node)
         fn = self._jitted.get(key) or jax.jit(lambda *a: run_node(node, a))
         if sibling_key(node) is not None:  # an anchor is timed again beside each sibling
             self._jitted[key] = fn
-        shared = [jax.device_put(v) if v.nbytes > SHARED_INPUT_BYTES else None for v in values]
-        copies = [[s if s is not None else jax.device_put(np.array(v, copy=True))
-                   for v, s in zip(values, shared, strict=True)] for _ in range(ROUNDS)]
-        return [lambda args=args: fn(*args) for args in copies]
+        return [lambda args=args: fn(*args) for args in stand_in_rounds(
+            [t.type for t in node.inputs])]
 
     def _measure(self, node: Node) -> tuple[float, float]:
         return self._robust_time(self._runner(node))

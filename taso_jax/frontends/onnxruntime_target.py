@@ -269,7 +269,7 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
         return self._robust_time(lambda: sess.run(None, feeds))
 
     def _runner(self, node: Node) -> list:
-        from taso_jax.search.cost import ROUNDS
+        from taso_jax.search._kernel_timing import ROUNDS
 
         model, feeds = node_model(node, self.opset)
         sess = ort_session(model, spinning=False)
