@@ -133,6 +133,10 @@ class OpDef:
             prices such a node as the sum of those nodes: timed as one kernel it would look
             cheaper than the same arithmetic timed piece by piece, though XLA compiles the
             two alike (``masked_attention``, ``attention`` in its naive lowering).
+        family: the operator family whose cost curve a kernel of this operator falls back
+            on when the calibrated cost model has few samples of its own
+            (:mod:`taso_jax.search.calibrated`); by default the name of the ``ops``
+            module that declares it (``conv``, ``im2col``, ``attention``, ``tensor``).
     """
 
     name: str
@@ -156,6 +160,7 @@ class OpDef:
     trailing: int | None = None
     lowering: bool = False
     composition: Callable[[Any], list | None] | None = None
+    family: str = ""
 
     def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """Fill defaults, reject unknown names, and freeze values into a sorted tuple.
@@ -268,9 +273,18 @@ JAXPR_IMPORTERS: dict[str, Callable[..., Any]] = {}
 
 
 def declare(op: OpDef) -> OpDef:
-    """Add an operator to the registry. Raises ``ValueError`` on a duplicate name."""
+    """Add an operator to the registry. Raises ``ValueError`` on a duplicate name.
+
+    An operator without a ``family`` gets the name of the module that declares it.
+    """
     if op.name in OPS:
         raise ValueError(f"operator {op.name!r} declared twice")
+    if not op.family:
+        import dataclasses
+        import sys
+
+        module = sys._getframe(1).f_globals.get("__name__", "")
+        op = dataclasses.replace(op, family=module.rsplit(".", 1)[-1] or "other")
     OPS[op.name] = op
     return op
 

@@ -111,6 +111,11 @@ def _migrate(db: sqlite3.Connection) -> None:
     try:
         db.execute("CREATE TABLE IF NOT EXISTS cost (device TEXT, key TEXT, micros REAL, "
                    "spread REAL, method INTEGER, PRIMARY KEY (device, key))")
+        # features and raw times of measured kernels, which fit the calibrated cost model's
+        # curves (taso_jax.search.calibrated)
+        db.execute("CREATE TABLE IF NOT EXISTS samples (device TEXT, key TEXT, op TEXT, "
+                   "family TEXT, flops REAL, bytes REAL, narrow INTEGER, micros REAL, "
+                   "outputs REAL, groups INTEGER, PRIMARY KEY (device, key))")
         columns = {row[1] for row in db.execute("PRAGMA table_info(cost)")}
         # caches written before spreads, then timing methods, were recorded (a time of
         # no method is measured again)

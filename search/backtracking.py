@@ -115,6 +115,9 @@ class SearchResult:
             set by :func:`taso_jax.search.options.run_search`), ``""`` where it did not.
         unmeasurable: the kernels the cost model could not time alone, and why (set by
             :func:`taso_jax.search.options.run_search`).
+        cost_model: what the cost model did (its ``stats()``: ``name``, ``compiles``,
+            ``compile_seconds``, and more per model), set by
+            :func:`taso_jax.search.options.run_search`; empty for a model without stats.
         outcome: the :class:`taso_jax.outcome.Outcome` of the whole pipeline, where
             :func:`taso_jax.search_graph` ran it; else ``None``.
     """
@@ -135,6 +138,7 @@ class SearchResult:
     out_of_time_in: str = ""
     second_opinion_seconds: float = 0.0
     unmeasurable: list[str] = field(default_factory=list)
+    cost_model: dict = field(default_factory=dict)
     outcome: object | None = None  # a taso_jax.outcome.Outcome (a layer above the search)
 
     @property

@@ -39,6 +39,7 @@ from taso_jax.search._kernel_timing import (
     stand_in_rounds,
 )
 
+from taso_jax._compile_cache import enable_persistent_cache
 from taso_jax._text import one_line
 from taso_jax.ir.graph import LEAF_OPS, Graph, Node, composition_nodes
 
@@ -325,6 +326,7 @@ class MeasuredCostModel(CostModel):
         self.nhwc_convolutions = nhwc_convolutions
         self._overhead: float | None = None
         self.measured = 0
+        self.measure_seconds = 0.0  # compiling and timing kernels, seconds
         self.estimated = 0  # kernels priced analytically: past measure_until, not measured
         self.unmeasurable: list[str] = []  # kernels that would not run alone, and why
         self.retimed = 0  # pairs of contradicting kernels timed again (see _consistent)
@@ -341,6 +343,7 @@ class MeasuredCostModel(CostModel):
             # damaged cache of its own is moved aside (open_cost_cache)
             self._db = open_cost_cache(cache_path or default_cache_path())
         self._analytic = self._fallback()  # opaque and fused operators
+        enable_persistent_cache()  # kernels compiled once, across runs
 
     @staticmethod
     def _device() -> str:
@@ -453,6 +456,15 @@ class MeasuredCostModel(CostModel):
             floor += _work(node)[0] / (peak * 1e3)
         return floor
 
+    def stats(self) -> dict:
+        """What this model did, for reports.
+
+        ``name``, ``compiles`` (kernels compiled and timed), ``compile_seconds``,
+        ``estimated`` (kernels priced analytically past the deadline).
+        """
+        return {"name": self.name, "compiles": self.measured,
+                "compile_seconds": round(self.measure_seconds, 3), "estimated": self.estimated}
+
     @property
     def call_overhead_us(self) -> float:
         """Median time of an almost empty ``jax.jit`` call on this device, microseconds."""
@@ -483,7 +495,9 @@ class MeasuredCostModel(CostModel):
         cached = self._lookup(key)
         if cached is not None:
             return cached
+        t0 = time.perf_counter()
         measured = measure()
+        self.measure_seconds += time.perf_counter() - t0
         micros, spread = measured if isinstance(measured, tuple) else (measured, None)
         self.measured += 1
         self._store(key, micros, spread)
@@ -557,7 +571,26 @@ class MeasuredCostModel(CostModel):
         siblings = sibling_key(node)
         if siblings is not None:
             self._anchors.setdefault(siblings, (node, micros))
+        self._store_sample(node, key, micros)
         return micros
+
+    def _store_sample(self, node: Node, key: str, micros: float) -> None:
+        """Keep ``node``'s features and raw time (us) for the calibrated model's curves."""
+        if self._db is None or node.op not in OPS:
+            return
+        from taso_jax.search.calibrated import kernel_features
+
+        f = kernel_features(node)
+        try:
+            with self._lock:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO samples (device, key, op, family, flops, bytes, "
+                    "narrow, micros, outputs, groups) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (self.device, key, f.op, f.family, f.flops, f.bytes, int(f.narrow), micros,
+                     f.outputs, f.groups))
+                self._db.commit()
+        except sqlite3.Error as e:
+            self._drop_cache(e)
 
     def _measure_beside(self, node: Node) -> tuple[float, float | None]:
         """``(microseconds, spread)`` of ``node``, timed beside its anchor sibling if any.
@@ -654,16 +687,27 @@ class MeasuredCostModel(CostModel):
 
 
 #: The cost models that can be named by a string.
-COST_MODEL_NAMES = ("measured", "analytic")
+COST_MODEL_NAMES = ("calibrated", "measured", "analytic")
 
 
-def get_cost_model(name: str = "measured", **kw) -> CostModel:
-    """``"measured"`` or ``"analytic"``. Raises ``ValueError`` for another name."""
+def get_cost_model(name: str = "calibrated", **kw) -> CostModel:
+    """A cost model by name: ``"calibrated"``, ``"measured"`` or ``"analytic"``.
+
+    ``"calibrated"``: curves fitted to timed kernels, compiling only to decide close calls
+    (:class:`~taso_jax.search.calibrated.CalibratedCostModel`); ``"measured"``: every
+    kernel timed; ``"analytic"``: a roofline.
+
+    ``kw`` goes to the model's constructor. Raises ``ValueError`` for another name.
+    """
+    if name == "calibrated":
+        from taso_jax.search.calibrated import CalibratedCostModel
+
+        return CalibratedCostModel(**kw)
     if name == "measured":
         return MeasuredCostModel(**kw)
     if name == "analytic":
         return AnalyticCostModel(**kw) if kw else AnalyticCostModel.for_backend()
-    raise ValueError(f"unknown cost model {name!r} (use 'measured' or 'analytic')")
+    raise ValueError(f"unknown cost model {name!r} (use one of {', '.join(COST_MODEL_NAMES)})")
 
 
 def graph_cost(graph: Graph, model: CostModel) -> float:

@@ -93,9 +93,12 @@ def _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state: S
                         hits[sub2.id] += 1
                         mapping2 = rw2.mapping
                         if (alternatives or {}).get(sub2.id):
-                            sub2, g2, c2, mapping2, rebuilt2 = _cheapest_alternative(
+                            chosen = _cheapest_alternative(
                                 g1, rw2.match.nodes[0], (sub2, g2, c2, mapping2, rebuilt2),
                                 alternatives[sub2.id], cost_model, state, measure_until)
+                            if chosen is None or chosen[2] >= target:
+                                continue
+                            sub2, g2, c2, mapping2, rebuilt2 = chosen
                         return g2, c2, [sub, sub2], [
                             (graph, g1, rw.mapping, rebuilt1), (g1, g2, mapping2, rebuilt2)]
             state.pair_failed.add(failed)
@@ -249,8 +252,14 @@ def _cheapest_alternative(graph: Graph, node, found: tuple, others: Sequence[Sub
     alternative's kernel is measured until ``measure_until``; past it, an alternative whose
     kernel is not measured yet is passed over, as its analytic price does not compare with
     measured ones.
+
+    A cost model that can settle close calls by measurement (``refine``:
+    :meth:`~taso_jax.search.calibrated.CalibratedCostModel.refine`) is given the forms
+    (the node as it is, and what each alternative adds); where it revised their prices,
+    they are compared again, and ``None`` is returned when no alternative is now cheaper
+    than ``graph`` (the caller prices ``graph`` again).
     """
-    best = found
+    forms = [(found, _added(graph, found[1], cost_model))]
     for other in others:
         for m in find_matches(other, graph, state.matching, near={node}):
             rw = prepare(other, graph, m, state.matching) if m.nodes[0] is node else None
@@ -260,9 +269,32 @@ def _cheapest_alternative(graph: Graph, node, found: tuple, others: Sequence[Sub
             rebuilt: dict = {}
             g2 = graph.replace(rw.mapping, rebuilt)
             c2 = cost_model.graph_cost(g2, measure_until)
-            if c2 < best[2] * (1 - 1e-9):
-                best = (other, g2, c2, rw.mapping, rebuilt)
+            forms.append(((other, g2, c2, rw.mapping, rebuilt),
+                          _added(graph, g2, cost_model)))
+    refine = getattr(cost_model, "refine", None)
+    if refine is not None and refine([[node], *(added for _, added in forms)]):
+        base = cost_model.graph_cost(graph, measure_until)
+        forms = [((r, g2, cost_model.graph_cost(g2, measure_until), mp, rb), added)
+                 for (r, g2, _, mp, rb), added in forms]
+        best = min((f for f, _ in forms), key=lambda f: f[2])
+        return best if best[2] < base * (1 - 1e-9) else None
+    best = found
+    for f, _ in forms[1:]:
+        if f[2] < best[2] * (1 - 1e-9):
+            best = f
     return best
+
+
+def _added(graph: Graph, after: Graph, cost_model: CostModel) -> list:
+    """The runtime nodes of ``after`` whose kernels ``graph`` lacks.
+
+    Nodes rebuilt downstream of a rewrite keep their signature and are left out: they cost
+    the same in every form of the node rewritten.
+    """
+    old = graph.node_set
+    sigs = {cost_model.signature(n) for n in graph.nodes}
+    return [n for n in after.nodes if n not in old and not n.weight_only
+            and n.op not in LEAF_OPS and cost_model.signature(n) not in sigs]
 
 
 def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
@@ -347,9 +379,13 @@ def _descend(graph: Graph, substitutions: Sequence[Substitution], cost_model: Co
                     if c2 < cost * (1 - 1e-9):
                         taken, mapping = sub, rw.mapping
                         if alternatives.get(sub.id):
-                            taken, g2, c2, mapping, rebuilt = _cheapest_alternative(
+                            chosen = _cheapest_alternative(
                                 graph, rw.match.nodes[0], (sub, g2, c2, mapping, rebuilt),
                                 alternatives[sub.id], cost_model, state, measure_until)
+                            if chosen is None:  # measured: the node's own form is cheapest
+                                cost = cost_model.graph_cost(graph, measure_until)
+                                continue
+                            taken, g2, c2, mapping, rebuilt = chosen
                         step = _Change(graph, g2, mapping, rebuilt)
                         break
                 else:  # no single rewrite pays: maybe a run of them on one node does

@@ -27,6 +27,7 @@ from taso_jax.search.second_opinions import (
     add_near_tie_candidate,
 )
 
+from taso_jax._compile_cache import enable_persistent_cache
 from taso_jax.ir.executor import forget_compiled
 from taso_jax.ir.graph import Graph
 from taso_jax.ir.layout import has_nchw_convolutions
@@ -57,8 +58,9 @@ VISITED_HELD = 8
 #: last form is the cheapest (:func:`taso_jax.search.descent._chain_step`), and forms
 #: of a convolution with other groups are priced side by side
 #: (:meth:`taso_jax.search.cost.MeasuredCostModel._measure_beside`); the end-to-end choice
-#: duels a confirmed candidate with one ahead of it by median.
-SEARCH_REVISION = 6
+#: duels a confirmed candidate with one ahead of it by median. 7: the calibrated cost model
+#: is the default (:mod:`taso_jax.search.calibrated`).
+SEARCH_REVISION = 7
 
 #: The runtimes a result can be made fast in.
 TARGETS = ("xla", "onnxruntime")
@@ -89,9 +91,12 @@ class OptimizeOptions:
         60.0, "seconds for the whole optimization at most (import, kernel measurement, "
               "search and end-to-end choice); > 0. The decorator's default is 10 s")
     cost_model: Any = _option(
-        "measured", "how graphs are priced: \"measured\" (kernels timed on this device, "
-                    "cached in a SQLite file in the user cache directory), \"analytic\" "
-                    "(FLOPs and bytes), or a CostModel")
+        "calibrated", "how graphs are priced: \"calibrated\" (each kernel from its FLOPs "
+                      "and bytes through curves fitted to kernels timed on this device class; "
+                      "compiles only to settle close calls between forms of one node), "
+                      "\"measured\" (every kernel compiled and timed on this device, cached in "
+                      "a SQLite file in the user cache directory), \"analytic\" (a roofline "
+                      "of FLOPs and bytes), or a CostModel")
     substitutions: Any = _option(
         None, "the rules: a rule file path or a list of Substitution; None for the shipped "
               "set", compare=False)
@@ -171,14 +176,14 @@ class OptimizeOptions:
     def make_cost_model(self, **kw) -> CostModel:
         """The cost model these options name (a given instance is returned as is).
 
-        ``"measured"`` on XLA:CPU with ``layout_candidates`` prices convolutions in NHWC
-        (``MeasuredCostModel(nhwc_convolutions=True)``): the end-to-end choice times NHWC
+        ``"measured"`` and ``"calibrated"`` on XLA:CPU with ``layout_candidates`` price
+        convolutions in NHWC (``nhwc_convolutions=True``): the end-to-end choice times NHWC
         forms and on a CPU keeps them, so the search ranks graphs by what they will run.
         ``kw`` goes to :func:`get_cost_model` where a name is given (``cache_path`` for the
         measured model).
         """
         cm = self.cost_model
-        if cm == "measured" and self.target == "xla" and self.layout_candidates:
+        if cm in ("measured", "calibrated") and self.target == "xla" and self.layout_candidates:
             import jax
 
             return get_cost_model(cm, nhwc_convolutions=jax.default_backend() == "cpu", **kw)
@@ -310,6 +315,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         what was timed when candidates were measured, ``result.unmeasurable`` the kernels
         the cost model could not time.
     """
+    enable_persistent_cache()  # kernels and candidates compiled once, across runs
     late = deadline is not None and deadline.passed()  # import and rule loading took it all
     if deadline is None:
         deadline = Deadline.start(opts.time_limit)
@@ -351,6 +357,8 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     if ahead is not None:  # a compilation is not left running into the export or the exit
         ahead.join()
     result.unmeasurable = list(cost_model.unmeasurable)
+    stats = getattr(cost_model, "stats", None)
+    result.cost_model = dict(stats()) if stats is not None else {"name": opts.cost_model_name}
     return result
 
 

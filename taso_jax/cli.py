@@ -313,9 +313,9 @@ def _bench(args) -> int:
     if unknown:
         raise UsageError(f"unknown benchmark model(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(models)}")
-    if args.cost_cache and args.cost_model != "measured":
+    if args.cost_cache and args.cost_model == "analytic":
         raise UsageError("--cost-cache holds measured kernel costs: it needs --cost-model "
-                         "measured")
+                         "measured or calibrated")
     try:  # read before the long run, so that a bad file stops it at once
         earlier = [] if args.fresh else read_results(args.out, device_name())
     except ValueError as e:
@@ -417,6 +417,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The ``taso-jax`` argument parser (errors are one line: :class:`_Parser`)."""
     from taso_jax.report import ATOL, RTOL
+    from taso_jax.search.cost import COST_MODEL_NAMES
     from taso_jax.search.options import TARGETS, OptimizeOptions
 
     d = OptimizeOptions()  # the one set of defaults, shared with the API and the decorator
@@ -442,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--budget", type=int, default=d.budget, help=described("budget"))
     o.add_argument("--time-limit", type=float, default=d.time_limit,
                    help=described("time_limit"))
-    o.add_argument("--cost-model", choices=["measured", "analytic"], default=d.cost_model,
+    o.add_argument("--cost-model", choices=list(COST_MODEL_NAMES), default=d.cost_model,
                    help=described("cost_model"))
     o.add_argument("--target", choices=list(TARGETS), default=d.target,
                    help=described("target"))
@@ -507,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "timings (TASO_JAX_HUGEPAGES=off: not).")
     b.add_argument("models", nargs="*", help="model names (default: all six)")
     b.add_argument("--small", action="store_true", help="small shapes (a quick run on a CPU)")
-    b.add_argument("--cost-model", choices=["measured", "analytic"], default=d.cost_model)
+    b.add_argument("--cost-model", choices=list(COST_MODEL_NAMES), default=d.cost_model)
     b.add_argument("--budget", type=int, default=d.budget,
                    help=f"graphs expanded at most ({d.budget})")
     b.add_argument("--time-limit", type=float, default=d.time_limit,

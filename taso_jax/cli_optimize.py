@@ -193,8 +193,8 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
             notes.append("kept as opaque nodes: " + ", ".join(
                 f"{k} x{v}" for k, v in sorted(graph.meta["opaque"].items())))
     # (for --target onnxruntime, its target makes its own cost model, without the cache)
-    cost_model = (get_cost_model("measured", cache_path=False)
-                  if args.cost_model == "measured" and args.no_cost_cache
+    cost_model = (get_cost_model(args.cost_model, cache_path=False)
+                  if args.cost_model in ("measured", "calibrated") and args.no_cost_cache
                   and args.target == "xla" else args.cost_model)
     try:
         options = OptimizeOptions(alpha=args.alpha, budget=args.budget,

@@ -404,6 +404,7 @@ def search_report(name: str, graph: Graph, result, options: OptimizeOptions, sub
                    "alpha": options.alpha, "budget": options.budget,
                    "substitutions": len(substitutions)},
         "rules": dict(result.rules),
+        "cost_model": dict(result.cost_model),
         "applied": dict(result.applied),
         "laws": {s.name: s.law for s in substitutions if s.name in result.applied},
         "proof": {s.name: s.proof_status for s in substitutions if s.name in result.applied},
@@ -416,6 +417,23 @@ def _rival(duel: dict) -> str:
     if duel.get("reason") == "median":
         return "ahead of it by its median round in screening"
     return f"within {DUEL_WITHIN:.0%} of it in screening"
+
+
+def cost_model_line(cm: dict) -> str:
+    """One line on what the search's cost model compiled.
+
+    ``cm`` is its ``stats()`` (see :class:`~taso_jax.search.calibrated.CalibratedCostModel`).
+    """
+    line = f"cost model: {cm['name']}, {cm['compiles']} kernels compiled and timed"
+    line += f" ({cm['compile_seconds']:.1f} s)"
+    if "decisions" in cm:
+        line += (f" to settle {cm['decisions']} close calls between forms of one node"
+                 f" ({cm['from_cache']} kernel times read from the cost cache)")
+        if cm.get("over_budget"):
+            line += f"; {cm['over_budget']} close calls left to the curves (compile budget)"
+    if "priced" in cm:
+        line += f"; {cm['priced']} kernels priced in {cm['pricing_seconds']:.2f} s"
+    return line
 
 
 def end_to_end_line(e: dict) -> str:
@@ -513,6 +531,9 @@ def format_report(r: dict) -> str:
                  f"{s['substitutions']} substitutions")
     if s.get("out_of_time_in"):
         lines.append(f"time limit reached during: {s['out_of_time_in']}")
+    cm = r.get("cost_model") or {}
+    if "compiles" in cm:
+        lines.append(cost_model_line(cm))
     e = r.get("end_to_end") or {}
     if e:
         lines.append(end_to_end_line(e))

@@ -365,10 +365,11 @@ class OnnxRuntimeTarget:
         """The cost model for ``options.cost_model``: a measured model times in onnxruntime.
 
         ``"measured"`` (the name, or an XLA :class:`~taso_jax.search.cost.MeasuredCostModel`)
-        becomes :class:`OnnxRuntimeCostModel`; ``"analytic"`` and other instances stay.
+        and ``"calibrated"`` (no curves are fitted for onnxruntime's kernels yet) become
+        :class:`OnnxRuntimeCostModel`; ``"analytic"`` and other instances stay.
         """
         cm = options.cost_model
-        if cm == "measured" or isinstance(cm, MeasuredCostModel) \
+        if cm in ("measured", "calibrated") or isinstance(cm, MeasuredCostModel) \
                 and not isinstance(cm, OnnxRuntimeCostModel):
             return OnnxRuntimeCostModel(cache_path=None if self.cache else False,
                                         opset=self.opset)

@@ -1,0 +1,272 @@
+"""Collect kernels from a corpus of models, time them, and fit the calibrated cost model.
+
+    python benchmarks/calibrate.py collect --out K.jsonl [--cost-cache F] [--per-model N]
+                                           [--only NAME ...] [--time-per-model S]
+    python benchmarks/calibrate.py fit K.jsonl [--write taso_jax/data/calibration_cpu.json]
+
+``collect`` loads each model of the corpus (:func:`corpus`: the shared ONNX exports, the
+deployed ONNX models fetched by ``benchmarks/fetch_real_models.py`` into
+``/tmp/realmodels/in``, the ONNX wheel's light model-zoo graphs, TASO's six models at their
+small and full sizes, and the transformer registry and JAX workloads of ``examples/``),
+runs a short search under a cost model that records every kernel it prices (so the kernels
+are those a search meets: the input's, and every rewrite's and lowering's), draws up to
+``--per-model`` of them (seeded), times each one as
+:class:`~taso_jax.search.cost.MeasuredCostModel` does, and appends one JSON line per kernel
+(its features, price in microseconds and model) to ``--out``. It also writes, per model, up
+to ``--rewrites`` single rewrites of the input graph (the kernels each adds and removes,
+also timed) to ``<out>.rewrites.jsonl``, for the sign agreement that
+``benchmarks/cost_model_accuracy.py`` reports. A run resumes where one left off: kernels
+already in ``--out`` are not timed again.
+
+``fit`` fits the curves to the samples of the models that :func:`held_out` does not keep
+apart and writes them as the package's calibration for this device class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def held_out(name: str) -> bool:
+    """Whether a model is kept out of the fit (a quarter of the corpus, by name's hash)."""
+    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % 4 == 0
+
+
+def corpus(only: list[str] | None = None):
+    """Yield ``(name, make_graph)`` for every model of the corpus (graphs built lazily)."""
+    import onnx
+
+    import taso_jax
+
+    onnx_files = sorted(glob.glob(str(REPO.parent / "shared" / "models" / "*.onnx")))
+    onnx_files += sorted(glob.glob("/tmp/realmodels/in/*.onnx"))
+    light = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
+    onnx_files += sorted(glob.glob(str(light / "light_*.onnx")))
+    for f in onnx_files:
+        yield f"onnx:{Path(f).stem}", (lambda f=f: taso_jax.load_onnx(f))
+    from models import MODELS as TASO
+
+    for name, mod in TASO.items():
+        yield f"taso:{name}:small", (lambda mod=mod: mod.build(**mod.SMALL))
+        if name in ("resnet50", "resnext50", "nasrnn", "bert_large", "inception_v3"):
+            yield f"taso:{name}", (lambda mod=mod: mod.build())
+    import transformer_models as tm
+
+    for name, make in tm.MODELS.items():
+        for seq in (256, 1024):
+            yield f"jax:{name}:{seq}", (lambda make=make, seq=seq: _from_jax(make(seq=seq)))
+    import jax_models as jm
+
+    for name, make in jm.MODELS.items():
+        yield f"jax:{name}", (lambda make=make: _from_jax(make()))
+
+
+def _from_jax(made):
+    import taso_jax
+
+    fn, weights, inputs = made
+    return taso_jax.from_jax(fn, weights, *inputs, weight_argnums=0)
+
+
+def record_kernels(graph, seconds: float, n_rewrites: int, rng: random.Random):
+    """The kernels a short search of ``graph`` prices, and some single rewrites of it.
+
+    Returns ``(kernels: key -> node, rewrites: [(rule name, new keys, removed keys)])``.
+    """
+    import jax
+    from taso_jax.search import backtracking_search
+    from taso_jax.search.calibrated import CalibratedCostModel
+    from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel
+    from taso_jax.search.match import find_matches, prepare
+    from taso_jax.search.options import usable_rules
+    from taso_jax.search.rules import default_substitutions
+
+    from taso_jax.ir.layout import nhwc_form
+
+    kernels: dict = {}
+    helper = CalibratedCostModel(cache_path=False, nhwc_convolutions=False)
+    # a rewrite's sides as the search prices them: on XLA:CPU, convolutions in NHWC
+    searched = CalibratedCostModel(cache_path=False,
+                                   nhwc_convolutions=jax.default_backend() == "cpu")
+
+    def note(node):
+        for k in helper.kernels(node):
+            kernels.setdefault(MeasuredCostModel.key(k), k)
+            if k.op == "conv2d":
+                nk = nhwc_form(k)
+                kernels.setdefault(MeasuredCostModel.key(nk), nk)
+
+    class Recording(AnalyticCostModel):
+        def _price(self, node, measure_until):
+            note(node)
+            return super()._price(node, measure_until)
+
+    model = Recording.for_backend()
+    rules, _ = usable_rules(default_substitutions(), False)
+    backtracking_search(graph, rules, model, budget=20, time_limit=seconds, keep=2)
+    rewrites = []
+    nodes = graph.node_set
+    found = []
+    t_end = time.perf_counter() + seconds
+    for rule in rules:
+        if time.perf_counter() > t_end:
+            break
+        if not all(p.op in graph.by_op for p in rule.source):
+            continue
+        for m in find_matches(rule, graph, deadline=t_end):
+            found.append((rule, m))
+    rng.shuffle(found)
+    for rule, m in found:
+        if len(rewrites) >= n_rewrites:
+            break
+        rw = prepare(rule, graph, m)
+        if not rw:
+            continue
+        created = set(rw.created)
+        new = [n for n in created if n not in nodes and not n.weight_only]
+        gone = [n for n in set(rw.match.nodes) if n not in created and not n.weight_only]
+        keys = ([], [])
+        for side, out in ((new, keys[0]), (gone, keys[1])):
+            for n in side:
+                for k in searched.kernels(n):
+                    key = MeasuredCostModel.key(k)
+                    kernels.setdefault(key, k)
+                    out.append(key)
+        if keys[0] or keys[1]:
+            rewrites.append((rule.name, keys[0], keys[1]))
+    return kernels, rewrites
+
+
+def collect(args) -> int:
+    from taso_jax.search.calibrated import kernel_features
+    from taso_jax.search.cost import MeasuredCostModel
+
+    out = Path(args.out)
+    done = set()
+    if out.exists():
+        for line in out.read_text().splitlines():
+            row = json.loads(line)
+            done.add((row["source"], row["key"]))
+    rw_path = Path(str(out) + ".rewrites.jsonl")
+    measurer = MeasuredCostModel(cache_path=args.cost_cache)
+    rng = random.Random(0)
+    for name, make in corpus():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        t0 = time.perf_counter()
+        try:
+            graph = make()
+            kernels, rewrites = record_kernels(graph, args.time_per_model,
+                                               args.rewrites if held_out(name) else 0,
+                                               random.Random(name))
+        except Exception as e:  # noqa: BLE001 - a model that does not load is skipped
+            print(f"{name}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
+            continue
+        needed = {k for _, new, gone in rewrites for k in new + gone}
+        keys = sorted(kernels)
+        rng.shuffle(keys)
+        chosen = list(dict.fromkeys([*needed, *keys[:args.per_model]]))
+        timed = 0
+        with out.open("a") as f:
+            for key in chosen:
+                if (name, key) in done:
+                    continue
+                node = kernels[key]
+                refused = len(measurer.unmeasurable)
+                try:
+                    price = measurer._cost(node)
+                except Exception:  # noqa: BLE001
+                    traceback.print_exc(limit=1)
+                    continue
+                if len(measurer.unmeasurable) > refused:  # priced analytically: no sample
+                    continue
+                s = kernel_features(node, price, name)
+                f.write(json.dumps({**s.to_json(), "key": key}) + "\n")
+                f.flush()
+                timed += 1
+        if rewrites:
+            with rw_path.open("a") as f:
+                for rule, new, gone in rewrites:
+                    f.write(json.dumps({"source": name, "rule": rule, "new": new,
+                                        "gone": gone}) + "\n")
+        print(f"{name}: {len(graph.nodes)} nodes, {len(kernels)} kernels priced, "
+              f"{timed} timed, {len(rewrites)} rewrites, {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    return 0
+
+
+def read_samples(path: str):
+    """The samples of a ``collect`` output, as :class:`KernelSample` with their keys."""
+    from taso_jax.search.calibrated import KernelSample
+
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for r in rows:
+        if "groups" not in r:  # collected before outputs and groups were recorded
+            r["outputs"], r["groups"] = _outputs_of(r["key"])
+    return [(KernelSample(**{k: v for k, v in r.items() if k != "key"}), r["key"])
+            for r in rows]
+
+
+def _outputs_of(key: str) -> tuple[float, int]:
+    """Output elements and ``groups`` of the kernel named by a cost-cache key."""
+    from taso_jax.ops import OPS, TensorType
+
+    op, attrs, ins = eval(key, {"TensorType": TensorType})  # noqa: S307 - our own keys
+    groups = dict(attrs).get("groups", 1)
+    return (float(sum(t.size for t in OPS[op].infer(list(ins), dict(attrs)))),
+            int(groups) if isinstance(groups, int) else 1)
+
+
+def fit(args) -> int:
+    import jax
+    from taso_jax.search.calibrated import Calibration, write_samples
+    from taso_jax.search.cost import AnalyticCostModel
+
+    samples = [s for s, _ in read_samples(args.samples)]
+    train = [s for s in samples if not held_out(s.source)]
+    cal = Calibration.fit(train, AnalyticCostModel.for_backend())
+    for k, v in cal.summary().items():
+        print(f"{k:40s} n={v['n']:7.1f} sigma={v['sigma']:.3f}")
+    if args.write:
+        dev = jax.devices()[0]
+        write_samples(args.write, train, {
+            "device": f"{dev.platform}:{getattr(dev, 'device_kind', dev.platform)}",
+            "measured": time.strftime("%Y-%m-%d"),
+            "models": sorted({s.source for s in train}),
+            "held_out": sorted({s.source for s in samples if held_out(s.source)}),
+            "how": "benchmarks/calibrate.py collect, then fit"})
+        print(f"wrote {len(train)} samples to {args.write}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("collect")
+    c.add_argument("--out", required=True)
+    c.add_argument("--cost-cache", default=None)
+    c.add_argument("--per-model", type=int, default=40)
+    c.add_argument("--rewrites", type=int, default=12)
+    c.add_argument("--time-per-model", type=float, default=10.0)
+    c.add_argument("--only", nargs="*")
+    f = sub.add_parser("fit")
+    f.add_argument("samples")
+    f.add_argument("--write")
+    args = ap.parse_args(argv)
+    return collect(args) if args.cmd == "collect" else fit(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

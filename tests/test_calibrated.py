@@ -1,0 +1,241 @@
+"""The calibrated cost model: curves fitted to timed kernels, compiling only to decide."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from taso_jax.search import calibrated
+from taso_jax.search.calibrated import (
+    LOCAL_WEIGHT,
+    UNFITTED_SIGMA,
+    CalibratedCostModel,
+    Calibration,
+    KernelSample,
+    kernel_features,
+    load_calibration,
+)
+from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel, get_cost_model
+from taso_jax.search.options import OptimizeOptions
+
+import taso_jax
+from taso_jax.ir.graph import Graph
+
+
+def _synthetic(n: int, rate: float, seed: int = 0, op: str = "matmul", family: str = "matmul",
+               noise: float = 0.0, source: str = "m") -> list[KernelSample]:
+    """Kernels whose time is 2 us plus their FLOPs at ``rate`` GFLOP/s (times noise)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        flops = float(10 ** rng.uniform(4, 9))
+        micros = (2.0 + flops / (rate * 1e3)) * math.exp(noise * rng.standard_normal())
+        out.append(KernelSample(op, family, flops, flops / 8, False, micros, source,
+                                flops / 256))
+    return out
+
+
+def test_the_curves_rank_kernels_they_were_not_fitted_to():
+    cal = Calibration.fit(_synthetic(60, 50.0, noise=0.1), AnalyticCostModel())
+    held = _synthetic(40, 50.0, seed=1)
+    pred = [cal.predict(s)[0] for s in held]
+    assert np.corrcoef(np.argsort(np.argsort(pred)),
+                       np.argsort(np.argsort([s.micros for s in held])))[0, 1] > 0.95
+    # and price them near their time, with an uncertainty near the noise drawn
+    off = [abs(math.log(p / s.micros)) for p, s in zip(pred, held, strict=True)]
+    assert np.median(off) < 0.2
+    assert 0.05 < cal.curve("matmul", "matmul").sigma < 0.3
+
+
+def test_an_operator_with_few_samples_follows_its_family():
+    """One sample of a new operator moves its curve only part of the way from its family's."""
+    family = _synthetic(80, 50.0, op="conv2d", family="conv")
+    lone = KernelSample("conv2d_nhwc", "conv", 1e8, 1e7, False, 20_000.0, "m", 1e8 / 256)
+    cal = Calibration.fit([*family, lone], AnalyticCostModel())
+    at = KernelSample("conv2d_nhwc", "conv", 1e8, 1e7, False, float("nan"), "", 1e8 / 256)
+    family_price = (2.0 + 1e8 / 50e3)
+    price, sigma = cal.predict(at)
+    assert family_price < price < 20_000.0  # between the family and the lone sample
+    # few samples: at least the family's uncertainty
+    assert sigma >= cal.curves[("family", "conv")].sigma
+
+
+def test_without_samples_the_analytic_model_prices_with_a_wide_uncertainty():
+    cal = Calibration.fit([], AnalyticCostModel())
+    g = _bert_like()
+    node = next(n for n in g.nodes if n.op == "matmul")
+    price, sigma = cal.predict(kernel_features(node), node)
+    assert price == pytest.approx(AnalyticCostModel().node_cost(node))
+    assert sigma == UNFITTED_SIGMA
+
+
+def _bert_like(widths=(256, 256, 256)) -> Graph:
+    b = taso_jax.new_graph()
+    x = b.new_input(dims=(64, 256))
+    outs = [b.matmul(x, b.new_weight(dims=(256, w))) for w in widths]
+    for o in outs:
+        b.relu(o)
+    return b.graph()
+
+
+def test_pricing_a_graph_compiles_nothing(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a kernel was compiled to price a graph")
+
+    monkeypatch.setattr(MeasuredCostModel, "_measure", refuse)
+    cal = Calibration.fit(_synthetic(50, 50.0), AnalyticCostModel())
+    cm = CalibratedCostModel(calibration=cal)
+    g = _bert_like()
+    assert cm.graph_cost(g) > 0
+    stats = cm.stats()
+    assert stats["compiles"] == 0 and stats["priced"] > 0 and stats["name"] == "calibrated"
+
+
+def _two_forms(cm, fast: float, slow: float):
+    """Two forms of a product (the kernels of which the cost model prices as given)."""
+    g = _bert_like((256, 288))
+    a, b = [n for n in g.nodes if n.op == "matmul"][:2]
+    prices = {MeasuredCostModel.key(a): fast, MeasuredCostModel.key(b): slow}
+    return a, b, prices
+
+
+def test_close_forms_are_timed_and_the_timing_decides(monkeypatch, tmp_path):
+    cal = Calibration.fit(_synthetic(50, 50.0, noise=0.5), AnalyticCostModel())
+    cm = CalibratedCostModel(cache_path=str(tmp_path / "c.sqlite"), calibration=cal)
+    a, b, times = _two_forms(cm, 100.0, 300.0)
+    timed = []
+
+    def fake_cost(self, node):
+        timed.append(node)
+        return times[MeasuredCostModel.key(node)]
+
+    monkeypatch.setattr(MeasuredCostModel, "_cost", fake_cost)
+    monkeypatch.setattr(MeasuredCostModel, "_lookup", lambda self, key: None)
+    # near shapes: the curves price them within their uncertainty, and timing tells them
+    # apart
+    assert cm.node_cost(a) < cm.node_cost(b) < 1.2 * cm.node_cost(a)
+    assert cm.refine([[a], [b]])
+    assert cm.node_cost(a) == 100.0 and cm.node_cost(b) == 300.0
+    assert cm.stats()["compiles"] == 2 and cm.stats()["decisions"] == 1
+    # pinned: asked again, nothing more is timed
+    assert not cm.refine([[a], [b]]) and len(timed) == 2
+
+
+def test_forms_far_apart_are_not_timed(monkeypatch):
+    cal = Calibration.fit(_synthetic(50, 50.0, noise=0.05), AnalyticCostModel())
+    cm = CalibratedCostModel(calibration=cal)
+    g = _bert_like()
+    small = next(n for n in g.nodes if n.op == "matmul")
+    b = taso_jax.new_graph()
+    b.matmul(b.new_input(dims=(1024, 1024)), b.new_weight(dims=(1024, 1024)))
+    big_node = next(n for n in b.graph().nodes if n.op == "matmul")
+    monkeypatch.setattr(MeasuredCostModel, "_cost", lambda self, n: pytest.fail("timed"))
+    assert not cm.refine([[small], [big_node]])
+    assert cm.stats()["compiles"] == 0
+
+
+def test_the_compile_budget_holds(monkeypatch):
+    cal = Calibration.fit(_synthetic(50, 50.0, noise=0.5), AnalyticCostModel())
+    cm = CalibratedCostModel(calibration=cal, max_compiles=1)
+    a, b, times = _two_forms(cm, 100.0, 300.0)
+    monkeypatch.setattr(MeasuredCostModel, "_lookup", lambda self, key: None)
+    monkeypatch.setattr(MeasuredCostModel, "_cost", lambda self, n: pytest.fail("timed"))
+    assert not cm.refine([[a], [b]])
+    assert cm.stats()["over_budget"] == 1 and cm.stats()["compiles"] == 0
+
+
+def test_kernels_timed_on_this_device_refine_the_curves(tmp_path):
+    """A measured kernel leaves a sample in the cost cache; the next calibration fits it."""
+    path = str(tmp_path / "costs.sqlite")
+    g = _bert_like()
+    node = next(n for n in g.nodes if n.op == "matmul")
+    measured = MeasuredCostModel(cache_path=path)
+    price = measured.node_cost(node)
+    cm = CalibratedCostModel(cache_path=path)
+    local = calibrated.local_samples(cm._db, cm.device)
+    assert len(local) == 1 and local[0].op == "matmul"
+    assert local[0].micros == pytest.approx(price, rel=1e-6)
+    # it weighs LOCAL_WEIGHT shipped samples
+    cal = load_calibration(cm.device, cm._db)
+    assert cal.weights[-1] == LOCAL_WEIGHT
+
+
+def test_the_calibrated_model_is_the_default_and_measured_remains():
+    assert OptimizeOptions().cost_model == "calibrated"
+    assert isinstance(OptimizeOptions(layout_candidates=False).make_cost_model(),
+                      CalibratedCostModel)
+    assert isinstance(get_cost_model("measured", cache_path=False), MeasuredCostModel)
+    with pytest.raises(ValueError, match="calibrated"):
+        get_cost_model("guessed")
+
+
+def test_the_package_ships_a_calibration_for_this_cpu():
+    samples = calibrated._read_shipped("cpu")
+    assert len(samples) >= 200
+    families = {s.family for s in samples}
+    assert {"conv", "matmul", "attention", "nn", "tensor"} <= families
+
+
+def _causal_attention_graph(seq: int = 512):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent / "examples"))
+    import transformer_models as tm
+
+    fn, w, inputs = tm.make_causal_attention(seq=seq, heads=2, head_dim=8)
+    return taso_jax.from_jax(fn, w, *inputs, weight_argnums=0)
+
+
+def _lowered(graph: Graph) -> set:
+    return {(n.attr("impl"), n.attr("block")) for n in graph.nodes if n.op == "attention"}
+
+
+@pytest.mark.parametrize("timings, kept", [
+    ({"naive": 1000.0, 128: 300.0, 256: 200.0, 512: 100.0}, {("blocked", 512)}),
+    ({"naive": 1000.0, 128: 100.0, 256: 200.0, 512: 300.0}, {("blocked", 128)}),
+    ({"naive": 1.0, 128: 300.0, 256: 200.0, 512: 100.0}, set()),
+])
+def test_the_descent_keeps_the_form_of_attention_that_timing_finds_cheapest(
+        monkeypatch, timings, kept):
+    """Attention's lowerings, priced alike by wide curves, are timed; the fastest is kept.
+
+    Where the naive form (its composition's kernels) is priced close enough to be timed
+    too, and times fastest, no lowering is kept.
+    """
+    monkeypatch.setattr(calibrated, "CLOSE_SIGMAS", 3.0)
+    from taso_jax.search.descent import greedy_descent
+    from taso_jax.search.options import usable_rules
+    from taso_jax.search.rules import default_substitutions
+
+    def fake_time(self, node):
+        if node.op == "attention":
+            return timings[node.attr("block")]
+        return timings["naive"]
+
+    monkeypatch.setattr(MeasuredCostModel, "_cost", fake_time)
+    monkeypatch.setattr(MeasuredCostModel, "_lookup", lambda self, key: None)
+    cm = CalibratedCostModel(calibration=Calibration.fit([], AnalyticCostModel()))
+    graph = _causal_attention_graph()
+    rules, _ = usable_rules(default_substitutions(), False)
+    best, _, _ = greedy_descent(graph, rules, cm, time_limit=60)
+    assert _lowered(best) - {("naive", 128)} == kept
+    assert cm.stats()["decisions"] >= 1 and 0 < cm.stats()["compiles"] <= 20
+
+
+def test_the_persistent_compilation_cache_is_on_unless_the_user_chose(tmp_path):
+    code = ("import jax, taso_jax._compile_cache as c; p = c.enable_persistent_cache(); "
+            "print(p); print(jax.config.jax_compilation_cache_dir)")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    path, configured = run.stdout.split()
+    assert path == configured and path.startswith(str(tmp_path))
+    mine = str(tmp_path / "mine")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**env, "JAX_COMPILATION_CACHE_DIR": mine}, timeout=120)
+    assert run.stdout.split() == ["None", mine]
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**env, "TASO_JAX_COMPILE_CACHE": "off"}, timeout=120)
+    assert run.stdout.split()[0] == "None"
