@@ -29,8 +29,9 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "open_cost_cache"]
 
 #: ``PRAGMA application_id`` of a taso_jax cost cache: "tasj" in ASCII.
 APPLICATION_ID = 0x7461736A
-#: ``PRAGMA user_version`` of the current schema (``spread`` and ``method`` columns).
-SCHEMA_VERSION = 2
+#: ``PRAGMA user_version`` of the current schema (``spread`` and ``method`` columns; the
+#: ``samples`` table of kernel features).
+SCHEMA_VERSION = 3
 #: Seconds a connection waits for another process's lock (creation, migration, a write).
 BUSY_TIMEOUT_S = 10.0
 
@@ -116,6 +117,7 @@ def _migrate(db: sqlite3.Connection) -> None:
         db.execute("CREATE TABLE IF NOT EXISTS samples (device TEXT, key TEXT, op TEXT, "
                    "family TEXT, flops REAL, bytes REAL, narrow INTEGER, micros REAL, "
                    "outputs REAL, groups INTEGER, PRIMARY KEY (device, key))")
+        _add_columns(db, "samples", (("outputs", "REAL"), ("groups", "INTEGER")))
         columns = {row[1] for row in db.execute("PRAGMA table_info(cost)")}
         # caches written before spreads, then timing methods, were recorded (a time of
         # no method is measured again)
@@ -134,6 +136,18 @@ def _migrate(db: sqlite3.Connection) -> None:
         if db.in_transaction:
             db.execute("ROLLBACK")
         raise
+
+
+def _add_columns(db: sqlite3.Connection, table: str, wanted) -> None:
+    """Add the ``(name, type)`` columns ``wanted`` that ``table`` lacks (an older cache)."""
+    columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+    for column, kind in wanted:
+        if column not in columns:
+            try:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            except sqlite3.OperationalError as e:  # added by a writer of another process
+                if "duplicate column" not in str(e):
+                    raise
 
 
 def _while_locked(step, *args) -> None:

@@ -451,7 +451,7 @@ class CalibratedCostModel(CostModel):
 
     # -- measurement where it decides ------------------------------------------------------
 
-    def refine(self, forms: Sequence[Sequence[Node]]) -> bool:
+    def refine(self, forms: Sequence[Sequence[Node]], until: float | None = None) -> bool:
         """Time the kernels of the forms of one node whose prices are close; pin them.
 
         ``forms`` are alternative node sets that compute the same tensor (a node and its
@@ -461,8 +461,10 @@ class CalibratedCostModel(CostModel):
         most ``max_compiles`` in this model's life). The timings are pinned (they price
         those kernels from then on) and added to the curves' samples. Returns whether any
         price changed; prices handed out before then are revised, so a caller compares the
-        forms again.
+        forms again. Nothing is compiled past ``until`` (a ``time.perf_counter()`` value).
         """
+        if until is not None and time.perf_counter() > until:
+            return False
         prices = [sum(self.node_cost(n) for n in f) for f in forms]
         if len(prices) < 2:
             return False
@@ -487,12 +489,19 @@ class CalibratedCostModel(CostModel):
             self._stats.over_budget += 1
             return False
         t0 = time.perf_counter()
+        timed = {}
         for key, k in kernels.items():
             # the measured model's price: its time less a call's overhead, plus a launch
-            self._pinned[key] = measurer._cost(k)
-        self._stats.compiles += len(fresh)
-        self._stats.from_cache += len(kernels) - len(fresh)
+            timed[key] = measurer._cost(k)
+            self._stats.compiles += key in fresh
+            self._stats.from_cache += key not in fresh
+            if until is not None and time.perf_counter() > until and len(timed) < len(kernels):
+                # some forms timed, others not: they would be compared on different scales
+                # (the timings are in the cost cache for the next run)
+                self._stats.compile_seconds += time.perf_counter() - t0
+                return False
         self._stats.compile_seconds += time.perf_counter() - t0
+        self._pinned.update(timed)
         self._stats.decisions += 1
         self._revise()
         return True

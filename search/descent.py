@@ -228,14 +228,56 @@ def _rival_as_cheap(graph: Graph, cost: float, node, rivals: Sequence[Substituti
 
 
 def _alternative(sub: Substitution) -> bool:
-    """Whether ``sub`` only changes one node's attributes.
+    """Whether ``sub`` only picks another form of one node.
 
-    That is: one source node, rewritten into one node of the same operator on the same
-    inputs (a lowering chosen by ``impl``).
+    That is: one source node, rewritten into one node on the same inputs, of the same
+    operator (a lowering chosen by ``impl``: attention in query blocks) or of another (a
+    convolution as columns and a product, or as its kernel taps). The forms of a node
+    exclude each other.
     """
     return (len(sub.source) == 1 and len(sub.target) == 1
-            and sub.target[0].op == sub.source[0].op
             and sub.target[0].inputs == sub.source[0].inputs)
+
+
+def _settle(graph: Graph, alternatives: dict, cost_model: CostModel, state: SearchState,
+            settled: set, deadline: float) -> bool:
+    """Let a cost model that can time close calls (``refine``) settle each node's forms.
+
+    For each runtime node not ``settled`` yet that rules of ``alternatives`` (rule id ->
+    the other rules of its operator) rewrite into another form, dearest node first, the
+    cost model is given the forms: the node, and what each rule's rewrite adds
+    (:meth:`~taso_jax.search.calibrated.CalibratedCostModel.refine`). It times those whose
+    prices lie within its uncertainty of each other, within its compile budget. Returns
+    whether any price changed. A cost model without ``refine`` is left alone.
+    """
+    refine = getattr(cost_model, "refine", None)
+    if refine is None or not alternatives:
+        return False
+    rules: dict[str, list] = {}
+    for others in alternatives.values():
+        for r in others:
+            rules.setdefault(r.source[0].op, [])
+            if r not in rules[r.source[0].op]:
+                rules[r.source[0].op].append(r)
+    nodes = [n for n in graph.nodes if n.op in rules and n not in settled
+             and not n.weight_only]
+    nodes.sort(key=lambda n: -cost_model.node_cost(n))
+    changed = False
+    old = graph.node_set
+    for node in nodes:
+        if time.perf_counter() > deadline:
+            break
+        settled.add(node)
+        forms = [[node]]
+        for rule in rules[node.op]:
+            for m in find_matches(rule, graph, state.matching, near={node}):
+                rw = prepare(rule, graph, m, state.matching) if m.nodes[0] is node else None
+                if rw:
+                    forms.append([n for n in rw.created if n not in old
+                                  and not n.weight_only])
+        if len(forms) > 1 and refine(forms, until=deadline):
+            changed = True
+    return changed
 
 
 def _cheapest_alternative(graph: Graph, node, found: tuple, others: Sequence[Substitution],
@@ -272,7 +314,8 @@ def _cheapest_alternative(graph: Graph, node, found: tuple, others: Sequence[Sub
             forms.append(((other, g2, c2, rw.mapping, rebuilt),
                           _added(graph, g2, cost_model)))
     refine = getattr(cost_model, "refine", None)
-    if refine is not None and refine([[node], *(added for _, added in forms)]):
+    if refine is not None and refine([[node], *(added for _, added in forms)],
+                                     until=measure_until):
         base = cost_model.graph_cost(graph, measure_until)
         forms = [((r, g2, cost_model.graph_cost(g2, measure_until), mp, rb), added)
                  for (r, g2, _, mp, rb), added in forms]
@@ -352,9 +395,14 @@ def _descend(graph: Graph, substitutions: Sequence[Substitution], cost_model: Co
     alternatives = {sub.id: [r for r in substitutions if r.id != sub.id and _alternative(r)
                              and r.source[0].op == sub.source[0].op]
                     for sub in substitutions if _alternative(sub)}
+    settled: set = set()  # nodes whose forms the cost model has settled (_settle)
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
+        if _settle(graph, {k: v + [by_id[k]] for k, v in alternatives.items()}, cost_model,
+                   state, settled, deadline):
+            cost = cost_model.graph_cost(graph, measure_until)
+            refused.clear()  # a match refused at its old prices may pay now
         # Rules that only pick a node's form (lowerings) come after those that change the
         # structure, which match the naive form: a causal GQA lowered to query blocks first
         # kept its repeated K/V heads (1.97x, where the grouped form ran 2.5x).
