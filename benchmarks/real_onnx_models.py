@@ -60,7 +60,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIRS = [REPO.parent / "shared" / "models", Path("/tmp/realmodels/in")]
 HEADER = ("| model | target | exit | rewritten | verdict | jax.jit ms bound: before -> after (x) "
           "| jax.jit ms 2nd binding: before -> after (x) | onnxruntime ms: before -> after (x) "
-          "| equal in ort (bound / 2nd) | opaque operators left | wall s | note |")
+          "| equal in ort (bound / 2nd) | opaque operators left | search: model, compiles, "
+          "graphs expanded, stop | wall s | note |")
 
 
 def model_paths(items: list[str], pattern: str | None = None) -> list[Path]:
@@ -168,7 +169,8 @@ def run_one(path: Path, target: str, out: Path, args) -> dict:
     cmd = [sys.executable, "-m", "taso_jax.cli", "optimize", str(path), "-o", str(out),
            "--target", target, "--json", str(report_path), "-q",
            "--time-limit", str(args.time_limit)]
-    row = {"model": path.stem, "path": str(path), "target": target}
+    row = {"model": path.stem, "path": str(path), "target": target,
+           "limit_s": args.time_limit}
     t0 = time.perf_counter()
     row["exit"], stderr = run_measured(cmd, args.timeout)
     row["wall_s"] = time.perf_counter() - t0
@@ -189,6 +191,7 @@ def run_one(path: Path, target: str, out: Path, args) -> dict:
                          for m in [re.search(r"--input-shape (\S+)\)$", n)] if m), None)
     row["copy"] = out.exists() and filecmp.cmp(path, out, shallow=False)
     row["rewritten"] = row["verdict"] == "rewritten"
+    row["search"] = _search_facts(r)
     if row["exit"] != 0 or row["copy"] or not out.exists():
         return row
     deadline = time.perf_counter() + args.measure_limit
@@ -212,6 +215,24 @@ def run_one(path: Path, target: str, out: Path, args) -> dict:
         else:
             row["equal_second"] = row.pop("graph2")
     return row
+
+
+def _search_facts(r: dict) -> dict:
+    """The report's cost model, kernels it compiled, graphs expanded and why the search
+    stopped (what the calibrated cost model changed: issue 58)."""
+    s = r.get("search") or {}
+    cm = r.get("cost_model") or {}
+    return {"model": cm.get("name") or (r.get("cost") or {}).get("model"),
+            "compiles": cm.get("compiles"), "expanded": s.get("iterations"),
+            "stopped": s.get("stopped"), "out_of_time_in": s.get("out_of_time_in") or ""}
+
+
+def _search_cell(row: dict) -> str:
+    f = row.get("search") or {}
+    if not f:
+        return "-"
+    cell = f"{f['model']}, {f['compiles']}, {f['expanded']}, {f['stopped']}"
+    return cell + (f" (limit in {f['out_of_time_in']})" if f["out_of_time_in"] else "")
 
 
 def _ratio(t) -> str:
@@ -250,7 +271,8 @@ def format_row(row: dict) -> str:
                                               else "timeout"),
              "yes" if row.get("rewritten") else "no", row.get("verdict") or "-",
              same or _ratio(row.get("xla_bound")), same or _ratio(row.get("xla_second")),
-             same or _ratio(row.get("ort")), eq, opaque, f"{row['wall_s']:.1f}", note]
+             same or _ratio(row.get("ort")), eq, opaque, _search_cell(row),
+             f"{row['wall_s']:.1f}", note]
     return "| " + " | ".join(c.replace("|", "/") for c in cells) + " |"
 
 
@@ -264,10 +286,19 @@ def summary(rows: list[dict]) -> list[str]:
     exits = {}
     for r in rows:
         exits[r["exit"]] = exits.get(r["exit"], 0) + 1
+    facts = [r.get("search") or {} for r in ran]
+    compiles = sorted(f["compiles"] for f in facts if f.get("compiles") is not None)
+    idle = [r["model"] for r, f in zip(ran, facts, strict=True)
+            if f.get("out_of_time_in") and not f.get("expanded")]
+    over = [r["model"] for r in rows if r["wall_s"] > 1.1 * r.get("limit_s", 60.0)]
     return [f"{len(rows)} runs; exit codes {dict(sorted(exits.items(), key=str))}; "
             f"{len(rewritten)} of {len(ran)} that ran rewritten; {len(faster)} of them "
             f">= 1.1x under jax.jit at the bound size; written files not equal at the bound "
-            f"size: {unequal or 'none'}"]
+            f"size: {unequal or 'none'}",
+            f"kernels compiled by the search's cost model: median "
+            f"{compiles[len(compiles) // 2] if compiles else '-'}, most "
+            f"{compiles[-1] if compiles else '-'}; ended at the time limit having expanded "
+            f"no graph: {idle or 'none'}; runs over 1.1x the time limit: {over or 'none'}"]
 
 
 def write_table(path: Path, preamble: list[str], rows: list[dict], done: bool) -> None:

@@ -90,6 +90,8 @@ UNFITTED_SIGMA = 1.0
 MAX_CORRECTION = math.log(1000.0)
 #: Kernels one calibrated cost model may compile and time to decide between close forms.
 MAX_COMPILES = 20
+#: Environment variable: ``off`` fits the shipped samples alone (:func:`load_calibration`).
+LOCAL_SAMPLES_ENV = "TASO_JAX_LOCAL_SAMPLES"
 #: How many standard deviations of the curves' uncertainty make two prices "close".
 CLOSE_SIGMAS = 1.0
 
@@ -336,12 +338,15 @@ def load_calibration(device: str, db: sqlite3.Connection | None = None,
     """The calibration of ``device`` (a cost-cache device key, ``"cpu:cpu"``).
 
     The package's samples for its class, and those timed on this device kept in the cost
-    cache ``db`` (weighing :data:`LOCAL_WEIGHT` each); ``fallback`` (default: the analytic
-    model of JAX's default backend) prices kernels where there are none.
+    cache ``db`` (weighing :data:`LOCAL_WEIGHT` each; none with ``TASO_JAX_LOCAL_SAMPLES=off``,
+    so that prices do not depend on what was timed before, as the tests need); ``fallback``
+    (default: the analytic model of JAX's default backend) prices kernels where there are
+    none.
     """
     fallback = fallback or AnalyticCostModel.for_backend()
     shipped = list(_shipped(device_class(device)))
-    local = local_samples(db, device)
+    local = [] if os.environ.get(LOCAL_SAMPLES_ENV, "").lower() == "off" else \
+        local_samples(db, device)
     return Calibration.fit(shipped + local, fallback,
                            [1.0] * len(shipped) + [LOCAL_WEIGHT] * len(local))
 

@@ -147,8 +147,9 @@ def test_the_compile_budget_holds(monkeypatch):
     assert cm.stats()["over_budget"] == 1 and cm.stats()["compiles"] == 0
 
 
-def test_kernels_timed_on_this_device_refine_the_curves(tmp_path):
+def test_kernels_timed_on_this_device_refine_the_curves(tmp_path, monkeypatch):
     """A measured kernel leaves a sample in the cost cache; the next calibration fits it."""
+    monkeypatch.delenv(calibrated.LOCAL_SAMPLES_ENV, raising=False)
     path = str(tmp_path / "costs.sqlite")
     g = _bert_like()
     node = next(n for n in g.nodes if n.op == "matmul")
@@ -158,9 +159,11 @@ def test_kernels_timed_on_this_device_refine_the_curves(tmp_path):
     local = calibrated.local_samples(cm._db, cm.device)
     assert len(local) == 1 and local[0].op == "matmul"
     assert local[0].micros == pytest.approx(price, rel=1e-6)
-    # it weighs LOCAL_WEIGHT shipped samples
+    # it weighs LOCAL_WEIGHT shipped samples; TASO_JAX_LOCAL_SAMPLES=off leaves it out
     cal = load_calibration(cm.device, cm._db)
     assert cal.weights[-1] == LOCAL_WEIGHT
+    monkeypatch.setenv(calibrated.LOCAL_SAMPLES_ENV, "off")
+    assert LOCAL_WEIGHT not in load_calibration(cm.device, cm._db).weights
 
 
 def test_the_calibrated_model_is_the_default_and_measured_remains():
@@ -223,6 +226,7 @@ def test_the_descent_keeps_the_form_of_attention_that_timing_finds_cheapest(
     assert cm.stats()["decisions"] >= 1 and 0 < cm.stats()["compiles"] <= 20
 
 
+@pytest.mark.slow  # three fresh processes import JAX
 def test_the_persistent_compilation_cache_is_on_unless_the_user_chose(tmp_path):
     code = ("import jax, taso_jax._compile_cache as c; p = c.enable_persistent_cache(); "
             "print(p); print(jax.config.jax_compilation_cache_dir)")
