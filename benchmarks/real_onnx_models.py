@@ -169,6 +169,8 @@ def run_one(path: Path, target: str, out: Path, args) -> dict:
     cmd = [sys.executable, "-m", "taso_jax.cli", "optimize", str(path), "-o", str(out),
            "--target", target, "--json", str(report_path), "-q",
            "--time-limit", str(args.time_limit)]
+    if args.cost_model:
+        cmd += ["--cost-model", args.cost_model]
     row = {"model": path.stem, "path": str(path), "target": target,
            "limit_s": args.time_limit}
     t0 = time.perf_counter()
@@ -328,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of this script's measurements per model before the second "
                          "binding is skipped (120)")
     ap.add_argument("--repeats", type=int, default=20, help="timed rounds per ratio (20)")
+    ap.add_argument("--cost-model", default=None,
+                    help="passed to taso-jax optimize (default: its own default)")
     ap.add_argument("--out", required=True, help="markdown table to write")
     ap.add_argument("--out-dir", default=None, help="folder for outputs (a new temp folder)")
     args = ap.parse_args(argv)

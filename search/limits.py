@@ -37,6 +37,8 @@ class StopReason(enum.StrEnum):
     BUDGET = "budget"  # ``budget`` graphs were expanded
     TIME_LIMIT = "time limit"  # the search's share of the deadline passed
     GRAPH_CACHE = "graph cache"  # no search ran: the graph was read from the graph cache
+    # the search ended early, leaving the end-to-end choice the time one comparison needs
+    CHOICE_RESERVE = "time kept for the end-to-end choice"
 
 
 @dataclass(frozen=True)

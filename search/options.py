@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 from taso_jax.search.backtracking import SearchResult, backtracking_search
-from taso_jax.search.choose import choose_fastest, compile_ahead
+from taso_jax.search.choose import choice_reserve, choose_fastest, compile_ahead
 from taso_jax.search.cost import COST_MODEL_NAMES, AnalyticCostModel, CostModel, get_cost_model
 from taso_jax.search.limits import SHARES, Deadline
 from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
@@ -329,10 +329,17 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     # the choice's first step, compiling the input, overlaps the search
     ahead = (compile_ahead(graph) if chooser is None and confirm and opts.end_to_end > 0
              else None)
+    # Once the background compile has timed a call of the input, the search ends where
+    # going on would leave the choice less than one comparison needs, with room for its
+    # second opinions (choice_reserve).
+    def stop() -> bool:
+        need = choice_reserve(ahead)
+        return need is not None and deadline.left() < need * (1.0 + SHARES["second_opinion"])
+
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
                                  budget=opts.budget, time_limit=limit,
                                  progress=progress, keep=max(1, opts.end_to_end),
-                                 record=record)
+                                 record=record, stop=stop if ahead is not None else None)
     if late or deadline.passed():
         result.out_of_time_in = "import" if late else "search"
     if second:
