@@ -243,3 +243,27 @@ def test_the_persistent_compilation_cache_is_on_unless_the_user_chose(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**env, "TASO_JAX_COMPILE_CACHE": "off"}, timeout=120)
     assert run.stdout.split()[0] == "None"
+
+
+def test_the_search_leaves_the_choice_the_time_one_comparison_needs():
+    """Once a call of the input is timed, the search stops where the choice would starve."""
+    import types
+
+    from taso_jax.search import backtracking_search
+    from taso_jax.search.choose import COMPARE_CALLS, choice_reserve
+    from taso_jax.search.limits import StopReason
+    from taso_jax.search.options import usable_rules
+    from taso_jax.search.rules import default_substitutions
+
+    assert choice_reserve(None) is None
+    ahead = types.SimpleNamespace(seconds=2.0, call_seconds=None)
+    assert choice_reserve(ahead) is None  # not timed yet: no reserve, no stop
+    ahead.call_seconds = 0.5
+    assert choice_reserve(ahead) == pytest.approx(2.0 + COMPARE_CALLS * 0.5)
+    rules, _ = usable_rules(default_substitutions(), False)
+    g = _bert_like()
+    free = backtracking_search(g, rules, AnalyticCostModel(), budget=5, time_limit=60)
+    cut = backtracking_search(g, rules, AnalyticCostModel(), budget=5, time_limit=60,
+                              stop=lambda: True)
+    assert free.stopped != StopReason.CHOICE_RESERVE
+    assert cut.stopped == StopReason.CHOICE_RESERVE and cut.iterations == 0
