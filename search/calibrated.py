@@ -558,7 +558,10 @@ def write_samples(path: str | os.PathLike, samples: Sequence[KernelSample], meta
     """Write a calibration file (``{"meta": ..., "samples": [...]}``) atomically."""
     from taso_jax._io import atomic_write
 
-    text = json.dumps({"meta": meta, "samples": [s.to_json() for s in samples]}, indent=0)
+    rows = ",\n".join(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                   for k, v in s.to_json().items()}, separators=(",", ":"))
+                       for s in samples)
+    text = f'{{"meta": {json.dumps(meta)},\n"samples": [\n{rows}]}}\n'
 
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
