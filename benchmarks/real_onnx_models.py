@@ -291,7 +291,8 @@ def summary(rows: list[dict]) -> list[str]:
     facts = [r.get("search") or {} for r in ran]
     compiles = sorted(f["compiles"] for f in facts if f.get("compiles") is not None)
     idle = [r["model"] for r, f in zip(ran, facts, strict=True)
-            if f.get("out_of_time_in") and not f.get("expanded")]
+            if (f.get("out_of_time_in") or f.get("stopped") == "time limit")
+            and not f.get("expanded")]
     over = [r["model"] for r in rows if r["wall_s"] > 1.1 * r.get("limit_s", 60.0)]
     return [f"{len(rows)} runs; exit codes {dict(sorted(exits.items(), key=str))}; "
             f"{len(rewritten)} of {len(ran)} that ran rewritten; {len(faster)} of them "
