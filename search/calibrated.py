@@ -59,6 +59,7 @@ from pathlib import Path
 
 import numpy as np
 from taso_jax.ops import OPS
+from taso_jax.search._kernel_timing import KERNEL_BUDGET_US
 from taso_jax.search.cost import (
     AnalyticCostModel,
     CostModel,
@@ -92,6 +93,13 @@ MAX_CORRECTION = math.log(1000.0)
 MAX_COMPILES = 20
 #: Environment variable: ``off`` fits the shipped samples alone (:func:`load_calibration`).
 LOCAL_SAMPLES_ENV = "TASO_JAX_LOCAL_SAMPLES"
+#: Timed runs per kernel when forms are told apart (3 rounds of 3): forms are only timed
+#: where their prices differ by less than the curves' uncertainty, and a decision needs
+#: their order, not a precise time.
+DECISION_REPEATS = 9
+#: Seconds a kernel's compilation is guessed to take before it is timed (0.1-1 s on a CPU),
+#: so that a decision that cannot be timed before the deadline is left to the curves.
+COMPILE_GUESS_S = 0.5
 #: How many standard deviations of the curves' uncertainty make two prices "close".
 CLOSE_SIGMAS = 1.0
 
@@ -490,7 +498,9 @@ class CalibratedCostModel(CostModel):
             return False
         measurer = self._measurer_model()
         fresh = {key for key in kernels if measurer._lookup(key) is None}
-        if self._stats.compiles + len(fresh) > self.max_compiles:
+        if self._stats.compiles + len(fresh) > self.max_compiles or (
+                until is not None
+                and time.perf_counter() + self._measuring_seconds(kernels, fresh) > until):
             self._stats.over_budget += 1
             return False
         t0 = time.perf_counter()
@@ -511,9 +521,22 @@ class CalibratedCostModel(CostModel):
         self._revise()
         return True
 
+    def _measuring_seconds(self, kernels: dict, fresh: set) -> float:
+        """A guess at the seconds timing ``kernels`` takes.
+
+        Each of the ``fresh`` ones is compiled (:data:`COMPILE_GUESS_S`) and run
+        :data:`DECISION_REPEATS` times and more (warm-ups, a retimed round) at its
+        calibrated price; cached ones cost nothing.
+        """
+        runs = 2 * DECISION_REPEATS
+        return sum(COMPILE_GUESS_S + min(runs * self._kernel_price(k)[0] * 1e-6,
+                                         KERNEL_BUDGET_US * 1e-6)
+                   for key, k in kernels.items() if key in fresh)
+
     def _measurer_model(self) -> MeasuredCostModel:
         if self._measurer is None:
-            self._measurer = MeasuredCostModel(cache_path=self._cache_path)
+            self._measurer = MeasuredCostModel(cache_path=self._cache_path,
+                                               repeats=DECISION_REPEATS)
         return self._measurer
 
     def _revise(self) -> None:
