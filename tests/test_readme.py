@@ -18,10 +18,20 @@ def _readme_commands() -> list[str]:
     return [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.startswith("#")]
 
 
-def test_ci_runs_the_readme_test_command():
-    run_cmd, test_cmd = _readme_commands()[:2]
-    assert "taso-jax optimize" in run_cmd and "pytest" in test_cmd
-    assert test_cmd in (ROOT / ".ci" / "run").read_text().splitlines()
+def test_ci_runs_the_readme_test_commands():
+    """CI runs README's two test commands, the fast tier then the slow one, as written."""
+    from conftest import TIERS
+
+    run_cmd, fast_cmd, slow_cmd = _readme_commands()[:3]
+    assert "taso-jax optimize" in run_cmd
+    assert "pytest" in fast_cmd and "--tier" not in fast_cmd  # the default tier: fast
+    assert "pytest" in slow_cmd and slow_cmd.endswith("--tier=slow") and "slow" in TIERS
+    # a line of .ci/run, or one with `|| exit` added (which stops it after a failed install)
+    ci = [ln.removesuffix(" || exit") for ln in
+          (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert fast_cmd in ci and slow_cmd in ci
+    assert ci.index(fast_cmd) < ci.index(slow_cmd)
+    assert "set -euo pipefail" in ci
 
 
 def test_builder_example_runs(tmp_path):
