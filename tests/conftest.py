@@ -15,6 +15,7 @@ the command line by its node id (``file.py::test_name``) runs whatever its tier.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from pathlib import Path
@@ -84,6 +85,19 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=leave)
         items[:] = keep
         config._tier_left_out = True
+
+
+def slow_cases(values, slow) -> list:
+    """``values`` for ``pytest.mark.parametrize``, with those that are slow marked so.
+
+    ``slow`` is a collection of values, or a predicate on a value. A value of several
+    arguments (a tuple) becomes ``pytest.param(*value)``.
+    """
+    def is_slow(v):
+        return slow(v) if callable(slow) else v in slow
+
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            if is_slow(v) else v for v in values]
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -207,6 +221,29 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("model optimization (analytic cost model, CI budget)")
         for line in MODEL_REPORTS:
             terminalreporter.write_line(line)
+
+
+@contextlib.contextmanager
+def unoptimized_xla_in_workers():
+    """Within it, processes started (spawned) compile with XLA's backend optimizations off.
+
+    For the numeric checks of laws (:func:`taso_jax.verify.laws.check_axioms`): each
+    instance is a fresh compilation of a few tiny operators, run once, so nearly all their
+    time is LLVM optimizing code that hardly runs; unoptimized, the checks take 40-50% less
+    time and compute the same float64 values to well inside their 1e-9 tolerance. This
+    process is not affected (XLA reads its flags once, at start), nor is any test that times
+    compiled code.
+    """
+    flag = "--xla_backend_optimization_level=0"
+    before = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = f"{before} {flag}" if before else flag
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["XLA_FLAGS"]
+        else:
+            os.environ["XLA_FLAGS"] = before
 
 
 def returns_soon(call, seconds: float = 20):

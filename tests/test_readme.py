@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import model_path
 
 ROOT = Path(__file__).parent.parent
@@ -34,6 +35,7 @@ def test_ci_runs_the_readme_test_commands():
     assert "set -euo pipefail" in ci
 
 
+@pytest.mark.slow
 def test_builder_example_runs(tmp_path):
     out = tmp_path / "m.onnx"
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "builder_api.py"), str(out)],
@@ -42,6 +44,7 @@ def test_builder_example_runs(tmp_path):
     assert "enlarge" in r.stdout and out.exists()
 
 
+@pytest.mark.slow
 def test_onnx_example_runs(tmp_path):
     out = tmp_path / "m.onnx"
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "optimize_onnx.py"),
@@ -51,6 +54,7 @@ def test_onnx_example_runs(tmp_path):
     assert "'ok': True" in r.stdout and out.exists()
 
 
+@pytest.mark.slow
 def test_jax_decorator_example_runs():
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "jax_decorator.py"),
                         "--analytic"], capture_output=True, text=True, timeout=600)
@@ -59,6 +63,7 @@ def test_jax_decorator_example_runs():
     assert "merge-matmul-matmul" in r.stdout
 
 
+@pytest.mark.slow
 def test_new_operator_example_runs():
     """Declaring an operator is enough for generation, proof and search to use it."""
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "new_operator.py")],
