@@ -1,13 +1,28 @@
-"""Shared test fixtures: where the models are, and small helpers."""
+"""Shared test fixtures (where the models are, small helpers) and the test tiers.
+
+The suite runs in tiers, as JAX's does:
+
+* ``fast`` (the default): every test not marked ``slow``; property tests draw few examples.
+  It touches every part of the project and takes a few minutes on two cores.
+* ``slow``: only the tests marked ``slow`` (proofs, real models, subprocess runs, anything
+  over about five seconds); property tests draw many examples. ``fast`` then ``slow`` runs
+  each test once: that is what CI (``.ci/run``) does.
+* ``full``: every test, property tests at full size.
+
+The tier comes from ``--tier`` or, failing that, ``$TASO_JAX_TEST_TIER``. A test named on
+the command line by its node id (``file.py::test_name``) runs whatever its tier.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 HERE = Path(__file__).parent
 
@@ -18,6 +33,79 @@ try:  # keep onnxruntime's warnings about unused initializers out of the test lo
 except ImportError:  # pragma: no cover
     pass
 DATA = HERE / "data"
+
+#: The tiers ``--tier`` and ``$TASO_JAX_TEST_TIER`` choose from (the module docstring says
+#: what each runs).
+TIERS = ("fast", "slow", "full")
+TIER_ENV = "TASO_JAX_TEST_TIER"
+
+# The one knob for property-test sizes: tests give no max_examples of their own, so these
+# profiles decide it. No deadline: a loaded 2-core machine makes per-example timing noise.
+settings.register_profile("fast", max_examples=10, deadline=None)
+settings.register_profile("full", max_examples=100, deadline=None)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier", choices=TIERS, default=None,
+        help="which tests to run: fast (the default: those not marked slow), slow (only "
+             f"those marked slow) or full (all); default ${TIER_ENV}, else fast")
+
+
+def _tier(config) -> str:
+    tier = config.getoption("--tier") or os.environ.get(TIER_ENV) or "fast"
+    if tier not in TIERS:
+        raise pytest.UsageError(f"${TIER_ENV}={tier!r}: not one of {', '.join(TIERS)}")
+    return tier
+
+
+def pytest_configure(config):
+    # Before any test module is imported: a @settings(...) takes the values it does not
+    # set from the profile loaded when it is created.
+    if not config.getoption("hypothesis_profile", None):  # hypothesis's own flag wins
+        settings.load_profile("fast" if _tier(config) == "fast" else "full")
+
+
+def pytest_report_header(config):
+    return (f"tier: {_tier(config)} (--tier or ${TIER_ENV}: fast, slow or full); "
+            f"hypothesis profile: {settings.get_current_profile_name()}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Leave out the tests of the other tier (``slow`` tests in ``fast``, and the reverse)."""
+    tier = _tier(config)
+    if tier == "full" or any("::" in arg for arg in config.args):
+        return  # all of them, or tests asked for by name
+    want_slow = tier == "slow"
+    keep, leave = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("slow") is not None) == want_slow else leave
+         ).append(item)
+    if leave:
+        config.hook.pytest_deselected(items=leave)
+        items[:] = keep
+        config._tier_left_out = True
+
+
+def slow_cases(values, slow) -> list:
+    """``values`` for ``pytest.mark.parametrize``, with those that are slow marked so.
+
+    ``slow`` is a collection of values, or a predicate on a value. A value of several
+    arguments (a tuple) becomes ``pytest.param(*value)``.
+    """
+    def is_slow(v):
+        return slow(v) if callable(slow) else v in slow
+
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            if is_slow(v) else v for v in values]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Every test collected was of the other tier (``--tier=slow`` on a file of fast tests):
+    # nothing was missed, so this is not pytest's "no tests collected" error (exit 5).
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and getattr(
+            session.config, "_tier_left_out", False):
+        session.exitstatus = pytest.ExitCode.OK
 # Tests never read or fill the user's cache of optimized graphs: a decision stored by one
 # test (some force the original to be kept) must not reach another. The cache's own tests
 # point it at a temporary folder.
@@ -133,6 +221,29 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("model optimization (analytic cost model, CI budget)")
         for line in MODEL_REPORTS:
             terminalreporter.write_line(line)
+
+
+@contextlib.contextmanager
+def unoptimized_xla_in_workers():
+    """Within it, processes started (spawned) compile with XLA's backend optimizations off.
+
+    For the numeric checks of laws (:func:`taso_jax.verify.laws.check_axioms`): each
+    instance is a fresh compilation of a few tiny operators, run once, so nearly all their
+    time is LLVM optimizing code that hardly runs; unoptimized, the checks take 40-50% less
+    time and compute the same float64 values to well inside their 1e-9 tolerance. This
+    process is not affected (XLA reads its flags once, at start), nor is any test that times
+    compiled code.
+    """
+    flag = "--xla_backend_optimization_level=0"
+    before = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = f"{before} {flag}" if before else flag
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["XLA_FLAGS"]
+        else:
+            os.environ["XLA_FLAGS"] = before
 
 
 def returns_soon(call, seconds: float = 20):

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import slow_cases
 from taso_jax.ops import OPS, TensorType
 from taso_jax.ops.attention import MAX_BLOCKS, causal_offset
 from taso_jax.search.cost import AnalyticCostModel
@@ -23,8 +24,9 @@ def _naive(q, kt, v, offset, fill=-jnp.inf):
     return jax.nn.softmax(jnp.where(keep, s, fill), axis=-1) @ v
 
 
-@pytest.mark.parametrize("sq,sk,offset,block", [(300, 300, 0, 64), (130, 200, 70, 64),
-                                                 (257, 257, 0, 128), (5, 9, 4, 256)])
+@pytest.mark.parametrize("sq,sk,offset,block", slow_cases(
+    [(300, 300, 0, 64), (130, 200, 70, 64), (257, 257, 0, 128), (5, 9, 4, 256)],
+    lambda case: case[0] > 100))
 def test_blocked_lowering_equals_naive(sq, sk, offset, block):
     """Query blocks against their key prefix (several blocks, a partial last one, a query
     window shorter than the keys) compute the naive causal attention."""
@@ -120,6 +122,7 @@ def test_derived_rules_are_shipped_and_proved():
         assert prover.prove(rule)["status"] == "proved", rule.name
 
 
+@pytest.mark.slow
 def test_search_chooses_the_blocked_lowering():
     """The search introduces attention into a plain-JAX causal attention and lowers it to
     query blocks (analytic cost: half the arithmetic); the result equals the original."""
@@ -186,6 +189,7 @@ def _lora(p, x):
     return h @ p["w2"] + (h @ p["a2"] @ p["b2"]) * 0.5
 
 
+@pytest.mark.slow
 def test_lora_adapters_merged_into_their_weights():
     """x @ W + s * (x @ A) @ B becomes x @ (W + s * A @ B), the merged weight computed once
     from the weights: one matmul per layer at run time, the same outputs."""
@@ -209,7 +213,7 @@ def test_lora_adapters_merged_into_their_weights():
                                    rtol=1e-4, atol=1e-4 * scale)
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", slow_cases([True, False], [True]))
 def test_grouped_kv_heads_attend_without_copies(causal):
     """K/V heads repeated by jnp.repeat (a Llama-style GQA) become one grouped_attention
     that reads each K/V head once; the result equals jax.jit of the function at two scales."""
@@ -281,7 +285,7 @@ def test_dot_product_attention_becomes_attention(form):
 
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", slow_cases([True, False], [True]))
 def test_dot_product_attention_with_grouped_kv_heads(causal):
     """jax.nn.dot_product_attention with fewer K/V heads than query heads groups the queries
     itself ([B, T, K, G, H]); the import keeps the group as a broadcast axis of the products,
@@ -338,6 +342,7 @@ def test_softmax_with_its_maximum_taken_in_another_axis_order(form):
     np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(fn)(f)), rtol=1e-5,
                                atol=1e-6)
 
+@pytest.mark.slow
 def test_unit_axes_squeezed_through_trailing_operators():
     """A reshape and a transpose that only move unit axes pass through the scale, the
     causal mask and the softmax (which act on trailing axes) and cancel; a reshape that
@@ -375,6 +380,7 @@ def _check_at_two_scales(graph, fn, args, rtol=1e-4, atol=1e-5):
                                    rtol=rtol, atol=atol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["add", "add_2d", "dot_product_attention_bias"])
 def test_additive_mask_becomes_masked_attention(form):
     """Scores plus a mask read at run time (of the scores' shape, or 2-D and broadcast), and
@@ -419,6 +425,7 @@ def test_additive_causal_mask_becomes_the_causal_flag():
     _check_at_two_scales(result.graph, fn, args)
 
 
+@pytest.mark.slow
 def test_grouped_causal_attention_lowered_to_query_blocks():
     """Grouped K/V heads (jnp.repeat) with a causal mask: the grouped attention is lowered to
     query blocks too, and equals jax.jit of the function at two scales."""

@@ -25,6 +25,7 @@ ROW_KEYS = {"model", "device", "operators_before", "operators_after", "estimated
             "speedup", "end_to_end"}
 
 
+@pytest.mark.slow
 def test_bench_runs_and_writes_well_formed_results(tmp_path, capsys):
     out = tmp_path / "results"
     # the suite in two pieces, as on a lent GPU machine (10 minutes a command): the second
@@ -325,6 +326,7 @@ def test_rank_correlation():
     assert abs(rank_correlation([1, 2, 2, 3], [1, 2, 3, 4]) - 0.9487) < 1e-3
 
 
+@pytest.mark.slow
 def test_search_graph_times_its_candidates_and_the_report_says_which_it_kept():
     import sys
     from pathlib import Path
@@ -374,7 +376,7 @@ def test_paired_speedup_sees_through_load_that_hits_both():
     assert not paired_speedup(faster, base)["faster"]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)  # examples: the tier's profile (conftest.py)
 @given(st.lists(st.one_of(st.floats(-3, 3, allow_nan=False), st.sampled_from([0.0, 0.5, -0.5])),
                 min_size=1, max_size=70))
 def test_the_signed_rank_test_agrees_with_scipy(values):

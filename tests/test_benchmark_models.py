@@ -42,6 +42,7 @@ def _feeds(g):
     return {n.name: v for n, v in zip(g.inputs, taso_jax.random_inputs(g, seed=0), strict=True)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_small_model_matches_onnxruntime_before_and_after_the_search(name):
     import onnxruntime as ort

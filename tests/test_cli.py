@@ -22,6 +22,7 @@ def _digest(p):
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_builtin_example_report(capsys, tmp_path):
     # --end-to-end 0: the analytic model's choice (the merged matmuls) is delivered; timed
     # against the input on this CPU it is kept only in some runs (about 1.1x, near noise),
@@ -37,6 +38,7 @@ def test_builtin_example_report(capsys, tmp_path):
     assert data["check"]["ok"] and data["time"]["before_us"] > 0
 
 
+@pytest.mark.slow
 def test_optimize_model_writes_output_and_keeps_input(tmp_path, capsys):
     src = tmp_path / "m.onnx"
     src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
@@ -116,6 +118,7 @@ def test_bad_input_exit_code_2(tmp_path, case):
     assert not (tmp_path / "m.opt.onnx").exists()
 
 
+@pytest.mark.slow
 def test_wrong_substitution_is_caught_and_nothing_written(tmp_path, capsys, monkeypatch):
     """A deliberately wrong rule, relu(a) => a, looks profitable to any cost model. It is
     not proved, so the search leaves it out by default; allowed in anyway, the output check
@@ -137,6 +140,7 @@ def test_wrong_substitution_is_caught_and_nothing_written(tmp_path, capsys, monk
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_generate_small(tmp_path, capsys, monkeypatch):
     from taso_jax.verify import generator
 
@@ -155,6 +159,7 @@ def test_generate_small(tmp_path, capsys, monkeypatch):
     assert "ewadd(matmul(x, a), matmul(x, b))  =>  matmul(x, ewadd(a, b))" in laws
 
 
+@pytest.mark.slow
 def test_cost_cache_location_and_opt_out(tmp_path):
     import os
 
@@ -239,6 +244,7 @@ def _clip_model_and_wrong_rule(tmp_path):
     return src, tmp_path / "rules.json"
 
 
+@pytest.mark.slow
 def test_a_rule_file_is_proved_again_so_a_hand_stamped_wrong_rule_is_left_out(
         tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the proof cache
@@ -263,6 +269,7 @@ def test_a_trusted_wrong_rule_is_caught_by_the_check_at_large_inputs(tmp_path, c
     assert "MISMATCH at x100" in captured.out and "wrong_drop_clip" in captured.err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rewrite_err, accepted", [(1.5e-3, True), (2.5e-3, False)])
 def test_a_model_whose_own_rounding_noise_exceeds_the_tolerance_is_judged_against_it(
         tmp_path, capsys, monkeypatch, rewrite_err, accepted):
@@ -355,6 +362,7 @@ def test_a_malformed_model_gets_one_line_exit_2_and_nothing_written(tmp_path, ca
     assert src.read_bytes() == before and not out.exists()
 
 
+@pytest.mark.slow
 def test_the_report_gives_onnxruntime_times_and_warns_when_the_file_is_slower_there(
         tmp_path, capsys, monkeypatch):
     import taso_jax.report as report
@@ -397,6 +405,7 @@ def _reshaped_pair_model(path):
     onnx.save(model, path)
 
 
+@pytest.mark.slow
 def test_a_rewrite_over_an_open_batch_is_written_with_the_batch_open(tmp_path, capsys):
     """The matmuls merge over a reshape of [batch, 64] to [2*batch, 32]: the IR carries the
     reshape's rows as an expression of the open batch (taso_jax.ops.dims), so the written
@@ -422,6 +431,7 @@ def test_a_rewrite_over_an_open_batch_is_written_with_the_batch_open(tmp_path, c
             np.testing.assert_allclose(yb, ya, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_graph_that_runs_at_its_bound_sizes_only_does_not_replace_the_input(
         tmp_path, capsys, monkeypatch):
     """Where the sizes that follow from the open batch are not known as expressions (here
@@ -454,6 +464,7 @@ def test_a_graph_that_runs_at_its_bound_sizes_only_does_not_replace_the_input(
     assert written.graph.input[0].type.tensor_type.shape.dim[0].dim_value == 1
 
 
+@pytest.mark.slow
 def test_a_model_xla_cannot_run_still_optimizes_without_a_traceback(tmp_path):
     """A string input (a grapheme encoder's LabelEncoder) runs in onnxruntime, not under
     jax.jit: nothing is rewritten, so the input is written back without being compiled or

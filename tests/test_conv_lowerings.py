@@ -86,6 +86,7 @@ def test_taps_rule_leaves_other_convolutions_alone(out, group):
     assert list(rewrites(_rule(), graph)) == []
 
 
+@pytest.mark.slow
 def test_measured_cost_model_chooses_taps_on_xla_cpu(tmp_path, monkeypatch):
     """A JAX function with a depthwise convolution (the MobileNet block's 3x3): the search
     under the measured cost model replaces it with taps, the end-to-end choice confirms the
@@ -199,6 +200,7 @@ def test_columns_rule_leaves_other_convolutions_alone(c, out, kernel, group, siz
     assert list(rewrites(_rule("lower-conv2d_im2col"), graph)) == []
 
 
+@pytest.mark.slow
 def test_measured_cost_model_chooses_columns_for_few_input_channels(tmp_path, monkeypatch):
     """A JAX function whose first convolution reads 3 channels at 224x160 (a spectrogram
     CNN's first layer): XLA:CPU runs it about 2x slower than its columns and one product,

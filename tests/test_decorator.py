@@ -23,7 +23,7 @@ from taso_jax.report import ATOL, RTOL
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 import jax_models  # noqa: E402
-from conftest import MODEL_REPORTS  # noqa: E402
+from conftest import MODEL_REPORTS, slow_cases  # noqa: E402
 
 #: Deterministic and fast for tests (the estimate decides: no end-to-end timing); the README
 #: figures use the measured cost model and the default end-to-end choice.
@@ -62,6 +62,7 @@ def _run_model(name, **extra):
     return opt, report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["flax_bert_block", "eqx_mlp", "eqx_convnet", "flax_lstm",
                                   "flax_vit_block", "eqx_attention", "flax_causal_lm",
                                   "flax_cnn_bn", "stax_resnet"])
@@ -78,6 +79,7 @@ def test_real_models_match_jax_jit(name):
     assert opt.graph.meta["source"] == "jaxpr"
 
 
+@pytest.mark.slow
 def test_flax_resnet50_folds_batchnorm_into_convolutions():
     opt, report = _run_model("flax_resnet50", budget=2)
     before, after = opt.graph.op_counts(), opt.optimized_graph.op_counts()
@@ -90,6 +92,7 @@ def test_flax_resnet50_folds_batchnorm_into_convolutions():
     assert opt.graph.meta["source"] == "jaxpr"
 
 
+@pytest.mark.slow
 def test_nasrnn_weight_concatenation_is_precomputed():
     fn, weights, inputs = jax_models.make_nasrnn(hidden=64, steps=2)
     opt = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
@@ -112,6 +115,7 @@ def test_nasrnn_weight_concatenation_is_precomputed():
     assert opt._last.folded_for[1] is not folded
 
 
+@pytest.mark.slow
 def test_end_to_end_choice_runs_the_fastest_measured_graph():
     # By default the first call times the search's cheapest graphs and the original under
     # jax.jit and keeps the fastest; whichever wins, outputs match the original.
@@ -136,6 +140,7 @@ def test_end_to_end_choice_runs_the_fastest_measured_graph():
     assert not opt0._last.result.end_to_end
 
 
+@pytest.mark.slow
 def test_first_call_inside_jit_and_grad_is_optimized_not_a_fallback():
     # Traced from the start: the end-to-end timing and the output check still run on
     # concrete arrays (jax.ensure_compile_time_eval), so nothing falls back to jax.jit.
@@ -152,6 +157,7 @@ def test_first_call_inside_jit_and_grad_is_optimized_not_a_fallback():
         assert opt2.fallback_reason is None
 
 
+@pytest.mark.slow
 def test_grad_and_vmap_of_the_optimized_function():
     fn, weights, (x,) = jax_models.make_eqx_mlp(batch=4)
     opt = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
@@ -262,6 +268,7 @@ def test_wrong_rewrite_is_caught_by_the_check_and_falls_back(monkeypatch):
     assert jax.default_backend() != "cpu" or again == []
 
 
+@pytest.mark.slow
 def test_an_optimized_signature_is_called_through_the_short_path_and_never_served_stale(
         monkeypatch):
     from taso_jax.frontends.decorator import OptimizedFunction
@@ -353,6 +360,7 @@ def test_the_check_allows_what_the_devices_default_precision_already_rounds(devi
                                    rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_graph_the_default_precision_rounds_more_than_the_original_runs_at_full_precision(
         monkeypatch, tmp_path):
     import taso_jax.frontends.first_call as first_call
@@ -419,6 +427,7 @@ def test_jax_to_onnx_matches_onnxruntime(name, tmp_path):
     _assert_close(sess.run(None, feeds), jax.jit(fn)(weights, *inputs))
 
 
+@pytest.mark.slow
 def test_opaque_jax_primitives_export_through_jax2onnx_or_name_the_extra(monkeypatch):
     import onnxruntime as ort
 
@@ -470,6 +479,7 @@ def test_the_optimized_function_must_beat_jax_jit_of_the_original_when_timed(mon
     assert cell.optimized_graph.op_counts() != cell.graph.op_counts()
 
 
+@pytest.mark.slow
 def test_a_kept_signature_dispatches_to_jax_jit_of_the_original(monkeypatch):
     """No staging on the fast path: later calls go straight to jax.jit of the function."""
     import taso_jax.frontends.decorator as decorator
@@ -513,6 +523,7 @@ def test_a_kept_signature_dispatches_to_jax_jit_of_the_original(monkeypatch):
     assert cell._kept_fast is not None  # a traced call leaves the fast path as it was
 
 
+@pytest.mark.slow
 def test_nasrnn_on_one_dimensional_vectors_merges_its_matmuls():
     """x @ W with x of shape (hidden,) imports as a (1, hidden) row, so the merges apply."""
     fn, weights, (xs, h0) = jax_models.make_nasrnn(hidden=64, steps=2)
@@ -528,7 +539,7 @@ def test_nasrnn_on_one_dimensional_vectors_merges_its_matmuls():
     assert applied.get("merge-matmul-matmul") == 28 and applied.get("merge-matmul-matmul-3") == 1
 
 
-@pytest.mark.parametrize("name", sorted(jax_models.HAND_REWRITTEN))
+@pytest.mark.parametrize("name", slow_cases(sorted(jax_models.HAND_REWRITTEN), ["nasrnn"]))
 def test_the_hand_rewritten_ceilings_compute_the_original(name):
     """The benchmark reads the optimizer's speedup against a hand rewrite: it must be one."""
     fn, weights, inputs = jax_models.MODELS[name](hidden=32, steps=3)
@@ -550,6 +561,7 @@ print("HIT" if e.cache_hit else "MISS", sum(e.result.applied.values()), stage)
 """
 
 
+@pytest.mark.slow
 def test_the_graph_cache_is_hit_in_a_second_process(tmp_path):
     import subprocess
 
@@ -565,6 +577,7 @@ def test_the_graph_cache_is_hit_in_a_second_process(tmp_path):
     assert len(list((tmp_path / "graphs").glob("*.json"))) == 1
 
 
+@pytest.mark.slow
 def test_the_graph_cache_rebuilds_the_graph_and_refuses_a_different_function(tmp_path,
                                                                            monkeypatch):
     from taso_jax.frontends import graph_cache
@@ -594,6 +607,7 @@ def test_the_graph_cache_rebuilds_the_graph_and_refuses_a_different_function(tmp
     assert graph_cache.graph_cache_dir() == str(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_first_call_past_its_time_limit_runs_the_original_without_timing_it(tmp_path,
                                                                               monkeypatch):
     # The time limit bounds the first call: past it, the 25-round timing against jax.jit is
@@ -682,6 +696,7 @@ def test_background_mode_runs_the_original_until_the_checked_result_is_ready():
         taso_jax.optimize(fn, mode="eager")
 
 
+@pytest.mark.slow
 def test_background_mode_never_swaps_in_a_wrong_result(monkeypatch):
     import taso_jax.frontends.first_call as first_call
 
@@ -744,6 +759,7 @@ def test_donate_argnums_follows_jax_jit(monkeypatch, keep):
         taso_jax.optimize(f, weight_argnums=0, donate_argnums=0)(w, jnp.ones((3, 4)))
 
 
+@pytest.mark.slow
 def test_prng_keys_int_and_bf16_arguments_are_optimized_not_fallen_back():
     @taso_jax.optimize(weight_argnums=0, **OPTS)
     def noisy(w, key, x):
@@ -800,6 +816,7 @@ def test_keyword_arguments_after_skipped_defaults_and_unhashable_statics_run():
             np.testing.assert_allclose(g(x, [2.0]), 3.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_graph_cache_hit_skips_the_check_unless_always(tmp_path, monkeypatch):
     """The stored graph was checked by the process that stored it: a hit does not compile
     the original again to repeat the check, unless ``check="always"``; a file whose graph
@@ -828,6 +845,7 @@ def test_a_graph_cache_hit_skips_the_check_unless_always(tmp_path, monkeypatch):
         taso_jax.optimize(fn, check="sometimes")
 
 
+@pytest.mark.slow
 def test_the_fast_path_never_serves_the_original_for_an_optimized_signature(monkeypatch):
     """Signatures alternate between one that runs the original and one that runs optimized:
     the optimized one is never answered by the fast path's jax.jit of the original."""
@@ -871,6 +889,7 @@ def _count_confirmations(monkeypatch) -> list:
     return calls
 
 
+@pytest.mark.slow
 def test_one_comparison_against_jax_jit_decides_a_first_call(monkeypatch):
     """The end-to-end choice only screens; the timing against jax.jit of the function is the
     first call's one comparison, and the report gives its verdict."""

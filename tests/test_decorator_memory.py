@@ -43,6 +43,7 @@ def _held(entry) -> dict:
     return refs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "background"])
 def test_dropped_signatures_release_their_graphs_stages_and_folded_weights(monkeypatch,
                                                                            mode):

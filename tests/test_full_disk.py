@@ -44,6 +44,7 @@ def _names_the_output(capsys, rc, path):
     assert err == [f"taso-jax: error: {path}: cannot write: No space left on device"], err
 
 
+@pytest.mark.slow
 def test_optimize_names_its_output_on_a_full_disk(tmp_path, capsys, full_disk):
     out = tmp_path / "out.onnx"
     _names_the_output(capsys, main(["optimize", *FAST, "-o", str(out)]), out)
@@ -64,6 +65,7 @@ def test_optimize_names_its_output_when_the_input_is_written_back(tmp_path, caps
     assert _digests(tmp_path) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["-o", "--report"])
 def test_verify_names_its_output_on_a_full_disk(tmp_path, capsys, full_disk, flag):
     src = tmp_path / "rules.json"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from taso_jax.search.rules import PNode, Substitution
 from taso_jax.verify.generator import Domain, check_substitution, generate
 
@@ -54,6 +55,7 @@ def test_near_miss_is_rejected():
                    for s in subs)
 
 
+@pytest.mark.slow
 def test_grouped_convolution_rules_hold_for_any_number_of_groups():
     # The grouped domain enumerates at 4 groups; broad renaming ties merge_gconv's groups and
     # count to the convolution's groups, and the attribute instances check 2 and 8 groups.
@@ -78,6 +80,7 @@ def test_grouped_convolution_rules_hold_for_any_number_of_groups():
     assert halve.provenance["attribute_values"]["?groups"] == [4, 2, 8]
 
 
+@pytest.mark.slow
 def test_biased_matmul_branches_merge_by_slicing():
     # Two dense layers of different widths, each with its own bias, sharing an input: the
     # merged form's concatenation of both branches would need 5 operators; slicing finds it
@@ -96,6 +99,7 @@ def test_biased_matmul_branches_merge_by_slicing():
     assert len(subs) == len({s.name.rstrip("-0123456789") for s in subs})
 
 
+@pytest.mark.slow
 def test_rows_of_two_inputs_through_one_weight_merge_by_slicing():
     # The same weight applied to two inputs: slicing the matmul of their concatenated rows
     # finds the merge; merges that only concatenate elementwise work are not kept.
@@ -112,6 +116,7 @@ def test_rows_of_two_inputs_through_one_weight_merge_by_slicing():
     assert stats.pruned["split_gains_nothing"] > 0
 
 
+@pytest.mark.slow
 def test_a_slice_merge_is_checked_on_other_sizes():
     # Slicing at a size that is another symbol's value by coincidence (C + D == W) must not
     # survive the re-check on the second instance.

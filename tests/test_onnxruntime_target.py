@@ -103,6 +103,7 @@ def test_the_choice_keeps_the_input_file_unless_a_candidate_beats_it(monkeypatch
     assert (result.graph.key == graph.key) is kept
 
 
+@pytest.mark.slow
 def test_cli_target_onnxruntime_writes_the_input_back_when_nothing_is_faster(tmp_path,
                                                                             capsys):
     src = tmp_path / "m.onnx"
@@ -255,6 +256,7 @@ def test_optimizing_for_onnxruntime_never_imports_jax(tmp_path):
     assert out.exists() and "output check" in run.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["onnxruntime", "xla"])
 def test_a_model_with_external_data_is_optimized_and_written_self_contained(tmp_path,
                                                                            target):

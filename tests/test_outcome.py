@@ -93,6 +93,7 @@ def test_text_and_json_agree_for_every_kind_of_outcome(searched, kind):
     assert f"total time: {data['wall_seconds']:.1f} s" in text
 
 
+@pytest.mark.slow
 def test_the_command_line_prints_and_writes_the_same_outcome(tmp_path, capsys):
     report = tmp_path / "r.json"
     assert main(["optimize", "--cost-model", "analytic", "--budget", "5", "-q",

@@ -10,6 +10,7 @@ scales, and the optimized graph under ``jax.jit`` with the unoptimized one.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -75,7 +76,8 @@ def graphs(draw):
     return _build(kind, steps, draw(st.integers(0, 3)))
 
 
-@settings(max_examples=25, deadline=None, derandomize=True,
+@pytest.mark.slow
+@settings(deadline=None, derandomize=True,  # examples: the tier's profile (conftest.py)
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(graphs())
 def test_optimized_random_graphs_match_in_onnxruntime(graph):

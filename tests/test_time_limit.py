@@ -123,6 +123,7 @@ def test_optimize_ends_within_the_time_limit_on_a_5000_operator_model(tmp_path, 
     assert (tmp_path / "out.onnx").exists()
 
 
+@pytest.mark.slow
 def test_the_import_of_a_20000_operator_model_stops_at_the_time_limit(tmp_path, capsys):
     import hashlib
 

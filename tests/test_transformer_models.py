@@ -91,6 +91,7 @@ def test_a_model_past_its_positions_is_unavailable():
         transformer_models.make_hf_bert(seq=128, **transformer_models.TINY["hf_bert"])
 
 
+@pytest.mark.slow
 def test_runner_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     from taso_jax.frontends.graph_cache import GRAPH_CACHE_ENV
 

@@ -153,6 +153,7 @@ def _neg_neg_graph():
     return b.graph()
 
 
+@pytest.mark.slow
 def test_a_numerically_equal_but_unprovable_rule_is_rejected():
     g = _neg_neg_graph()
     rewritten = next(rewrites(TRUE_UNPROVABLE, g))
@@ -204,6 +205,7 @@ def test_a_rule_proved_at_some_attribute_values_matches_only_those():
     assert not list(find_matches(rule, graph(-2)))  # proved at -1 only: not applied at -2
 
 
+@pytest.mark.slow
 def test_generate_proves_what_it_keeps_and_prints_counts(tmp_path, capsys):
     out, report = tmp_path / "rules.json", tmp_path / "unproved.txt"
     assert main(["generate", "--max-ops", "1", "-o", str(out), "--report", str(report),

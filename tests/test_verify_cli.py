@@ -45,6 +45,7 @@ def test_verify_stamps_proofs_and_exits_zero(tmp_path, capsys):
     assert not (tmp_path / "unproved.txt").exists()
 
 
+@pytest.mark.slow
 def test_verify_lists_what_it_cannot_prove_and_exits_nonzero(tmp_path, capsys):
     src, report = tmp_path / "rules.json", tmp_path / "unproved.txt"
     save_substitutions(_rules(PROVABLE[:1]) + [WRONG], src)
@@ -63,6 +64,7 @@ def test_verify_bad_file_is_a_usage_error(tmp_path, capsys):
     assert "not a valid substitution file" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_verification_runs_in_a_process_pool():
     from taso_jax.verify.runner import verify_substitutions
 
@@ -86,6 +88,7 @@ def test_proofs_are_bounded_by_solver_steps_not_wall_clock():
     assert proof["rlimit"] == DEFAULT_RLIMIT and "timeout_ms" not in proof
 
 
+@pytest.mark.slow
 def test_a_local_dask_cluster_of_two_workers_proves_like_the_pool(tmp_path, capsys):
     """The cluster engine (Dask LocalCluster, 2 worker processes) gives the same stamps."""
     from taso_jax.verify.runner import verify_substitutions
@@ -101,6 +104,7 @@ def test_a_local_dask_cluster_of_two_workers_proves_like_the_pool(tmp_path, caps
     assert "proved: 3" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_generate_on_a_local_dask_cluster_gives_the_rules_of_one_process(tmp_path):
     """`taso-jax generate --cluster local` runs each domain as a task on the cluster and
     writes the same rules, in the same order, as generation in this process."""
@@ -120,6 +124,7 @@ def test_generate_on_a_local_dask_cluster_gives_the_rules_of_one_process(tmp_pat
     assert [s.name for s in there] == [s.name for s in here]
 
 
+@pytest.mark.slow
 def test_an_interrupted_verification_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     import taso_jax.verify.runner as runner
 
@@ -169,6 +174,7 @@ def test_verify_never_writes_over_its_input_file(tmp_path, capsys):
     _one_error_line(capsys, "the shipped rule set")
 
 
+@pytest.mark.slow
 def test_verify_without_report_leaves_an_existing_unproved_txt_alone(
         tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
