@@ -13,8 +13,8 @@ from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["measure_speed", "measure_onnxruntime", "compare_onnx", "check_onnx",
            "reference_runs", "compare_outputs", "other_bindings", "check_other_sizes",
-           "search_report", "format_report", "format_not_searched", "RTOL", "ATOL", "CHECK_SCALES",
-           "ONNXRUNTIME_WARN", "check_graphs"]
+           "search_report", "format_report", "speedup_sources", "format_not_searched", "RTOL",
+           "ATOL", "CHECK_SCALES", "ONNXRUNTIME_WARN", "check_graphs"]
 
 #: Outputs agree when ``|a - b| <= ATOL * max|b| + RTOL * |b|`` elementwise (float32 sums
 #: reassociate when convolutions are merged or batchnorm is folded).
@@ -418,6 +418,33 @@ def _rival(duel: dict) -> str:
     return f"within {DUEL_WITHIN:.0%} of it in screening"
 
 
+def _ratio(speedup: float) -> str:
+    """``speedup`` (old time over new) in words: "1.12x faster" or "0.89x, slower"."""
+    return f"{speedup:.2f}x faster" if speedup >= 1.0 else f"{speedup:.2f}x, slower"
+
+
+def _confirmed(p: dict | None) -> str:
+    """Why a kept candidate was kept: the paired test that confirmed it (``p``)."""
+    if not p:
+        return "confirmed faster than the input"
+    return (f"confirmed faster than the input in a paired test, {_ratio(p['speedup'])} "
+            f"(median of the per-round ratios, input time over candidate time; it won "
+            f"{p['wins']} of {p['rounds']} rounds)")
+
+
+def _screened(ts: list, k: int) -> str:
+    """The screening medians of the input and candidate ``k``, each named.
+
+    Screening ranks by fastest round, in a loop of its own, so its medians can order the
+    two otherwise than the paired test that decides; that is said where they do.
+    """
+    line = (f"; screening medians: the input {ts[0]:.0f} us, candidate {k} {ts[k]:.0f} us")
+    if ts[k] >= ts[0]:
+        line += (" (screening ranks by fastest round and its medians are noisier; the paired "
+                 "test decides)")
+    return line
+
+
 def end_to_end_line(e: dict) -> str:
     """The report's line on an end-to-end choice.
 
@@ -450,23 +477,32 @@ def end_to_end_line(e: dict) -> str:
     elif d and d["faster"]:
         verdict = (f"candidate {d['against']} was confirmed faster than the input"
                    f"{rounds}; candidate {k}, {_rival(d)}, ran faster still head to "
-                   f"head (won {d['wins']} of {d['rounds']} rounds, {d['speedup']:.2f}x): "
-                   f"kept candidate {k} ({ts[k]:.0f} us vs {ts[0]:.0f} us for the input in "
-                   "screening)")
+                   f"head (won {d['wins']} of {d['rounds']} rounds, {d['speedup']:.2f}x "
+                   f"faster than candidate {d['against']}): kept candidate {k}"
+                   + _screened(ts, k))
     else:
-        verdict = (f"kept candidate {k}, the fastest confirmed faster ({ts[k]:.0f} us vs "
-                   f"{ts[0]:.0f} us for the input, {ts[0] / max(ts[k], 1e-9):.2f}x{rounds})")
+        verdict = f"kept candidate {k}: {_confirmed(p)}" + _screened(ts, k)
         if d:
             verdict += (f"; candidate {d['candidate']}, {_rival(d)}, was not faster head "
                         f"to head (won {d['wins']} of {d['rounds']} rounds, "
-                        f"{d['speedup']:.2f}x)")
+                        f"{_ratio(d['speedup'])} than candidate {k})")
     runtime = e.get("runtime", "jax.jit")
     floors = ("; fastest rounds, which ranked them: "
               + ", ".join(f"{t:.0f}" for t in e["floors_us"]) + " us") if e.get("floors_us") else ""
     baseline = "the input file" if runtime == "onnxruntime" else "the input graph"
     return (f"end-to-end choice ({e['device']}, {runtime}, median of {e['repeats']}): "
             f"timed {baseline} and {e['measured'] - 1} candidates ("
-            + ", ".join(f"{t:.0f}" for t in e["times_us"]) + " us" + floors + f"); {verdict}")
+            + ", ".join(f"{t:.0f}" for t in e["times_us"]) + " us" + floors + f"); {verdict}"
+            + _dropped(e))
+
+
+def _dropped(e: dict) -> str:
+    """The end-to-end line's note on candidates that could not be timed (``e["dropped"]``)."""
+    dropped = e.get("dropped") or []
+    if not dropped:
+        return ""
+    return (f"; {len(dropped)} candidate(s) left out, not exportable to ONNX (first: "
+            f"{one_line(dropped[0], 200)})")
 
 
 def format_report(r: dict) -> str:
@@ -525,19 +561,7 @@ def format_report(r: dict) -> str:
         elif rules.get("unverified_left_out"):
             line += f"; {rules['unverified_left_out']} unproved rules left out"
         lines.append(line)
-    if r["applied"]:
-        lines.append("substitutions applied:")
-        for name, n in sorted(r["applied"].items(), key=lambda kv: -kv[1]):
-            status = r.get("proof", {}).get(name, "proved")
-            lines.append(f"  {n:>3} x {name}"
-                         + ("" if status == "proved" else f"  [NOT PROVED: {status}]"))
-            if name in r.get("laws", {}):
-                lines.append(f"        {r['laws'][name]}")
-            elif name == NHWC_LAYOUT:
-                lines.append("        convolutions in NHWC (conv2d_nhwc, HWIO kernels), "
-                             "activations carried in NHWC between them")
-    else:
-        lines.append("substitutions applied: none (the input graph is returned unchanged)")
+    lines += _applied_lines(r)
     if r.get("check", {}).get("identical"):
         lines.append("output check: not needed, the input model is returned unchanged")
     elif r.get("check"):
@@ -565,6 +589,63 @@ def format_report(r: dict) -> str:
     if r.get("written"):
         lines.append(_written_line(r))
     return "\n".join(lines)
+
+
+def _applied_lines(r: dict) -> list[str]:
+    """The substitutions applied, and for a delivered rewrite what made it faster.
+
+    ``r["outcome"]["delivered"]`` (set by :meth:`~taso_jax.outcome.Outcome.to_json`) tells
+    whether the optimized graph is delivered; ``r["sources"]`` names the speed-up's
+    sources besides substitutions (:func:`speedup_sources`).
+    """
+    delivered = (r.get("outcome") or {}).get("delivered")
+    lines = []
+    if r["applied"]:
+        lines.append("substitutions applied:")
+        for name, n in sorted(r["applied"].items(), key=lambda kv: -kv[1]):
+            status = r.get("proof", {}).get(name, "proved")
+            lines.append(f"  {n:>3} x {name}"
+                         + ("" if status == "proved" else f"  [NOT PROVED: {status}]"))
+            if name in r.get("laws", {}):
+                lines.append(f"        {r['laws'][name]}")
+            elif name == NHWC_LAYOUT:
+                lines.append("        convolutions in NHWC (conv2d_nhwc, HWIO kernels), "
+                             "activations carried in NHWC between them")
+    elif delivered == "optimized":
+        lines.append("substitutions applied: none (the operators are the input's)")
+    else:
+        lines.append("substitutions applied: none (the input graph is returned unchanged)")
+    if delivered == "optimized":
+        lines.append("what made it faster: " + speedup_sources(r))
+    return lines
+
+
+def speedup_sources(r: dict) -> str:
+    """Every source of a delivered rewrite's speed-up, in words, from report ``r``.
+
+    The sources: the substitutions applied (``r["applied"]``, the NHWC layout apart), the
+    layout, and the work the delivered graph computes once rather than on every call
+    (``r["folded"]``, :func:`~taso_jax.ir.folded_work.folded_work`: weights pre-folded,
+    constants such as masks and biases computed once).
+    """
+    applied = {k: v for k, v in (r.get("applied") or {}).items() if k != NHWC_LAYOUT}
+    parts = []
+    if applied:
+        parts.append(f"{sum(applied.values())} substitution(s) applied ("
+                     + ", ".join(sorted(applied)) + ")")
+    if NHWC_LAYOUT in (r.get("applied") or {}):
+        parts.append("layout: convolutions run in NHWC")
+    folded = r.get("folded") or {}
+    for kind, words in (("weights", "weights pre-folded: {n} operator(s) on the weights "
+                                    "computed once ({ops})"),
+                        ("constants", "constants computed once (masks, biases): {n} "
+                                      "operator(s) ({ops})")):
+        ops = folded.get(kind) or {}
+        if ops:
+            parts.append(words.format(n=sum(ops.values()), ops=", ".join(
+                f"{op} x{c}" for op, c in sorted(ops.items()))))
+    return "; ".join(parts) if parts else (
+        "no rewrite and no work moved ahead of the calls: the difference is the runtime's")
 
 
 def _written_line(r: dict) -> str:
