@@ -62,7 +62,8 @@ _SENTENCES = {
 
 #: Report entries that describe the rewritten graph: under a verdict that delivers the input
 #: they move to ``found_not_delivered``.
-_FOUND_KEYS = ("time", "onnxruntime", "applied", "end_to_end", "check", "laws", "proof")
+_FOUND_KEYS = ("time", "onnxruntime", "applied", "end_to_end", "check", "laws", "proof",
+               "folded")
 
 
 def _frozen(value):
@@ -79,6 +80,30 @@ def _thawed(value):
     if isinstance(value, tuple):
         return [_thawed(v) for v in value]
     return value
+
+
+def _measured(report: Mapping) -> tuple[float | None, str | None]:
+    """``(speed-up, which measurement)`` of a rewritten graph over the input, from ``report``.
+
+    The report's own timing in the target's runtime comes first; where it was left out
+    (``--no-time``, or the time limit had passed), the comparison that decided to deliver
+    the rewrite: the end-to-end choice's paired test of the kept candidate against the
+    input (its median per-round ratio; for a candidate that then won a duel, a lower
+    bound), or the decorator's test against ``jax.jit`` of the function.
+    """
+    target = report.get("target", "xla")
+    timing = report.get("onnxruntime" if target == "onnxruntime" else "time")
+    if timing and timing.get("speedup") is not None:
+        return float(timing["speedup"]), "report timing"
+    e = report.get("end_to_end") or {}
+    p = e.get("paired")
+    if (e and not e.get("original_kept") and not e.get("skipped")
+            and not e.get("confirmed_by") and p and p.get("faster")):
+        return float(p["speedup"]), "end-to-end choice"
+    b = (report.get("baseline") or {}).get("paired")
+    if b and b.get("faster"):
+        return float(b["speedup"]), "timing against jax.jit"
+    return None, None
 
 
 @dataclass(frozen=True)
@@ -117,15 +142,22 @@ class Outcome:
     def speedup(self) -> float | None:
         """The measured speed-up of what is delivered over the input, or ``None``.
 
-        1.0 wherever the input is delivered; for a rewritten graph, the measured
-        ``jax.jit`` speed-up (``--target onnxruntime``: the onnxruntime one), ``None``
-        where it was not timed.
+        1.0 wherever the input is delivered; for a rewritten graph, the report's own timing
+        in the target's runtime (``jax.jit``; ``--target onnxruntime``: onnxruntime), else
+        the comparison that decided the rewrite (the end-to-end choice's paired test, the
+        decorator's test against ``jax.jit`` of the function), ``None`` where nothing was
+        timed (:attr:`speedup_measured_by` says which).
         """
-        if self.verdict.delivers_input:
-            return 1.0
-        target = self.report.get("target", "xla")
-        timing = self.report.get("onnxruntime" if target == "onnxruntime" else "time")
-        return float(timing["speedup"]) if timing and "speedup" in timing else None
+        return 1.0 if self.verdict.delivers_input else _measured(self.report)[0]
+
+    @property
+    def speedup_measured_by(self) -> str | None:
+        """Which measurement :attr:`speedup` is, or ``None``.
+
+        ``"report timing"``, ``"end-to-end choice"`` or ``"timing against jax.jit"``;
+        ``None`` where the input is delivered or nothing was timed.
+        """
+        return None if self.verdict.delivers_input else _measured(self.report)[1]
 
     def to_json(self) -> dict:
         """The ``--json`` report: the details, with the delivered graph's figures on top.
@@ -160,7 +192,8 @@ class Outcome:
                 d["check"] = found["check"]  # the check that failed is the story
         d["outcome"] = {"verdict": self.verdict.value,
                         "delivered": "input" if self.verdict.delivers_input else "optimized",
-                        "speedup": self.speedup, "why": self.why}
+                        "speedup": self.speedup,
+                        "speedup_measured_by": self.speedup_measured_by, "why": self.why}
         return d
 
     def to_text(self, delivered_input: str = "the input") -> str:
@@ -175,6 +208,8 @@ class Outcome:
         if self.verdict is Verdict.REWRITTEN and speedup is not None:
             runtime = "onnxruntime" if d.get("target") == "onnxruntime" else "jax.jit"
             head += f", {speedup:.2f}x faster under {runtime}"
+            if self.speedup_measured_by != "report timing":
+                head += f" (measured by the {self.speedup_measured_by})"
         if self.why and self.verdict.delivers_input:
             head += f" ({self.why})"
         if self.verdict is Verdict.PASS_THROUGH:

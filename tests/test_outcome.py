@@ -127,3 +127,29 @@ def test_the_python_api_checks_outputs_and_keeps_the_input_where_they_differ(tmp
     off = taso_jax.search_graph(graph, substitutions=[wrong], cost_model="analytic", budget=3,
                                 end_to_end=0, allow_unverified=True, check=False)
     assert off.graph.key != graph.key and "check" not in off.outcome.report
+
+
+@pytest.mark.parametrize("target", ["xla", "onnxruntime"])
+def test_a_rewrite_whose_report_timing_was_left_out_has_the_choice_speedup(searched, target):
+    """Issue 59 (a): "result: rewritten" with ``speedup: null`` while the end-to-end choice
+    had measured 7.66x: past the time limit (or with ``--no-time``) the report's own timing
+    is left out, and the speed-up is the one that decided the rewrite.
+    """
+    graph, found = searched
+    e2e = {"measured": 2, "original_kept": False, "chosen": 1, "times_us": [766.0, 100.0],
+           "floors_us": [760.0, 99.0], "estimates_us": [2.0, 1.0], "device": "cpu",
+           "repeats": 20, "duel": None,
+           "paired": {"speedup": 7.66, "wins": 20, "rounds": 20, "p_value": 1e-5,
+                      "faster": True, "candidate": 1}}
+    if target == "onnxruntime":
+        e2e["runtime"] = "onnxruntime"
+    report = {**found.report, "target": target, "end_to_end": e2e}
+    report.pop("time", None)
+    outcome = Outcome(Verdict.REWRITTEN, report, found.graph)
+    assert outcome.speedup == pytest.approx(7.66)
+    data = json.loads(json.dumps(outcome.to_json()))
+    assert data["outcome"]["speedup"] == pytest.approx(7.66)
+    assert data["outcome"]["speedup_measured_by"] == "end-to-end choice"
+    runtime = "onnxruntime" if target == "onnxruntime" else "jax.jit"
+    assert f"7.66x faster under {runtime} (measured by the end-to-end choice)" in \
+        outcome.to_text().splitlines()[0]
