@@ -943,3 +943,24 @@ def test_an_unchanged_function_is_not_compiled_checked_or_timed(monkeypatch):
     assert f.original_kept == "the search changed nothing" and calls == []
     assert "check" not in f._last.report and "baseline" not in f._last.report
     assert f._last.run._cache_size() == 0  # the optimized stages were never compiled
+
+
+def test_a_rewrite_from_constants_computed_once_names_them_as_its_source():
+    """Issue 59 (b): "result: rewritten" beside "substitutions applied: none (the input graph
+    is returned unchanged)" read as a contradiction; the report must say what made it faster.
+    """
+
+    @taso_jax.optimize(weight_argnums=0, **OPTS)
+    def masked(w, x):
+        mask = jnp.tril(jnp.ones((8, 8), jnp.float32))  # a constant: rebuilt by every call
+        bias = jnp.where(mask > 0, 0.0, -1e4).astype(jnp.float32)
+        return jnp.tanh(x @ w) + bias
+
+    w, x = jnp.ones((8, 8)) / 8, jnp.ones((8, 8))
+    _assert_close(masked(w, x), jax.jit(masked.fn)(w, x))
+    outcome = masked.outcome()
+    assert outcome.verdict == "rewritten"
+    text = masked.report(time=False)
+    assert "returned unchanged" not in text
+    assert "what made it faster:" in text and "constants computed once" in text
+    assert outcome.to_json()["folded"]["constants"]

@@ -30,6 +30,7 @@ from taso_jax.frontends.jaxpr_io import TracedFunction, _fn_name, trace_function
 from taso_jax.frontends.onnx_model import ImportTimeLimit
 from taso_jax.frontends.signature_entry import _Entry, _hashable, _is_tracer, _leaf_signature
 from taso_jax.ir.executor import StagedGraph, time_function, time_interleaved
+from taso_jax.ir.folded_work import folded_work
 from taso_jax.report import compare_outputs, search_report
 from taso_jax.search.backtracking import SearchResult
 from taso_jax.search.choose import CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, device_name
@@ -339,6 +340,8 @@ class FirstCallPipeline:
             notes.append("optimized graph and decision read from the graph cache "
                          f"({graph_cache.graph_cache_dir()}); no search was run")
         entry.report = search_report(_fn_name(self.fn), graph, result, opts, subs, notes)
+        # jax.jit of the function, the baseline, computes these on every call
+        entry.report["folded"] = folded_work(result.graph, weights=set(weight_index))
         if hit is not None and hit[1].get("original_kept"):
             # Decided in an earlier process on this device: the original runs, so there is
             # nothing to compile or check.
