@@ -25,7 +25,7 @@ from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel, cpu_peak_
 from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["OnnxRuntimeCostModel", "ort_session", "graph_session", "onnxruntime_folded_values",
-           "time_onnx_models", "choose_fastest_onnxruntime", "resolve_target",
+           "time_onnx_models", "choose_fastest_onnxruntime", "resolve_target", "exportable",
            "OnnxRuntimeTarget"]
 
 def ort_session(model, spinning: bool = True, external: dict | None = None,
@@ -306,7 +306,7 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     from taso_jax.ir.executor import release_memory
 
     release_memory()  # what the search freed, before two sessions are held
-    graphs = measured_set(result, 0, deadline)
+    graphs, dropped = exportable(measured_set(result, 0, deadline))
     device = f"onnxruntime {ort.__version__} (CPU)"
     base, skipped = start_choice(
         result, graphs, deadline, lambda: ort_session(original, spinning=False, trim=True),
@@ -334,7 +334,32 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
         return loop(base, held[i])
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]), device,
-                        confirm=confirm, best=best, runtime="onnxruntime")
+                        confirm=confirm, best=best, runtime="onnxruntime", dropped=dropped)
+
+
+def candidate_export(graph: Graph):
+    """``graph`` exported as a candidate session gets it (weights external, not folded)."""
+    from taso_jax.frontends.onnx_io import export_onnx
+
+    return export_onnx(graph, external={}, fold=False)
+
+
+def exportable(graphs: list[tuple]) -> tuple[list[tuple], list[str]]:
+    """The ``(cost, graph, path)`` candidates that export to ONNX, and why the others fail.
+
+    A candidate the export cannot write (a ViT's rewritten LayerNorm once raised a
+    ``KeyError`` there, and the command exited 1) is left out of the choice with a note;
+    the input (first) is the user's own file and is kept as it is.
+    """
+    kept, dropped = graphs[:1], []
+    for item in graphs[1:]:
+        try:
+            candidate_export(item[1])
+        except Exception as e:  # noqa: BLE001 - any export failure drops that candidate
+            dropped.append(f"{type(e).__name__}: {e}")
+        else:
+            kept.append(item)
+    return kept, dropped
 
 
 class OnnxRuntimeTarget:
