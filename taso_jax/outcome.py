@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from taso_jax.ir.graph import Graph
+from taso_jax.records import Check, Choice, PhaseTimes
 from taso_jax.report import (
     end_to_end_line,
     format_not_searched,
@@ -27,7 +28,7 @@ from taso_jax.report import (
     format_report,
 )
 
-__all__ = ["Outcome", "Verdict"]
+__all__ = ["Outcome", "Verdict", "kept_input"]
 
 
 class Verdict(enum.StrEnum):
@@ -82,6 +83,14 @@ def _thawed(value):
     return value
 
 
+def _target(report: Mapping):
+    """The registered target a report was made for (the default's where it names none)."""
+    from taso_jax.search.options import OptimizeOptions
+    from taso_jax.targets import describe
+
+    return describe(report.get("target") or OptimizeOptions().target)
+
+
 def _measured(report: Mapping) -> tuple[float | None, str | None]:
     """``(speed-up, which measurement)`` of a rewritten graph over the input, from ``report``.
 
@@ -91,15 +100,12 @@ def _measured(report: Mapping) -> tuple[float | None, str | None]:
     input (its median per-round ratio; for a candidate that then won a duel, a lower
     bound), or the decorator's test against ``jax.jit`` of the function.
     """
-    target = report.get("target", "xla")
-    timing = report.get("onnxruntime" if target == "onnxruntime" else "time")
+    timing = report.get(_target(report).timing_key)
     if timing and timing.get("speedup") is not None:
         return float(timing["speedup"]), "report timing"
-    e = report.get("end_to_end") or {}
-    p = e.get("paired")
-    if (e and not e.get("original_kept") and not e.get("skipped")
-            and not e.get("confirmed_by") and p and p.get("faster")):
-        return float(p["speedup"]), "end-to-end choice"
+    choice = Choice.from_dict(report.get("end_to_end") or {})
+    if choice is not None and choice.speedup is not None:
+        return choice.speedup, "end-to-end choice"
     b = (report.get("baseline") or {}).get("paired")
     if b and b.get("faster"):
         return float(b["speedup"]), "timing against jax.jit"
@@ -127,6 +133,8 @@ class Outcome:
         why: why the input is delivered, in words (``None`` for :attr:`Verdict.REWRITTEN`).
         result: the :class:`~taso_jax.search.backtracking.SearchResult` of the search, where
             one ran (its ``graph`` is the best graph found, delivered or not).
+        phases: where the time went, and which cost model priced the delivered graph
+            (:class:`~taso_jax.records.PhaseTimes`), where the pipeline timed it.
     """
 
     verdict: Verdict
@@ -134,9 +142,20 @@ class Outcome:
     graph: Graph | None = field(default=None, compare=False)
     why: str | None = None
     result: Any = field(default=None, compare=False, repr=False)
+    phases: PhaseTimes | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "report", _frozen(dict(self.report)))
+
+    @property
+    def choice(self) -> Choice | None:
+        """The end-to-end choice (:class:`~taso_jax.records.Choice`), where one was made."""
+        return Choice.from_dict(self.report.get("end_to_end") or {})
+
+    @property
+    def check(self) -> Check | None:
+        """The output check of the graph found (:class:`~taso_jax.records.Check`), where made."""
+        return Check.from_dict(self.report.get("check") or {})
 
     @property
     def speedup(self) -> float | None:
@@ -194,6 +213,8 @@ class Outcome:
                         "delivered": "input" if self.verdict.delivers_input else "optimized",
                         "speedup": self.speedup,
                         "speedup_measured_by": self.speedup_measured_by, "why": self.why}
+        if self.phases is not None:
+            d["phases"] = self.phases.to_json()
         return d
 
     def to_text(self, delivered_input: str = "the input") -> str:
@@ -206,8 +227,7 @@ class Outcome:
         speedup = self.speedup
         head = f"result: {self.verdict.sentence(delivered_input)}"
         if self.verdict is Verdict.REWRITTEN and speedup is not None:
-            runtime = "onnxruntime" if d.get("target") == "onnxruntime" else "jax.jit"
-            head += f", {speedup:.2f}x faster under {runtime}"
+            head += f", {speedup:.2f}x faster under {_target(d).runtime}"
             if self.speedup_measured_by != "report timing":
                 head += f" (measured by the {self.speedup_measured_by})"
         if self.why and self.verdict.delivers_input:
@@ -219,7 +239,7 @@ class Outcome:
         lines = [head, format_report(d)]
         found = d.get("found_not_delivered")
         if found:
-            t = found.get("time") or found.get("onnxruntime")
+            t = found.get(_target(d).timing_key)
             applied = ", ".join(f"{k} x{v}" for k, v in sorted(found.get("applied", {}).items()))
             lines.append("found, not delivered: "
                          + (f"a graph timed at {t['speedup']:.2f}x ({t['before_us']:.1f} us -> "
@@ -229,3 +249,25 @@ class Outcome:
                 lines.append("  how it was chosen among the graphs: "
                              + end_to_end_line(found["end_to_end"]))
         return "\n".join(lines)
+
+
+def kept_input(graph: Graph, result, report: Mapping, *,
+               phases: PhaseTimes | None = None) -> Outcome | None:
+    """The outcome of a search that delivered its input graph, or ``None`` if it did not.
+
+    :attr:`Verdict.TIME_LIMIT` where the time limit cut a phase (a candidate may have been
+    ahead when it cut the choice's confirmation) or left a rule file's rules unproved, else
+    :attr:`Verdict.UNCHANGED`; ``why`` names the phase. The one place this verdict is
+    decided, for every front door.
+    """
+    if result.graph.key != graph.key:
+        return None
+    e2e = report.get("end_to_end") or {}
+    cut = e2e.get("skipped") or result.out_of_time_in  # any phase the limit cut
+    proofs = (result.rules or {}).get("not_proved_in_time")  # the search lacked those rules
+    why = e2e.get("skipped") or (
+        f"the time limit passed during the {result.out_of_time_in}" if cut else None) or (
+        f"the time limit passed while the rule file was proved ({proofs} rules not proved "
+        "in time)" if proofs else None)
+    verdict = Verdict.TIME_LIMIT if cut or proofs else Verdict.UNCHANGED
+    return Outcome(verdict, report, graph, why=why, result=result, phases=phases)

@@ -8,6 +8,7 @@ from taso_jax._text import one_line
 from taso_jax.frontends.onnx_io import model_refusal
 from taso_jax.ir.executor import random_array, random_inputs
 from taso_jax.ir.graph import Graph
+from taso_jax.records import PhaseTimes
 from taso_jax.search.choose import DUEL_WITHIN, NHWC_LAYOUT, device_name, time_graphs
 from taso_jax.search.options import OptimizeOptions
 
@@ -489,7 +490,7 @@ def end_to_end_line(e: dict) -> str:
     runtime = e.get("runtime", "jax.jit")
     floors = ("; fastest rounds, which ranked them: "
               + ", ".join(f"{t:.0f}" for t in e["floors_us"]) + " us") if e.get("floors_us") else ""
-    baseline = "the input file" if runtime == "onnxruntime" else "the input graph"
+    baseline = e.get("baseline", "the input graph")  # what the target times against
     return (f"end-to-end choice ({e['device']}, {runtime}, median of {e['repeats']}): "
             f"timed {baseline} and {e['measured'] - 1} candidates ("
             + ", ".join(f"{t:.0f}" for t in e["times_us"]) + " us" + floors + f"); {verdict}"
@@ -531,7 +532,7 @@ def format_report(r: dict) -> str:
         lines.append(f"onnxruntime time (CPU, median of {t['repeats']}): "
                      f"{t['before_us']:.1f} us -> {t['after_us']:.1f} us "
                      f"({t['speedup']:.2f}x)")
-        if t["speedup"] < ONNXRUNTIME_WARN and r.get("target", "xla") == "xla":
+        if t.get("slower_warning"):  # set where the target did not time onnxruntime
             lines.append("WARNING: the written model runs slower than the original in "
                          "onnxruntime: the rewrites were chosen for XLA (jax.jit); if you run "
                          "the file in onnxruntime, optimize it with --target onnxruntime")
@@ -541,6 +542,8 @@ def format_report(r: dict) -> str:
         total = fc.pop("total", sum(fc.values()))
         lines.append(f"first call: {total:.1f} s (" + ", ".join(
             f"{k} {v:.2f} s" for k, v in fc.items()) + ")")
+    if r.get("phases"):
+        lines.append(PhaseTimes(**r["phases"]).line())
     if r.get("wall_seconds") is not None:
         lines.append(f"total time: {r['wall_seconds']:.1f} s (limit {r['time_limit']:g} s: "
                      "import, search, kernel measurement and end-to-end choice)")

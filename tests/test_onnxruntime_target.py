@@ -124,7 +124,8 @@ def test_cli_target_onnxruntime_writes_the_input_back_when_nothing_is_faster(tmp
 def test_the_target_is_validated_and_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="target"):
         OptimizeOptions(target="tensorrt")
-    from taso_jax.optimizer import Optimizer, XlaTarget
+    from taso_jax.optimizer import Optimizer
+    from taso_jax.targets.xla import XlaTarget
 
     with pytest.raises(ValueError, match="target 'xla' given"):
         Optimizer(OptimizeOptions(target="onnxruntime"), target=XlaTarget())
@@ -154,7 +155,9 @@ def test_a_measured_xla_cost_model_becomes_onnxruntime_at_the_model_opset(tmp_pa
 
     opts = OptimizeOptions(target="onnxruntime",
                            cost_model=MeasuredCostModel(cache_path=False))
-    resolved, chooser = target.resolve_target(opts, opset=13, cache=False)
+    from taso_jax.targets.onnxruntime import resolve_target
+
+    resolved, chooser = resolve_target(opts, opset=13, cache=False)
     cm = resolved.cost_model
     assert isinstance(cm, target.OnnxRuntimeCostModel) and cm.opset == 13 and cm._db is None
     assert chooser is not None

@@ -71,6 +71,13 @@ DECORATOR_TIME_LIMIT = 10.0
 SIGNATURE_CACHE = 32
 
 
+def _serves_functions(target: str) -> bool:
+    """Whether the registered target ``target`` can run a decorated JAX function."""
+    from taso_jax.targets import describe
+
+    return describe(target).serves_functions
+
+
 def _holds_tracer(out) -> bool:
     """Whether the result ``out`` of a jitted call was traced by a JAX transformation.
 
@@ -149,7 +156,7 @@ class OptimizedFunction(FirstCallPipeline):
         options.setdefault("time_limit", DECORATOR_TIME_LIMIT)
         self.options = OptimizeOptions().replace(**options)
         self._optimizer_made = None
-        if self.options.target != "xla":
+        if not _serves_functions(self.options.target):
             raise ValueError(f"taso_jax.optimize: target={self.options.target!r} applies to "
                              "ONNX models and graphs; a decorated function runs under jax.jit "
                              "(target='xla')")
