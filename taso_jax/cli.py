@@ -416,7 +416,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``taso-jax`` argument parser (errors are one line: :class:`_Parser`)."""
-    from taso_jax.report import ATOL, RTOL
+    from taso_jax.checks import ATOL, RTOL
     from taso_jax.search.options import TARGETS, OptimizeOptions
 
     d = OptimizeOptions()  # the one set of defaults, shared with the API and the decorator

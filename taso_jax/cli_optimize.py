@@ -90,8 +90,8 @@ def _converted_reference(model: str, graph, notes: list, scratch: str, refused):
     a note says so. Where the conversion does not run either, ``refused`` (the original's
     :class:`ModelError`) is raised.
     """
+    from taso_jax.checks import reference_runs
     from taso_jax.frontends.onnx_io import ModelError, converted_model
-    from taso_jax.report import reference_runs
 
     opset = int(graph.meta["opset"])
     path = os.path.join(scratch, f"reference_opset{opset}.onnx")
@@ -116,6 +116,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     import numpy as np
     import onnx
 
+    from taso_jax.checks import check_onnx, reference_runs
     from taso_jax.frontends.onnx_export import serialize_onnx, write_onnx
     from taso_jax.frontends.onnx_io import (
         ImportTimeLimit,
@@ -128,11 +129,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     from taso_jax.ir.executor import forget_compiled
     from taso_jax.optimizer import Optimizer
     from taso_jax.outcome import Outcome, Verdict, kept_input
-    from taso_jax.report import (
-        check_onnx,
-        reference_runs,
-        search_report,
-    )
+    from taso_jax.records import search_report
     from taso_jax.search.options import OptimizeOptions
     from taso_jax.search.rules import RuleFileError
     from taso_jax.targets import make_target
@@ -356,11 +353,11 @@ def _time_in_onnxruntime(args, target, report: dict, reference, data, feeds: dic
     the file runs slower there (one rewritten OCR model ran at 0.17x), so past the time
     limit it is still made, on :data:`LATE_ONNXRUNTIME_ROUNDS` rounds (two sessions and a
     few runs), with a note; ``report["onnxruntime"]["slower_warning"]`` says whether to
-    warn (below :data:`~taso_jax.report.ONNXRUNTIME_WARN`). For the onnxruntime target
+    warn (below :data:`~taso_jax.checks.ONNXRUNTIME_WARN`). For the onnxruntime target
     the end-to-end choice timed it already, and past the limit its figure stands in
     (:attr:`~taso_jax.outcome.Outcome.speedup`).
     """
-    from taso_jax.report import ONNXRUNTIME_WARN, measure_onnxruntime
+    from taso_jax.checks import ONNXRUNTIME_WARN, measure_onnxruntime
 
     if not deadline.passed():
         timing = measure_onnxruntime(reference, data, feeds, deadline=deadline.at)
@@ -400,9 +397,9 @@ def _pass_through(args, name: str, error, external_data, deadline) -> int:
     Raises:
         ModelError: onnxruntime cannot load the model (exit 2).
     """
+    from taso_jax.checks import _session
     from taso_jax.frontends.onnx_io import ModelError
     from taso_jax.outcome import Outcome, Verdict
-    from taso_jax.report import _session
 
     try:
         _session(args.model)
@@ -536,13 +533,13 @@ def _keep_sizes_open(data: bytes, general: bytes, original: str, graph, report: 
 
     The model was optimized at one binding of its symbolic sizes; written with them open,
     it is checked against the original at other sizes
-    (:func:`taso_jax.report.check_other_sizes`). Where that fails (a rewritten Reshape holds
+    (:func:`taso_jax.checks.check_other_sizes`). Where that fails (a rewritten Reshape holds
     a fixed size), the model is written at the sizes it was optimized at if the user fixed
     them (``--input-shape`` for every input with open sizes), or if the original itself
     runs at none of the other sizes tried. Otherwise it returns ``None``: a model that
     accepts fewer sizes than the input is no drop-in replacement, and the input is kept.
     """
-    from taso_jax.report import check_other_sizes
+    from taso_jax.checks import check_other_sizes
 
     symbolic = graph.meta["symbolic_dims"]
     other = check_other_sizes(original, general, graph, symbolic, rtol=args.rtol,

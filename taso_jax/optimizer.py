@@ -22,10 +22,10 @@ import time
 import warnings
 from collections.abc import Callable
 
+from taso_jax.checks import RTOL, check_graphs
 from taso_jax.ir.graph import Graph, GraphBuilder
 from taso_jax.outcome import Outcome, Verdict, kept_input
-from taso_jax.records import PhaseTimes, cost_model_stats
-from taso_jax.report import RTOL, check_graphs, search_report
+from taso_jax.records import PhaseTimes, cost_model_stats, search_report
 from taso_jax.search.backtracking import SearchResult
 from taso_jax.search.limits import Deadline
 from taso_jax.search.options import VISITED_HELD, OptimizeOptions, run_search, usable_rules
@@ -136,8 +136,8 @@ class Optimizer:
         """Optimize ``graph`` and check the result against it: the Python API's pipeline.
 
         After :meth:`search`, a rewritten graph is compared with the input graph under
-        ``jax.jit`` at the input scales of :data:`~taso_jax.report.CHECK_SCALES`
-        (:func:`~taso_jax.report.check_graphs`, tolerances ``rtol``/``atol``). Where it
+        ``jax.jit`` at the input scales of :data:`~taso_jax.checks.CHECK_SCALES`
+        (:func:`~taso_jax.checks.check_graphs`, tolerances ``rtol``/``atol``). Where it
         differs, the input is delivered (:attr:`Verdict.FALLBACK`) with a
         ``RuntimeWarning``; ``check=False`` turns the check off (then a wrong rule given
         with ``trust_proofs`` or as objects goes unnoticed). Never slower: the end-to-end

@@ -14,7 +14,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["PhaseTimes", "Choice", "Check", "cost_model_stats"]
+from taso_jax.ir.graph import Graph
+from taso_jax.search.options import OptimizeOptions
+
+__all__ = ["PhaseTimes", "Choice", "Check", "cost_model_stats", "search_report",
+           "proofs_cut_note"]
 
 
 @dataclass(frozen=True)
@@ -155,3 +159,47 @@ class Check:
                    reference=k.get("reference", "onnxruntime"),
                    scales=tuple(k.get("scales") or ()), identical=bool(k.get("identical")),
                    error=k.get("error"), details=dict(k))
+
+
+def proofs_cut_note(late: int) -> str:
+    """The report's note where a rule file's proofs stopped at the time limit.
+
+    ``late``: how many of its rules had not been proved by then.
+    """
+    return (f"the time limit's share for proving the rule file passed with {late} of its "
+            "rules not yet proved: they were left out of the search (unless "
+            "--allow-unverified); the proofs done are kept, so a next run goes on from them "
+            "(--trust-proofs takes the file's own stamps)")
+
+
+def search_report(name: str, graph: Graph, result, options: OptimizeOptions, substitutions,
+                  notes=()) -> dict:
+    """The report dictionary (printed by :func:`format_report`) for one search.
+
+    ``result`` is a :class:`taso_jax.search.SearchResult` found with ``options``; costs are
+    in microseconds.
+    """
+    unmeasurable = result.unmeasurable
+    if unmeasurable:
+        notes = [*notes, f"{len(unmeasurable)} kernel(s) would not run alone on stand-in "
+                 f"values and were priced by the analytic model (first: {unmeasurable[0]})"]
+    late = (result.rules or {}).get("not_proved_in_time")
+    if late:
+        notes = [*notes, proofs_cut_note(late)]
+    return {
+        "model": name, "notes": list(notes), "target": options.target,
+        "operators_before": dict(graph.op_counts()),
+        "operators_after": dict(result.graph.op_counts()),
+        "cost": {"model": options.cost_model_name, "before_us": result.cost_before,
+                 "after_us": result.cost_after},
+        "search": {"seconds": result.seconds, "iterations": result.iterations,
+                   "explored": result.explored, "stopped": result.stopped,
+                   "out_of_time_in": result.out_of_time_in,
+                   "alpha": options.alpha, "budget": options.budget,
+                   "substitutions": len(substitutions)},
+        "rules": dict(result.rules),
+        "applied": dict(result.applied),
+        "laws": {s.name: s.law for s in substitutions if s.name in result.applied},
+        "proof": {s.name: s.proof_status for s in substitutions if s.name in result.applied},
+        "end_to_end": dict(result.end_to_end or {}),
+    }

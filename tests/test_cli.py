@@ -274,7 +274,7 @@ def test_a_model_whose_own_rounding_noise_exceeds_the_tolerance_is_judged_agains
     # is refused and nothing is written.
     from conftest import light_models
 
-    import taso_jax.report as report
+    import taso_jax.checks as report
 
     real, errs = report.check_onnx, iter([rewrite_err, 1e-3])  # the rewrite's, then the noise's
 
@@ -357,7 +357,7 @@ def test_a_malformed_model_gets_one_line_exit_2_and_nothing_written(tmp_path, ca
 
 def test_the_report_gives_onnxruntime_times_and_warns_when_the_file_is_slower_there(
         tmp_path, capsys, monkeypatch):
-    import taso_jax.report as report
+    import taso_jax.checks as report
 
     src = tmp_path / "m.onnx"
     src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
@@ -554,8 +554,8 @@ def test_an_input_deleted_during_the_run_is_named_as_the_cause(tmp_path, capsys,
     # unchanged model); deleted meanwhile, the error names it, not onnxruntime's NO_SUCHFILE
     import os
 
+    import taso_jax.checks as report
     import taso_jax.cli_optimize as cli_optimize
-    import taso_jax.report as report
 
     src, _ = _clip_model_and_wrong_rule(tmp_path)
     if when == "reference":
@@ -670,7 +670,7 @@ def test_past_the_time_limit_the_onnxruntime_timing_still_warns_of_a_slower_file
     with it the warning that the XLA-target file runs slower there (one ran at 0.17x)."""
     from taso_jax.search.limits import Deadline
 
-    import taso_jax.report as report
+    import taso_jax.checks as report
 
     src = tmp_path / "m.onnx"
     src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())

@@ -18,7 +18,7 @@ ROOT = Path(__file__).parent.parent
 #: layer of each folder or module (higher imports lower)
 LAYERS = {"taso_jax.ops": 0, "taso_jax._io": 0, "taso_jax._text": 0, "taso_jax._malloc": 0,
           "taso_jax._machine": 0, "taso_jax.outcome": 4, "taso_jax.optimizer": 4,
-          "taso_jax.targets": 4, "taso_jax.records": 4,
+          "taso_jax.targets": 4, "taso_jax.records": 4, "taso_jax.checks": 4,
           "taso_jax.ir": 1,
           "taso_jax.search": 2, "taso_jax.verify": 3, "taso_jax.frontends": 4, "taso_jax.report": 4,
           "taso_jax.api": 5, "taso_jax.examples": 5, "taso_jax.bench": 5,

@@ -13,13 +13,13 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-
 import taso_jax.search.options as options_module
+from taso_jax.search.choose import choose_fastest
+
 import taso_jax.targets as targets
 from taso_jax.cli import main
 from taso_jax.examples import nasrnn_cells
 from taso_jax.optimizer import Optimizer
-from taso_jax.search.choose import choose_fastest
 from taso_jax.targets.xla import XlaTarget
 
 ROOT = Path(__file__).parent.parent

@@ -25,13 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from taso_jax.checks import compare_outputs
 from taso_jax.frontends import graph_cache
 from taso_jax.frontends.jaxpr_io import TracedFunction, _fn_name, trace_function
 from taso_jax.frontends.onnx_model import ImportTimeLimit
 from taso_jax.frontends.signature_entry import _Entry, _hashable, _is_tracer, _leaf_signature
 from taso_jax.ir.executor import StagedGraph, time_function, time_interleaved
 from taso_jax.ir.folded_work import folded_work
-from taso_jax.report import compare_outputs, search_report
+from taso_jax.records import search_report
 from taso_jax.search.backtracking import SearchResult
 from taso_jax.search.choose import CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, device_name
 from taso_jax.search.limits import Deadline
@@ -159,7 +160,7 @@ def _rounding_noise(flat_fn: Callable, values, reference) -> list[float]:
     operands to TF32 (10 mantissa bits), so a rewrite that regroups the arithmetic (a
     batchnorm scale folded into a convolution kernel, say) differs from ``jax.jit`` of the
     original by about that rounding, which the fixed relative tolerance of
-    :func:`taso_jax.report.compare_outputs` (1e-3) does not cover through 50 layers.
+    :func:`taso_jax.checks.compare_outputs` (1e-3) does not cover through 50 layers.
     Integer, boolean and empty outputs get 0; non-finite elements are skipped. Runs one more
     compile of the original, so it is called only after a failed comparison.
     """

@@ -50,7 +50,7 @@ class XlaTarget(TargetSpeed):
 
     def time_graphs(self, before, after, repeats: int, deadline: float | None) -> dict:
         """Both graphs timed under ``jax.jit``, interleaved (:func:`measure_speed`)."""
-        from taso_jax.report import measure_speed
+        from taso_jax.checks import measure_speed
 
         return measure_speed(before, after, repeats=repeats, deadline=deadline)
 
