@@ -331,7 +331,7 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
     finite reference magnitude of each output (a scale-aware tolerance), or the absolute
     value given. ``floor``, one float per output, raises each output's ``atol`` to at least
     that value: the rounding noise the reference itself carries on the device (see
-    ``taso_jax.frontends.decorator``), where the default tolerance would be tighter than the
+    ``taso_jax.decorator``), where the default tolerance would be tighter than the
     reference is exact. Non-finite values must match exactly: NaN with NaN, +inf with +inf.
 
     Returns ``{"ok", "max_abs_err", "rtol", "atol", "outputs"}``; ``max_abs_err`` is

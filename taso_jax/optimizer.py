@@ -19,13 +19,12 @@ write or compile:
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 
-from taso_jax.checks import RTOL, check_graphs
+from taso_jax.checks import RTOL
 from taso_jax.ir.graph import Graph, GraphBuilder
-from taso_jax.outcome import Outcome, Verdict, kept_input
-from taso_jax.records import PhaseTimes, cost_model_stats, search_report
+from taso_jax.outcome import Outcome
+from taso_jax.records import PhaseTimes, cost_model_stats
 from taso_jax.search.backtracking import SearchResult
 from taso_jax.search.limits import Deadline
 from taso_jax.search.options import VISITED_HELD, OptimizeOptions, run_search, usable_rules
@@ -129,19 +128,20 @@ class Optimizer:
                           compile_s=stats.get("compile_seconds"), total_s=total_s,
                           cost_model=stats.get("name") or self.options.cost_model_name)
 
-    def run(self, graph: Graph | GraphBuilder, *, check: bool = True,
-            deadline: Deadline | None = None, name: str = "graph",
-            progress: Callable[[int, float], None] | None = None,
+    def run(self, graph, *, check: bool = True, deadline: Deadline | None = None,
+            name: str = "graph", progress: Callable[[int, float], None] | None = None,
             rtol: float = RTOL, atol: float | None = None) -> Outcome:
-        """Optimize ``graph`` and check the result against it: the Python API's pipeline.
+        """Optimize a graph or a front door's source, check and deliver: the one pipeline.
 
-        After :meth:`search`, a rewritten graph is compared with the input graph under
-        ``jax.jit`` at the input scales of :data:`~taso_jax.checks.CHECK_SCALES`
-        (:func:`~taso_jax.checks.check_graphs`, tolerances ``rtol``/``atol``). Where it
-        differs, the input is delivered (:attr:`Verdict.FALLBACK`) with a
+        ``graph`` is a :class:`~taso_jax.pipeline.Source` (the command line's ONNX file), or
+        a graph (the Python API), which becomes a :class:`~taso_jax.pipeline.GraphSource`:
+        a rewritten graph is compared with the input graph under ``jax.jit`` at the input
+        scales of :data:`~taso_jax.checks.CHECK_SCALES` (tolerances ``rtol``/``atol``);
+        where it differs, the input is delivered (:attr:`~taso_jax.outcome.Verdict.FALLBACK`) with a
         ``RuntimeWarning``; ``check=False`` turns the check off (then a wrong rule given
         with ``trust_proofs`` or as objects goes unnoticed). Never slower: the end-to-end
         choice (``end_to_end > 0``) keeps the input unless a candidate is confirmed faster.
+        The steps are :func:`~taso_jax.pipeline.deliver`'s.
 
         Returns:
             The :class:`~taso_jax.outcome.Outcome`; its ``graph`` is the graph delivered.
@@ -149,32 +149,14 @@ class Optimizer:
         Raises:
             ValueError: ``rtol`` or ``atol`` negative or not finite.
         """
+        from taso_jax.pipeline import GraphSource, deliver
+
         _check_tolerances(rtol, atol)
         if isinstance(graph, GraphBuilder):
             graph = graph.graph()
-        started = time.perf_counter()
-        deadline = deadline or Deadline.start(self.options.time_limit)
-        result = self.search(graph, deadline, progress)
-        report = search_report(name, graph, result, self.options, self.rules)
-        kept = kept_input(graph, result, report, phases=self.phases(
-            result, total_s=time.perf_counter() - started))
-        if kept is not None:
-            return kept
-        checked = time.perf_counter()
-        if check:
-            report["check"] = check_graphs(graph, result.graph, rtol=rtol, atol=atol)
-        phases = self.phases(result, check_s=time.perf_counter() - checked if check else None,
-                             total_s=time.perf_counter() - started)
-        if check and not report["check"]["ok"]:
-            why = (f"its outputs differ from the input graph's (max abs error "
-                   f"{report['check']['max_abs_err']:.3g}); substitutions applied: "
-                   f"{', '.join(sorted(result.applied))}")
-            warnings.warn(f"taso_jax.optimize: returning the input graph: {why}",
-                          RuntimeWarning, stacklevel=3)
-            return Outcome(Verdict.FALLBACK, report, graph, why=why, result=result,
-                           phases=phases)
-        return Outcome(Verdict.REWRITTEN, report, result.graph, result=result, phases=phases)
-
+        source = GraphSource(graph, name, check, rtol, atol) if isinstance(graph, Graph) \
+            else graph
+        return deliver(self, source, deadline, progress)
 
 def _check_tolerances(rtol: float, atol: float | None) -> None:
     """Raise ``ValueError`` unless the tolerances are finite and non-negative."""

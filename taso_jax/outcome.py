@@ -28,7 +28,7 @@ from taso_jax.report import (
     format_report,
 )
 
-__all__ = ["Outcome", "Verdict", "kept_input"]
+__all__ = ["Outcome", "Verdict", "kept_input_verdict", "make_outcome"]
 
 
 class Verdict(enum.StrEnum):
@@ -251,9 +251,9 @@ class Outcome:
         return "\n".join(lines)
 
 
-def kept_input(graph: Graph, result, report: Mapping, *,
-               phases: PhaseTimes | None = None) -> Outcome | None:
-    """The outcome of a search that delivered its input graph, or ``None`` if it did not.
+
+def kept_input_verdict(graph: Graph, result, report: Mapping) -> tuple[Verdict, str | None] | None:
+    """``(verdict, why)`` for a search that delivered its input graph, or ``None``.
 
     :attr:`Verdict.TIME_LIMIT` where the time limit cut a phase (a candidate may have been
     ahead when it cut the choice's confirmation) or left a rule file's rules unproved, else
@@ -269,5 +269,17 @@ def kept_input(graph: Graph, result, report: Mapping, *,
         f"the time limit passed during the {result.out_of_time_in}" if cut else None) or (
         f"the time limit passed while the rule file was proved ({proofs} rules not proved "
         "in time)" if proofs else None)
-    verdict = Verdict.TIME_LIMIT if cut or proofs else Verdict.UNCHANGED
+    return (Verdict.TIME_LIMIT if cut or proofs else Verdict.UNCHANGED), why
+
+
+def make_outcome(verdict: Verdict, report: Mapping, graph: Graph | None = None, *,
+                 why: str | None = None, result=None,
+                 phases: PhaseTimes | None = None) -> Outcome:
+    """The :class:`Outcome` of a decided verdict: the one place outcomes are made.
+
+    Where the input is delivered and ``why`` is given, the report records it as
+    ``kept_input_because``.
+    """
+    if verdict.delivers_input and why and verdict is not Verdict.PASS_THROUGH:
+        report = {**report, "kept_input_because": why}
     return Outcome(verdict, report, graph, why=why, result=result, phases=phases)

@@ -1,8 +1,8 @@
 """What a decorated function keeps for one call signature, and how a signature is read.
 
 :class:`_Entry` is the record that the first-call pipeline
-(:mod:`taso_jax.frontends.first_call`) builds for a signature and that every later call of
-it reads (:mod:`taso_jax.frontends.decorator`): the traced function, the jitted stages, the
+(:mod:`taso_jax.first_call`) builds for a signature and that every later call of
+it reads (:mod:`taso_jax.decorator`): the traced function, the jitted stages, the
 folded weights, the decision and the report. Beside it, the per-leaf helpers both sides key
 a signature with: an array leaf's shape, dtype and weak type, a static leaf's value (or
 identity when unhashable), and whether a leaf is a tracer.

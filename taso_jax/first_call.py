@@ -1,14 +1,14 @@
 """The first call of a signature: trace, search, compile, check and time (a mixin).
 
 :class:`FirstCallPipeline` holds what ``@taso_jax.optimize`` does the first time it meets a
-call signature, and :class:`~taso_jax.frontends.decorator.OptimizedFunction` inherits it:
+call signature, and :class:`~taso_jax.decorator.OptimizedFunction` inherits it:
 ``_build`` traces the function and fills an ``_Entry``; ``_optimize`` imports the
 jaxpr, reads the graph cache or runs the search, splits the result into jitted stages,
 compares its outputs with ``jax.jit`` of the original (allowing for the device's own
 rounding, else at full float32 precision, else falling back), times it against that
 original (``_keep_original``) and stores the decision in the graph cache. The helpers and
 constants here serve that pipeline alone; the call path that uses the finished entry is in
-:mod:`taso_jax.frontends.decorator`.
+:mod:`taso_jax.decorator`.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def _stored_check(check: dict | None) -> dict | None:
 
 
 class FirstCallPipeline:
-    """The first-call pipeline of :class:`~taso_jax.frontends.decorator.OptimizedFunction`.
+    """The first-call pipeline of :class:`~taso_jax.decorator.OptimizedFunction`.
 
     A mixin: it reads the host's ``fn``, ``_flat_fn``, ``options``, ``check``,
     ``_positions`` and ``_optimizer_made``, and calls its ``_execute``, ``_folded`` and

@@ -28,7 +28,7 @@ of the primal computation.
 The call path is here: binding the arguments, the signature cache and its fast paths,
 running the staged graph, folding the weights, background mode, and the inspection and
 report methods. The first call of a signature runs the pipeline that
-:class:`~taso_jax.frontends.first_call.FirstCallPipeline` holds (which
+:class:`~taso_jax.first_call.FirstCallPipeline` holds (which
 :class:`OptimizedFunction` inherits); what is kept per signature is
 :mod:`taso_jax.frontends.signature_entry`'s ``_Entry``; background optimizations run on
 :mod:`taso_jax.frontends.background`'s worker thread.
@@ -44,8 +44,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from taso_jax.first_call import _PAST_LIMIT, FirstCallPipeline, _at_full_precision
 from taso_jax.frontends.background import _UNTRACEABLE, MAX_PENDING, _background_worker
-from taso_jax.frontends.first_call import _PAST_LIMIT, FirstCallPipeline, _at_full_precision
 from taso_jax.frontends.jaxpr_io import (
     _fn_name,
     _is_array_leaf,
