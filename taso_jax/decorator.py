@@ -582,21 +582,39 @@ class OptimizedFunction(FirstCallPipeline):
         ``time=True`` the report's ``time`` is measured now (:meth:`measure`, ``repeats``
         rounds).
         """
-        from taso_jax.outcome import Outcome, Verdict
+        from taso_jax.outcome import Verdict, make_outcome
 
         e = self._entry()
         r = dict(e.report or {})
         if r:
             r["first_call"] = dict(e.first_call)
+        phases = self._phases(e)
         if e.fallback is not None:
-            return Outcome(Verdict.FALLBACK, r, e.graph, why=e.fallback)
+            return make_outcome(Verdict.FALLBACK, r, e.graph, why=e.fallback, phases=phases)
         if time and e.last_call is not None:
             r["time"] = self.measure(repeats)
         if e.original_kept:
             verdict = (Verdict.TIME_LIMIT if e.original_kept.startswith(_PAST_LIMIT)
                        else Verdict.UNCHANGED)
-            return Outcome(verdict, r, e.graph, why=e.original_kept)
-        return Outcome(Verdict.REWRITTEN, r, e.result.graph if e.result else None)
+            return make_outcome(verdict, r, e.graph, why=e.original_kept, phases=phases)
+        return make_outcome(Verdict.REWRITTEN, r, e.result.graph if e.result else None,
+                            phases=phases)
+
+    def _phases(self, e):
+        """Where the first call's time went (:class:`~taso_jax.records.PhaseTimes`).
+
+        The import is the trace and the jaxpr's import; the check, the compile of the
+        stages and the output check together; the search's phases and the cost model's
+        own figures come from the optimizer (:meth:`~taso_jax.optimizer.Optimizer.phases`).
+        """
+        from taso_jax.records import PhaseTimes
+
+        fc = e.first_call or {}
+        kw = {"import_s": fc.get("trace", 0.0) + fc.get("import", 0.0),
+              "check_s": fc.get("compile and check"), "total_s": fc.get("total")}
+        if e.result is None or self._optimizer_made is None:
+            return PhaseTimes(**kw)
+        return self._optimizer_made.phases(e.result, **kw)
 
     def report(self, time: bool = True, repeats: int = 30) -> str:
         """The report for the last call's signature, as text (:meth:`outcome` rendered).

@@ -146,6 +146,9 @@ class Outcome:
 
     def __post_init__(self):
         object.__setattr__(self, "report", _frozen(dict(self.report)))
+        # what the JSON and the text show, settled once: rendering computes nothing
+        object.__setattr__(self, "_view", _frozen(_delivered_view(self.verdict, self.report,
+                                                                  self.graph)))
 
     @property
     def choice(self) -> Choice | None:
@@ -179,36 +182,15 @@ class Outcome:
         return None if self.verdict.delivers_input else _measured(self.report)[1]
 
     def to_json(self) -> dict:
-        """The ``--json`` report: the details, with the delivered graph's figures on top.
+        """The ``--json`` report: a plain dump of the record as it was decided.
 
-        Under a verdict that delivers the input, the entries measured for the graph not
-        delivered move to ``found_not_delivered``, and ``applied`` is empty. ``outcome``
-        holds ``verdict``, ``delivered`` (``"input"`` or ``"optimized"``), ``speedup`` and
-        ``why``.
+        The delivered view was settled when the outcome was made (:func:`_delivered_view`:
+        under a verdict that delivers the input, the figures of the graph not delivered are
+        under ``found_not_delivered``); ``outcome`` holds ``verdict``, ``delivered``
+        (``"input"`` or ``"optimized"``), ``speedup``, ``speedup_measured_by`` and ``why``,
+        and ``phases`` the :class:`~taso_jax.records.PhaseTimes`.
         """
-        d = _thawed(self.report)
-        if self.verdict.delivers_input and self.verdict is not Verdict.PASS_THROUGH:
-            found = {k: d.pop(k) for k in _FOUND_KEYS if d.get(k)}
-            if not found.get("applied") or self.verdict is Verdict.UNCHANGED:
-                # no other graph was found (or it lost the final timing): how the input came
-                # to be kept stays, and a timing of the input against itself is 1.0
-                if "end_to_end" in found and not found.get("applied"):
-                    d["end_to_end"] = found.pop("end_to_end")
-                if "time" in found:
-                    t = found.pop("time")
-                    d["time"] = {**t, "after_us": t["before_us"], "speedup": 1.0}
-            if found.get("applied"):
-                d["found_not_delivered"] = found
-            d["applied"] = {}
-            if "operators_before" in d:
-                d["operators_after"] = dict(d["operators_before"])
-            if "cost" in d:
-                d["cost"] = {**d["cost"], "after_us": d["cost"]["before_us"]}
-            if d.get("written"):  # the input, byte for byte
-                d["check"] = {"ok": True, "identical": True, "max_abs_err": 0.0,
-                              "outputs": len(self.graph.outputs) if self.graph else None}
-            elif self.verdict is Verdict.FALLBACK and "check" in found:
-                d["check"] = found["check"]  # the check that failed is the story
+        d = _thawed(self._view)
         d["outcome"] = {"verdict": self.verdict.value,
                         "delivered": "input" if self.verdict.delivers_input else "optimized",
                         "speedup": self.speedup,
@@ -250,6 +232,39 @@ class Outcome:
                              + end_to_end_line(found["end_to_end"]))
         return "\n".join(lines)
 
+
+
+def _delivered_view(verdict: Verdict, report: Mapping, graph: Graph | None) -> dict:
+    """The report as delivered, settled when an :class:`Outcome` is made.
+
+    Under a verdict that delivers the input, the entries measured for the graph not
+    delivered move to ``found_not_delivered``, ``applied`` is empty, and the figures are
+    the input's.
+    """
+    d = _thawed(report)
+    if verdict.delivers_input and verdict is not Verdict.PASS_THROUGH:
+        found = {k: d.pop(k) for k in _FOUND_KEYS if d.get(k)}
+        if not found.get("applied") or verdict is Verdict.UNCHANGED:
+            # no other graph was found (or it lost the final timing): how the input came
+            # to be kept stays, and a timing of the input against itself is 1.0
+            if "end_to_end" in found and not found.get("applied"):
+                d["end_to_end"] = found.pop("end_to_end")
+            if "time" in found:
+                t = found.pop("time")
+                d["time"] = {**t, "after_us": t["before_us"], "speedup": 1.0}
+        if found.get("applied"):
+            d["found_not_delivered"] = found
+        d["applied"] = {}
+        if "operators_before" in d:
+            d["operators_after"] = dict(d["operators_before"])
+        if "cost" in d:
+            d["cost"] = {**d["cost"], "after_us": d["cost"]["before_us"]}
+        if d.get("written"):  # the input, byte for byte
+            d["check"] = {"ok": True, "identical": True, "max_abs_err": 0.0,
+                          "outputs": len(graph.outputs) if graph else None}
+        elif verdict is Verdict.FALLBACK and "check" in found:
+            d["check"] = found["check"]  # the check that failed is the story
+    return d
 
 
 def kept_input_verdict(graph: Graph, result, report: Mapping) -> tuple[Verdict, str | None] | None:

@@ -297,7 +297,7 @@ def format_not_searched(r: dict) -> list[str]:
 
     ``r`` may hold ``wall_seconds`` and ``time_limit`` (seconds) and ``written``.
     """
-    lines = []
+    lines = [PhaseTimes(**r["phases"]).line()] if r.get("phases") else []
     if "wall_seconds" in r and "time_limit" in r:
         lines.append(f"total time: {r['wall_seconds']:.1f} s (limit {r['time_limit']:g} s)")
     if r.get("written"):
