@@ -192,30 +192,40 @@ def format_report(r: dict) -> str:
     if r.get("check", {}).get("identical"):
         lines.append("output check: not needed, the input model is returned unchanged")
     elif r.get("check"):
-        k = r["check"]
-        scales = (f", inputs N(0,1) x {' and x '.join(f'{x:g}' for x in k['scales'])}"
-                  if k.get("scales") else "")
-        lines.append(f"output check ({k.get('reference', 'onnxruntime')}, original vs optimized"
-                     f"{scales}, rtol {k['rtol']}, atol {k['atol']}): "
-                     f"{'ok' if k['ok'] else 'MISMATCH'}"
-                     + (f" at x{k['failed_scale']:g}" if k.get("failed_scale")
-                        and not k["ok"] else "")
-                     + f", max abs error {k['max_abs_err']:.3g}"
-                     + (f" (within twice the {k['noise_floor']:.3g} that exporting the input "
-                        "without any rewrite already gives: the model's own rounding noise)"
-                        if k.get("noise_floor") is not None else "")
-                     + (f" (allowed up to {k['atol_floor']:.3g}: {k['noise_margin']:g}x the "
-                        f"{k['rounding_noise']:.3g} by which the original itself moves between "
-                        "the device's default and full float32 precision)"
-                        if k.get("rounding_noise") else "")
-                     + ("; the optimized graph's matrix products and convolutions run at full "
-                        "float32 precision: at the device's default precision they differed "
-                        "from the original by more than that"
-                        if k.get("full_precision") else "")
-                     + (f"; {k['error']}" if k.get("error") else ""))
+        lines.append(_check_line(r["check"]))
     if r.get("written"):
         lines.append(_written_line(r))
     return "\n".join(lines)
+
+
+def _check_line(k: dict) -> str:
+    """The report's ``output check`` line, from check record ``k``.
+
+    ``k`` is a comparison (:func:`~taso_jax.checks.compare_outputs`) with the check's
+    ``scales``, ``reference``, and where they apply ``failed_scale``, ``noise_floor``
+    (the export's own noise), ``rounding_noise`` and ``noise_margin`` (the device's),
+    ``full_precision`` and ``error``.
+    """
+    scales = (f", inputs N(0,1) x {' and x '.join(f'{x:g}' for x in k['scales'])}"
+              if k.get("scales") else "")
+    return (f"output check ({k.get('reference', 'onnxruntime')}, original vs optimized"
+            f"{scales}, rtol {k['rtol']}, atol {k['atol']}): "
+            f"{'ok' if k['ok'] else 'MISMATCH'}"
+            + (f" at x{k['failed_scale']:g}" if k.get("failed_scale")
+               and not k["ok"] else "")
+            + f", max abs error {k['max_abs_err']:.3g}"
+            + (f" (within twice the {k['noise_floor']:.3g} that exporting the input "
+               "without any rewrite already gives: the model's own rounding noise)"
+               if k.get("noise_floor") is not None else "")
+            + (f" (allowed up to {k['atol_floor']:.3g}: {k['noise_margin']:g}x the "
+               f"{k['rounding_noise']:.3g} by which the original itself moves between "
+               "the device's default and full float32 precision)"
+               if k.get("rounding_noise") else "")
+            + ("; the optimized graph's matrix products and convolutions run at full "
+               "float32 precision: at the device's default precision they differed "
+               "from the original by more than that"
+               if k.get("full_precision") else "")
+            + (f"; {k['error']}" if k.get("error") else ""))
 
 
 def _applied_lines(r: dict) -> list[str]:

@@ -32,6 +32,7 @@ class _Entry:
     fold: Callable | None = None
     run: Callable | None = None
     run_donating: Callable | None = None  # run, donating the inputs the user donates
+    donated: tuple = ()  # positions, among run's arguments, of the inputs the user donates
     weight_slots: list = field(default_factory=list)  # per weight name: leaf index or None
     constants: dict = field(default_factory=dict)
     fallback: str | None = None
