@@ -104,3 +104,25 @@ def test_importing_the_package_does_not_import_jax():
             "import numpy as np\nx = o.OPS['ewadd'].ref(np.ones(2), np.ones(2))\n"
             "assert 'jax' in sys.modules and float(x.sum()) == 4.0\n")
     run_python(code, timeout=300)
+
+
+def test_import_and_export_import_nothing_from_the_pipeline():
+    """``frontends/`` sits below the pipeline (issue 59): no optimizer, outcome or report."""
+    above = ("taso_jax.optimizer", "taso_jax.outcome", "taso_jax.report", "taso_jax.pipeline",
+             "taso_jax.checks", "taso_jax.targets")
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in sorted((ROOT / "taso_jax" / "frontends").rglob("*.py"))
+             for line, module in _imports(path) if module.startswith(above)]
+    assert not found, "\n".join(found)
+
+
+def test_outcomes_are_made_in_one_module():
+    """``Outcome(...)`` is called in ``taso_jax/outcome.py`` only (``make_outcome``)."""
+    found = []
+    for path in sorted((ROOT / "taso_jax").rglob("*.py")):
+        if path.name == "outcome.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Outcome":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
