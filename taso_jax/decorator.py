@@ -585,23 +585,19 @@ class OptimizedFunction(FirstCallPipeline):
         ``time=True`` the report's ``time`` is measured now (:meth:`measure`, ``repeats``
         rounds).
         """
-        from taso_jax.outcome import Verdict, make_outcome
+        from taso_jax.outcome import first_call_verdict, make_outcome
 
         e = self._entry()
         r = dict(e.report or {})
         if r:
             r["first_call"] = dict(e.first_call)
-        phases = self._phases(e)
-        if e.fallback is not None:
-            return make_outcome(Verdict.FALLBACK, r, e.graph, why=e.fallback, phases=phases)
-        if time and e.last_call is not None:
+        if time and e.fallback is None and e.last_call is not None:
             r["time"] = self.measure(repeats)
-        if e.original_kept:
-            verdict = (Verdict.TIME_LIMIT if e.original_kept.startswith(_PAST_LIMIT)
-                       else Verdict.UNCHANGED)
-            return make_outcome(verdict, r, e.graph, why=e.original_kept, phases=phases)
-        return make_outcome(Verdict.REWRITTEN, r, e.result.graph if e.result else None,
-                            phases=phases)
+        kept = e.original_kept
+        verdict, why = first_call_verdict(e.fallback, kept,
+                                          past_limit=bool(kept) and kept.startswith(_PAST_LIMIT))
+        delivered = e.graph if verdict.delivers_input else (e.result.graph if e.result else None)
+        return make_outcome(verdict, r, delivered, why=why, phases=self._phases(e))
 
     def _phases(self, e):
         """Where the first call's time went (:class:`~taso_jax.records.PhaseTimes`).

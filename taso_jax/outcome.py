@@ -28,7 +28,7 @@ from taso_jax.report import (
     format_report,
 )
 
-__all__ = ["Outcome", "Verdict", "kept_input_verdict", "make_outcome"]
+__all__ = ["Outcome", "Verdict", "kept_input_verdict", "first_call_verdict", "make_outcome"]
 
 
 class Verdict(enum.StrEnum):
@@ -285,6 +285,23 @@ def kept_input_verdict(graph: Graph, result, report: Mapping) -> tuple[Verdict, 
         f"the time limit passed while the rule file was proved ({proofs} rules not proved "
         "in time)" if proofs else None)
     return (Verdict.TIME_LIMIT if cut or proofs else Verdict.UNCHANGED), why
+
+
+def first_call_verdict(fallback: str | None, original_kept: str | None, *,
+                       past_limit: bool = False) -> tuple[Verdict, str | None]:
+    """``(verdict, why)`` of a decorated function's first call, from what it found.
+
+    ``fallback``: why the pipeline failed, if it did (:attr:`Verdict.FALLBACK`);
+    ``original_kept``: why ``jax.jit`` of the original runs, if it does
+    (:attr:`Verdict.TIME_LIMIT` where ``past_limit``: the limit passed before the optimized
+    function could be compiled, checked and timed; else :attr:`Verdict.UNCHANGED`);
+    neither: :attr:`Verdict.REWRITTEN`.
+    """
+    if fallback is not None:
+        return Verdict.FALLBACK, fallback
+    if original_kept:
+        return (Verdict.TIME_LIMIT if past_limit else Verdict.UNCHANGED), original_kept
+    return Verdict.REWRITTEN, None
 
 
 def make_outcome(verdict: Verdict, report: Mapping, graph: Graph | None = None, *,
