@@ -67,7 +67,7 @@ def probe(mode: str, shapes: int, width: int) -> dict:
     gc.collect()
     release_memory()
     end = rss_mb()
-    from taso_jax.frontends.decorator import SIGNATURE_CACHE
+    from taso_jax.decorator import SIGNATURE_CACHE
 
     dropped = refs[:-SIGNATURE_CACHE]
     return {"mode": mode, "shapes": shapes, "rss_first_mb": round(start, 1),

@@ -14,7 +14,10 @@ JAX front doors (TASO, Jia et al., SOSP 2019, reimplemented for XLA). Typical us
 This module only re-exports, each name at its first use; the layers are ``taso_jax.ops``
 (operator declarations), ``taso_jax.ir`` (graph IR and executor), ``taso_jax.verify``
 (generation and proofs), ``taso_jax.search`` (rules, matching, search, cost models),
-``taso_jax.frontends`` (ONNX, jaxpr, decorator) and the command line ``taso_jax.cli``.
+``taso_jax.frontends`` (ONNX and jaxpr import and export, onnxruntime), the delivery
+pipeline (``taso_jax.pipeline``, ``optimizer``, ``targets``, ``checks``, ``outcome``,
+``report``), and the front doors (``taso_jax.api``, ``taso_jax.decorator``, the command
+line ``taso_jax.cli``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from taso_jax.frontends.decorator import optimize_function
+from taso_jax.decorator import optimize_function
 from taso_jax.ir.graph import Graph, GraphBuilder
 from taso_jax.optimizer import Optimizer
 from taso_jax.search import options as _options
@@ -63,7 +63,7 @@ def optimize(graph=None, **options):
     equivalent graph found (TASO's ``taso.optimize``), checked against the input under
     ``jax.jit`` (:func:`search_graph`; ``check=False`` skips that). The options are those of
     :class:`~taso_jax.search.options.OptimizeOptions` (``alpha=1.05, budget=100,
-    time_limit=60.0, cost_model="measured", substitutions=None, allow_unverified=False,
+    time_limit=60.0, cost_model="calibrated", substitutions=None, allow_unverified=False,
     end_to_end=4, trust_proofs=False, target="xla", layout_candidates=True``). The input
     graph is never modified, and it is returned as is when nothing is faster.
 
@@ -78,7 +78,7 @@ def optimize(graph=None, **options):
     with ``jax.jit`` of the original at the first call of each signature; a graph read from
     the graph cache was checked by the process that stored it, and ``check="always"``
     checks it again); see
-    :class:`~taso_jax.frontends.decorator.OptimizedFunction`, and ``mode="background"``
+    :class:`~taso_jax.decorator.OptimizedFunction`, and ``mode="background"``
     (first calls run ``jax.jit`` of the original while the optimization runs in a thread).
     Its search time limit defaults to 10 s, and optimized graphs are kept in a cache on
     disk, so that another process skips the search (:mod:`taso_jax.frontends.graph_cache`).

@@ -414,11 +414,16 @@ class _Parser(argparse.ArgumentParser):
                          f"(see {self.prog} --help)")
 
 
+def cost_model_names() -> tuple[str, ...]:
+    """The cost models ``--cost-model`` accepts (``search.cost.COST_MODEL_NAMES``)."""
+    from taso_jax.search.cost import COST_MODEL_NAMES
+
+    return COST_MODEL_NAMES
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``taso-jax`` argument parser (errors are one line: :class:`_Parser`)."""
-    from taso_jax.report import ATOL, RTOL
-    from taso_jax.search.cost import COST_MODEL_NAMES
-    from taso_jax.search.options import TARGETS, OptimizeOptions
+    from taso_jax.search.options import OptimizeOptions
 
     d = OptimizeOptions()  # the one set of defaults, shared with the API and the decorator
     p = _Parser(prog="taso-jax", description=__doc__.strip(),
@@ -427,6 +432,17 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true",
                         help="print the traceback of an internal error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _optimize_parser(sub, common, d)
+    _verify_parser(sub, common)
+    _generate_parser(sub, common)
+    _bench_parser(sub, common, d)
+    return p
+
+def _optimize_parser(sub, common, d) -> None:
+    """The ``optimize`` command's arguments; defaults from options ``d``."""
+    from taso_jax.checks import ATOL, RTOL
+    from taso_jax.targets import target_names
+
     o = sub.add_parser("optimize", parents=[common],
                        help="optimize an ONNX model (or the built-in example)")
     o.add_argument("model", nargs="?", help="ONNX file; omit for a built-in example")
@@ -443,9 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--budget", type=int, default=d.budget, help=described("budget"))
     o.add_argument("--time-limit", type=float, default=d.time_limit,
                    help=described("time_limit"))
-    o.add_argument("--cost-model", choices=list(COST_MODEL_NAMES), default=d.cost_model,
+    o.add_argument("--cost-model", choices=list(cost_model_names()), default=d.cost_model,
                    help=described("cost_model"))
-    o.add_argument("--target", choices=list(TARGETS), default=d.target,
+    o.add_argument("--target", choices=list(target_names()), default=d.target,
                    help=described("target"))
     o.add_argument("--no-cost-cache", action="store_true",
                    help="measure kernels afresh, without the SQLite cache in the user cache dir")
@@ -467,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "x the largest reference magnitude of each output)")
     o.add_argument("--json", help="also write the report as JSON to this file")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def _verify_parser(sub, common) -> None:
+    """The ``verify`` command's arguments."""
     v = sub.add_parser("verify", parents=[common],
                        help="prove substitutions from the operator axioms (Z3)")
     v.add_argument("file", nargs="?", help="substitution JSON file (default: shipped set)")
@@ -479,6 +499,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--workers", type=int, default=None,
                    help="processes, 1 to 4 per core (one per core)")
     v.add_argument("-q", "--quiet", action="store_true")
+
+
+def _generate_parser(sub, common) -> None:
+    """The ``generate`` command's arguments."""
     g = sub.add_parser("generate", parents=[common],
                        help="generate substitutions and prove them (Z3)")
     g.add_argument("--max-ops", type=int, default=3,
@@ -501,6 +525,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-unverified", action="store_true",
                    help="keep candidates that were not proved (stamped as such)")
     g.add_argument("-q", "--quiet", action="store_true")
+
+
+def _bench_parser(sub, common, d) -> None:
+    """The ``bench`` command's arguments; defaults from options ``d``."""
     b = sub.add_parser("bench", parents=[common],
                        help="time TASO's benchmark models: jax.jit vs optimized",
                        epilog="On Linux with glibc 2.35+, the command starts itself again "
@@ -508,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "timings (TASO_JAX_HUGEPAGES=off: not).")
     b.add_argument("models", nargs="*", help="model names (default: all six)")
     b.add_argument("--small", action="store_true", help="small shapes (a quick run on a CPU)")
-    b.add_argument("--cost-model", choices=list(COST_MODEL_NAMES), default=d.cost_model)
+    b.add_argument("--cost-model", choices=list(cost_model_names()), default=d.cost_model)
     b.add_argument("--budget", type=int, default=d.budget,
                    help=f"graphs expanded at most ({d.budget})")
     b.add_argument("--time-limit", type=float, default=d.time_limit,
@@ -539,7 +567,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--retime", type=int, default=0, metavar="N",
                    help="time the original and the kept graph N more times, each as long as "
                         "the final timing, to see how far one fixed pair's speedup moves (0)")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,7 @@
 """The optimizer every front door runs: built once from the options, run on a graph.
 
 :class:`Optimizer` loads and proves the rules once, takes a target (the runtime the result
-must be fast in: :class:`XlaTarget` or
-:class:`~taso_jax.frontends.onnxruntime_target.OnnxRuntimeTarget`, each owning its cost
+must be fast in, a :class:`~taso_jax.targets.Target` from the registry, owning its cost
 model and its end-to-end choice), and runs the one search pipeline
 (:func:`~taso_jax.search.options.run_search`) under one
 :class:`~taso_jax.search.limits.Deadline`. The front doors only import or trace, run, then
@@ -19,50 +18,20 @@ write or compile:
 
 from __future__ import annotations
 
-import warnings
+import time
 from collections.abc import Callable
 
-from taso_jax.frontends.onnxruntime_target import OnnxRuntimeTarget
+from taso_jax.checks import RTOL
 from taso_jax.ir.graph import Graph, GraphBuilder
-from taso_jax.outcome import Outcome, Verdict
-from taso_jax.report import RTOL, check_graphs, search_report
+from taso_jax.outcome import Outcome
+from taso_jax.records import PhaseTimes, cost_model_stats
 from taso_jax.search.backtracking import SearchResult
-from taso_jax.search.cost import CostModel
 from taso_jax.search.limits import Deadline
 from taso_jax.search.options import VISITED_HELD, OptimizeOptions, run_search, usable_rules
+from taso_jax.targets import make_target
 from taso_jax.verify.runner import NOT_PROVED_IN_TIME, rules_for
 
-__all__ = ["Optimizer", "XlaTarget", "target_for"]
-
-
-class XlaTarget:
-    """XLA as the runtime a result must be fast in (``target="xla"``: ``jax.jit`` here).
-
-    Its cost model is the options' own (:meth:`OptimizeOptions.make_cost_model`: kernels
-    timed under ``jax.jit`` on this device, convolutions priced in NHWC on a CPU), and its
-    end-to-end choice :func:`~taso_jax.search.choose.choose_fastest` (the default of
-    :func:`~taso_jax.search.options.run_search`, NHWC forms included where
-    ``layout_candidates``). The searches that second-guess a measured cost model run.
-    """
-
-    name = "xla"
-    runtime = "jax.jit"
-    second_opinions = True
-
-    def cost_model(self, options: OptimizeOptions) -> CostModel:
-        """The cost model ``options`` name."""
-        return options.make_cost_model()
-
-    def chooser(self, options: OptimizeOptions) -> Callable | None:
-        """``None``: the pipeline's default end-to-end choice."""
-        return None
-
-
-def target_for(options: OptimizeOptions, **onnxruntime) -> XlaTarget | OnnxRuntimeTarget:
-    """The target ``options.target`` names; ``onnxruntime`` keywords go to its target."""
-    if options.target == "onnxruntime":
-        return OnnxRuntimeTarget(**onnxruntime)
-    return XlaTarget()
+__all__ = ["Optimizer"]
 
 
 class Optimizer:
@@ -71,9 +40,10 @@ class Optimizer:
     Args:
         options: the settings (:class:`~taso_jax.search.options.OptimizeOptions`; its
             defaults when ``None``), with ``changes`` applied.
-        target: the runtime to be fast in; default :func:`target_for` the options (the ONNX
-            front door passes an :class:`OnnxRuntimeTarget` that knows the user's file). A
-            string is the option ``target`` (``"xla"`` or ``"onnxruntime"``).
+        target: the runtime to be fast in (a :class:`~taso_jax.targets.Target`); default
+            the registered target the options name (:func:`~taso_jax.targets.make_target`;
+            the ONNX front door makes its own, which knows the user's file). A string is
+            the option ``target``.
         rules: the rules to search with, proof stamps as given; default
             :func:`~taso_jax.verify.runner.rules_for` the options (a rule file's rules are
             proved again unless ``trust_proofs``). Unproved rules are left out unless
@@ -96,13 +66,13 @@ class Optimizer:
         if isinstance(target, str):  # the option's name (``target="onnxruntime"``)
             changes["target"], target = target, None
         opts = (options or OptimizeOptions()).replace(**changes)
-        self.target = target if target is not None else target_for(opts)
+        self.target = target if target is not None else make_target(opts.target)
         if self.target.name != opts.target:
             raise ValueError(f"target {self.target.name!r} given for options of target "
                              f"{opts.target!r}")
         self.cost_model = self.target.cost_model(opts)
         self.options = opts.replace(cost_model=self.cost_model) \
-            if isinstance(opts.cost_model, str) and opts.target != "xla" else opts
+            if isinstance(opts.cost_model, str) and self.target.replaces_cost_model else opts
         subs = rules if rules is not None else rules_for(
             opts, deadline.share("rule_proofs") if deadline is not None else None)
         self.rules, self.rule_counts = usable_rules(subs, opts.allow_unverified, stacklevel=4)
@@ -127,28 +97,51 @@ class Optimizer:
         """
         if isinstance(graph, GraphBuilder):
             graph = graph.graph()
+        started = time.perf_counter()
         result = run_search(graph, self.rules, self.cost_model, self.options,
                             deadline=deadline, chooser=self.target.chooser(self.options),
                             progress=progress, second_opinions=self.target.second_opinions,
                             record=record, confirm=confirm)
+        result.pipeline_seconds = time.perf_counter() - started  # search, opinions, choice
         result.rules = dict(self.rule_counts)
         if result.out_of_time_in == "import" and "not_proved_in_time" in self.rule_counts:
             result.out_of_time_in = "rule proofs"  # what used the time up before the search
         return result
 
-    def run(self, graph: Graph | GraphBuilder, *, check: bool = True,
-            deadline: Deadline | None = None, name: str = "graph",
-            progress: Callable[[int, float], None] | None = None,
-            rtol: float = RTOL, atol: float | None = None) -> Outcome:
-        """Optimize ``graph`` and check the result against it: the Python API's pipeline.
+    def phases(self, result: SearchResult, *, import_s: float | None = None,
+               check_s: float | None = None, total_s: float | None = None) -> PhaseTimes:
+        """Where ``result``'s time went (:class:`~taso_jax.records.PhaseTimes`), in seconds.
 
-        After :meth:`search`, a rewritten graph is compared with the input graph under
-        ``jax.jit`` at the input scales of :data:`~taso_jax.report.CHECK_SCALES`
-        (:func:`~taso_jax.report.check_graphs`, tolerances ``rtol``/``atol``). Where it
-        differs, the input is delivered (:attr:`Verdict.FALLBACK`) with a
+        The search's phases come from ``result`` (the end-to-end choice: what
+        :meth:`search` took beyond the search and its second opinions), pricing and compiles
+        from the cost model where it reports them (an optional ``stats()``:
+        :func:`~taso_jax.records.cost_model_stats`); the front door's own phases are given.
+        """
+        stats = cost_model_stats(self.cost_model)
+        whole = getattr(result, "pipeline_seconds", None)
+        second = result.second_opinion_seconds or None
+        choice = (max(whole - result.seconds - (second or 0.0), 0.0)
+                  if whole is not None and result.end_to_end else None)
+        return PhaseTimes(import_s=import_s, search_s=result.seconds,
+                          second_opinions_s=second, choice_s=choice, check_s=check_s,
+                          pricing_s=stats.get("pricing_seconds"), compiles=stats.get("compiles"),
+                          compile_s=stats.get("compile_seconds"), total_s=total_s,
+                          cost_model=stats.get("name") or self.options.cost_model_name)
+
+    def run(self, graph, *, check: bool = True, deadline: Deadline | None = None,
+            name: str = "graph", progress: Callable[[int, float], None] | None = None,
+            rtol: float = RTOL, atol: float | None = None) -> Outcome:
+        """Optimize a graph or a front door's source, check and deliver: the one pipeline.
+
+        ``graph`` is a :class:`~taso_jax.pipeline.Source` (the command line's ONNX file), or
+        a graph (the Python API), which becomes a :class:`~taso_jax.pipeline.GraphSource`:
+        a rewritten graph is compared with the input graph under ``jax.jit`` at the input
+        scales of :data:`~taso_jax.checks.CHECK_SCALES` (tolerances ``rtol``/``atol``);
+        where it differs, the input is delivered (:attr:`~taso_jax.outcome.Verdict.FALLBACK`) with a
         ``RuntimeWarning``; ``check=False`` turns the check off (then a wrong rule given
         with ``trust_proofs`` or as objects goes unnoticed). Never slower: the end-to-end
         choice (``end_to_end > 0``) keeps the input unless a candidate is confirmed faster.
+        The steps are :func:`~taso_jax.pipeline.deliver`'s.
 
         Returns:
             The :class:`~taso_jax.outcome.Outcome`; its ``graph`` is the graph delivered.
@@ -156,33 +149,14 @@ class Optimizer:
         Raises:
             ValueError: ``rtol`` or ``atol`` negative or not finite.
         """
+        from taso_jax.pipeline import GraphSource, deliver
+
         _check_tolerances(rtol, atol)
         if isinstance(graph, GraphBuilder):
             graph = graph.graph()
-        deadline = deadline or Deadline.start(self.options.time_limit)
-        result = self.search(graph, deadline, progress)
-        report = search_report(name, graph, result, self.options, self.rules)
-        e2e = report.get("end_to_end") or {}
-        if result.graph.key == graph.key:
-            # a candidate may have been ahead when the limit cut the choice's confirmation
-            cut = e2e.get("skipped") or result.out_of_time_in  # any phase the limit cut
-            proofs = result.rules.get("not_proved_in_time")  # the search lacked those rules
-            verdict = Verdict.TIME_LIMIT if cut or proofs else Verdict.UNCHANGED
-            return Outcome(verdict, report, graph, why=e2e.get("skipped") or (
-                f"the time limit passed during the {result.out_of_time_in}" if cut else None) or (
-                f"the time limit passed while the rule file was proved ({proofs} rules not "
-                "proved in time)" if proofs else None), result=result)
-        if check:
-            report["check"] = check_graphs(graph, result.graph, rtol=rtol, atol=atol)
-            if not report["check"]["ok"]:
-                why = (f"its outputs differ from the input graph's (max abs error "
-                       f"{report['check']['max_abs_err']:.3g}); substitutions applied: "
-                       f"{', '.join(sorted(result.applied))}")
-                warnings.warn(f"taso_jax.optimize: returning the input graph: {why}",
-                              RuntimeWarning, stacklevel=3)
-                return Outcome(Verdict.FALLBACK, report, graph, why=why, result=result)
-        return Outcome(Verdict.REWRITTEN, report, result.graph, result=result)
-
+        source = GraphSource(graph, name, check, rtol, atol) if isinstance(graph, Graph) \
+            else graph
+        return deliver(self, source, deadline, progress)
 
 def _check_tolerances(rtol: float, atol: float | None) -> None:
     """Raise ``ValueError`` unless the tolerances are finite and non-negative."""

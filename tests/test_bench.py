@@ -357,9 +357,9 @@ def test_search_graph_times_its_candidates_and_the_report_says_which_it_kept():
         assert "kept the input" in text
     elif e.get("duel") and e["duel"]["faster"]:  # a near tie won head to head
         assert "ran faster still head to head" in text
-        assert f"kept candidate {e['chosen']} (" in text
+        assert f"kept candidate {e['chosen']}; screening medians" in text
     else:
-        assert f"kept candidate {e['chosen']}, the fastest confirmed" in text
+        assert f"kept candidate {e['chosen']}: confirmed faster than the input" in text
 
 
 def test_paired_speedup_sees_through_load_that_hits_both():

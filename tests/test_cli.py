@@ -281,7 +281,7 @@ def test_a_model_whose_own_rounding_noise_exceeds_the_tolerance_is_judged_agains
     # is refused and nothing is written.
     from conftest import light_models
 
-    import taso_jax.report as report
+    import taso_jax.checks as report
 
     real, errs = report.check_onnx, iter([rewrite_err, 1e-3])  # the rewrite's, then the noise's
 
@@ -365,7 +365,7 @@ def test_a_malformed_model_gets_one_line_exit_2_and_nothing_written(tmp_path, ca
 @pytest.mark.slow
 def test_the_report_gives_onnxruntime_times_and_warns_when_the_file_is_slower_there(
         tmp_path, capsys, monkeypatch):
-    import taso_jax.report as report
+    import taso_jax.checks as report
 
     src = tmp_path / "m.onnx"
     src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
@@ -565,8 +565,8 @@ def test_an_input_deleted_during_the_run_is_named_as_the_cause(tmp_path, capsys,
     # unchanged model); deleted meanwhile, the error names it, not onnxruntime's NO_SUCHFILE
     import os
 
+    import taso_jax.checks as report
     import taso_jax.cli_optimize as cli_optimize
-    import taso_jax.report as report
 
     src, _ = _clip_model_and_wrong_rule(tmp_path)
     if when == "reference":
@@ -673,3 +673,67 @@ def test_a_written_model_that_imports_back_whole_is_delivered(tmp_path):
                  "--no-time", "--json", str(report)]) == 0
     data = json.loads(report.read_text())
     assert data["outcome"]["verdict"] == "rewritten", data["outcome"]
+
+
+def test_past_the_time_limit_the_onnxruntime_timing_still_warns_of_a_slower_file(
+        tmp_path, capsys, monkeypatch):
+    """Issue 59 (c): with the time limit passed, the onnxruntime timing was left out, and
+    with it the warning that the XLA-target file runs slower there (one ran at 0.17x)."""
+    from taso_jax.search.limits import Deadline
+
+    import taso_jax.checks as report
+
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+    late = []  # set once the search is over: the limit counts as passed from then on
+    passed = Deadline.passed
+    monkeypatch.setattr(Deadline, "passed", lambda self: bool(late) or passed(self))
+    timed = []
+
+    def slower(original, optimized, inputs, repeats=20, deadline=None):
+        timed.append(repeats)
+        return {"before_us": 100.0, "after_us": 588.0, "speedup": 0.17, "repeats": repeats}
+
+    def search_then_late(*args, **kwargs):
+        result = search(*args, **kwargs)
+        late.append(1)
+        return result
+
+    from taso_jax.optimizer import Optimizer
+
+    search = Optimizer.search
+    monkeypatch.setattr(Optimizer, "search", lambda self, *a, **k: search_then_late(
+        self, *a, **k))
+    monkeypatch.setattr(report, "measure_onnxruntime", slower)
+    args = ["--cost-model", "analytic", "--budget", "30", "-q", "--end-to-end", "0",
+            "--repeats", "3"]
+    assert main(["optimize", str(src), "-o", str(tmp_path / "o.onnx"), *args]) == 0
+    text = capsys.readouterr().out
+    assert "substitutions applied: none" not in text  # rewritten, so timed
+    assert timed and max(timed) <= 3
+    assert "WARNING: the written model runs slower than the original in onnxruntime" in text
+
+
+def test_an_optimized_graph_that_cannot_be_exported_delivers_the_input(tmp_path, capsys,
+                                                                       monkeypatch):
+    """Issue 59 (d): an export failure of the graph found is not an exit 1: the input is
+    written back, byte for byte, and the report says why."""
+    import taso_jax.frontends.onnx_io as onnx_io
+
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+    export = onnx_io.export_onnx
+
+    def broken(graph, *args, **kwargs):
+        if graph.op_counts() != imported:  # the graph found, not the input
+            raise KeyError("ln_bias")
+        return export(graph, *args, **kwargs)
+
+    imported = onnx_io.load_onnx(str(src)).op_counts()
+    monkeypatch.setattr(onnx_io, "export_onnx", broken)
+    out = tmp_path / "o.onnx"
+    assert main(["optimize", str(src), "-o", str(out), "--cost-model", "analytic",
+                 "--budget", "30", "-q", "--end-to-end", "0", "--no-time"]) == 0
+    text = capsys.readouterr().out
+    assert "could not be exported to ONNX (KeyError" in text.splitlines()[0]
+    assert out.read_bytes() == src.read_bytes()

@@ -243,7 +243,7 @@ def test_failure_in_the_pipeline_falls_back_with_a_warning(monkeypatch):
 def test_wrong_rewrite_is_caught_by_the_check_and_falls_back(monkeypatch):
     from taso_jax.search.rules import PNode, Substitution
 
-    import taso_jax.frontends.first_call as first_call
+    import taso_jax.first_call as first_call
 
     # on CPU the default precision is full float32: nothing is compiled again to compare at
     # full precision
@@ -271,7 +271,7 @@ def test_wrong_rewrite_is_caught_by_the_check_and_falls_back(monkeypatch):
 @pytest.mark.slow
 def test_an_optimized_signature_is_called_through_the_short_path_and_never_served_stale(
         monkeypatch):
-    from taso_jax.frontends.decorator import OptimizedFunction
+    from taso_jax.decorator import OptimizedFunction
 
     def fn(w, x):
         return jax.nn.relu(x @ w["a"]) + jnp.tanh(x @ w["b"])
@@ -324,7 +324,7 @@ def test_the_check_allows_what_the_devices_default_precision_already_rounds(devi
                                                                             monkeypatch):
     from taso_jax.search.rules import PNode, Substitution
 
-    import taso_jax.frontends.first_call as first_call
+    import taso_jax.first_call as first_call
 
     monkeypatch.setattr(first_call, "_default_precision_rounds", lambda: True)  # as on a GPU
 
@@ -363,7 +363,7 @@ def test_the_check_allows_what_the_devices_default_precision_already_rounds(devi
 @pytest.mark.slow
 def test_a_graph_the_default_precision_rounds_more_than_the_original_runs_at_full_precision(
         monkeypatch, tmp_path):
-    import taso_jax.frontends.first_call as first_call
+    import taso_jax.first_call as first_call
 
     # On a GPU, cuBLAS may run the merged matmuls at TF32 where the original's smaller ones
     # ran in float32 (NasRNN on an H200: 1.3e-3 off, the original's own noise 0). Simulated
@@ -462,7 +462,7 @@ def test_an_unchanged_function_runs_jax_jit_of_the_original():
 
 
 def test_the_optimized_function_must_beat_jax_jit_of_the_original_when_timed(monkeypatch):
-    import taso_jax.frontends.first_call as first_call
+    import taso_jax.first_call as first_call
 
     # with timing on, a function the search did change is still measured against jax.jit
     # of the original; here the optimized run is made to look slow, so the original runs
@@ -482,8 +482,8 @@ def test_the_optimized_function_must_beat_jax_jit_of_the_original_when_timed(mon
 @pytest.mark.slow
 def test_a_kept_signature_dispatches_to_jax_jit_of_the_original(monkeypatch):
     """No staging on the fast path: later calls go straight to jax.jit of the function."""
-    import taso_jax.frontends.decorator as decorator
-    import taso_jax.frontends.first_call as first_call
+    import taso_jax.decorator as decorator
+    import taso_jax.first_call as first_call
 
     monkeypatch.setattr(first_call, "MIN_SPEEDUP", 1e9)  # the original is always kept
 
@@ -650,7 +650,7 @@ def test_a_numpy_weight_changed_in_place_is_folded_again():
 
 
 def test_the_signature_cache_is_bounded(monkeypatch):
-    import taso_jax.frontends.decorator as decorator
+    import taso_jax.decorator as decorator
 
     monkeypatch.setattr(decorator, "SIGNATURE_CACHE", 3)
 
@@ -698,7 +698,7 @@ def test_background_mode_runs_the_original_until_the_checked_result_is_ready():
 
 @pytest.mark.slow
 def test_background_mode_never_swaps_in_a_wrong_result(monkeypatch):
-    import taso_jax.frontends.first_call as first_call
+    import taso_jax.first_call as first_call
 
     real = first_call.compare_outputs
 
@@ -732,7 +732,7 @@ def test_lower_trace_and_jax_export_of_the_optimized_function():
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_donate_argnums_follows_jax_jit(monkeypatch, keep):
-    import taso_jax.frontends.first_call as first_call
+    import taso_jax.first_call as first_call
 
     if keep:
         monkeypatch.setattr(first_call, "MIN_SPEEDUP", 1e9)  # the original runs (fast path)
@@ -849,7 +849,7 @@ def test_a_graph_cache_hit_skips_the_check_unless_always(tmp_path, monkeypatch):
 def test_the_fast_path_never_serves_the_original_for_an_optimized_signature(monkeypatch):
     """Signatures alternate between one that runs the original and one that runs optimized:
     the optimized one is never answered by the fast path's jax.jit of the original."""
-    import taso_jax.frontends.decorator as decorator
+    import taso_jax.decorator as decorator
 
     monkeypatch.setattr(decorator.OptimizedFunction, "_keep_original",
                         lambda self, entry, traced, result, args, static_pos:
@@ -876,7 +876,7 @@ def _count_confirmations(monkeypatch) -> list:
     """Patch ``confirm_faster`` where the choice and the first call use it; count its calls."""
     import taso_jax.search.choose as choose
 
-    import taso_jax.frontends.first_call as first_call
+    import taso_jax.first_call as first_call
 
     calls, real = [], choose.confirm_faster
 
@@ -962,3 +962,24 @@ def test_an_unchanged_function_is_not_compiled_checked_or_timed(monkeypatch):
     assert f.original_kept == "the search changed nothing" and calls == []
     assert "check" not in f._last.report and "baseline" not in f._last.report
     assert f._last.run._cache_size() == 0  # the optimized stages were never compiled
+
+
+def test_a_rewrite_from_constants_computed_once_names_them_as_its_source():
+    """Issue 59 (b): "result: rewritten" beside "substitutions applied: none (the input graph
+    is returned unchanged)" read as a contradiction; the report must say what made it faster.
+    """
+
+    @taso_jax.optimize(weight_argnums=0, **OPTS)
+    def masked(w, x):
+        mask = jnp.tril(jnp.ones((8, 8), jnp.float32))  # a constant: rebuilt by every call
+        bias = jnp.where(mask > 0, 0.0, -1e4).astype(jnp.float32)
+        return jnp.tanh(x @ w) + bias
+
+    w, x = jnp.ones((8, 8)) / 8, jnp.ones((8, 8))
+    _assert_close(masked(w, x), jax.jit(masked.fn)(w, x))
+    outcome = masked.outcome()
+    assert outcome.verdict == "rewritten"
+    text = masked.report(time=False)
+    assert "returned unchanged" not in text
+    assert "what made it faster:" in text and "constants computed once" in text
+    assert outcome.to_json()["folded"]["constants"]

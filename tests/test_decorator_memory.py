@@ -47,7 +47,7 @@ def _held(entry) -> dict:
 @pytest.mark.parametrize("mode", ["sync", "background"])
 def test_dropped_signatures_release_their_graphs_stages_and_folded_weights(monkeypatch,
                                                                            mode):
-    import taso_jax.frontends.decorator as decorator
+    import taso_jax.decorator as decorator
 
     monkeypatch.setattr(decorator, "SIGNATURE_CACHE", 2)
     rng = np.random.default_rng(0)

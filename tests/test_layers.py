@@ -1,5 +1,6 @@
-"""The package's import layers point one way (issue 16): ops <- ir <- verify / search <-
-frontends <- the command line; ``taso_jax/__init__.py`` only re-exports.
+"""The package's import layers point one way (issues 16, 59): ops <- ir <- search <- verify <-
+frontends <- the pipeline <- the front doors <- the command line; ``taso_jax/__init__.py``
+only re-exports.
 
 Every ``import`` of a ``taso_jax`` module, at module level or inside a function, is read from
 the source; a module may import its own layer and the layers below it, never one above.
@@ -18,12 +19,18 @@ ROOT = Path(__file__).parent.parent
 #: layer of each folder or module (higher imports lower)
 LAYERS = {"taso_jax.ops": 0, "taso_jax._io": 0, "taso_jax._text": 0, "taso_jax._malloc": 0,
           "taso_jax._machine": 0, "taso_jax._compile_cache": 0,
-          "taso_jax.outcome": 4, "taso_jax.optimizer": 4,
-          "taso_jax.ir": 1,
-          "taso_jax.search": 2, "taso_jax.verify": 3, "taso_jax.frontends": 4, "taso_jax.report": 4,
-          "taso_jax.api": 5, "taso_jax.examples": 5, "taso_jax.bench": 5,
-          "taso_jax.cli": 6, "taso_jax.cli_files": 6, "taso_jax.cli_optimize": 6,
-          "taso_jax": 7}
+          "taso_jax.ir": 1, "taso_jax.search": 2, "taso_jax.verify": 3,
+          # import and export, runtimes: below the pipeline, never importing it (issue 59)
+          "taso_jax.frontends": 4,
+          # the delivery pipeline: targets, checks, records, the outcome and its rendering
+          "taso_jax.checks": 5, "taso_jax.records": 5, "taso_jax.targets": 5,
+          "taso_jax.outcome": 5, "taso_jax.report": 5, "taso_jax.optimizer": 5,
+          "taso_jax.pipeline": 5,
+          # the front doors
+          "taso_jax.api": 6, "taso_jax.decorator": 6, "taso_jax.first_call": 6,
+          "taso_jax.examples": 6, "taso_jax.bench": 6,
+          "taso_jax.cli": 7, "taso_jax.cli_files": 7, "taso_jax.cli_optimize": 7,
+          "taso_jax": 8}
 FOLDERS = {"ops": "taso_jax.ops", "search": "taso_jax.search", "verify": "taso_jax.verify",
            "taso_jax": "taso_jax"}
 
@@ -98,3 +105,25 @@ def test_importing_the_package_does_not_import_jax():
             "import numpy as np\nx = o.OPS['ewadd'].ref(np.ones(2), np.ones(2))\n"
             "assert 'jax' in sys.modules and float(x.sum()) == 4.0\n")
     run_python(code, timeout=300)
+
+
+def test_import_and_export_import_nothing_from_the_pipeline():
+    """``frontends/`` sits below the pipeline (issue 59): no optimizer, outcome or report."""
+    above = ("taso_jax.optimizer", "taso_jax.outcome", "taso_jax.report", "taso_jax.pipeline",
+             "taso_jax.checks", "taso_jax.targets")
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in sorted((ROOT / "taso_jax" / "frontends").rglob("*.py"))
+             for line, module in _imports(path) if module.startswith(above)]
+    assert not found, "\n".join(found)
+
+
+def test_outcomes_are_made_in_one_module():
+    """``Outcome(...)`` is called in ``taso_jax/outcome.py`` only (``make_outcome``)."""
+    found = []
+    for path in sorted((ROOT / "taso_jax").rglob("*.py")):
+        if path.name == "outcome.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Outcome":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found

@@ -125,7 +125,8 @@ def test_cli_target_onnxruntime_writes_the_input_back_when_nothing_is_faster(tmp
 def test_the_target_is_validated_and_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="target"):
         OptimizeOptions(target="tensorrt")
-    from taso_jax.optimizer import Optimizer, XlaTarget
+    from taso_jax.optimizer import Optimizer
+    from taso_jax.targets.xla import XlaTarget
 
     with pytest.raises(ValueError, match="target 'xla' given"):
         Optimizer(OptimizeOptions(target="onnxruntime"), target=XlaTarget())
@@ -155,7 +156,9 @@ def test_a_measured_xla_cost_model_becomes_onnxruntime_at_the_model_opset(tmp_pa
 
     opts = OptimizeOptions(target="onnxruntime",
                            cost_model=MeasuredCostModel(cache_path=False))
-    resolved, chooser = target.resolve_target(opts, opset=13, cache=False)
+    from taso_jax.targets.onnxruntime import resolve_target
+
+    resolved, chooser = resolve_target(opts, opset=13, cache=False)
     cm = resolved.cost_model
     assert isinstance(cm, target.OnnxRuntimeCostModel) and cm.opset == 13 and cm._db is None
     assert chooser is not None
@@ -340,3 +343,42 @@ def test_a_rewrite_past_the_limit_at_its_kernels_floors_is_never_measured(tmp_pa
     assert (256, 1, 3, 3) in kernels  # the input's own depthwise convolution was timed
     assert (256, 2, 3, 3) in kernels  # a first merge of groups was
     assert (256, 256, 3, 3) not in kernels  # its dense form was not
+
+
+def test_a_candidate_that_cannot_be_exported_is_left_out_with_a_note(monkeypatch):
+    """Issue 59 (d): a ViT's candidate whose export raised ``KeyError`` made
+    ``--target onnxruntime`` exit 1; it is left out of the choice, which goes on."""
+    graph = _two_branch_graph()
+    result = taso_jax.search_graph(graph, cost_model="analytic", budget=20, end_to_end=0,
+                                   check=False)
+    from taso_jax.search.backtracking import Candidate
+
+    others = [v for v in result.visited if v.graph.key != graph.key][:2]
+    result.candidates = [Candidate(v.cost * (1 - 0.1 * k), v.graph, v.path)
+                         for k, v in enumerate(others)]
+    broken = result.candidates[0].graph.key
+    export = target.candidate_export
+
+    def candidate_export(g):
+        if g.key == broken:
+            raise KeyError("ln_bias")
+        return export(g)
+
+    sessions = {}
+
+    def candidate(g, spinning=False):
+        assert g.key != broken  # never made into a session
+        return sessions.setdefault(g.key, len(sessions) + 1)
+
+    def fixed(runs, inputs, repeats=20, warmup=2, deadline=None):
+        return [[100.0 if r == 0 else 50.0] * repeats for r in runs]
+
+    monkeypatch.setattr(target, "candidate_export", candidate_export)
+    monkeypatch.setattr(target, "ort_session", lambda *a, **k: 0)
+    monkeypatch.setattr(target, "graph_session", candidate)
+    monkeypatch.setattr(target, "time_onnx_models", fixed)
+    e = target.choose_fastest_onnxruntime(result, export_onnx(graph).SerializeToString(),
+                                          {"x": np.zeros((4, 64), "f")})
+    assert e["measured"] == 2 and not e["original_kept"]
+    assert len(e["dropped"]) == 1 and e["dropped"][0].startswith("KeyError")
+    assert result.graph.key == result.candidates[1].graph.key

@@ -128,3 +128,69 @@ def test_the_python_api_checks_outputs_and_keeps_the_input_where_they_differ(tmp
     off = taso_jax.search_graph(graph, substitutions=[wrong], cost_model="analytic", budget=3,
                                 end_to_end=0, allow_unverified=True, check=False)
     assert off.graph.key != graph.key and "check" not in off.outcome.report
+
+
+@pytest.mark.parametrize("target", ["xla", "onnxruntime"])
+def test_a_rewrite_whose_report_timing_was_left_out_has_the_choice_speedup(searched, target):
+    """Issue 59 (a): "result: rewritten" with ``speedup: null`` while the end-to-end choice
+    had measured 7.66x: past the time limit (or with ``--no-time``) the report's own timing
+    is left out, and the speed-up is the one that decided the rewrite.
+    """
+    graph, found = searched
+    e2e = {"measured": 2, "original_kept": False, "chosen": 1, "times_us": [766.0, 100.0],
+           "floors_us": [760.0, 99.0], "estimates_us": [2.0, 1.0], "device": "cpu",
+           "repeats": 20, "duel": None,
+           "paired": {"speedup": 7.66, "wins": 20, "rounds": 20, "p_value": 1e-5,
+                      "faster": True, "candidate": 1}}
+    if target == "onnxruntime":
+        e2e["runtime"] = "onnxruntime"
+    report = {**found.report, "target": target, "end_to_end": e2e}
+    report.pop("time", None)
+    outcome = Outcome(Verdict.REWRITTEN, report, found.graph)
+    assert outcome.speedup == pytest.approx(7.66)
+    data = json.loads(json.dumps(outcome.to_json()))
+    assert data["outcome"]["speedup"] == pytest.approx(7.66)
+    assert data["outcome"]["speedup_measured_by"] == "end-to-end choice"
+    runtime = "onnxruntime" if target == "onnxruntime" else "jax.jit"
+    assert f"7.66x faster under {runtime} (measured by the end-to-end choice)" in \
+        outcome.to_text().splitlines()[0]
+
+
+PHASES = {"import_s": 0.25, "search_s": 1.5, "second_opinions_s": None, "choice_s": 0.75,
+          "check_s": 0.5, "pricing_s": 0.125, "compiles": 12, "compile_s": 0.0625,
+          "total_s": 3.5, "cost_model": "measured"}
+
+
+@pytest.mark.parametrize("kind", ["rewritten", "unchanged", "bound_sizes_only", "time_limit",
+                                  "fallback", "error"])
+def test_one_record_renders_alike_as_text_and_json_with_its_phases(searched, kind):
+    """Issue 59, item 3: the JSON is a dump of the record, the text renders the same
+    record: speed-up, delivered graph, copy flag and the per-phase times agree."""
+    from taso_jax.outcome import make_outcome
+    from taso_jax.records import PhaseTimes
+
+    graph, found = searched
+    phases = PhaseTimes(**PHASES)
+    if kind == "error":  # the pipeline itself failed, before any search reported
+        outcome = make_outcome(Verdict.FALLBACK, {"model": "m", "time_limit": 60.0,
+                                                  "wall_seconds": 3.5}, graph,
+                               why="RuntimeError: the import broke", phases=phases)
+    else:
+        base = _outcome(kind, graph, found)
+        outcome = make_outcome(base.verdict, base.report, base.graph, why=base.why,
+                               phases=phases)
+    data = json.loads(json.dumps(outcome.to_json()))
+    text = outcome.to_text()
+    assert data["phases"] == phases.to_json() == PHASES  # a plain dump
+    rewritten = kind == "rewritten"
+    assert data["outcome"]["delivered"] == ("optimized" if rewritten else "input")
+    assert data["outcome"]["speedup"] == (FOUND_TIME["speedup"] if rewritten else 1.0)
+    assert (f"{FOUND_TIME['speedup']:.2f}x faster" in text.splitlines()[0]) is rewritten
+    assert bool(data.get("written_copy_of_input")) is (kind not in ("rewritten", "error"))
+    assert ("copy of the input" in text) is bool(data.get("written_copy_of_input"))
+    line = next(ln for ln in text.splitlines() if ln.startswith("phases"))
+    for key in ("import_s", "search_s", "choice_s", "check_s", "pricing_s"):
+        assert f"{PHASES[key]:.2f} s" in line
+    assert f"{PHASES['compiles']} compiles ({PHASES['compile_s']:.2f} s)" in line
+    assert "cost model measured" in line
+    assert f"total time: {data['wall_seconds']:.1f} s" in text

@@ -32,3 +32,46 @@ def test_a_nan_tolerance_fails_even_where_every_value_is_a_matching_nan():
     nans = [np.array([math.nan, math.nan], np.float32)]
     assert compare_outputs(nans, nans)["ok"]
     assert not compare_outputs(nans, nans, rtol=math.nan)["ok"]
+
+
+def _confirmed_choice(times, speedup, duel=None):
+    """An end-to-end choice that kept candidate 2, confirmed by a paired test."""
+    return {"measured": 3, "original_kept": False, "chosen": 2, "times_us": times,
+            "floors_us": [7000.0, 7400.0, 6100.0], "estimates_us": [1.0, 0.9, 0.8],
+            "device": "cpu:2 cores", "repeats": 20, "duel": duel,
+            "paired": {"speedup": speedup, "wins": 14, "rounds": 16, "p_value": 0.01,
+                       "faster": True, "candidate": 2}}
+
+
+def test_a_kept_candidate_is_never_worded_as_slower():
+    """Issue 59 (e): "kept candidate 2, the fastest confirmed faster (9149 us vs 8139 us
+    for the input, 0.89x)" read as keeping a slower graph. Screening medians come from a
+    loop of their own; the paired test decides, and the line says so with its own ratio.
+    """
+    from taso_jax.report import end_to_end_line
+
+    line = end_to_end_line(_confirmed_choice([8139.0, 8500.0, 9149.0], 1.12))
+    assert "0.89x" not in line  # no ratio that contradicts the verdict
+    assert "kept candidate 2: confirmed faster than the input in a paired test, 1.12x " \
+           "faster" in line
+    assert "won 14 of 16 rounds" in line
+    assert "the input 8139 us, candidate 2 9149 us" in line  # each number named
+    assert "the paired test decides" in line
+    # screening that agrees with the verdict needs no caveat
+    agree = end_to_end_line(_confirmed_choice([8139.0, 8500.0, 7000.0], 1.12))
+    assert "the input 8139 us, candidate 2 7000 us" in agree
+    assert "paired test decides" not in agree
+    # a rival that lost the duel: its ratio against the kept one reads as slower
+    duel = {"speedup": 0.97, "wins": 7, "rounds": 16, "faster": False, "candidate": 1,
+            "against": 2, "reason": "within"}
+    lost = end_to_end_line(_confirmed_choice([8139.0, 8500.0, 7000.0], 1.12, duel))
+    assert "0.97x, slower than candidate 2" in lost
+
+
+def test_candidates_that_could_not_be_exported_are_named_in_the_choice_line():
+    from taso_jax.report import end_to_end_line
+
+    e = {**_confirmed_choice([100.0, 90.0, 80.0], 1.2),
+         "dropped": ["KeyError: 'ln_bias'"]}
+    assert "1 candidate(s) left out, not exportable to ONNX (first: KeyError" in \
+        end_to_end_line(e)

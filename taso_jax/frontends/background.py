@@ -4,7 +4,7 @@ One daemon thread, started on first use and shared by every decorated function, 
 first-call pipelines that background mode hands it, one after another, while the caller
 runs ``jax.jit`` of the original; :data:`MAX_PENDING` bounds what one function may queue.
 How a call picks up a finished optimization is the call path's business
-(:meth:`taso_jax.frontends.decorator.OptimizedFunction._background`).
+(:meth:`taso_jax.decorator.OptimizedFunction._background`).
 """
 
 from __future__ import annotations

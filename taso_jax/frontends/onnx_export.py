@@ -218,23 +218,11 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
         ValueError: an operator without an ONNX mapping, or an opaque JAX primitive (from
             :func:`taso_jax.from_jax`) that has none.
     """
-    import onnx
-    from onnx import helper, numpy_helper
-
-    from taso_jax.ir.executor import folded_values, read_transposed
+    from onnx import helper
 
     opset = opset or max(int(graph.meta.get("opset", 17)), 13)
     ctx = _ExportContext(opset)
-    if fold is False:
-        const_keys = [n.outputs[0] for n in graph.nodes if n.op == "weight"]
-        folded = [graph.weights[t.node.name] for t in const_keys]
-        skipped = frozenset()
-    else:
-        const_keys, folded = (folded_values if fold is True else fold)(graph)
-        const_keys, folded, computed = _fold_no_larger(graph, const_keys, folded)
-        # weights that products read transposed are folded without the transpose, which is
-        # written as an operator (onnxruntime folds it when it loads the file)
-        skipped = graph.weight_only - computed - read_transposed(graph)
+    const_keys, folded, skipped = _constants(graph, fold)
     names: dict[Tensor, str] = {}
     for n in graph.inputs:
         names[n.outputs[0]] = n.name
@@ -249,6 +237,55 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
         nm = t.node.name if t.node.op == "weight" else ctx.fresh("folded")
         names[t] = ctx.const(np.asarray(value).astype(t.dtype, copy=False), nm)
     del folded
+    _write_nodes(ctx, graph, names, out_name, skipped)
+    outputs = []
+    for t, nm in zip(graph.outputs, graph.output_names, strict=True):
+        if names.get(t) != nm:  # an input, a constant, or a tensor output under two names
+            ctx.node("Identity", [names[t]], [nm])
+        outputs.append(helper.make_tensor_value_info(
+            nm, helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)), list(t.shape)))
+    inputs = [helper.make_tensor_value_info(
+        n.name, helper.np_dtype_to_tensor_dtype(np.dtype(n.types[0].dtype)),
+        list(n.types[0].shape)) for n in graph.inputs]
+    g = helper.make_graph(ctx.nodes, str(graph.meta.get("name", "graph")), inputs, outputs)
+    _write_initializers(g, ctx.initializers, external)
+    opsets = dict(graph.meta.get("opsets", ()))
+    opsets[""] = opset
+    opsets.pop("ai.onnx", None)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid(d, v)
+                                                for d, v in sorted(opsets.items())],
+                              producer_name="taso_jax")
+    model.ir_version = min(max(int(graph.meta.get("ir_version", 8)), 8), 10)
+    return model
+
+
+def _constants(graph: Graph, fold) -> tuple[list, list, frozenset]:
+    """``(tensors, values, skipped)``: what an export stores as initializers.
+
+    ``fold`` as in :func:`export_onnx`; ``skipped`` are the weight-only nodes not written
+    (their values are stored). Weights that products read transposed are folded without
+    the transpose, which is written as an operator (onnxruntime folds it when it loads
+    the file).
+    """
+    from taso_jax.ir.executor import folded_values, read_transposed
+
+    if fold is False:
+        const_keys = [n.outputs[0] for n in graph.nodes if n.op == "weight"]
+        return const_keys, [graph.weights[t.node.name] for t in const_keys], frozenset()
+    const_keys, folded = (folded_values if fold is True else fold)(graph)
+    const_keys, folded, computed = _fold_no_larger(graph, const_keys, folded)
+    return const_keys, folded, graph.weight_only - computed - read_transposed(graph)
+
+
+def _write_nodes(ctx, graph: Graph, names: dict, out_name: dict, skipped) -> None:
+    """Each operator of ``graph`` not ``skipped``, through its ONNX mapping, into ``ctx``.
+
+    ``names`` (tensor -> ONNX name) grows with their outputs; ``out_name`` holds the graph
+    outputs' names.
+
+    Raises:
+        ValueError: an operator without an ONNX mapping.
+    """
     for n in graph.nodes:
         if n.op in ("input", "weight") or n in skipped:
             continue
@@ -265,21 +302,21 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
         if opdef.to_onnx is None:
             raise ValueError(f"operator {n.op!r} has no ONNX mapping")
         opdef.to_onnx(ctx, ins, outs, **dict(n.attrs))
-    outputs = []
-    for t, nm in zip(graph.outputs, graph.output_names, strict=True):
-        if names.get(t) != nm:  # an input, a constant, or a tensor output under two names
-            ctx.node("Identity", [names[t]], [nm])
-        outputs.append(helper.make_tensor_value_info(
-            nm, helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)), list(t.shape)))
-    inputs = [helper.make_tensor_value_info(
-        n.name, helper.np_dtype_to_tensor_dtype(np.dtype(n.types[0].dtype)),
-        list(n.types[0].shape)) for n in graph.inputs]
-    g = helper.make_graph(ctx.nodes, str(graph.meta.get("name", "graph")), inputs, outputs)
-    # Each weight is written into the graph's own field, one at a time: a list of
-    # TensorProtos handed to make_graph was copied in whole, holding the weights twice.
-    ctx.initializers.reverse()
-    while ctx.initializers:
-        name, array = ctx.initializers.pop()
+
+def _write_initializers(g, initializers: list, external: dict | None) -> None:
+    """Move ``initializers`` (``(name, array)``, emptied here) into graph ``g``.
+
+    Each weight is written into the graph's own field, one at a time: a list of
+    TensorProtos handed to ``make_graph`` was copied in whole, holding the weights twice.
+    With ``external``, arrays of at least :data:`EXTERNAL_MIN_BYTES` are written as
+    references and put in ``external`` by name (see :func:`export_onnx`).
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    initializers.reverse()
+    while initializers:
+        name, array = initializers.pop()
         if (external is not None and array.nbytes >= EXTERNAL_MIN_BYTES
                 and array.dtype.kind in "fiub"):
             t = g.initializer.add()
@@ -295,14 +332,6 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
         else:
             g.initializer.add().CopyFrom(numpy_helper.from_array(array, name))
         del array
-    opsets = dict(graph.meta.get("opsets", ()))
-    opsets[""] = opset
-    opsets.pop("ai.onnx", None)
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid(d, v)
-                                                for d, v in sorted(opsets.items())],
-                              producer_name="taso_jax")
-    model.ir_version = min(max(int(graph.meta.get("ir_version", 8)), 8), 10)
-    return model
 
 
 #: The largest model serialized as one protobuf message: protobuf refuses messages of 2 GiB

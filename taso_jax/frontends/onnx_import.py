@@ -112,6 +112,8 @@ def _check_deadline(deadline, step: str) -> None:
         raise ImportTimeLimit(f"the time limit passed during the import: {step}")
 
 
+# Over 80 lines: the import's steps in order, each a call or two, with the deadline looked
+# at between them; half of its length is the documented contract.
 def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None, *,
               deadline=None) -> Graph:
     """Import an ONNX model (path or ``ModelProto``) into a :class:`~taso_jax.ir.graph.Graph`.
@@ -144,9 +146,80 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
         ImportTimeLimit: ``deadline`` passed (the model had passed ONNX's checker).
     """
     import onnx
-    from onnx import numpy_helper, version_converter
 
     where = str(source) if not isinstance(source, onnx.ModelProto) else "model"
+    model, src_opset, reordered = _checked_model(source, where)
+    _check_deadline(deadline, "after ONNX's checker")
+    symbolic = symbolic_dims(model)
+    if model is source:  # the caller's: not to be changed
+        model_copy = onnx.ModelProto()
+        model_copy.CopyFrom(model)
+        model = model_copy
+    _densify_sparse_initializers(model, where)
+    shape_notes = _fix_input_shapes(model, input_shapes or {}, where)
+    if reordered:
+        shape_notes.append("the graph's nodes were not in topological order (ONNX requires "
+                           "it; onnxruntime does not): imported in that order")
+    model, opset = _converted(model, src_opset, where)
+    _check_deadline(deadline, "before shape inference")
+    types = _value_types(model)
+    _check_deadline(deadline, "after shape inference")
+    g = model.graph
+    weights = _read_weights(g)
+    bounds = index_bounds(model, types)
+    missing = [o for n in g.node for o in n.output if o and o not in types]
+    if missing:
+        _check_deadline(deadline, "before onnxruntime runs it for the sizes left open")
+        try:
+            _missing_types_by_running(model, missing, types, weights, bounds)
+        except Exception as e:  # noqa: BLE001 - onnxruntime refuses the user's model
+            hint = value_sized_hint(model)
+            message = (f"{where}: onnxruntime does not run the model on random inputs, which "
+                       f"the import needs for the sizes ONNX's shape inference left open "
+                       f"({one_line(str(e), 300)})" + (f"; {hint}" if hint else ""))
+            raise model_refusal(message, hint) from e
+
+    if symbolic:  # the sizes that follow from the open ones, as expressions
+        _check_deadline(deadline, "before the symbolic shape inference of the open sizes")
+        types = open_types(model, symbolic, types,
+                           deadline=None if deadline is None else deadline.share("open_sizes"))
+    env: dict[str, Tensor] = {
+        name: leaf_node("weight", name, TensorType(arr.shape, str(arr.dtype))).outputs[0]
+        for name, arr in weights.items()}
+    inputs = _graph_inputs(g, env, types, where)
+    opsets = tuple(sorted((o.domain, o.version) for o in model.opset_import))
+    opaque: dict[str, int] = {}
+    _import_nodes(model, env, types, ImportContext(weights, opset), opsets, opaque, where,
+                  deadline)
+    outputs, names = [], []
+    for o in g.output:
+        outputs.append(env[o.name])
+        names.append(o.name)
+    meta = {"opset": opset, "source_opset": src_opset, "opsets": opsets,
+            "shape_notes": shape_notes, "symbolic_dims": symbolic,
+            "ir_version": model.ir_version, "opaque": dict(opaque),
+            "name": g.name or "graph", "integer_input_bounds": bounds,
+            "value_sized_hint": value_sized_hint(model), "onnx_nodes": len(g.node)}
+    return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,
+                                      meta))
+
+
+#: The most bytes a sparse initializer may take once dense (the IR holds weights dense);
+#: protobuf's limit on a whole serialized model (2 GiB).
+SPARSE_DENSE_MAX_BYTES = 2**31
+
+
+def _checked_model(source, where: str):
+    """``(model, source opset, reordered)``: ``source`` read and accepted by ONNX's checker.
+
+    Its local functions are inlined and its nodes put in topological order first.
+
+    Raises:
+        ModelError: an unreadable file, an unsupported opset, a model the checker refuses,
+            or a graph without outputs.
+    """
+    import onnx
+
     read = _read_model(source)
     model = _inline_local_functions(read, where)
     src_opset = _opset(model)
@@ -177,59 +250,55 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
         raise ModelError(f"{where}: invalid ONNX model ({one_line(str(e))})") from e
     if not model.graph.output:
         raise ModelError(f"{where}: the graph has no outputs")
-    _check_deadline(deadline, "after ONNX's checker")
-    symbolic = symbolic_dims(model)
-    if model is source:  # the caller's: not to be changed
-        model_copy = onnx.ModelProto()
-        model_copy.CopyFrom(model)
-        model = model_copy
-    _densify_sparse_initializers(model, where)
-    shape_notes = _fix_input_shapes(model, input_shapes or {}, where)
-    if reordered:
-        shape_notes.append("the graph's nodes were not in topological order (ONNX requires "
-                           "it; onnxruntime does not): imported in that order")
-    opset = src_opset
-    if src_opset < _CONVERT_BELOW:
-        _channel_prelu_slopes(model, src_opset)
-        try:
-            converted = version_converter.convert_version(_light_model(model), _CONVERT_TO)
-            if not _fill_weights(converted, model):  # it changed a weight: convert it whole
-                converted = version_converter.convert_version(model, _CONVERT_TO)
-            model, opset = converted, _CONVERT_TO
-        except Exception as e:
-            raise ModelError(f"{where}: cannot convert opset {src_opset} to {_CONVERT_TO} "
-                             f"({str(e).splitlines()[0]})") from e
-    _check_deadline(deadline, "before shape inference")
-    types = _value_types(model)
-    _check_deadline(deadline, "after shape inference")
-    g = model.graph
+    return model, src_opset, reordered
+
+
+def _converted(model, src_opset: int, where: str):
+    """``(model, opset)``: the model at an opset that the importers read.
+
+    A model below opset :data:`_CONVERT_BELOW` is converted to :data:`_CONVERT_TO` by
+    onnx's version converter; others come back as they are.
+
+    Raises:
+        ModelError: the converter cannot convert it.
+    """
+    from onnx import version_converter
+
+    if src_opset >= _CONVERT_BELOW:
+        return model, src_opset
+    _channel_prelu_slopes(model, src_opset)
+    try:
+        converted = version_converter.convert_version(_light_model(model), _CONVERT_TO)
+        if not _fill_weights(converted, model):  # it changed a weight: convert it whole
+            converted = version_converter.convert_version(model, _CONVERT_TO)
+        return converted, _CONVERT_TO
+    except Exception as e:
+        raise ModelError(f"{where}: cannot convert opset {src_opset} to {_CONVERT_TO} "
+                         f"({str(e).splitlines()[0]})") from e
+
+
+def _read_weights(g) -> dict[str, np.ndarray]:
+    """The graph's initializers as read-only arrays, by name.
+
+    Read-only: a graph's weights never change, and compiled candidate graphs then share
+    one device copy of each (:func:`taso_jax.ir.executor.device_constant`).
+    """
+    from onnx import numpy_helper
+
     weights: dict[str, np.ndarray] = {}
     for init in g.initializer:
         arr = numpy_helper.to_array(init)
-        # read-only: a graph's weights never change, and compiled candidate graphs then
-        # share one device copy of each (taso_jax.ir.executor.device_constant)
         arr.flags.writeable = False
         weights[init.name] = arr
-    bounds = index_bounds(model, types)
-    missing = [o for n in g.node for o in n.output if o and o not in types]
-    if missing:
-        _check_deadline(deadline, "before onnxruntime runs it for the sizes left open")
-        try:
-            _missing_types_by_running(model, missing, types, weights, bounds)
-        except Exception as e:  # noqa: BLE001 - onnxruntime refuses the user's model
-            hint = value_sized_hint(model)
-            message = (f"{where}: onnxruntime does not run the model on random inputs, which "
-                       f"the import needs for the sizes ONNX's shape inference left open "
-                       f"({one_line(str(e), 300)})" + (f"; {hint}" if hint else ""))
-            raise model_refusal(message, hint) from e
+    return weights
 
-    if symbolic:  # the sizes that follow from the open ones, as expressions
-        _check_deadline(deadline, "before the symbolic shape inference of the open sizes")
-        types = open_types(model, symbolic, types,
-                           deadline=None if deadline is None else deadline.share("open_sizes"))
-    env: dict[str, Tensor] = {}
-    for name, arr in weights.items():
-        env[name] = leaf_node("weight", name, TensorType(arr.shape, str(arr.dtype))).outputs[0]
+
+def _graph_inputs(g, env: dict, types: dict, where: str) -> list[Node]:
+    """The graph's inputs that are not initializers, as input nodes (added to ``env``).
+
+    Raises:
+        ModelError: an input that is not a tensor.
+    """
     inputs: list[Node] = []
     for inp in g.input:
         if inp.name in env:
@@ -241,10 +310,18 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
         node = leaf_node("input", inp.name, types[inp.name])
         inputs.append(node)
         env[inp.name] = node.outputs[0]
+    return inputs
 
-    ctx = ImportContext(weights, opset)
-    opsets = tuple(sorted((o.domain, o.version) for o in model.opset_import))
-    opaque: dict[str, int] = {}
+
+def _import_nodes(model, env: dict, types: dict, ctx, opsets: tuple, opaque: dict,
+                  where: str, deadline) -> None:
+    """Import every node of ``model``'s graph into ``env`` (name -> tensor), in order.
+
+    Groups of nodes that pass non-tensor values (sequences) are imported as one opaque
+    region with their last member; ``opaque`` counts what was kept opaque. The deadline
+    is looked at every :data:`_DEADLINE_EVERY` operators.
+    """
+    g = model.graph
     groups = _non_tensor_groups(g, types, where)
     for k, node in enumerate(g.node):
         if k % _DEADLINE_EVERY == 0:
@@ -261,22 +338,6 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
         for name, t in zip(node.output, outs, strict=True):
             if name:
                 env[name] = t
-    outputs, names = [], []
-    for o in g.output:
-        outputs.append(env[o.name])
-        names.append(o.name)
-    meta = {"opset": opset, "source_opset": src_opset, "opsets": opsets,
-            "shape_notes": shape_notes, "symbolic_dims": symbolic,
-            "ir_version": model.ir_version, "opaque": dict(opaque),
-            "name": g.name or "graph", "integer_input_bounds": bounds,
-            "value_sized_hint": value_sized_hint(model), "onnx_nodes": len(g.node)}
-    return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,
-                                      meta))
-
-
-#: The most bytes a sparse initializer may take once dense (the IR holds weights dense);
-#: protobuf's limit on a whole serialized model (2 GiB).
-SPARSE_DENSE_MAX_BYTES = 2**31
 
 
 def _densify_sparse_initializers(model, where: str) -> None:

@@ -198,72 +198,10 @@ def merge_opaque_regions(graph: Graph) -> Graph:
     it or returned by the graph. Returns a new graph computing the same values;
     ``meta["opaque_regions"]`` counts the regions merged.
     """
-    from collections import deque
-
-    def is_onnx(n: Node) -> bool:
-        return n.op == "opaque" and isinstance(n.attr("call"), OnnxNode)
-
-    region: dict[Node, int] = {}
-    members: list[list[Node]] = []
-    names: list[dict[Tensor, str]] = []  # per region: the name each of its tensors has
-    upstream: dict[Node, frozenset] = {}  # regions a node depends on
-    for n in graph.nodes:
-        ups = frozenset().union(*(upstream[t.node] | ({region[t.node]} if t.node in region
-                                                      else frozenset()) for t in n.inputs))
-        if is_onnx(n):
-            call = n.attr("call")
-            choice = None
-            for t in n.inputs:
-                r = region.get(t.node)
-                if r is None or r == choice:
-                    continue
-                # convex: no other input depends on the region through a node outside it;
-                # and one name per tensor (hash-consing can make one tensor of two names)
-                if all(region.get(u.node) == r or r not in upstream[u.node]
-                       for u in n.inputs) and all(
-                        names[r].get(u, nm) == nm
-                        for u, nm in zip(n.inputs, call.in_names, strict=True)):
-                    choice = r
-                    break
-            if choice is None:
-                choice = len(members)
-                members.append([])
-                names.append({})
-            region[n] = choice
-            members[choice].append(n)
-            names[choice].update(zip(n.inputs, call.in_names, strict=True))
-            names[choice].update(zip(n.outputs, call.out_names, strict=True))
-        upstream[n] = ups
+    region, members = _opaque_regions(graph)
     if all(len(m) < 2 for m in members):
         return graph
-    # The condensed graph (a region is one unit) in Kahn order. Two regions that each read
-    # the other (each convex on its own) would make a cycle: their nodes are then left
-    # apart, one session each, and the order is made again.
-    merged_regions = {r for r, m in enumerate(members) if len(m) > 1}
-    while True:
-        unit = {n: ("r", region[n]) if region.get(n) in merged_regions else n
-                for n in graph.nodes}
-        deps: dict = {u: set() for u in unit.values()}
-        users: dict = {u: set() for u in unit.values()}
-        for n in graph.nodes:
-            for t in n.inputs:
-                a, b = unit[t.node], unit[n]
-                if a != b:
-                    deps[b].add(a)
-                    users[a].add(b)
-        ready = deque(u for u, d in deps.items() if not d)
-        order = []
-        while ready:
-            u = ready.popleft()
-            order.append(u)
-            for v in users[u]:
-                deps[v].discard(u)
-                if not deps[v]:
-                    ready.append(v)
-        if len(order) == len(deps):
-            break
-        placed = set(order)
-        merged_regions -= {u[1] for u in deps if isinstance(u, tuple) and u not in placed}
+    order = _condensed_order(graph, region, members)
     consumers = graph.consumers
     outputs = graph.output_set
     env: dict[Tensor, Tensor] = {}
@@ -302,3 +240,86 @@ def merge_opaque_regions(graph: Graph) -> Graph:
     meta["opaque_regions"] = merged
     return Graph(graph.inputs, tuple(env.get(t, t) for t in graph.outputs),
                  graph.output_names, graph.weights, meta)
+
+
+
+def _opaque_regions(graph: Graph) -> tuple[dict, list]:
+    """``(region of each opaque ONNX node, members of each region)``.
+
+    Regions stay convex; :func:`merge_opaque_regions` says when a node joins its
+    producer's region.
+    """
+    def is_onnx(n: Node) -> bool:
+        return n.op == "opaque" and isinstance(n.attr("call"), OnnxNode)
+
+    region: dict[Node, int] = {}
+    members: list[list[Node]] = []
+    names: list[dict[Tensor, str]] = []  # per region: the name each of its tensors has
+    upstream: dict[Node, frozenset] = {}  # regions a node depends on
+    for n in graph.nodes:
+        ups = frozenset().union(*(upstream[t.node] | ({region[t.node]} if t.node in region
+                                                      else frozenset()) for t in n.inputs))
+        if is_onnx(n):
+            call = n.attr("call")
+            choice = None
+            for t in n.inputs:
+                r = region.get(t.node)
+                if r is None or r == choice:
+                    continue
+                # convex: no other input depends on the region through a node outside it;
+                # and one name per tensor (hash-consing can make one tensor of two names)
+                if all(region.get(u.node) == r or r not in upstream[u.node]
+                       for u in n.inputs) and all(
+                        names[r].get(u, nm) == nm
+                        for u, nm in zip(n.inputs, call.in_names, strict=True)):
+                    choice = r
+                    break
+            if choice is None:
+                choice = len(members)
+                members.append([])
+                names.append({})
+            region[n] = choice
+            members[choice].append(n)
+            names[choice].update(zip(n.inputs, call.in_names, strict=True))
+            names[choice].update(zip(n.outputs, call.out_names, strict=True))
+        upstream[n] = ups
+    return region, members
+
+
+def _condensed_order(graph: Graph, region: dict, members: list) -> list:
+    """The graph's units in Kahn order: a region of two or more nodes is one unit.
+
+    A unit is a node, or ``("r", index)`` for a merged region; regions that read each
+    other both ways are left apart.
+    """
+    from collections import deque
+
+    # The condensed graph (a region is one unit) in Kahn order. Two regions that each read
+    # the other (each convex on its own) would make a cycle: their nodes are then left
+    # apart, one session each, and the order is made again.
+    merged_regions = {r for r, m in enumerate(members) if len(m) > 1}
+    while True:
+        unit = {n: ("r", region[n]) if region.get(n) in merged_regions else n
+                for n in graph.nodes}
+        deps: dict = {u: set() for u in unit.values()}
+        users: dict = {u: set() for u in unit.values()}
+        for n in graph.nodes:
+            for t in n.inputs:
+                a, b = unit[t.node], unit[n]
+                if a != b:
+                    deps[b].add(a)
+                    users[a].add(b)
+        ready = deque(u for u, d in deps.items() if not d)
+        order = []
+        while ready:
+            u = ready.popleft()
+            order.append(u)
+            for v in users[u]:
+                deps[v].discard(u)
+                if not deps[v]:
+                    ready.append(v)
+        if len(order) == len(deps):
+            break
+        placed = set(order)
+        merged_regions -= {u[1] for u in deps if isinstance(u, tuple) and u not in placed}
+    return order

@@ -111,6 +111,27 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
         ModelError: a given shape of the wrong rank, or disagreeing with a static size, or
             an unknown input name.
     """
+    open_dims = _given_shapes(model, input_shapes, where)
+    if not open_dims:
+        return []
+    named_symbols = {d.dim_param for uses in open_dims.values() for _, _, d in uses if d.dim_param}
+    sizes = {sym: 1 if all(_batch_like(i, sym) for _, i, _ in uses) else None
+             for sym, uses in open_dims.items()}
+    fitting, probed = _fitting_sizes(model, open_dims, sizes, named_symbols, where)
+    return _default_notes(model, open_dims, fitting, named_symbols, probed)
+
+
+def _given_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where: str) -> dict:
+    """Bind the sizes ``input_shapes`` gives, in place; the open ones left, by symbol.
+
+    Returns ``{symbol: [(input name, axis, dim proto)]}`` (an unnamed open axis is its own
+    symbol, ``name[axis]``). A size below 0 declared on an output or intermediate value is
+    cleared (left to inference).
+
+    Raises:
+        ModelError: a given shape of the wrong rank, or disagreeing with a static size, or
+            an unknown input name.
+    """
     inits = {i.name for i in model.graph.initializer}
     open_dims: dict[str, list] = {}  # symbol -> [(input name, axis, dim proto)]
     for inp in model.graph.input:
@@ -142,12 +163,22 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
         for d in vi.type.tensor_type.shape.dim:
             if d.HasField("dim_value") and d.dim_value < 0:
                 d.Clear()
-    if not open_dims:
-        return []
-    named_symbols = {d.dim_param for uses in open_dims.values() for _, _, d in uses if d.dim_param}
-    sizes = {sym: 1 if all(_batch_like(i, sym) for _, i, _ in uses) else None
-             for sym, uses in open_dims.items()}
+    return open_dims
 
+
+def _fitting_sizes(model, open_dims: dict, sizes: dict, named_symbols: set, where: str
+                   ) -> tuple[dict, str]:
+    """The first binding of the open sizes at which the model runs, bound in place.
+
+    ``sizes`` holds the batch-like symbols' 1 and ``None`` for the rest, which take the
+    candidates in turn (see :func:`_fix_input_shapes`). Returns ``(sizes, probed)``:
+    ``probed`` says which second-round trial was picked (``""`` for a first-round one).
+
+    Raises:
+        ModelError: the model runs at none of the sizes tried (a
+            :class:`~taso_jax.frontends.onnx_model.ValueSizedModel` where its sizes follow
+            input values).
+    """
     def bind(values):
         for sym, uses in open_dims.items():
             for _, _, d in uses:
@@ -203,7 +234,12 @@ def _fix_input_shapes(model, input_shapes: Mapping[str, tuple[int, ...]], where:
                    f"of the default sizes tried (at {refusal[1]}: {refusal[0]}); "
                    + (hint or "give them with --input-shape NAME=D1,D2,..."))
         raise model_refusal(message, hint)
-    sizes = fitting
+    return fitting, probed
+
+
+def _default_notes(model, open_dims: dict, sizes: dict, named_symbols: set, probed: str
+                   ) -> list[str]:
+    """The notes naming each default size chosen, and how to override it."""
     notes = []
     for inp in model.graph.input:
         syms = [(i, sym) for sym, uses in open_dims.items() for name, i, _ in uses

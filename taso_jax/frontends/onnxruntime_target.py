@@ -22,11 +22,9 @@ from taso_jax._machine import usable_cores
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
 from taso_jax.search.choose import keep_fastest, measured_set, screen_in_pairs, start_choice
 from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel, cpu_peak_gflops
-from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["OnnxRuntimeCostModel", "ort_session", "graph_session", "onnxruntime_folded_values",
-           "time_onnx_models", "choose_fastest_onnxruntime", "resolve_target",
-           "OnnxRuntimeTarget"]
+           "time_onnx_models", "choose_fastest_onnxruntime", "exportable", "candidate_export"]
 
 def ort_session(model, spinning: bool = True, external: dict | None = None,
                 trim: bool = False):
@@ -306,12 +304,12 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     from taso_jax.ir.executor import release_memory
 
     release_memory()  # what the search freed, before two sessions are held
-    graphs = measured_set(result, 0, deadline)
+    graphs, dropped = exportable(measured_set(result, 0, deadline))
     device = f"onnxruntime {ort.__version__} (CPU)"
     base, skipped = start_choice(
         result, graphs, deadline, lambda: ort_session(original, spinning=False, trim=True),
         lambda s: time_onnx_models([s], inputs, repeats=1, warmup=1)[0][0], device,
-        runtime="onnxruntime")
+        runtime="onnxruntime", baseline="the input file")
     if skipped:
         return skipped
 
@@ -334,76 +332,30 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
         return loop(base, held[i])
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]), device,
-                        confirm=confirm, best=best, runtime="onnxruntime")
+                        confirm=confirm, best=best, runtime="onnxruntime",
+                        baseline="the input file", dropped=dropped)
 
 
-class OnnxRuntimeTarget:
-    """onnxruntime as the runtime a result must be fast in (``target="onnxruntime"``).
+def candidate_export(graph: Graph):
+    """``graph`` exported as a candidate session gets it (weights external, not folded)."""
+    from taso_jax.frontends.onnx_io import export_onnx
 
-    It owns the cost model (one-node ONNX models timed in onnxruntime:
-    :class:`OnnxRuntimeCostModel`) and the end-to-end choice (the exported candidates timed
-    against the user's own file: :func:`choose_fastest_onnxruntime`). The searches that
-    second-guess a measured cost model are not run for it.
+    return export_onnx(graph, external={}, fold=False)
 
-    Args:
-        original: the user's ONNX model (bytes or path) that candidates are timed against;
-            ``None``: the input graph's own export.
-        inputs: the feeds to time on, by input name; ``None``: random ones.
-        opset: the ONNX opset the one-node models are written at (13 at least).
-        cache: whether kernel costs are cached on disk (the measured model's SQLite file).
+
+def exportable(graphs: list[tuple]) -> tuple[list[tuple], list[str]]:
+    """The ``(cost, graph, path)`` candidates that export to ONNX, and why the others fail.
+
+    A candidate the export cannot write (a ViT's rewritten LayerNorm once raised a
+    ``KeyError`` there, and the command exited 1) is left out of the choice with a note;
+    the input (first) is the user's own file and is kept as it is.
     """
-
-    name = "onnxruntime"
-    runtime = "onnxruntime"
-    second_opinions = False
-
-    def __init__(self, original=None, inputs: dict | None = None, opset: int = 17,
-                 cache: bool = True):
-        self.original, self.inputs, self.opset, self.cache = original, inputs, opset, cache
-
-    def cost_model(self, options: OptimizeOptions):
-        """The cost model for ``options.cost_model``: a measured model times in onnxruntime.
-
-        ``"measured"`` (the name, or an XLA :class:`~taso_jax.search.cost.MeasuredCostModel`)
-        and ``"calibrated"`` (no curves are fitted for onnxruntime's kernels yet) become
-        :class:`OnnxRuntimeCostModel`; ``"analytic"`` and other instances stay.
-        """
-        cm = options.cost_model
-        if cm in ("measured", "calibrated") or isinstance(cm, MeasuredCostModel) \
-                and not isinstance(cm, OnnxRuntimeCostModel):
-            return OnnxRuntimeCostModel(cache_path=None if self.cache else False,
-                                        opset=self.opset)
-        return options.make_cost_model()
-
-    def chooser(self, options: OptimizeOptions):
-        """The end-to-end choice: ``chooser(result, deadline=None) -> dict``."""
-
-        def chooser(result, deadline: float | None = None):
-            from taso_jax.frontends.onnx_io import export_onnx
-            from taso_jax.ir.executor import random_inputs
-
-            graph = result.visited[0].graph
-            feeds = self.inputs if self.inputs is not None else dict(zip(
-                (n.name for n in graph.inputs), random_inputs(graph), strict=True))
-            model = (self.original if self.original is not None
-                     else export_onnx(graph).SerializeToString())
-            return choose_fastest_onnxruntime(result, model, feeds, deadline=deadline)
-
-        return chooser
-
-
-def resolve_target(options: OptimizeOptions, original=None, inputs: dict | None = None,
-                   opset: int = 17, cache: bool = True):
-    """The options and end-to-end chooser that ``options.target`` asks for.
-
-    For ``"xla"`` the options are returned as they are, with ``None`` (the default chooser).
-    For ``"onnxruntime"``, the options with :meth:`OnnxRuntimeTarget.cost_model` as their
-    cost model, and :meth:`OnnxRuntimeTarget.chooser` (arguments as for
-    :class:`OnnxRuntimeTarget`).
-
-    Returns ``(options, chooser)``.
-    """
-    if options.target == "xla":
-        return options, None
-    target = OnnxRuntimeTarget(original, inputs, opset, cache)
-    return options.replace(cost_model=target.cost_model(options)), target.chooser(options)
+    kept, dropped = graphs[:1], []
+    for item in graphs[1:]:
+        try:
+            candidate_export(item[1])
+        except Exception as e:  # noqa: BLE001 - any export failure drops that candidate
+            dropped.append(f"{type(e).__name__}: {e}")
+        else:
+            kept.append(item)
+    return kept, dropped

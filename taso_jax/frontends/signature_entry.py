@@ -1,8 +1,8 @@
 """What a decorated function keeps for one call signature, and how a signature is read.
 
 :class:`_Entry` is the record that the first-call pipeline
-(:mod:`taso_jax.frontends.first_call`) builds for a signature and that every later call of
-it reads (:mod:`taso_jax.frontends.decorator`): the traced function, the jitted stages, the
+(:mod:`taso_jax.first_call`) builds for a signature and that every later call of
+it reads (:mod:`taso_jax.decorator`): the traced function, the jitted stages, the
 folded weights, the decision and the report. Beside it, the per-leaf helpers both sides key
 a signature with: an array leaf's shape, dtype and weak type, a static leaf's value (or
 identity when unhashable), and whether a leaf is a tracer.
@@ -32,6 +32,7 @@ class _Entry:
     fold: Callable | None = None
     run: Callable | None = None
     run_donating: Callable | None = None  # run, donating the inputs the user donates
+    donated: tuple = ()  # positions, among run's arguments, of the inputs the user donates
     weight_slots: list = field(default_factory=list)  # per weight name: leaf index or None
     constants: dict = field(default_factory=dict)
     fallback: str | None = None

@@ -28,7 +28,7 @@ of the primal computation.
 The call path is here: binding the arguments, the signature cache and its fast paths,
 running the staged graph, folding the weights, background mode, and the inspection and
 report methods. The first call of a signature runs the pipeline that
-:class:`~taso_jax.frontends.first_call.FirstCallPipeline` holds (which
+:class:`~taso_jax.first_call.FirstCallPipeline` holds (which
 :class:`OptimizedFunction` inherits); what is kept per signature is
 :mod:`taso_jax.frontends.signature_entry`'s ``_Entry``; background optimizations run on
 :mod:`taso_jax.frontends.background`'s worker thread.
@@ -44,8 +44,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from taso_jax.first_call import _PAST_LIMIT, FirstCallPipeline, _at_full_precision
 from taso_jax.frontends.background import _UNTRACEABLE, MAX_PENDING, _background_worker
-from taso_jax.frontends.first_call import _PAST_LIMIT, FirstCallPipeline, _at_full_precision
 from taso_jax.frontends.jaxpr_io import (
     _fn_name,
     _is_array_leaf,
@@ -69,6 +69,13 @@ DECORATOR_TIME_LIMIT = 10.0
 #: Signatures (shapes, dtypes, static values) kept compiled per decorated function at most;
 #: the least recently called is dropped (60 shapes had held 413 MB against jax.jit's 176).
 SIGNATURE_CACHE = 32
+
+
+def _serves_functions(target: str) -> bool:
+    """Whether the registered target ``target`` can run a decorated JAX function."""
+    from taso_jax.targets import describe
+
+    return describe(target).serves_functions
 
 
 def _holds_tracer(out) -> bool:
@@ -149,7 +156,7 @@ class OptimizedFunction(FirstCallPipeline):
         options.setdefault("time_limit", DECORATOR_TIME_LIMIT)
         self.options = OptimizeOptions().replace(**options)
         self._optimizer_made = None
-        if self.options.target != "xla":
+        if not _serves_functions(self.options.target):
             raise ValueError(f"taso_jax.optimize: target={self.options.target!r} applies to "
                              "ONNX models and graphs; a decorated function runs under jax.jit "
                              "(target='xla')")
@@ -203,6 +210,9 @@ class OptimizedFunction(FirstCallPipeline):
                             "parameters, or close over them")
         return list(bound.args)
 
+    # Over 80 lines: the call path is one function on purpose; each helper call on it costs
+    # microseconds a call that users of small functions pay (the fast path above it is timed
+    # against jax.jit of the original by the end-to-end comparison).
     def __call__(self, *args, **kwargs):
         """Run the optimized function (optimizing it first for a new signature)."""
         kept = self._kept_fast
@@ -575,21 +585,35 @@ class OptimizedFunction(FirstCallPipeline):
         ``time=True`` the report's ``time`` is measured now (:meth:`measure`, ``repeats``
         rounds).
         """
-        from taso_jax.outcome import Outcome, Verdict
+        from taso_jax.outcome import first_call_verdict, make_outcome
 
         e = self._entry()
         r = dict(e.report or {})
         if r:
             r["first_call"] = dict(e.first_call)
-        if e.fallback is not None:
-            return Outcome(Verdict.FALLBACK, r, e.graph, why=e.fallback)
-        if time and e.last_call is not None:
+        if time and e.fallback is None and e.last_call is not None:
             r["time"] = self.measure(repeats)
-        if e.original_kept:
-            verdict = (Verdict.TIME_LIMIT if e.original_kept.startswith(_PAST_LIMIT)
-                       else Verdict.UNCHANGED)
-            return Outcome(verdict, r, e.graph, why=e.original_kept)
-        return Outcome(Verdict.REWRITTEN, r, e.result.graph if e.result else None)
+        kept = e.original_kept
+        verdict, why = first_call_verdict(e.fallback, kept,
+                                          past_limit=bool(kept) and kept.startswith(_PAST_LIMIT))
+        delivered = e.graph if verdict.delivers_input else (e.result.graph if e.result else None)
+        return make_outcome(verdict, r, delivered, why=why, phases=self._phases(e))
+
+    def _phases(self, e):
+        """Where the first call's time went (:class:`~taso_jax.records.PhaseTimes`).
+
+        The import is the trace and the jaxpr's import; the check, the compile of the
+        stages and the output check together; the search's phases and the cost model's
+        own figures come from the optimizer (:meth:`~taso_jax.optimizer.Optimizer.phases`).
+        """
+        from taso_jax.records import PhaseTimes
+
+        fc = e.first_call or {}
+        kw = {"import_s": fc.get("trace", 0.0) + fc.get("import", 0.0),
+              "check_s": fc.get("compile and check"), "total_s": fc.get("total")}
+        if e.result is None or self._optimizer_made is None:
+            return PhaseTimes(**kw)
+        return self._optimizer_made.phases(e.result, **kw)
 
     def report(self, time: bool = True, repeats: int = 30) -> str:
         """The report for the last call's signature, as text (:meth:`outcome` rendered).

@@ -1,0 +1,187 @@
+"""The delivery pipeline every front door runs: search, time, check, decide, deliver.
+
+:func:`deliver` takes an :class:`~taso_jax.optimizer.Optimizer` and a :class:`Source` (what
+a front door imported: an ONNX file, a built graph) and returns the one
+:class:`~taso_jax.outcome.Outcome`. The steps, in order:
+
+1. search (:meth:`Optimizer.search <taso_jax.optimizer.Optimizer.search>`), and the
+   report's own timing of the graphs (:meth:`Source.time_graphs`);
+2. a search that kept its input delivers it (:func:`~taso_jax.outcome.kept_input_verdict`),
+   unless the source checks an unchanged graph too (a built-in example written as ONNX);
+3. the graph found is made deliverable (:meth:`Source.prepare`: an exported file); one that
+   cannot be made is not delivered (:attr:`~taso_jax.outcome.Verdict.FALLBACK`);
+4. the output check (:meth:`Source.check`; its policy and noise model are
+   :mod:`taso_jax.checks`'s); a mismatch delivers the input;
+5. the source may refuse the result for what it is (:meth:`Source.admit`: a file that holds
+   at the bound sizes only, one that imports back with opaque operators);
+6. delivery: the result (:meth:`Source.deliver`) or the input
+   (:meth:`Source.deliver_input`), and the outcome, built once, here.
+
+The front doors parse or trace, call :func:`deliver` and print; none decides a verdict.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Protocol
+
+from taso_jax.ir.graph import Graph
+from taso_jax.outcome import Verdict, kept_input_verdict, make_outcome
+from taso_jax.records import search_report
+from taso_jax.search.limits import Deadline
+
+__all__ = ["Source", "GraphSource", "NotDeliverable", "deliver"]
+
+
+class NotDeliverable(Exception):
+    """The graph found cannot be delivered (it does not export); the input is, instead."""
+
+
+class Source(Protocol):
+    """What a front door imported, and how its results are checked and delivered.
+
+    Attributes:
+        name: the model's name in the report.
+        graph: the imported input graph.
+        notes: notes for the report, from the import.
+        import_seconds: what importing took (``None``: not timed).
+        checks_unchanged: whether an unchanged graph is still prepared and checked (the
+            input has no file of its own to give back).
+    """
+
+    name: str
+    graph: Graph
+    notes: list
+    import_seconds: float | None
+    checks_unchanged: bool
+
+    def time_graphs(self, target, optimized: Graph, report: dict, deadline: Deadline) -> None:
+        """The report's own timing of the input and ``optimized`` graphs, where made."""
+
+    def prepare(self, optimized: Graph, report: dict) -> Any:
+        """The deliverable form of ``optimized``; raise :class:`NotDeliverable` if none."""
+
+    def check(self, prepared: Any, report: dict, unchanged: bool) -> dict | None:
+        """The output check of ``prepared`` against the input (``None``: not checked)."""
+
+    def admit(self, prepared: Any, report: dict, unchanged: bool) -> tuple[Any, Verdict | None,
+                                                                           str | None]:
+        """``(prepared, None, None)``, or why the input is delivered instead."""
+
+    def deliver(self, prepared: Any, report: dict, unchanged: bool, deadline: Deadline) -> None:
+        """Deliver ``prepared`` (write it), noting how in ``report``."""
+
+    def deliver_input(self, report: dict, verdict: Verdict, why: str | None,
+                      deadline: Deadline) -> None:
+        """Deliver the input (write it back), noting how in ``report``."""
+
+
+class GraphSource:
+    """A built graph (the Python API): checked under ``jax.jit``, delivered as a graph.
+
+    Args:
+        graph: the input graph.
+        name: its name in the report.
+        check: whether a rewritten graph is compared with the input
+            (:func:`~taso_jax.checks.check_graphs`).
+        rtol, atol: the check's tolerances (:func:`~taso_jax.checks.compare_outputs`).
+    """
+
+    checks_unchanged = False
+    import_seconds = None
+
+    def __init__(self, graph: Graph, name: str = "graph", check: bool = True,
+                 rtol: float | None = None, atol: float | None = None):
+        from taso_jax.checks import RTOL
+
+        self.graph, self.name, self.notes = graph, name, []
+        self._check, self.rtol, self.atol = check, RTOL if rtol is None else rtol, atol
+
+    def time_graphs(self, target, optimized, report, deadline) -> None:
+        """Not timed: the API's caller times what it runs."""
+
+    def prepare(self, optimized: Graph, report: dict) -> Graph:
+        """The graph itself."""
+        return optimized
+
+    def check(self, prepared: Graph, report: dict, unchanged: bool) -> dict | None:
+        """Both graphs under ``jax.jit`` at the check's input scales, unless turned off."""
+        from taso_jax.checks import check_graphs
+
+        if not self._check:
+            return None
+        return check_graphs(self.graph, prepared, rtol=self.rtol, atol=self.atol)
+
+    def admit(self, prepared, report, unchanged):
+        """Any graph that passed the check."""
+        return prepared, None, None
+
+    def deliver(self, prepared, report, unchanged, deadline) -> None:
+        """Nothing to write: the outcome holds the graph."""
+
+    def deliver_input(self, report, verdict, why, deadline) -> None:
+        """Nothing to write: the outcome holds the input graph; a failed check warns."""
+        if report.get("check", {}).get("ok") is False:
+            warnings.warn(f"taso_jax.optimize: returning the input graph: {why}",
+                          RuntimeWarning, stacklevel=6)
+
+
+def deliver(optimizer, source: Source, deadline: Deadline | None = None, progress=None):
+    """Run the pipeline on ``source`` with ``optimizer``: the :class:`Outcome` of it.
+
+    ``deadline`` (default: the options' ``time_limit`` from now) bounds the search, the
+    choice and the timings; ``progress`` goes to the search. The steps are the module's.
+    A check that fails delivers the input, with ``why`` naming the error and the
+    substitutions applied.
+    """
+    started = time.perf_counter()
+    deadline = deadline or Deadline.start(optimizer.options.time_limit)
+    graph = source.graph
+    result = optimizer.search(graph, deadline, progress)
+    report = search_report(source.name, graph, result, optimizer.options, optimizer.rules,
+                           source.notes)
+    unchanged = result.graph.key == graph.key
+    check_s = None
+
+    def done(verdict: Verdict, why: str | None = None, prepared=None):
+        phases = optimizer.phases(result, import_s=source.import_seconds, check_s=check_s,
+                                  total_s=time.perf_counter() - started
+                                  + (source.import_seconds or 0.0))
+        if verdict.delivers_input:
+            source.deliver_input(report, verdict, why, deadline)
+        else:
+            source.deliver(prepared, report, unchanged, deadline)
+        delivered = graph if verdict.delivers_input else result.graph
+        return make_outcome(verdict, report, delivered, why=why, result=result,
+                            phases=phases)
+
+    if not (unchanged and not source.checks_unchanged):
+        source.time_graphs(optimizer.target, result.graph, report, deadline)
+    kept = kept_input_verdict(graph, result, report)
+    if kept is not None and not source.checks_unchanged:
+        return done(*kept)
+    try:
+        prepared = source.prepare(result.graph, report)
+    except NotDeliverable as e:
+        return done(Verdict.FALLBACK, str(e))
+    t0 = time.perf_counter()
+    check = source.check(prepared, report, unchanged)
+    check_s = time.perf_counter() - t0 if check is not None else None
+    if check is not None:
+        report["check"] = check
+        if not check["ok"]:
+            return done(Verdict.FALLBACK, _mismatch(check, result))
+    prepared, verdict, why = source.admit(prepared, report, unchanged)
+    if verdict is not None:
+        return done(verdict, why)
+    return done(Verdict.UNCHANGED if unchanged else Verdict.REWRITTEN, prepared=prepared)
+
+
+def _mismatch(check: dict, result) -> str:
+    """Why a graph whose check failed is not delivered, in words."""
+    applied = (f"substitutions applied: {', '.join(sorted(result.applied))}" if result.applied
+               else "no substitution was applied, so the fault is in taso_jax's import or "
+                    "export of this model (please report it)")
+    return (f"its outputs differ from the input's (max abs error {check['max_abs_err']:.3g}); "
+            f"{applied}")
