@@ -137,7 +137,7 @@ def test_cost_cache_needs_the_measured_cost_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("layouts", [True, False])
 def test_bench_prices_convolutions_as_the_optimizer_does(tmp_path, monkeypatch, layouts):
-    """``taso-jax bench`` makes its measured cost model as the optimizer does: on XLA:CPU
+    """``taso-jax bench`` makes its cost model as the optimizer does: on XLA:CPU
     with layout candidates, convolutions are priced in the NHWC form the end-to-end choice
     keeps (a model made apart priced them in NCHW, and NasNet-A's cold-cache searches
     disagreed on which grouped convolutions to make dense)."""
@@ -154,7 +154,7 @@ def test_bench_prices_convolutions_as_the_optimizer_does(tmp_path, monkeypatch, 
         main(["bench", "--small", "--cost-cache", str(tmp_path / "c.sqlite"), "--out",
               str(tmp_path), "nasnet_a"] + ([] if layouts else ["--no-layouts"]))
     (cm,) = seen
-    assert cm.name == "measured" and cm._db is not None
+    assert cm.name == "calibrated" and cm._db is not None  # the default cost model
     assert cm.nhwc_convolutions is (layouts and jax.default_backend() == "cpu")
 
 

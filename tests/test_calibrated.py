@@ -267,3 +267,17 @@ def test_the_search_leaves_the_choice_the_time_one_comparison_needs():
                               stop=lambda: True)
     assert free.stopped != StopReason.CHOICE_RESERVE
     assert cut.stopped == StopReason.CHOICE_RESERVE and cut.iterations == 0
+
+
+def test_a_decision_that_cannot_be_timed_before_the_deadline_is_left_to_the_curves(
+        monkeypatch):
+    import time
+
+    cal = Calibration.fit(_synthetic(50, 50.0, noise=0.5), AnalyticCostModel())
+    cm = CalibratedCostModel(calibration=cal)
+    a, b, _ = _two_forms(cm, 100.0, 300.0)
+    monkeypatch.setattr(MeasuredCostModel, "_lookup", lambda self, key: None)
+    monkeypatch.setattr(MeasuredCostModel, "_cost", lambda self, n: pytest.fail("timed"))
+    # two kernels to compile (0.5 s each, guessed) with 0.2 s left
+    assert not cm.refine([[a], [b]], until=time.perf_counter() + 0.2)
+    assert cm.stats()["over_budget"] == 1 and cm.stats()["compiles"] == 0
