@@ -343,7 +343,6 @@ class MeasuredCostModel(CostModel):
             # damaged cache of its own is moved aside (open_cost_cache)
             self._db = open_cost_cache(cache_path or default_cache_path())
         self._analytic = self._fallback()  # opaque and fused operators
-        enable_persistent_cache()  # kernels compiled once, across runs
 
     @staticmethod
     def _device() -> str:
@@ -541,6 +540,7 @@ class MeasuredCostModel(CostModel):
 
         from taso_jax.ir.executor import run_node
 
+        enable_persistent_cache()  # kernels compiled once, across runs
         key = self.key(node)
         fn = self._jitted.get(key) or jax.jit(lambda *a: run_node(node, a))
         if sibling_key(node) is not None:  # an anchor is timed again beside each sibling

@@ -27,7 +27,6 @@ from taso_jax.search.second_opinions import (
     add_near_tie_candidate,
 )
 
-from taso_jax._compile_cache import enable_persistent_cache
 from taso_jax.ir.executor import forget_compiled
 from taso_jax.ir.graph import Graph
 from taso_jax.ir.layout import has_nchw_convolutions
@@ -315,7 +314,6 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         what was timed when candidates were measured, ``result.unmeasurable`` the kernels
         the cost model could not time.
     """
-    enable_persistent_cache()  # kernels and candidates compiled once, across runs
     late = deadline is not None and deadline.passed()  # import and rule loading took it all
     if deadline is None:
         deadline = Deadline.start(opts.time_limit)
