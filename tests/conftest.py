@@ -40,9 +40,12 @@ TIERS = ("fast", "slow", "full")
 TIER_ENV = "TASO_JAX_TEST_TIER"
 
 # The one knob for property-test sizes: tests give no max_examples of their own, so these
-# profiles decide it. No deadline: a loaded 2-core machine makes per-example timing noise.
+# profiles decide it. "full" is 50, not Hypothesis's 100: an example of
+# test_property.py is a search and two compilations, about 2.5 s, and at 100 that test
+# alone took 260 s of the slow tier. No deadline: on a loaded 2-core machine the time of
+# an example is noise.
 settings.register_profile("fast", max_examples=10, deadline=None)
-settings.register_profile("full", max_examples=100, deadline=None)
+settings.register_profile("full", max_examples=50, deadline=None)
 
 
 def pytest_addoption(parser):
