@@ -40,9 +40,12 @@ TIERS = ("fast", "slow", "full")
 TIER_ENV = "TASO_JAX_TEST_TIER"
 
 # The one knob for property-test sizes: tests give no max_examples of their own, so these
-# profiles decide it. No deadline: a loaded 2-core machine makes per-example timing noise.
+# profiles decide it. "full" is 50, not Hypothesis's 100: an example of
+# test_property.py is a search and two compilations, about 2.5 s, and at 100 that test
+# alone took 260 s of the slow tier. No deadline: on a loaded 2-core machine the time of
+# an example is noise.
 settings.register_profile("fast", max_examples=10, deadline=None)
-settings.register_profile("full", max_examples=100, deadline=None)
+settings.register_profile("full", max_examples=50, deadline=None)
 
 
 def pytest_addoption(parser):
@@ -106,6 +109,8 @@ def pytest_sessionfinish(session, exitstatus):
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and getattr(
             session.config, "_tier_left_out", False):
         session.exitstatus = pytest.ExitCode.OK
+
+
 # Tests never read or fill the user's cache of optimized graphs: a decision stored by one
 # test (some force the original to be kept) must not reach another. The cache's own tests
 # point it at a temporary folder.
@@ -233,10 +238,10 @@ def unoptimized_xla_in_workers():
 
     For the numeric checks of laws (:func:`taso_jax.verify.laws.check_axioms`): each
     instance is a fresh compilation of a few tiny operators, run once, so nearly all their
-    time is LLVM optimizing code that hardly runs; unoptimized, the checks take 40-50% less
-    time and compute the same float64 values to well inside their 1e-9 tolerance. This
-    process is not affected (XLA reads its flags once, at start), nor is any test that times
-    compiled code.
+    time is LLVM optimizing code that hardly runs. Unoptimized, the checks take a third to a
+    half less time and compute the same float64 values, well inside their 1e-9 tolerance.
+    This process is not affected (XLA reads its flags once, at start), nor is any test that
+    times compiled code.
     """
     flag = "--xla_backend_optimization_level=0"
     before = os.environ.get("XLA_FLAGS")
