@@ -65,7 +65,7 @@ from taso_jax.search.cost import (
     CostModel,
     MeasuredCostModel,
     default_cache_path,
-    fused_cost,
+    priced_by_kernels,
 )
 
 from taso_jax.ir.graph import Graph, Node, composition_nodes
@@ -438,14 +438,8 @@ class CalibratedCostModel(CostModel):
     def _cost(self, node: Node) -> float:
         t0 = time.perf_counter()
         try:
-            if node.op == "opaque":
-                return self._analytic.node_cost(node)
-            if OPS[node.op].fusible:
-                return fused_cost(node, self._analytic.gflops)
-            parts = composition_nodes(node)
-            if parts is not None:
-                return sum(self._cost(p) for p in parts)
-            return self._kernel_price(self._timed_form(node))[0]
+            return priced_by_kernels(
+                node, self._analytic, lambda k: self._kernel_price(self._timed_form(k))[0])
         finally:
             self._stats.pricing_seconds += time.perf_counter() - t0
             self._stats.priced += 1

@@ -211,6 +211,26 @@ class AnalyticCostModel(CostModel):
         return scale * roofline + self.launch_us
 
 
+def priced_by_kernels(node: Node, analytic: AnalyticCostModel, kernel_price) -> float:
+    """A node's price in microseconds, by what it runs as under ``jax.jit``.
+
+    An opaque node at ``analytic``'s price; a fusible one by its arithmetic alone (timed
+    alone it would be charged a whole kernel; under ``jax.jit`` it joins its neighbour's);
+    a fused operator that runs as its composition as the sum of that composition's prices
+    (timed as one kernel it would look cheaper than the same kernels one by one, though XLA
+    compiles both alike: GPT-2 small's twelve masked attentions, so introduced, ran 0.92x);
+    any other by ``kernel_price(node)``. The measured and calibrated models share it.
+    """
+    if node.op == "opaque":
+        return analytic.node_cost(node)
+    if OPS[node.op].fusible:
+        return fused_cost(node, analytic.gflops)
+    parts = composition_nodes(node)
+    if parts is not None:
+        return sum(priced_by_kernels(p, analytic, kernel_price) for p in parts)
+    return kernel_price(node)
+
+
 def _work(node: Node) -> tuple[float, float]:
     """``(flops, bytes moved)`` of one operator (its inputs read, its outputs written)."""
     ins = [t.type for t in node.inputs]
@@ -363,18 +383,10 @@ class MeasuredCostModel(CostModel):
         return repr((node.op, node.attrs, tuple(t.type for t in node.inputs)))
 
     def _cost(self, node: Node) -> float:
-        if node.op == "opaque":
-            return self._analytic.node_cost(node)
-        if OPS[node.op].fusible:
-            # Timed alone, an elementwise or layout operator would be charged a whole kernel;
-            # under jax.jit it is fused into its neighbour, so only its arithmetic counts.
-            return fused_cost(node, self._analytic.gflops)
-        parts = composition_nodes(node)
-        if parts is not None:
-            # a fused operator that runs as its composition: timed as one kernel it would
-            # look cheaper than the same kernels timed one by one, though XLA compiles both
-            # alike (GPT-2 small's twelve masked attentions, so introduced: 0.92x)
-            return sum(self._cost(p) for p in parts)
+        return priced_by_kernels(node, self._analytic, self._kernel_cost)
+
+    def _kernel_cost(self, node: Node) -> float:
+        """The calibrated measured price (us) of one kernel (not opaque, fused or composed)."""
         node = self._timed_form(node)
         micros = self._priced(node, self.key(node))
         if micros is None:
