@@ -97,13 +97,23 @@ def _warn(message: str) -> None:
 
 
 def _is_own(db: sqlite3.Connection) -> bool:
-    """Whether an open SQLite file is a cost cache (or empty, so that it may become one)."""
-    application = db.execute("PRAGMA application_id").fetchone()[0]
+    """Whether an open SQLite file is a cost cache (or empty, so that it may become one).
+
+    The stamp and the tables are read in one read transaction: read apart, another
+    process's migration could commit between them, showing an unstamped file with the
+    tables of a current cache.
+    """
+    _while_locked(db.execute, "BEGIN")
+    try:
+        application = db.execute("PRAGMA application_id").fetchone()[0]
+        tables = {row[0] for row in db.execute(
+            "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'")}
+    finally:
+        if db.in_transaction:
+            db.execute("COMMIT")
     if application != 0:
         return application == APPLICATION_ID
-    tables = {row[0] for row in db.execute(
-        "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'")}
-    return tables <= {"cost"}
+    return tables <= {"cost", "samples"}
 
 
 def _migrate(db: sqlite3.Connection) -> None:
