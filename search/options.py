@@ -279,7 +279,8 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
                chooser: Callable[..., dict] | None = None,
                progress: Callable[[int, float], None] | None = None,
                second_opinions: bool = True, record: int | None = VISITED_HELD,
-               confirm: bool = True) -> SearchResult:
+               confirm: bool = True,
+               reserve: Callable[[], float] | None = None) -> SearchResult:
     """The one search pipeline: backtracking search, second opinions, end-to-end choice.
 
     This is the only place these are put together; every front door reaches it through
@@ -308,6 +309,11 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         confirm: whether the default end-to-end choice confirms the graph it picks against
             the input (``False``: it screens only, and the caller must time the graph picked
             against its own baseline: :func:`~taso_jax.search.choose.screen_fastest`).
+        reserve: ``reserve()``, the seconds the caller needs after this pipeline, before
+            ``deadline`` (the decorator's compile, output check and comparison with
+            ``jax.jit``). The search, the second opinions and the choice all end that much
+            before ``deadline``: the search stops (``StopReason.CHOICE_RESERVE``) as soon as
+            less than ``reserve()`` is left, which may grow once the caller knows better.
 
     Returns:
         A :class:`~taso_jax.search.backtracking.SearchResult`; ``result.end_to_end`` holds
@@ -320,6 +326,9 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     else:  # the shares are of what import and rule loading left
         deadline = Deadline.start(max(deadline.left(), 0.05 * min(deadline.seconds,
                                                                    opts.time_limit)))
+    end = deadline.at  # the caller's own work comes after this pipeline, before ``end``
+    if reserve is not None:
+        deadline = Deadline.start(max(deadline.left() - reserve(), 1e-3))
     second = (second_opinions and opts.end_to_end > 0
               and not isinstance(cost_model, AnalyticCostModel))
     limit = deadline.seconds * (SHARES["search"] - (SHARES["second_opinion"] if second else 0.0)
@@ -331,13 +340,17 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     # going on would leave the choice less than one comparison needs, with room for its
     # second opinions (choice_reserve).
     def stop() -> bool:
+        if reserve is not None:  # what the caller needs, as it learns it
+            return end - time.perf_counter() < reserve()
         need = choice_reserve(ahead)
         return need is not None and deadline.left() < need * (1.0 + SHARES["second_opinion"])
 
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
                                  budget=opts.budget, time_limit=limit,
                                  progress=progress, keep=max(1, opts.end_to_end),
-                                 record=record, stop=stop if ahead is not None else None)
+                                 record=record,
+                                 stop=stop if ahead is not None or reserve is not None
+                                 else None)
     if late or deadline.passed():
         result.out_of_time_in = "import" if late else "search"
     if second:
@@ -354,7 +367,8 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
             chooser = partial(choose_fastest, layouts=opts.layout_candidates,
                               confirm=confirm,
                               made_seconds=ahead.seconds if ahead is not None else 0.0)
-        result.end_to_end = chooser(result, deadline=deadline.at)
+        until = deadline.at if reserve is None else min(deadline.at, end - reserve())
+        result.end_to_end = chooser(result, deadline=until)
         # the candidates that lost are not run again: free their executables and weights
         forget_compiled(keep=(graph, result.graph))
         if deadline.passed() and not result.out_of_time_in:

@@ -44,7 +44,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from taso_jax.first_call import _PAST_LIMIT, FirstCallPipeline, _at_full_precision
+from taso_jax.first_call import FirstCallPipeline, _at_full_precision, past_limit
 from taso_jax.frontends.background import _UNTRACEABLE, MAX_PENDING, _background_worker
 from taso_jax.frontends.jaxpr_io import (
     _fn_name,
@@ -60,11 +60,13 @@ from taso_jax.search.options import OptimizeOptions
 
 __all__ = ["OptimizedFunction", "optimize_function"]
 
-#: The decorator's default search time limit in seconds (users of jax.jit expect a first
-#: call in seconds; the command line's default is the options record's 60 s). It bounds the
-#: import, the search and the end-to-end choice's screening; the compile, the output check
-#: and the one comparison with jax.jit of the function come after it (where the limit passed
-#: before the choice began, they are skipped and the original runs).
+#: The decorator's default time limit in seconds (users of jax.jit expect a first call in
+#: seconds; the command line's default is the options record's 60 s). It bounds the whole
+#: first call after the trace: the import, the search and the end-to-end choice's screening
+#: end early enough to leave the compile, the output check and the one comparison with
+#: jax.jit of the function their time (``FirstCallPipeline._reserve``), which the comparison
+#: then sizes its rounds to; only its least loop may run past the limit, by at most
+#: ``first_call.LIMIT_SLACK`` of it, else the original runs untimed.
 DECORATOR_TIME_LIMIT = 10.0
 #: Signatures (shapes, dtypes, static values) kept compiled per decorated function at most;
 #: the least recently called is dropped (60 shapes had held 413 MB against jax.jit's 176).
@@ -595,7 +597,7 @@ class OptimizedFunction(FirstCallPipeline):
             r["time"] = self.measure(repeats)
         kept = e.original_kept
         verdict, why = first_call_verdict(e.fallback, kept,
-                                          past_limit=bool(kept) and kept.startswith(_PAST_LIMIT))
+                                          past_limit=past_limit(kept))
         delivered = e.graph if verdict.delivers_input else (e.result.graph if e.result else None)
         return make_outcome(verdict, r, delivered, why=why, phases=self._phases(e))
 

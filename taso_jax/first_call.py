@@ -13,9 +13,11 @@ constants here serve that pipeline alone; the call path that uses the finished e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
+import threading
 import time
 import warnings
 from collections import Counter
@@ -34,7 +36,12 @@ from taso_jax.ir.executor import StagedGraph, time_function, time_interleaved
 from taso_jax.ir.folded_work import folded_work
 from taso_jax.records import search_report
 from taso_jax.search.backtracking import SearchResult
-from taso_jax.search.choose import CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, device_name
+from taso_jax.search.choose import (
+    COMPILE_SECONDS_PER_NODE,
+    CONFIRM_LOOP_SECONDS,
+    CONFIRM_MIN_ROUNDS,
+    device_name,
+)
 from taso_jax.search.limits import Deadline
 from taso_jax.search.options import SEARCH_REVISION
 from taso_jax.search.paired_test import MIN_SPEEDUP, confirm_faster, rounds_for
@@ -55,6 +62,14 @@ SEARCH_STAGE = "search and choice"
 #: How ``original_kept`` starts where the time limit passed during the import or the
 #: search.
 _PAST_LIMIT = "not compiled, checked or timed against jax.jit"
+#: How ``original_kept`` starts where the optimized stages were checked but the time limit
+#: left no room for the comparison with ``jax.jit``.
+_UNTIMED = "checked but not timed against jax.jit"
+
+
+def past_limit(kept: str | None) -> bool:
+    """Whether ``original_kept`` says the time limit, not a measurement, kept the original."""
+    return bool(kept) and kept.startswith((_PAST_LIMIT, _UNTIMED))
 #: Interleaved runs of each when the optimized function is timed against the original.
 BASELINE_REPEATS = 25
 #: The phases of the search pipeline (``SearchResult.out_of_time_in``) that, cut by the time
@@ -238,6 +253,76 @@ def _compile_stages(entry, full_precision: bool) -> None:
         entry.run_donating = jax.jit(run, donate_argnums=entry.donated)
 
 
+#: Rounds the one comparison with ``jax.jit`` of the original runs at the least, whatever
+#: the time limit leaves: with 6 rounds the signed-rank test can confirm a candidate that
+#: wins every round, or 5 of them (p = 1/64, 3/64; :func:`paired_speedup` needs 5).
+CONFIRM_LEAST_ROUNDS = 6
+#: Seconds of interleaved calls after which a "faster" verdict of the comparison with
+#: ``jax.jit`` needs no check loop (``confirm_faster``'s ``span_seconds``): they already
+#: cover that long a stretch of the machine's drift. Shorter than the end-to-end choice's
+#: :data:`~taso_jax.search.choose.CONFIRM_LOOP_SECONDS`, so that the comparison fits the
+#: decorator's time limit: 6 rounds of a 0.2 s call span it.
+SPAN_SECONDS = 2.5
+#: How far past the time limit, as a share of it, the least comparison may run: beyond that
+#: the original runs untimed (a call of 1 s makes 6 rounds last 12 s, more than a 10 s
+#: limit holds after the search).
+LIMIT_SLACK = 0.5
+#: Seconds guessed for one compilation of the function before the background one has
+#: ended (compiling a Llama block at S=1024 took 0.6-1.5 s on the 2-core CPU), plus a share
+#: per operator (:data:`~taso_jax.search.choose.COMPILE_SECONDS_PER_NODE`).
+COMPILE_GUESS_S = 1.0
+
+
+def _tracing() -> bool:
+    """Whether a JAX transformation is tracing here (an array made now is a tracer)."""
+    return _is_tracer(jnp.zeros(()))
+
+
+class _OriginalRun:
+    """``jax.jit`` of the original, compiled and called on the call's arguments, in a thread.
+
+    Started as soon as the function is traced, it compiles while the import and the search
+    run (XLA compiles without Python's lock). It calls the function twice: the first call's
+    time, less the second's, is its compilation (``compile_seconds``), the second is
+    ``call_seconds``, and the second's outputs (NumPy arrays) are the output check's
+    reference. So the first call knows, while it searches, how long one comparison with
+    ``jax.jit`` takes (:meth:`FirstCallPipeline._reserve`), and compiles the original once.
+    A failure leaves ``error`` set and the pipeline compiles the original itself.
+    """
+
+    def __init__(self, original: Callable):
+        self.compile_seconds: float | None = None
+        self.call_seconds: float | None = None
+        self.outputs: list | None = None
+        self.error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, args=(original,), daemon=True,
+                                        name="taso-jax-original")
+        self._thread.start()
+
+    def _run(self, original: Callable) -> None:
+        try:
+            t0 = time.perf_counter()
+            jax.block_until_ready(original())
+            t1 = time.perf_counter()
+            out = jax.block_until_ready(original())
+            t2 = time.perf_counter()
+            self.outputs = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
+            self.compile_seconds = max((t1 - t0) - (t2 - t1), 0.0)
+            self.call_seconds = t2 - t1
+        except Exception as e:  # noqa: BLE001 - the pipeline compiles it again and says why
+            self.error = e
+
+    def join(self) -> _OriginalRun:
+        """Wait for the thread; ``self``."""
+        self._thread.join()
+        return self
+
+    @property
+    def ok(self) -> bool:
+        """Whether the thread has ended with the original compiled, called and timed."""
+        return self.call_seconds is not None
+
+
 class FirstCallPipeline:
     """The first-call pipeline of :class:`~taso_jax.decorator.OptimizedFunction`.
 
@@ -274,7 +359,11 @@ class FirstCallPipeline:
         try:
             # The first call may come from inside jax.jit, grad or vmap of this function: the
             # search's timings and the output check run on concrete arrays, not staged out.
-            with jax.ensure_compile_time_eval():
+            # A concrete call needs no such context, and its jitted stages and the original
+            # compiled under it would be compiled again for the calls that follow (jax.jit
+            # keys its cache by that context too: 0.9 s more on a Llama block's next call).
+            staged_out = any(_is_tracer(x) for x in traced.leaves) or _tracing()
+            with jax.ensure_compile_time_eval() if staged_out else contextlib.nullcontext():
                 self._optimize(entry, traced, args, static_pos)
         except Exception as e:  # anything in our pipeline: fall back, never a wrong answer
             if _rule_file_error(e, self.options.substitutions):
@@ -318,7 +407,13 @@ class FirstCallPipeline:
         key = graph_cache.cache_key(graph, self._cache_parts(optimizer.rules))
         lap("import")
         hit = graph_cache.load(key, graph)
-        result = self._search_or_hit(entry, optimizer, graph, hit, deadline, traced.leaves)
+        if hit is None and (self.check or self.options.end_to_end > 0):
+            original = self._original_call(entry, traced, args, static_pos)
+            if original is not None:  # compiled while the search runs
+                entry.original_run = _OriginalRun(original)
+        reserve = self._reserve(entry, optimizer, graph)
+        result = self._search_or_hit(entry, optimizer, graph, hit, deadline, traced.leaves,
+                                     reserve)
         lap(SEARCH_STAGE)
         weight_index = self._stage(entry, graph, result, traced, args, static_pos, hit)
         entry.report = self._first_report(entry, graph, result, optimizer.rules, weight_index)
@@ -329,7 +424,8 @@ class FirstCallPipeline:
         if hit is not None:
             entry.original_kept = None  # the earlier process measured the optimized faster
         else:
-            entry.original_kept = self._keep_original(entry, traced, result, args, static_pos)
+            entry.original_kept = self._keep_original(entry, traced, result, args, static_pos,
+                                                      deadline)
             lap("timing against jax.jit")
             if "baseline" in entry.report or self.options.end_to_end == 0:  # timed
                 graph_cache.store(key, result.graph, graph, {
@@ -339,8 +435,12 @@ class FirstCallPipeline:
                     "check": _stored_check(entry.report.get("check"))})
         entry.report["original_kept"] = entry.original_kept
 
-    def _search_or_hit(self, entry, optimizer, graph, hit, deadline, leaves) -> SearchResult:
-        """The search's result, or the graph cache's entry ``hit`` as one."""
+    def _search_or_hit(self, entry, optimizer, graph, hit, deadline, leaves,
+                       reserve=None) -> SearchResult:
+        """The search's result, or the graph cache's entry ``hit`` as one.
+
+        The search ends ``reserve()`` seconds before ``deadline`` (:meth:`_reserve`).
+        """
         if hit is not None:
             optimized, info = hit
             entry.cache_hit = True
@@ -351,7 +451,8 @@ class FirstCallPipeline:
         # The end-to-end choice screens only: the one comparison that decides is
         # _keep_original's, against jax.jit of the function, except under a transformation,
         # where nothing concrete can be timed against it.
-        return optimizer.search(graph, deadline, confirm=any(_is_tracer(x) for x in leaves))
+        return optimizer.search(graph, deadline, confirm=any(_is_tracer(x) for x in leaves),
+                                reserve=reserve)
 
     def _stage(self, entry, graph, result, traced: TracedFunction, args, static_pos,
                hit) -> dict:
@@ -460,7 +561,12 @@ class FirstCallPipeline:
                   if _is_tracer(x) else x for x in leaves]
         weights = [v for v, k in zip(values, kinds, strict=True) if k == "weight"]
         inputs = [v for v, k in zip(values, kinds, strict=True) if k == "input"]
-        if entry.all_arrays and not any(_is_tracer(x) for x in leaves):
+        run = entry.original_run
+        if run is not None and run.join().ok:
+            # the background run's outputs: what the timing against it calls, compiled once
+            ref = run.outputs
+            entry.original_warm = True
+        elif entry.all_arrays and not any(_is_tracer(x) for x in leaves):
             # jax.jit of the function itself, as the timing against it calls it: one
             # compile of the original serves both
             ref = jax.tree_util.tree_leaves(self._user_jit(static_pos)(*args))
@@ -539,8 +645,55 @@ class FirstCallPipeline:
                     f"search_revision={SEARCH_REVISION}")
         return [device_name(), jax.__version__, _package_version(), settings, rules]
 
+    def _original_call(self, entry: _Entry, traced: TracedFunction, args,
+                       static_pos) -> Callable | None:
+        """A call of what the user would run, on this call's arguments, or ``None``.
+
+        ``jax.jit`` of the function itself where every leaf is an array; else ``jax.jit``
+        of the traced function on the array leaves (non-array leaves are static, as we
+        treat them). ``None`` under a transformation: nothing concrete to call.
+        """
+        if any(_is_tracer(x) for x in traced.leaves):
+            return None
+        if entry.all_arrays:
+            user_jit = self._user_jit(static_pos)
+            return lambda: user_jit(*args)
+        leaves, jit_original = traced.leaves, entry.jit_original
+        return lambda: jit_original(*leaves)
+
+    def _reserve(self, entry: _Entry, optimizer, graph) -> Callable[[], float] | None:
+        """``reserve()``: seconds the first call needs after the search, before its limit.
+
+        That is compiling the optimized stages (as long as compiling the original), one call
+        of them for the output check, and the least comparison with ``jax.jit`` of the
+        original (:data:`CONFIRM_LEAST_ROUNDS` rounds of both, and the two calls each that
+        warm them and size the samples). Until :class:`_OriginalRun` has timed the original,
+        its call is guessed from the graph's price (the calibrated cost model where the
+        search prices with it, else the analytic roofline) and its compile from
+        :data:`COMPILE_GUESS_S`, for the original's compile too. ``None`` where nothing is
+        compared (no end-to-end choice, or under a transformation).
+        """
+        run = getattr(entry, "original_run", None)
+        if self.options.end_to_end == 0 or run is None:
+            return None
+        from taso_jax.search.cost import AnalyticCostModel
+
+        model = optimizer.cost_model
+        if getattr(model, "name", "") != "calibrated":  # the measured model would compile
+            model = AnalyticCostModel.for_backend()
+        guessed_call = model.graph_cost(graph) * 1e-6
+        guessed_compile = COMPILE_GUESS_S + COMPILE_SECONDS_PER_NODE * len(graph.nodes)
+        calls = 1 + 2 * (CONFIRM_LEAST_ROUNDS + 2)
+
+        def reserve() -> float:
+            if run.ok:
+                return run.compile_seconds + calls * run.call_seconds
+            return 2 * guessed_compile + (calls + 2) * guessed_call
+
+        return reserve
+
     def _keep_original(self, entry: _Entry, traced: TracedFunction, result, args,
-                       static_pos) -> str | None:
+                       static_pos, deadline: Deadline | None = None) -> str | None:
         """Why ``jax.jit`` of the original function should run instead, or ``None``.
 
         The baseline is what the user would run: ``jax.jit(fn)(*args)``. With
@@ -584,19 +737,39 @@ class FirstCallPipeline:
         # Both functions were compiled and run by the output check where it called jax.jit
         # of the function itself: one warm-up call before the first loop, none after it.
         warm = entry.original_warm
-        rounds = rounds_for(time_function(original, repeats=1, warmup=0 if warm else 1)[0]
-                            / 1e6, CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, BASELINE_REPEATS)
+        run = entry.original_run
+        call = (run.call_seconds if run is not None and run.ok else
+                time_function(original, repeats=1, warmup=0 if warm else 1)[0] / 1e6)
+        rounds = rounds_for(call, CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, BASELINE_REPEATS)
+        least = 2 * (CONFIRM_LEAST_ROUNDS + 2) * call  # seconds of the least loop
+        if deadline is not None and least > deadline.left() + LIMIT_SLACK * deadline.seconds:
+            entry.report["baseline"] = {"skipped": True, "call_us": call * 1e6,
+                                        "device": device_name()}
+            return (f"{_UNTIMED}: one comparison with it needs about {least:.1f} s "
+                    f"({CONFIRM_LEAST_ROUNDS} rounds of {call * 1e3:.0f} ms calls), and "
+                    f"{max(deadline.left(), 0.0):.1f} s of the time limit "
+                    f"({deadline.seconds:g} s) was left")
         loops = []
+        # both ran just before (the background run, the output check): no warm-up call
+        hot = run is not None and run.ok and entry.original_warm
 
         def loop():
+            # within the time limit, the first loop to halfway, so that a check loop fits
+            n = rounds
+            if deadline is not None:
+                left = deadline.left() / (2.0 if not loops else 1.0)
+                n = max(CONFIRM_LEAST_ROUNDS, min(rounds, int(left / (2 * call))))
             loops.append(1)
-            return time_interleaved([original, optimized], rounds,
-                                    warmup=(1 if warm else 2) if len(loops) == 1 else 0)
+            first = len(loops) == 1
+            return time_interleaved([original, optimized], n,
+                                    warmup=(0 if hot else 1 if warm else 2) if first else 0,
+                                    call_us=call * 1e6 if hot else None)
 
         # Rounds spanning CONFIRM_LOOP_SECONDS (calls of 0.1 s and more) cover the drift
         # that a check loop guards against: none is run after them.
         test, ta, tb = confirm_faster(loop, min_speedup=MIN_SPEEDUP,
-                                      span_seconds=CONFIRM_LOOP_SECONDS)
+                                      span_seconds=SPAN_SECONDS if deadline is not None
+                                      else CONFIRM_LOOP_SECONDS)
         a, b = float(np.median(ta)), float(np.median(tb))
         entry.report["baseline"] = {"jit_us": a, "optimized_us": b, "repeats": len(ta),
                                     "paired": test, "device": device_name()}

@@ -83,7 +83,8 @@ class Optimizer:
 
     def search(self, graph: Graph | GraphBuilder, deadline: Deadline | None = None,
                progress: Callable[[int, float], None] | None = None,
-               record: int | None = VISITED_HELD, confirm: bool = True) -> SearchResult:
+               record: int | None = VISITED_HELD, confirm: bool = True,
+               reserve: Callable[[], float] | None = None) -> SearchResult:
         """The search pipeline on ``graph``: search, second opinions, end-to-end choice.
 
         ``deadline`` (default: ``options.time_limit`` from now) bounds all of it; ``record``
@@ -91,6 +92,9 @@ class Optimizer:
         (:func:`~taso_jax.search.options.run_search`). With ``confirm=False`` the end-to-end
         choice only screens, and the caller must confirm the graph it picked faster than its
         own baseline before using it (the decorator, against ``jax.jit`` of the function).
+        ``reserve()``: seconds the caller keeps for itself before ``deadline`` (the
+        decorator's compile, check and comparison; see
+        :func:`~taso_jax.search.options.run_search`).
         Returns the
         :class:`~taso_jax.search.backtracking.SearchResult`, with ``rules`` (the counts of
         rules used and left out) set. ``graph`` is not changed.
@@ -101,7 +105,7 @@ class Optimizer:
         result = run_search(graph, self.rules, self.cost_model, self.options,
                             deadline=deadline, chooser=self.target.chooser(self.options),
                             progress=progress, second_opinions=self.target.second_opinions,
-                            record=record, confirm=confirm)
+                            record=record, confirm=confirm, reserve=reserve)
         result.pipeline_seconds = time.perf_counter() - started  # search, opinions, choice
         result.rules = dict(self.rule_counts)
         if result.out_of_time_in == "import" and "not_proved_in_time" in self.rule_counts:

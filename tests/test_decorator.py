@@ -852,7 +852,7 @@ def test_the_fast_path_never_serves_the_original_for_an_optimized_signature(monk
     import taso_jax.decorator as decorator
 
     monkeypatch.setattr(decorator.OptimizedFunction, "_keep_original",
-                        lambda self, entry, traced, result, args, static_pos:
+                        lambda self, entry, traced, result, args, static_pos, *deadline:
                         "kept for the test" if args[1].shape[0] == 3 else None)
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
@@ -983,3 +983,62 @@ def test_a_rewrite_from_constants_computed_once_names_them_as_its_source():
     assert "returned unchanged" not in text
     assert "what made it faster:" in text and "constants computed once" in text
     assert outcome.to_json()["folded"]["constants"]
+
+
+def test_a_reserve_ends_the_search_before_the_callers_own_work():
+    """run_search ends the search (and the choice) reserve() seconds before the deadline;
+    a reserve past the deadline leaves no search at all."""
+    from taso_jax.optimizer import Optimizer
+    from taso_jax.search.limits import Deadline, StopReason
+
+    fn, weights, inputs = jax_models.make_nasrnn(hidden=16, steps=2)
+    graph = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
+    graph(weights, *inputs)
+    g = graph.graph
+    opt = Optimizer(**{**OPTS, "end_to_end": 2})
+    free = opt.search(g, Deadline.start(30.0))
+    cut = opt.search(g, Deadline.start(30.0), reserve=lambda: 1e6)
+    assert free.stopped != StopReason.CHOICE_RESERVE and free.iterations > 0
+    assert cut.iterations == 0 and cut.graph.key == g.key
+
+
+def test_the_first_call_compiles_the_original_once_in_the_background(monkeypatch):
+    """The original is compiled and called while the search runs; its outputs are the
+    check's reference and its call time sizes the comparison (no timing call of its own)."""
+    import taso_jax.first_call as first_call
+
+    timed = []
+    real = first_call.time_function
+    monkeypatch.setattr(first_call, "time_function",
+                        lambda *a, **k: timed.append(1) or real(*a, **k))
+
+    @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.ones((64, 64)), "b": jnp.ones((64, 64))}
+    np.testing.assert_allclose(cell(w, jnp.ones((8, 64))), 128.0, rtol=1e-6)
+    entry = cell._last
+    assert entry.original_run is not None and entry.original_run.ok
+    assert entry.original_run.call_seconds > 0 and entry.original_warm
+    if "baseline" in entry.report:
+        assert timed == [] and entry.report["check"]["ok"]
+
+
+def test_a_comparison_that_cannot_fit_the_limit_keeps_the_original_untimed(monkeypatch):
+    """Where the least comparison with jax.jit would run past the limit by more than its
+    slack, the original runs and the verdict is the time limit's, not a measured one."""
+    import taso_jax.first_call as first_call
+
+    monkeypatch.setattr(first_call, "LIMIT_SLACK", -1e6)  # nothing ever fits
+
+    @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.ones((64, 64)), "b": jnp.ones((64, 64))}
+    np.testing.assert_allclose(cell(w, jnp.ones((8, 64))), 128.0, rtol=1e-6)
+    if cell.optimized_graph.key != cell.graph.key:
+        assert cell.original_kept.startswith("checked but not timed against jax.jit")
+        assert cell._last.report["baseline"]["skipped"]
+        assert cell.outcome().verdict.value == "time_limit"
