@@ -988,8 +988,9 @@ def test_a_rewrite_from_constants_computed_once_names_them_as_its_source():
 def test_a_reserve_ends_the_search_before_the_callers_own_work():
     """run_search ends the search (and the choice) reserve() seconds before the deadline;
     a reserve past the deadline leaves no search at all."""
-    from taso_jax.optimizer import Optimizer
     from taso_jax.search.limits import Deadline, StopReason
+
+    from taso_jax.optimizer import Optimizer
 
     fn, weights, inputs = jax_models.make_nasrnn(hidden=16, steps=2)
     graph = taso_jax.optimize(fn, weight_argnums=0, **OPTS)
