@@ -388,6 +388,31 @@ def make_hf_gpt2(seq: int = 128, dtype: str = "float32", batch: int = 1, **confi
     return _hf(model_cls, config_cls(**config), seq, dtype, batch, "logits")
 
 
+def make_hf_llama(seq: int = 1024, dtype: str = "float32", batch: int = 1, **config):
+    """transformers' ``FlaxLlamaForCausalLM`` on token ids ``[batch, seq]``; returns the logits.
+
+    A small Llama by default (2 layers, width 512, 8 query heads over 2 key/value heads, an
+    MLP of 1408, 1,000 tokens): ``LlamaConfig(**config)`` over those defaults."""
+    model_cls, config_cls = _transformers("FlaxLlamaForCausalLM", "LlamaConfig")
+    return _hf(model_cls, config_cls(**{**_SMALL_DECODER, **config}), seq, dtype, batch,
+               "logits")
+
+
+def make_hf_mistral(seq: int = 1024, dtype: str = "float32", batch: int = 1, **config):
+    """transformers' ``FlaxMistralForCausalLM`` on token ids ``[batch, seq]``; returns the
+    logits. The small decoder of :func:`make_hf_llama`, its sliding window 4096 (past
+    ``seq``) unless ``config`` sets one."""
+    model_cls, config_cls = _transformers("FlaxMistralForCausalLM", "MistralConfig")
+    return _hf(model_cls, config_cls(**{**_SMALL_DECODER, "sliding_window": 4096, **config}),
+               seq, dtype, batch, "logits")
+
+
+#: The small decoder configuration of :func:`make_hf_llama` and :func:`make_hf_mistral`.
+_SMALL_DECODER = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 2,
+                  "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000,
+                  "max_position_embeddings": 2048}
+
+
 MODELS = {"causal_attention": make_causal_attention,
           "causal_attention_dpa": make_causal_attention_dpa,
           "causal_attention_additive": make_causal_attention_additive,
@@ -398,7 +423,7 @@ MODELS = {"causal_attention": make_causal_attention,
           "llama_block": make_llama_block, "llama_decode": make_llama_decode,
           "lora_mlp": make_lora_mlp, "nnx_attention": make_nnx_attention,
           "eqx_attention": make_eqx_attention, "hf_bert": make_hf_bert,
-          "hf_gpt2": make_hf_gpt2}
+          "hf_gpt2": make_hf_gpt2, "hf_llama": make_hf_llama, "hf_mistral": make_hf_mistral}
 
 #: Sizes (keyword arguments besides ``seq`` and ``dtype``) at which each model is tiny.
 TINY = {"causal_attention": {"heads": 2, "head_dim": 8},
@@ -416,4 +441,10 @@ TINY = {"causal_attention": {"heads": 2, "head_dim": 8},
         "hf_bert": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
                     "intermediate_size": 64, "vocab_size": 100, "max_position_embeddings": 64},
         "hf_gpt2": {"n_embd": 32, "n_layer": 1, "n_head": 4, "vocab_size": 100,
-                    "n_positions": 64}}
+                    "n_positions": 64},
+        "hf_llama": {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+                     "max_position_embeddings": 64},
+        "hf_mistral": {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+                       "max_position_embeddings": 64}}
