@@ -85,8 +85,9 @@ def optimize(graph=None, **options):
 
     Raises:
         ValueError: an option out of range, or (functions) a ``weight_argnames`` /
-            ``static_argnames`` entry that is not a parameter.
-        TypeError: an unknown option.
+            ``static_argnames`` entry that is not a parameter; at a call, an unhashable
+            static argument (as ``jax.jit``: static values are hashed and compared by value).
+        TypeError: an unknown option; at a call, an unhashable non-array leaf.
     """
     if isinstance(graph, Graph | GraphBuilder):
         return search_graph(graph, **options).graph
