@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _optimize_parser(sub, common, d) -> None:
     """The ``optimize`` command's arguments; defaults from options ``d``."""
-    from taso_jax.checks import ATOL, RTOL
+    from taso_jax.checks import ATOL, MAX_ATOL, MAX_RTOL, RTOL
     from taso_jax.targets import target_names
 
     o = sub.add_parser("optimize", parents=[common],
@@ -477,10 +477,10 @@ def _optimize_parser(sub, common, d) -> None:
     o.add_argument("--end-to-end", type=int, default=d.end_to_end, metavar="K",
                    help=described("end_to_end"))
     o.add_argument("--rtol", type=float, default=RTOL,
-                   help=f"output check: relative tolerance, finite and >= 0 ({RTOL})")
+                   help=f"output check: relative tolerance, from 0 to {MAX_RTOL} ({RTOL})")
     o.add_argument("--atol", type=float, default=None,
-                   help=f"output check: absolute tolerance, finite and >= 0 (default {ATOL} "
-                        "x the largest reference magnitude of each output)")
+                   help=f"output check: absolute tolerance, from 0 to {MAX_ATOL} (default "
+                        f"{ATOL} x the largest reference magnitude of each output)")
     o.add_argument("--json", help="also write the report as JSON to this file")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 

@@ -1,13 +1,12 @@
 """The command line's checks of its files and options, made before any work.
 
 Inputs must be regular files of bounded size; outputs may not be an input, another output
-or a special file, and their folder must be writable; tolerances must be finite. Each
-problem is a :class:`UsageError`: one line naming it, exit code 2.
+or a special file, and their folder must be writable; tolerances must be finite and at
+most their ceiling. Each problem is a :class:`UsageError`: one line naming it, exit code 2.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import stat
 
@@ -136,14 +135,20 @@ def check_input_file(path: str, what: str, limit: int) -> None:
 
 
 def check_tolerances(args) -> None:
-    """Refuse ``--rtol`` or ``--atol`` (``None``: the default) that is not finite and >= 0.
+    """Refuse ``--rtol`` or ``--atol`` that is not finite, >= 0 and at most its ceiling.
+
+    ``None`` is the default; the ceilings are :data:`~taso_jax.checks.MAX_RTOL` and
+    :data:`~taso_jax.checks.MAX_ATOL`.
 
     Raises:
         UsageError: naming the option and its value.
     """
+    from taso_jax.checks import tolerance_problem
+
     for option, value in (("--rtol", args.rtol), ("--atol", args.atol)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise UsageError(f"{option} {value}: a tolerance must be a finite number >= 0")
+        problem = tolerance_problem(option.lstrip("-"), value)
+        if problem:
+            raise UsageError(f"{option} {value}: {problem}")
 
 
 def check_outputs(outputs, protected: dict[str, str]) -> None:

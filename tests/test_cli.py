@@ -524,12 +524,25 @@ def test_optimize_reads_only_regular_files(tmp_path, capsys, kind):
 
 
 @pytest.mark.parametrize("flag", ["--rtol", "--atol"])
-@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
-def test_optimize_refuses_a_tolerance_that_is_not_finite_and_non_negative(capsys, flag,
-                                                                          value):
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "1e308", "1.5"])
+def test_optimize_refuses_a_tolerance_that_is_not_finite_non_negative_and_bounded(
+        capsys, flag, value):
     assert main(["optimize", *FAST, "--no-time", flag, value]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(err) == 1 and flag in err[0], err
+    assert len(err) == 1 and flag in err[0] and "Traceback" not in err[0], err
+
+
+def test_a_loose_tolerance_is_refused_even_with_trusted_proofs(tmp_path, capsys):
+    # --atol 1e308 passed every output check: a trusted wrong rule (clip(x) => x) was
+    # delivered, exit 0; above the ceiling the run stops before the model is read
+    src, rules = _clip_model_and_wrong_rule(tmp_path)
+    out = tmp_path / "o.onnx"
+    code = main(["optimize", str(src), "-o", str(out), "--substitutions", str(rules),
+                 "--trust-proofs", *FAST, "--no-time", "--end-to-end", "0",
+                 "--atol", "1e308"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and not out.exists()
+    assert len(err) == 1 and "--atol 1e+308" in err[0] and "at most 1.0" in err[0], err
 
 
 @pytest.mark.parametrize("argv, problem", [
