@@ -23,6 +23,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+from taso_jax._io import NamedFiles
 from taso_jax._text import one_line
 from taso_jax.cli_files import (
     MAX_RULE_FILE_BYTES,
@@ -50,12 +51,13 @@ def _check_proof_files(args) -> None:
     """
     from importlib.resources import files
 
-    shipped = str(files("taso_jax").joinpath("data/substitutions.json"))
-    protected = {os.path.realpath(shipped): "the shipped rule set"}
+    protected = NamedFiles()
+    protected.add(str(files("taso_jax").joinpath("data/substitutions.json")),
+                  "the shipped rule set")
     rule_file = getattr(args, "file", None)
     if rule_file:
         check_input_file(rule_file, "rule file", MAX_RULE_FILE_BYTES)
-        protected[os.path.realpath(rule_file)] = "the input rule file"
+        protected.add(rule_file, "the input rule file")
     if args.checkpoint:
         check_input_file(args.checkpoint, "--checkpoint", MAX_RULE_FILE_BYTES)
     check_outputs([(args.checkpoint, "--checkpoint", "the checkpoint"),

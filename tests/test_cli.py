@@ -523,6 +523,42 @@ def test_optimize_reads_only_regular_files(tmp_path, capsys, kind):
     assert ("--substitutions" if kind == "substitutions" else "model") in err[0]
 
 
+def _link(kind: str, target, link):
+    """``link`` made a hard or symbolic link to ``target``."""
+    import os
+
+    (os.link if kind == "hard" else os.symlink)(target, link)
+    return link
+
+
+@pytest.mark.parametrize("kind", ["hard", "symbolic"])
+@pytest.mark.parametrize("input_flag, flag, what", [
+    ("model", "-o", "the input model"), ("model", "--json", "the input model"),
+    ("--substitutions", "-o", "the --substitutions rule file"),
+    ("--substitutions", "--json", "the --substitutions rule file"),
+    ("-o", "--json", "the output model (-o)")])
+def test_optimize_compares_its_files_as_files_not_paths(tmp_path, capsys, kind, input_flag,
+                                                       flag, what):
+    # a hard link names the same file by another resolved path: compared by path alone,
+    # an output through one was written over the input
+    from taso_jax.search.rules import default_substitutions
+
+    model, rules = tmp_path / "m.onnx", tmp_path / "rules.json"
+    model.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+    save_substitutions(default_substitutions()[:3], rules)
+    out = tmp_path / "o.onnx"
+    out.write_bytes(b"an earlier output")
+    target = {"model": model, "--substitutions": rules, "-o": out}[input_flag]
+    link = _link(kind, target, tmp_path / "link")
+    before = {p: p.read_bytes() for p in (model, rules, out)}
+    args = ["optimize", str(model), "--substitutions", str(rules), *FAST, "--no-time"]
+    args += [flag, str(link)] if flag == "-o" else ["-o", str(out), flag, str(link)]
+    assert returns_soon(lambda: main(args)) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and flag in err[0] and what in err[0], err
+    assert {p: p.read_bytes() for p in (model, rules, out)} == before
+
+
 @pytest.mark.parametrize("flag", ["--rtol", "--atol"])
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "1e308", "1.5"])
 def test_optimize_refuses_a_tolerance_that_is_not_finite_non_negative_and_bounded(
