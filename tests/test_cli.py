@@ -523,6 +523,38 @@ def test_optimize_reads_only_regular_files(tmp_path, capsys, kind):
     assert ("--substitutions" if kind == "substitutions" else "model") in err[0]
 
 
+@pytest.mark.parametrize("declared, computed", [
+    ([2, 5], "float32[2, 4]"), ([2, 4, 1], "float32[2, 4]"), ([3, 8], "float32[2, 8]"),
+    (("double", [2, 4]), "float32[2, 4]")], ids=["size", "rank", "opaque_relu", "dtype"])
+def test_a_model_whose_declared_output_type_is_wrong_is_bad_input(tmp_path, capsys, declared,
+                                                                  computed):
+    # the output is declared with another shape than ONNX's shape inference computes from
+    # the inputs: the import kept the declared type, and running the graph failed inside
+    # the search (exit 1, "internal error") or it passed through unnoticed (exit 0)
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    elem, shape = declared if isinstance(declared, tuple) else ("float", declared)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+    y = helper.make_tensor_value_info("y", getattr(TensorProto, elem.upper()), shape)
+    if computed == "float32[2, 8]":
+        nodes, inits = [helper.make_node("Relu", ["x"], ["y"])], []
+    else:  # x @ a + x @ b, which the search merges (and so runs)
+        inits = [numpy_helper.from_array(np.full((8, 4), v, np.float32), n)
+                 for v, n in ((0.5, "a"), (2.0, "b"))]
+        nodes = [helper.make_node("MatMul", ["x", "a"], ["xa"]),
+                 helper.make_node("MatMul", ["x", "b"], ["xb"]),
+                 helper.make_node("Add", ["xa", "xb"], ["y"])]
+    src, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
+                           opset_imports=[helper.make_opsetid("", 17)], ir_version=10), src)
+    code = main(["optimize", str(src), "-o", str(out), *FAST, "--no-time"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and not out.exists(), err
+    declared_text = f"{'float64' if elem == 'double' else 'float32'}{shape}"
+    assert len(err) == 1 and "output 'y'" in err[0], err
+    assert declared_text in err[0] and computed in err[0], err
+
+
 def _link(kind: str, target, link):
     """``link`` made a hard or symbolic link to ``target``."""
     import os
