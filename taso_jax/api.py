@@ -25,7 +25,8 @@ def search_graph(graph, options: _options.OptimizeOptions | None = None, *, prog
         **changes: settings that override ``options`` (``budget=30``, ``end_to_end=0``...),
             and ``check`` (default ``True``: a rewritten graph is compared with the input
             under ``jax.jit`` at two input scales, and the input is returned, with a
-            ``RuntimeWarning``, where they differ), ``rtol``, ``atol`` (its tolerances).
+            ``RuntimeWarning``, where they differ), ``rtol``, ``atol`` (its tolerances,
+            at most :data:`~taso_jax.checks.MAX_RTOL` and :data:`~taso_jax.checks.MAX_ATOL`).
 
     A rule file named by ``substitutions`` is proved again unless ``trust_proofs=True``
     (:func:`taso_jax.verify.runner.load_proved_rules`), within half the time limit: the
@@ -40,7 +41,8 @@ def search_graph(graph, options: _options.OptimizeOptions | None = None, *, prog
         ``end_to_end`` what was timed.
 
     Raises:
-        ValueError: a setting out of range, or a rule file that is not one.
+        ValueError: a setting out of range (a tolerance above its ceiling too), or a rule
+            file that is not one.
         TypeError: an unknown setting.
     """
     from taso_jax.search.limits import Deadline
