@@ -1,4 +1,8 @@
-"""Atomic file writes: write a temporary file in the target folder, then rename it."""
+"""Output files: atomic writes, and the files an output may not be.
+
+A write goes to a temporary file in the target folder, then one rename; which files an
+output may not replace (:class:`NamedFiles`) are compared as files, not as paths.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 
-__all__ = ["atomic_write", "naming_output", "OutputError", "TEMP_PREFIX"]
+__all__ = ["atomic_write", "naming_output", "OutputError", "TEMP_PREFIX", "NamedFiles",
+           "same_file"]
 
 #: Names of the temporary files and folders written beside an output.
 TEMP_PREFIX = ".taso_jax."
@@ -74,3 +79,52 @@ def atomic_write(path, write: Callable[[str], None]) -> None:
             if os.path.lexists(tmp):
                 os.unlink(tmp)
             raise
+
+
+def _identity(path) -> tuple[str, tuple[int, int] | None]:
+    """``path`` resolved, and its file's ``(st_dev, st_ino)`` where it exists (else None)."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return real, None
+    return real, (st.st_dev, st.st_ino)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] or (a[1] is not None and a[1] == b[1])
+
+
+def same_file(a, b) -> bool:
+    """Whether paths ``a`` and ``b`` name one file.
+
+    They do where they resolve to one path (symbolic links followed, ``..`` and ``.``
+    removed) or, where both exist, are one file on one device (``os.path.samefile``: a
+    hard link, a bind mount, a path through a mount elsewhere).
+    """
+    return _same(_identity(a), _identity(b))
+
+
+class NamedFiles:
+    """Files, each with what it is (``"the input model"``), recognized as files.
+
+    The command line's outputs are checked against its inputs and against each other with
+    it: a path names a file held here by :func:`same_file`'s rule, so a hard link or a
+    symbolic link to an input is that input. Identities are read when a path is added.
+    Iterating gives the resolved paths.
+    """
+
+    def __init__(self) -> None:
+        self._files: list[tuple[tuple, str]] = []  # (_identity, what)
+
+    def add(self, path, what: str) -> None:
+        """Hold ``path`` as ``what``."""
+        self._files.append((_identity(path), what))
+
+    def what(self, path) -> str | None:
+        """What the file ``path`` names is (the first held that it is), or ``None``."""
+        ident = _identity(path)
+        return next((what for held, what in self._files if _same(ident, held)), None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([held[0] for held, _ in self._files])

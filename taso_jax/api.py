@@ -25,7 +25,8 @@ def search_graph(graph, options: _options.OptimizeOptions | None = None, *, prog
         **changes: settings that override ``options`` (``budget=30``, ``end_to_end=0``...),
             and ``check`` (default ``True``: a rewritten graph is compared with the input
             under ``jax.jit`` at two input scales, and the input is returned, with a
-            ``RuntimeWarning``, where they differ), ``rtol``, ``atol`` (its tolerances).
+            ``RuntimeWarning``, where they differ), ``rtol``, ``atol`` (its tolerances,
+            at most :data:`~taso_jax.checks.MAX_RTOL` and :data:`~taso_jax.checks.MAX_ATOL`).
 
     A rule file named by ``substitutions`` is proved again unless ``trust_proofs=True``
     (:func:`taso_jax.verify.runner.load_proved_rules`), within half the time limit: the
@@ -40,7 +41,8 @@ def search_graph(graph, options: _options.OptimizeOptions | None = None, *, prog
         ``end_to_end`` what was timed.
 
     Raises:
-        ValueError: a setting out of range, or a rule file that is not one.
+        ValueError: a setting out of range (a tolerance above its ceiling too), or a rule
+            file that is not one.
         TypeError: an unknown setting.
     """
     from taso_jax.search.limits import Deadline
@@ -85,8 +87,9 @@ def optimize(graph=None, **options):
 
     Raises:
         ValueError: an option out of range, or (functions) a ``weight_argnames`` /
-            ``static_argnames`` entry that is not a parameter.
-        TypeError: an unknown option.
+            ``static_argnames`` entry that is not a parameter; at a call, an unhashable
+            static argument (as ``jax.jit``: static values are hashed and compared by value).
+        TypeError: an unknown option; at a call, an unhashable non-array leaf.
     """
     if isinstance(graph, Graph | GraphBuilder):
         return search_graph(graph, **options).graph

@@ -26,11 +26,46 @@ from taso_jax.search.choose import device_name, time_graphs
 __all__ = ["measure_speed", "measure_onnxruntime", "compare_onnx", "check_onnx",
            "reference_runs", "compare_outputs", "other_bindings", "check_other_sizes",
            "RTOL", "ATOL", "CHECK_SCALES", "ONNXRUNTIME_WARN", "OTHER_SIZES_ATOL",
-           "check_graphs"]
+           "check_graphs", "MAX_RTOL", "MAX_ATOL", "check_tolerances", "tolerance_problem"]
 
 #: Outputs agree when ``|a - b| <= ATOL * max|b| + RTOL * |b|`` elementwise (float32 sums
 #: reassociate when convolutions are merged or batchnorm is folded).
 RTOL, ATOL = 1e-3, 1e-4
+
+#: The loosest tolerances an output check takes (``--rtol``/``--atol``, ``rtol=``/``atol=``).
+#: The check is what catches a wrong rewrite (a rule given with ``trust_proofs``, a bug), so
+#: a tolerance may widen it for a model's own rounding, never switch it off: a relative
+#: 0.1 is 25 times bfloat16's rounding unit (2^-8) and 100 times :data:`RTOL`; an absolute
+#: 1.0 is the size of an N(0, 1) input, so a rewrite that is wrong by the input's own
+#: magnitude (a dropped ReLU or clip) still fails at the x100 scale of :data:`CHECK_SCALES`.
+#: ``--atol 1e308`` had passed a trusted rule that drops a ReLU.
+MAX_RTOL, MAX_ATOL = 0.1, 1.0
+
+
+def tolerance_problem(name: str, value: float | None) -> str | None:
+    """Why ``value`` cannot be the tolerance ``name`` (``"rtol"``, ``"atol"``), or None.
+
+    ``None`` (the default: :data:`RTOL`, or :data:`ATOL` scaled) is fine; otherwise the
+    value must be finite, >= 0 and at most :data:`MAX_RTOL` or :data:`MAX_ATOL`.
+    """
+    ceiling = {"rtol": MAX_RTOL, "atol": MAX_ATOL}[name]
+    if value is None or 0 <= value <= ceiling:  # NaN fails both comparisons
+        return None
+    return (f"a tolerance must be a finite number >= 0 and at most {ceiling} (a looser one "
+            "lets a wrong rewrite pass the output check)")
+
+
+def check_tolerances(rtol: float | None, atol: float | None) -> None:
+    """Refuse output-check tolerances that :func:`tolerance_problem` finds fault with.
+
+    Raises:
+        ValueError: ``rtol`` or ``atol`` NaN, infinite, negative or above its ceiling
+            (:data:`MAX_RTOL`, :data:`MAX_ATOL`), naming it (``atol=2.0: ...``).
+    """
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        problem = tolerance_problem(name, value)
+        if problem:
+            raise ValueError(f"{name}={value}: {problem}")
 
 
 def measure_speed(before: Graph, after: Graph, repeats: int = 30, seed: int = 0,
@@ -128,8 +163,10 @@ def compare_onnx(original, optimized, inputs: dict, rtol: float = RTOL,
     model does not run carries ``"error"``.
 
     Raises:
+        ValueError: a tolerance refused by :func:`check_tolerances`.
         ModelError: the original model does not run on ``inputs``.
     """
+    check_tolerances(rtol, atol)
     reference = _reference(original, inputs)
     actual, failed = _actual(optimized, [inputs], len(reference), rtol, atol)
     return failed or compare_outputs(actual[0], reference, rtol, atol)
@@ -177,8 +214,10 @@ def check_onnx(original, optimized, graph: Graph, rtol: float = RTOL,
     ``"failed_scale"`` (the first failing one, or ``None``).
 
     Raises:
+        ValueError: a tolerance refused by :func:`check_tolerances`.
         ModelError: the original model does not run on the check's inputs.
     """
+    check_tolerances(rtol, atol)
     runs = references if references is not None else reference_runs(original, graph,
                                                                      scales, seed)
     actual, failed = _actual(optimized, [feeds for _, feeds, _ in runs], len(runs[0][2]),
@@ -219,9 +258,13 @@ def check_graphs(original: Graph, optimized: Graph, rtol: float = RTOL,
     boolean inputs, and inputs the graph uses as indices, are not scaled). Tolerances as in
     :func:`compare_outputs`. Returns the comparison of the worst scale, with ``"scales"``
     and ``"failed_scale"`` (the first failing one, or ``None``), and ``"reference"``.
+
+    Raises:
+        ValueError: a tolerance refused by :func:`check_tolerances`.
     """
     from taso_jax.ir.executor import compile_graph
 
+    check_tolerances(rtol, atol)
     base = random_inputs(original, seed=seed)
     indices = original.meta.get("integer_input_bounds") or {}
     run_a, run_b = compile_graph(original), compile_graph(optimized)
@@ -302,7 +345,11 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
     Returns ``{"ok", "shapes", ...}`` with the comparison (:func:`compare_outputs`),
     ``"ok": None`` when the original itself runs at none of the trial sizes, and
     ``"error"`` when the optimized model does not run there.
+
+    Raises:
+        ValueError: a tolerance refused by :func:`check_tolerances`.
     """
+    check_tolerances(rtol, atol)
     rng = np.random.default_rng(seed)
     static = {n.name: n.types[0] for n in graph.inputs}
     bounds = graph.meta.get("integer_input_bounds") or {}
@@ -337,7 +384,13 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
     Returns ``{"ok", "max_abs_err", "rtol", "atol", "outputs"}``; ``max_abs_err`` is
     ``inf`` when a non-finite value does not match. A NaN tolerance (``rtol``, ``atol`` or a
     ``floor``) fails every float output: no comparison passes by a NaN.
+
+    Raises:
+        ValueError: ``rtol`` or ``atol`` above its ceiling (:data:`MAX_RTOL`,
+            :data:`MAX_ATOL`), infinity included.
     """
+    if rtol > MAX_RTOL or (atol is not None and atol > MAX_ATOL):
+        check_tolerances(rtol, atol)  # raises, naming the one too loose
     ok, worst = len(actual) == len(reference), 0.0
     floors = list(floor) if floor is not None else [0.0] * len(reference)
     tolerances = [rtol, *floors] + ([] if atol is None else [atol])

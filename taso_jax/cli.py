@@ -23,6 +23,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+from taso_jax._io import NamedFiles
 from taso_jax._text import one_line
 from taso_jax.cli_files import (
     MAX_RULE_FILE_BYTES,
@@ -50,12 +51,13 @@ def _check_proof_files(args) -> None:
     """
     from importlib.resources import files
 
-    shipped = str(files("taso_jax").joinpath("data/substitutions.json"))
-    protected = {os.path.realpath(shipped): "the shipped rule set"}
+    protected = NamedFiles()
+    protected.add(str(files("taso_jax").joinpath("data/substitutions.json")),
+                  "the shipped rule set")
     rule_file = getattr(args, "file", None)
     if rule_file:
         check_input_file(rule_file, "rule file", MAX_RULE_FILE_BYTES)
-        protected[os.path.realpath(rule_file)] = "the input rule file"
+        protected.add(rule_file, "the input rule file")
     if args.checkpoint:
         check_input_file(args.checkpoint, "--checkpoint", MAX_RULE_FILE_BYTES)
     check_outputs([(args.checkpoint, "--checkpoint", "the checkpoint"),
@@ -440,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _optimize_parser(sub, common, d) -> None:
     """The ``optimize`` command's arguments; defaults from options ``d``."""
-    from taso_jax.checks import ATOL, RTOL
+    from taso_jax.checks import ATOL, MAX_ATOL, MAX_RTOL, RTOL
     from taso_jax.targets import target_names
 
     o = sub.add_parser("optimize", parents=[common],
@@ -477,10 +479,10 @@ def _optimize_parser(sub, common, d) -> None:
     o.add_argument("--end-to-end", type=int, default=d.end_to_end, metavar="K",
                    help=described("end_to_end"))
     o.add_argument("--rtol", type=float, default=RTOL,
-                   help=f"output check: relative tolerance, finite and >= 0 ({RTOL})")
+                   help=f"output check: relative tolerance, from 0 to {MAX_RTOL} ({RTOL})")
     o.add_argument("--atol", type=float, default=None,
-                   help=f"output check: absolute tolerance, finite and >= 0 (default {ATOL} "
-                        "x the largest reference magnitude of each output)")
+                   help=f"output check: absolute tolerance, from 0 to {MAX_ATOL} (default "
+                        f"{ATOL} x the largest reference magnitude of each output)")
     o.add_argument("--json", help="also write the report as JSON to this file")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 

@@ -1,15 +1,16 @@
 """The command line's checks of its files and options, made before any work.
 
 Inputs must be regular files of bounded size; outputs may not be an input, another output
-or a special file, and their folder must be writable; tolerances must be finite. Each
-problem is a :class:`UsageError`: one line naming it, exit code 2.
+or a special file, and their folder must be writable; tolerances must be finite and at
+most their ceiling. Each problem is a :class:`UsageError`: one line naming it, exit code 2.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import stat
+
+from taso_jax._io import NamedFiles
 
 __all__ = ["UsageError", "check_output_path", "check_input_file", "check_tolerances",
            "check_outputs", "check_output_folder", "MAX_MODEL_BYTES", "MAX_RULE_FILE_BYTES"]
@@ -62,19 +63,20 @@ def _external_data_files(model_path: str) -> set[str]:
     return found
 
 
-def check_output_path(path: str, option: str, protected: dict[str, str]) -> None:
+def check_output_path(path: str, option: str, protected: NamedFiles) -> None:
     """Refuse an output path that would lose data, before any long work starts.
 
-    ``protected`` maps real paths to what they are (``"the input model"``). The path must
-    not be one of them, must not be an existing special file (a device, a folder, a pipe),
-    and its folder must exist and be writable.
+    ``protected`` holds the files an output may not be, named (``"the input model"``). The
+    path must not name one of them (by path, symbolic links followed, or as the same file:
+    a hard link), must not be an existing special file (a device, a folder, a pipe), and
+    its folder must exist and be writable.
 
     Raises:
         UsageError: naming the option and the path.
     """
-    real = os.path.realpath(path)
-    if real in protected:
-        raise UsageError(f"{option} {path!r} is {protected[real]}; choose another path "
+    what = protected.what(path)
+    if what is not None:
+        raise UsageError(f"{option} {path!r} is {what}; choose another path "
                          "(inputs are never overwritten)")
     if os.path.exists(path) and not os.path.isfile(path):
         raise UsageError(f"{option} {path!r} exists and is not a regular file")
@@ -136,17 +138,23 @@ def check_input_file(path: str, what: str, limit: int) -> None:
 
 
 def check_tolerances(args) -> None:
-    """Refuse ``--rtol`` or ``--atol`` (``None``: the default) that is not finite and >= 0.
+    """Refuse ``--rtol`` or ``--atol`` that is not finite, >= 0 and at most its ceiling.
+
+    ``None`` is the default; the ceilings are :data:`~taso_jax.checks.MAX_RTOL` and
+    :data:`~taso_jax.checks.MAX_ATOL`.
 
     Raises:
         UsageError: naming the option and its value.
     """
+    from taso_jax.checks import tolerance_problem
+
     for option, value in (("--rtol", args.rtol), ("--atol", args.atol)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise UsageError(f"{option} {value}: a tolerance must be a finite number >= 0")
+        problem = tolerance_problem(option.lstrip("-"), value)
+        if problem:
+            raise UsageError(f"{option} {value}: {problem}")
 
 
-def check_outputs(outputs, protected: dict[str, str]) -> None:
+def check_outputs(outputs, protected: NamedFiles) -> None:
     """:func:`check_output_path` for each ``(path, option, what)``; ``None`` paths are skipped.
 
     Each checked path joins ``protected`` as ``"<what> (<option>)"``, so that no two of a
@@ -158,7 +166,7 @@ def check_outputs(outputs, protected: dict[str, str]) -> None:
     for path, option, what in outputs:
         if path:
             check_output_path(path, option, protected)
-            protected[os.path.realpath(path)] = f"{what} ({option})"
+            protected.add(path, f"{what} ({option})")
 
 
 def check_output_folder(path: str, option: str) -> None:

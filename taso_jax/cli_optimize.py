@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from taso_jax._io import NamedFiles
 from taso_jax._text import one_line
 from taso_jax.cli_files import (
     MAX_MODEL_BYTES,
@@ -150,7 +151,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     return 0
 
 
-def _protected_paths(args) -> tuple[dict, set]:
+def _protected_paths(args) -> tuple[NamedFiles, set]:
     """The files no output may replace, named, and the input's external-data files.
 
     ``-o`` defaults to the model's name with ``.opt.onnx``; ``-o`` and ``--json`` are
@@ -159,17 +160,17 @@ def _protected_paths(args) -> tuple[dict, set]:
     if args.model is not None and args.output is None:
         stem = args.model[:-5] if args.model.endswith(".onnx") else args.model
         args.output = stem + ".opt.onnx"
-    protected, external_data = {}, set()
+    protected, external_data = NamedFiles(), set()
     if args.substitutions is not None:  # an input too: never replaced by an output
-        protected[os.path.realpath(args.substitutions)] = "the --substitutions rule file"
+        protected.add(args.substitutions, "the --substitutions rule file")
     if args.model is not None:
-        protected[os.path.realpath(args.model)] = "the input model"
+        protected.add(args.model, "the input model")
         external_data = _external_data_files(args.model)
-        protected.update((p, "an external-data file of the input model")
-                         for p in external_data)
+        for p in external_data:
+            protected.add(p, "an external-data file of the input model")
     if args.output:
         check_output_path(args.output, "-o", protected)
-        protected[os.path.realpath(args.output)] = "the output model (-o)"
+        protected.add(args.output, "the output model (-o)")
     if args.json:
         check_output_path(args.json, "--json", protected)
     return protected, external_data

@@ -52,7 +52,13 @@ from taso_jax.frontends.jaxpr_io import (
     leaves_for_call,
     normalize_argnums,
 )
-from taso_jax.frontends.signature_entry import _Entry, _is_tracer, _leaf_signature, _static_key
+from taso_jax.frontends.signature_entry import (
+    _Entry,
+    _is_tracer,
+    _leaf_signature,
+    _static_key,
+    unhashable_static,
+)
 from taso_jax.ir.executor import time_interleaved
 from taso_jax.ir.graph import Graph
 from taso_jax.search.choose import device_name
@@ -216,7 +222,12 @@ class OptimizedFunction(FirstCallPipeline):
     # microseconds a call that users of small functions pay (the fast path above it is timed
     # against jax.jit of the original by the end-to-end comparison).
     def __call__(self, *args, **kwargs):
-        """Run the optimized function (optimizing it first for a new signature)."""
+        """Run the optimized function (optimizing it first for a new signature).
+
+        Raises:
+            ValueError: a static argument is not hashable (as ``jax.jit`` raises).
+            TypeError: a non-array leaf (static here) is not hashable.
+        """
         kept = self._kept_fast
         if kept is not None and not kwargs and len(args) == kept[2]:
             # The last signature runs jax.jit of the original: call it directly, and let
@@ -234,7 +245,11 @@ class OptimizedFunction(FirstCallPipeline):
             # made a blocked call of a 60 us function about 3 us slower on XLA:CPU. A
             # traced call goes on through the full path, which traces the optimized stages.
             jitted, size, _, donates = kept
-            out = jitted(*args)
+            try:
+                out = jitted(*args)
+            except ValueError:  # jax.jit's own refusal of an unhashable static: ours names it
+                self._raise_unhashable(args, self._positions[len(args)][1])
+                raise
             if jitted._cache_size() == size:
                 if not _holds_tracer(out):
                     return out
@@ -271,8 +286,14 @@ class OptimizedFunction(FirstCallPipeline):
         flat, tree = jax.tree_util.tree_flatten(dyn)
         entry = self._fast_lookup(flat, tree, args, static_pos)
         if entry is None:
-            sig = [_leaf_signature(x) if _is_array_leaf(x) else _static_key(x) for x in flat]
-            key = (tree, tuple(_static_key(args[i]) for i in sorted(static_pos)), tuple(sig))
+            try:
+                sig = [_leaf_signature(x) if _is_array_leaf(x) else _static_key(x)
+                       for x in flat]
+                key = (tree, tuple(_static_key(args[i]) for i in sorted(static_pos)),
+                       tuple(sig))
+            except TypeError:  # an unhashable static value: refused, as by jax.jit
+                self._raise_unhashable(args, static_pos)
+                raise
             entry = self._cache.get(key)
             if entry is not None:
                 self._cache.move_to_end(key)
@@ -315,6 +336,12 @@ class OptimizedFunction(FirstCallPipeline):
                 and entry.folded_for and not entry.folded_for[2]):
             self._opt_fast = (entry, tree)  # every weight a JAX array: see _optimized_fast
         return out
+
+    def _raise_unhashable(self, args, static_pos) -> None:
+        """Raise :func:`unhashable_static`'s error for ``args``, if it finds one."""
+        error = unhashable_static(self._flat_fn, args, static_pos)
+        if error is not None:
+            raise error from None
 
     def _optimized_fast(self, fast: tuple, args: tuple):
         """The last signature's optimized result for ``args``, or ``None`` (full path).

@@ -31,7 +31,7 @@ from taso_jax.checks import compare_outputs
 from taso_jax.frontends import graph_cache
 from taso_jax.frontends.jaxpr_io import TracedFunction, _fn_name, trace_function
 from taso_jax.frontends.onnx_model import ImportTimeLimit
-from taso_jax.frontends.signature_entry import _Entry, _hashable, _is_tracer, _leaf_signature
+from taso_jax.frontends.signature_entry import _Entry, _is_tracer, _leaf_signature
 from taso_jax.ir.executor import StagedGraph, time_function, time_interleaved
 from taso_jax.ir.folded_work import folded_work
 from taso_jax.records import search_report
@@ -345,10 +345,9 @@ class FirstCallPipeline:
         kinds, array_index = traced.kinds, traced.array_index
         entry = _Entry(out_tree=traced.out_tree, jit_original=jax.jit(traced.flat_fn),
                        kinds=kinds, array_index=array_index)
-        # jax.jit of the user's function can run it: every leaf an array, every static
-        # argument hashable (our own static handling also takes unhashable ones, by id)
-        entry.all_arrays = len(array_index) == traced.n_flat and all(
-            _hashable(args[i]) for i in static_pos)
+        # jax.jit of the user's function can run it: every leaf an array (static arguments
+        # are hashable, as the signature's key requires)
+        entry.all_arrays = len(array_index) == traced.n_flat
         entry.key_leaves = traced.key_leaves
         inputs_at = {i for i, k in zip(array_index, kinds, strict=True) if k == "input"}
         entry.same_object = [i for i in range(traced.n_flat) if i not in inputs_at]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from taso_jax.checks import RTOL
+from taso_jax.checks import RTOL, check_tolerances
 from taso_jax.ir.graph import Graph, GraphBuilder
 from taso_jax.outcome import Outcome
 from taso_jax.records import PhaseTimes, cost_model_stats
@@ -151,21 +151,14 @@ class Optimizer:
             The :class:`~taso_jax.outcome.Outcome`; its ``graph`` is the graph delivered.
 
         Raises:
-            ValueError: ``rtol`` or ``atol`` negative or not finite.
+            ValueError: ``rtol`` or ``atol`` negative, not finite or above its ceiling
+                (:func:`~taso_jax.checks.check_tolerances`).
         """
         from taso_jax.pipeline import GraphSource, deliver
 
-        _check_tolerances(rtol, atol)
+        check_tolerances(rtol, atol)
         if isinstance(graph, GraphBuilder):
             graph = graph.graph()
         source = GraphSource(graph, name, check, rtol, atol) if isinstance(graph, Graph) \
             else graph
         return deliver(self, source, deadline, progress)
-
-def _check_tolerances(rtol: float, atol: float | None) -> None:
-    """Raise ``ValueError`` unless the tolerances are finite and non-negative."""
-    import math
-
-    for name, value in (("rtol", rtol), ("atol", atol)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be a finite number >= 0, got {value}")

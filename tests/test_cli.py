@@ -523,13 +523,94 @@ def test_optimize_reads_only_regular_files(tmp_path, capsys, kind):
     assert ("--substitutions" if kind == "substitutions" else "model") in err[0]
 
 
+@pytest.mark.parametrize("declared, computed", [
+    ([2, 5], "float32[2, 4]"), ([2, 4, 1], "float32[2, 4]"), ([3, 8], "float32[2, 8]"),
+    (("double", [2, 4]), "float32[2, 4]")], ids=["size", "rank", "opaque_relu", "dtype"])
+def test_a_model_whose_declared_output_type_is_wrong_is_bad_input(tmp_path, capsys, declared,
+                                                                  computed):
+    # the output is declared with another shape than ONNX's shape inference computes from
+    # the inputs: the import kept the declared type, and running the graph failed inside
+    # the search (exit 1, "internal error") or it passed through unnoticed (exit 0)
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    elem, shape = declared if isinstance(declared, tuple) else ("float", declared)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+    y = helper.make_tensor_value_info("y", getattr(TensorProto, elem.upper()), shape)
+    if computed == "float32[2, 8]":
+        nodes, inits = [helper.make_node("Relu", ["x"], ["y"])], []
+    else:  # x @ a + x @ b, which the search merges (and so runs)
+        inits = [numpy_helper.from_array(np.full((8, 4), v, np.float32), n)
+                 for v, n in ((0.5, "a"), (2.0, "b"))]
+        nodes = [helper.make_node("MatMul", ["x", "a"], ["xa"]),
+                 helper.make_node("MatMul", ["x", "b"], ["xb"]),
+                 helper.make_node("Add", ["xa", "xb"], ["y"])]
+    src, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
+                           opset_imports=[helper.make_opsetid("", 17)], ir_version=10), src)
+    code = main(["optimize", str(src), "-o", str(out), *FAST, "--no-time"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and not out.exists(), err
+    declared_text = f"{'float64' if elem == 'double' else 'float32'}{shape}"
+    assert len(err) == 1 and "output 'y'" in err[0], err
+    assert declared_text in err[0] and computed in err[0], err
+
+
+def _link(kind: str, target, link):
+    """``link`` made a hard or symbolic link to ``target``."""
+    import os
+
+    (os.link if kind == "hard" else os.symlink)(target, link)
+    return link
+
+
+@pytest.mark.parametrize("kind", ["hard", "symbolic"])
+@pytest.mark.parametrize("input_flag, flag, what", [
+    ("model", "-o", "the input model"), ("model", "--json", "the input model"),
+    ("--substitutions", "-o", "the --substitutions rule file"),
+    ("--substitutions", "--json", "the --substitutions rule file"),
+    ("-o", "--json", "the output model (-o)")])
+def test_optimize_compares_its_files_as_files_not_paths(tmp_path, capsys, kind, input_flag,
+                                                       flag, what):
+    # a hard link names the same file by another resolved path: compared by path alone,
+    # an output through one was written over the input
+    from taso_jax.search.rules import default_substitutions
+
+    model, rules = tmp_path / "m.onnx", tmp_path / "rules.json"
+    model.write_bytes(model_path("tv_squeezenet1_1").read_bytes())
+    save_substitutions(default_substitutions()[:3], rules)
+    out = tmp_path / "o.onnx"
+    out.write_bytes(b"an earlier output")
+    target = {"model": model, "--substitutions": rules, "-o": out}[input_flag]
+    link = _link(kind, target, tmp_path / "link")
+    before = {p: p.read_bytes() for p in (model, rules, out)}
+    args = ["optimize", str(model), "--substitutions", str(rules), *FAST, "--no-time"]
+    args += [flag, str(link)] if flag == "-o" else ["-o", str(out), flag, str(link)]
+    assert returns_soon(lambda: main(args)) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and flag in err[0] and what in err[0], err
+    assert {p: p.read_bytes() for p in (model, rules, out)} == before
+
+
 @pytest.mark.parametrize("flag", ["--rtol", "--atol"])
-@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
-def test_optimize_refuses_a_tolerance_that_is_not_finite_and_non_negative(capsys, flag,
-                                                                          value):
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "1e308", "1.5"])
+def test_optimize_refuses_a_tolerance_that_is_not_finite_non_negative_and_bounded(
+        capsys, flag, value):
     assert main(["optimize", *FAST, "--no-time", flag, value]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(err) == 1 and flag in err[0], err
+    assert len(err) == 1 and flag in err[0] and "Traceback" not in err[0], err
+
+
+def test_a_loose_tolerance_is_refused_even_with_trusted_proofs(tmp_path, capsys):
+    # --atol 1e308 passed every output check: a trusted wrong rule (clip(x) => x) was
+    # delivered, exit 0; above the ceiling the run stops before the model is read
+    src, rules = _clip_model_and_wrong_rule(tmp_path)
+    out = tmp_path / "o.onnx"
+    code = main(["optimize", str(src), "-o", str(out), "--substitutions", str(rules),
+                 "--trust-proofs", *FAST, "--no-time", "--end-to-end", "0",
+                 "--atol", "1e308"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and not out.exists()
+    assert len(err) == 1 and "--atol 1e+308" in err[0] and "at most 1.0" in err[0], err
 
 
 @pytest.mark.parametrize("argv, problem", [

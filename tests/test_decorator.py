@@ -798,7 +798,7 @@ def test_prng_keys_int_and_bf16_arguments_are_optimized_not_fallen_back():
     np.testing.assert_allclose(np.asarray(half(wb, xb), np.float32), 8.0)
 
 
-def test_keyword_arguments_after_skipped_defaults_and_unhashable_statics_run():
+def test_keyword_arguments_after_skipped_defaults_and_hashable_statics_run():
     @taso_jax.optimize(**OPTS)
     def f(x, a=1.0, b=2.0):
         return jnp.tanh(x) * a + b
@@ -813,7 +813,60 @@ def test_keyword_arguments_after_skipped_defaults_and_unhashable_statics_run():
     for _ in range(2):  # the first call and the fast path of a kept signature
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # no fallback
-            np.testing.assert_allclose(g(x, [2.0]), 3.0, rtol=1e-6)
+            np.testing.assert_allclose(g(x, (2.0,)), 3.0, rtol=1e-6)
+
+
+def test_static_arguments_are_keyed_by_value_and_unhashable_ones_refused():
+    """As ``jax.jit``: a static argument is hashed and compared by value, so an equal value
+    reuses the signature and another value is another signature; a NumPy array, list or
+    dict, which could change in place behind a signature keyed by identity, is refused
+    with ``jax.jit``'s ValueError, naming the argument."""
+
+    @taso_jax.optimize(static_argnames="scale", **OPTS)
+    def g(x, scale):
+        return x * scale[0] + 1.0
+
+    x = jnp.ones(3)
+    np.testing.assert_allclose(g(x, (2.0,)), 3.0)
+    np.testing.assert_allclose(g(x, (3.0,)), 4.0)  # another value: another signature
+    np.testing.assert_allclose(g(x, tuple([3.0])), 4.0)  # an equal value: the same one
+    assert len(g._cache) == 2
+    for bad in (np.array([2.0]), [2.0], {0: 2.0}):
+        with pytest.raises(ValueError, match=r"Non-hashable static arguments are not "
+                           r"supported.*'scale'"):
+            g(x, bad)
+    with pytest.raises(ValueError, match="'scale'"):
+        g(x, scale=[2.0])
+    assert len(g._cache) == 2
+
+
+def test_a_static_numpy_array_changed_in_place_is_never_served_stale():
+    @taso_jax.optimize(static_argnums=1, **OPTS)
+    def g(x, table):
+        return x * float(table[0])
+
+    x, table = jnp.ones(3), np.array([2.0])
+    with pytest.raises(ValueError, match="Non-hashable"):
+        g(x, table)
+    table[0] = 5.0
+    with pytest.raises(ValueError, match="Non-hashable"):
+        g(x, table)  # never 2.0 from a signature keyed by the array's identity
+
+
+def test_unhashable_non_array_leaves_are_refused_like_jax_jit():
+    """Non-array leaves are static (as ``equinox.filter_jit``): a hashable one is keyed by
+    value, an unhashable one is refused with a TypeError naming its path, as ``jax.jit``
+    refuses a non-array leaf."""
+
+    @taso_jax.optimize(**OPTS)
+    def g(x, cfg):
+        return x * len(cfg["names"][1]) + 1.0
+
+    x = jnp.ones(3)
+    np.testing.assert_allclose(g(x, {"names": ("a", "bc")}), 3.0)
+    np.testing.assert_allclose(g(x, {"names": ("a", "bcd")}), 4.0)
+    with pytest.raises(TypeError, match=r"cfg\['names'\]\[1\].*set.*hashable"):
+        g(x, {"names": ("a", {"b", "c"})})
 
 
 @pytest.mark.slow

@@ -1,10 +1,14 @@
-"""taso_jax.report: the output check never passes by a NaN tolerance or a NaN error."""
+"""taso_jax.report: the output check never passes by a NaN tolerance or a NaN error, nor by
+a tolerance above the ceiling."""
 
 import math
 
 import numpy as np
 import pytest
 
+from taso_jax.checks import MAX_ATOL, MAX_RTOL, check_graphs, check_tolerances
+from taso_jax.examples import nasrnn_cells
+from taso_jax.optimizer import Optimizer
 from taso_jax.report import compare_outputs
 
 REF = [np.array([1.0, 2.0, 3.0], np.float32)]
@@ -75,3 +79,26 @@ def test_candidates_that_could_not_be_exported_are_named_in_the_choice_line():
          "dropped": ["KeyError: 'ln_bias'"]}
     assert "1 candidate(s) left out, not exportable to ONNX (first: KeyError" in \
         end_to_end_line(e)
+
+
+@pytest.mark.parametrize("kw", [{"rtol": 0.5}, {"atol": 2.0}, {"atol": 1e308},
+                                {"rtol": math.inf}, {"atol": -1.0}, {"rtol": math.nan}],
+                         ids=["rtol", "atol", "huge", "inf", "negative", "nan"])
+def test_every_api_refuses_a_tolerance_above_the_ceiling(kw):
+    """A tolerance so loose that a wrong rewrite (a dropped ReLU) passes is refused with a
+    ValueError naming it, by the optimizer, the graph check and the comparison itself."""
+    graph = nasrnn_cells(hidden=4, steps=1)
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"^{name}="):
+        Optimizer(cost_model="analytic", budget=1, end_to_end=0).run(graph, **kw)
+    with pytest.raises(ValueError, match=f"^{name}="):
+        check_graphs(graph, graph, **kw)
+    if not math.isnan(next(iter(kw.values()))) and next(iter(kw.values())) > 0:
+        with pytest.raises(ValueError, match=f"^{name}="):
+            compare_outputs(OFF, REF, **kw)  # a NaN fails closed there (above)
+
+
+def test_the_ceiling_itself_is_allowed():
+    check_tolerances(MAX_RTOL, MAX_ATOL)
+    check_tolerances(0.0, None)  # None: the scale-aware default
+    assert compare_outputs(REF, REF, rtol=MAX_RTOL, atol=MAX_ATOL)["ok"]

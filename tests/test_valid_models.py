@@ -8,9 +8,12 @@ onnxruntime check run rather than the input being copied back.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import taso_jax
@@ -246,3 +249,22 @@ def test_a_data_file_that_would_replace_the_inputs_own_is_refused(tmp_path, monk
     err = capsys.readouterr().err
     assert "would replace a file of the input model" in err and len(err.splitlines()) == 1
     assert not out.exists() and (src.parent / "o.onnx.data").read_bytes() == before
+
+
+def test_a_data_file_that_is_a_hard_link_to_the_inputs_own_is_refused(tmp_path):
+    # a hard link is the input's data file under another path: compared by resolved path
+    # alone, the write went ahead (onnx itself refuses to load a model whose data file
+    # has several links, so the command line stops earlier; write_onnx must not rely on it)
+    from taso_jax.frontends.onnx_export import write_onnx
+    from taso_jax.frontends.onnx_io import ModelError
+
+    src = _external_input(tmp_path)
+    weights = src.parent / "weights.bin"
+    out = tmp_path / "out" / "o.onnx"
+    out.parent.mkdir()
+    os.link(weights, out.parent / "o.onnx.data")
+    before = weights.read_bytes()
+    with pytest.raises(ModelError, match="would replace a file of the input model"):
+        write_onnx(str(out), str(src), keep={str(src), str(weights)})
+    assert not out.exists() and weights.read_bytes() == before
+    assert os.path.samefile(weights, out.parent / "o.onnx.data")

@@ -212,6 +212,45 @@ def test_generate_refuses_out_of_range_numbers_before_any_work(tmp_path, capsys,
     assert not out.exists()
 
 
+def _link(kind: str, target, link):
+    """``link`` made a hard or symbolic link to ``target``."""
+    if kind == "hard":
+        os.link(target, link)
+    else:
+        os.symlink(target, link)
+    return link
+
+
+@pytest.mark.parametrize("kind", ["hard", "symbolic"])
+@pytest.mark.parametrize("flag", ["--checkpoint", "-o", "--report"])
+def test_verify_never_writes_over_its_input_file_through_a_link(tmp_path, capsys, kind,
+                                                                 flag):
+    # a hard link is the input file under another path: a checkpoint named by one had its
+    # lines appended to the rule file, since only resolved paths were compared
+    src = tmp_path / "rules.json"
+    save_substitutions([WRONG], src)
+    before = src.read_bytes()
+    link = _link(kind, src, tmp_path / "link.json")
+    assert main(["verify", str(src), "-q", "--workers", "1", flag, str(link)]) == 2
+    _one_error_line(capsys, flag, "the input rule file")
+    assert src.read_bytes() == before
+
+
+@pytest.mark.parametrize("kind", ["hard", "symbolic"])
+def test_no_two_outputs_of_verify_or_generate_are_one_file_through_a_link(tmp_path, capsys,
+                                                                          kind):
+    src = tmp_path / "rules.json"
+    save_substitutions([WRONG], src)
+    out = tmp_path / "out.json"
+    out.write_text("mine")
+    link = _link(kind, out, tmp_path / "link.txt")
+    assert main(["verify", str(src), "-q", "-o", str(out), "--report", str(link)]) == 2
+    _one_error_line(capsys, "--report", "the output file (-o)")
+    assert main(["generate", "-q", "-o", str(out), "--checkpoint", str(link)]) == 2
+    _one_error_line(capsys, "-o", "the checkpoint (--checkpoint)")
+    assert out.read_text() == "mine"
+
+
 def test_generate_checks_its_output_paths_before_any_work(tmp_path, capsys, monkeypatch):
     started = time.perf_counter()
     assert main(["generate", "-q", "-o", str(tmp_path)]) == 2

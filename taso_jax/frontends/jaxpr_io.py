@@ -466,7 +466,8 @@ def trace_function(fn: Callable, args: Sequence, weight_pos: set[int],
         weight_pos: positions of the arguments whose array leaves are weights.
         static_pos: positions of arguments passed through untraced (hashable values).
         non_arrays: what a non-array leaf of a traced argument is: ``"error"`` (a
-            ``ValueError`` naming the argument and path) or ``"static"`` (closed over).
+            ``ValueError`` naming the argument and path) or ``"static"`` (closed over; the
+            decorator keys them by value, so it refuses unhashable ones before tracing).
 
     Raises:
         ValueError: a non-array leaf when ``non_arrays="error"``.

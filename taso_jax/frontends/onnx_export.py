@@ -414,14 +414,15 @@ def write_onnx(path: str, model, keep: Collection[str] = ()) -> str | None:
     data file. Returns the data file's path, or ``None`` when there is none.
 
     Raises:
-        ModelError: the data file would replace one of ``keep`` (real paths: the input
-            model and its own data files); nothing is written.
+        ModelError: the data file would be one of the files ``keep`` names (the input
+            model and its own data files: :func:`~taso_jax._io.same_file`, so a hard link
+            is that file too); nothing is written.
         OSError: a write failed; one that named no file or a temporary one names ``path``
             (:func:`taso_jax._io.naming_output`).
     """
     import onnx
 
-    from taso_jax._io import TEMP_PREFIX, atomic_write, naming_output
+    from taso_jax._io import TEMP_PREFIX, atomic_write, naming_output, same_file
     from taso_jax.frontends.onnx_model import ModelError
 
     if isinstance(model, bytes | bytearray):
@@ -431,7 +432,7 @@ def write_onnx(path: str, model, keep: Collection[str] = ()) -> str | None:
         atomic_write(path, lambda tmp: onnx.save_model(model, tmp))
         return None
     data_path = os.fspath(path) + ".data"
-    if os.path.realpath(data_path) in {os.path.realpath(k) for k in keep}:
+    if any(same_file(data_path, k) for k in keep):
         raise ModelError(f"{path}: the model is over protobuf's 2 GB limit and is written with "
                          f"its tensors in {data_path}, which would replace a file of the "
                          "input model; choose another -o")

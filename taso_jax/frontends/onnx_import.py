@@ -141,8 +141,9 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
         ModelError: missing or unreadable file, an opset above :func:`max_opset` or one
             that onnx's version converter cannot bring to 17,
             an ``input_shapes`` entry that does not fit its input, a model that ONNX's
-            checker rejects, local functions that onnx's inliner refuses, or a sparse
-            initializer too large once dense.
+            checker rejects, local functions that onnx's inliner refuses, a sparse
+            initializer too large once dense, or a graph output declared with another type
+            than shape inference computes.
         ImportTimeLimit: ``deadline`` passed (the model had passed ONNX's checker).
     """
     import onnx
@@ -162,7 +163,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
                            "it; onnxruntime does not): imported in that order")
     model, opset = _converted(model, src_opset, where)
     _check_deadline(deadline, "before shape inference")
-    types = _value_types(model)
+    types = _value_types(model, where)
     _check_deadline(deadline, "after shape inference")
     g = model.graph
     weights = _read_weights(g)

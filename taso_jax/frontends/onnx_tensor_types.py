@@ -20,12 +20,69 @@ from taso_jax.ops import TensorType
 __all__ = ["index_bounds", "probe_feeds", "static_types", "PROBE_OUTPUTS", "INFER_OVER"]
 
 
-def _value_types(model) -> dict[str, TensorType]:
+def _value_types(model, where: str = "model") -> dict[str, TensorType]:
+    """The static type of each value of ``model`` by ONNX shape inference, by name.
+
+    The graph outputs' declared types are set aside while it runs, so that what it computes
+    from the inputs is not merged with them: a declared type fills in an output it leaves
+    open, and one that disagrees with it is refused.
+
+    Raises:
+        ModelError: a graph output declared with another rank, size or element type than
+            shape inference computes (:func:`_check_declared_outputs`).
+    """
     import onnx
 
-    inferred = onnx.shape_inference.infer_shapes(_light_model(model), strict_mode=False,
-                                                 data_prop=True)
-    return static_types(inferred)
+    light = _light_model(model)
+    for vi in light.graph.output:
+        if vi.type.HasField("tensor_type"):
+            vi.ClearField("type")
+    inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
+    types = static_types(inferred)
+    _check_declared_outputs(model.graph.output, inferred.graph.output, where)
+    declared = static_types(onnx.ModelProto(graph=onnx.GraphProto(output=model.graph.output)))
+    return {**declared, **types}
+
+
+def _declared(vi) -> tuple[str, list[int | None]] | None:
+    """``(element type, sizes)`` of a tensor value info (``None`` for an open size).
+
+    ``None`` where it declares no element type or no shape.
+    """
+    tt = vi.type.tensor_type
+    if not vi.type.HasField("tensor_type") or not tt.elem_type or not tt.HasField("shape"):
+        return None
+    return (_np_dtype(tt.elem_type),
+            [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim])
+
+
+def _check_declared_outputs(declared, inferred, where: str) -> None:
+    """Refuse a graph output whose declared type disagrees with the inferred one.
+
+    Compared where both are known: the element types, the ranks, and each size that both
+    give (an open size, ``dim_param``, agrees with any).
+
+    Raises:
+        ModelError: naming the output, its declared type and the inferred one.
+    """
+    from taso_jax.frontends.onnx_model import ModelError
+
+    computed = {vi.name: _declared(vi) for vi in inferred}
+    for vi in declared:
+        want, got = _declared(vi), computed.get(vi.name)
+        if want is None or got is None:
+            continue
+        if want[0] != got[0] or len(want[1]) != len(got[1]) or any(
+                a is not None and b is not None and a != b
+                for a, b in zip(want[1], got[1], strict=True)):
+            raise ModelError(f"{where}: output {vi.name!r} is declared {_typed(want)}, but "
+                             f"ONNX shape inference computes {_typed(got)} from the inputs; "
+                             "correct the output's declared type")
+
+
+def _typed(t: tuple[str, list]) -> str:
+    sizes = ", ".join("?" if d is None else str(d) for d in t[1])
+    return f"{t[0]}[{sizes}]"
 
 
 def static_types(inferred) -> dict[str, TensorType]:

@@ -4,8 +4,8 @@
 (:mod:`taso_jax.first_call`) builds for a signature and that every later call of
 it reads (:mod:`taso_jax.decorator`): the traced function, the jitted stages, the
 folded weights, the decision and the report. Beside it, the per-leaf helpers both sides key
-a signature with: an array leaf's shape, dtype and weak type, a static leaf's value (or
-identity when unhashable), and whether a leaf is a tracer.
+a signature with: an array leaf's shape, dtype and weak type, a static leaf's value
+(hashable, as ``jax.jit`` requires of static arguments), and whether a leaf is a tracer.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import jax
 
+from taso_jax.frontends.jaxpr_io import _fn_name, _is_array_leaf, _path_name, argument_names
 from taso_jax.ir.graph import Graph
 
-__all__: list[str] = []
+__all__ = ["unhashable_static"]
 
 
 @dataclass
@@ -68,17 +69,50 @@ def _leaf_signature(x) -> tuple:
     return (x.shape, x.dtype, getattr(x, "weak_type", False))
 
 
-def _hashable(x) -> bool:
+def _static_key(x) -> tuple:
+    """A static value's part of a signature key: its type and the value itself.
+
+    The key is hashed and compared by value (``==``), as ``jax.jit`` compares static
+    arguments.
+
+    Raises:
+        TypeError: ``x`` is not hashable (:func:`unhashable_static` says which one).
+    """
+    hash(x)
+    return (type(x), x)
+
+
+def _unhashable(x) -> bool:
     try:
         hash(x)
-        return True
-    except TypeError:
         return False
-
-
-def _static_key(x):
-    try:
-        hash(x)
-        return ("v", type(x), x)
     except TypeError:
-        return ("id", id(x))
+        return True
+
+
+def unhashable_static(fn: Callable, args, static_pos) -> Exception | None:
+    """The error for the first static value among ``args`` that is not hashable, or None.
+
+    A static argument (``static_argnums``/``static_argnames``) that is not hashable gets
+    the ``ValueError`` that ``jax.jit`` raises for it; a non-array leaf of another
+    argument (static here, as in ``equinox.filter_jit``) gets a ``TypeError``, as
+    ``jax.jit`` raises for a non-array leaf. Each names the argument (and pytree path).
+    A signature keyed by such a value's identity would serve a stale result once the value
+    changed in place (a NumPy array, a list).
+    """
+    names = argument_names(fn, len(args))
+    for i, a in enumerate(args):
+        if i in static_pos:
+            if _unhashable(a):
+                return ValueError(
+                    f"{_fn_name(fn)}: Non-hashable static arguments are not supported, as in "
+                    f"jax.jit: static argument {names[i]!r} is a {type(a).__name__}; pass a "
+                    "hashable value (a tuple, a frozen dataclass)")
+            continue
+        for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+            if not _is_array_leaf(leaf) and _unhashable(leaf):
+                return TypeError(
+                    f"{_fn_name(fn)}: argument {_path_name(names[i], path)!r} is a "
+                    f"{type(leaf).__name__}, neither an array nor hashable: non-array leaves "
+                    "are static and must be hashable (jax.jit refuses non-array leaves)")
+    return None
