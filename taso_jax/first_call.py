@@ -281,36 +281,46 @@ def _tracing() -> bool:
 class _OriginalRun:
     """``jax.jit`` of the original, compiled and called on the call's arguments, in a thread.
 
-    Started as soon as the function is traced, it compiles while the import and the search
-    run (XLA compiles without Python's lock). It calls the function twice: the first call's
-    time, less the second's, is its compilation (``compile_seconds``), the second is
-    ``call_seconds``, and the second's outputs (NumPy arrays) are the output check's
-    reference. So the first call knows, while it searches, how long one comparison with
-    ``jax.jit`` takes (:meth:`FirstCallPipeline._reserve`), and compiles the original once.
-    A failure leaves ``error`` set and the pipeline compiles the original itself.
+    Started once the graph cache has missed, it compiles while the search runs (XLA
+    compiles without Python's lock): ``jitted.lower(*args).compile()``, which also fills
+    ``jitted``'s own cache, so the calls that follow compile nothing. Then it calls the
+    compiled function once: ``compile_seconds`` and ``call_seconds`` are those two times,
+    and the call's outputs (NumPy arrays) are the output check's reference. So the first
+    call knows, while it searches, how long one comparison with ``jax.jit`` takes
+    (:meth:`FirstCallPipeline._reserve`), and compiles the original once. :meth:`cancel`
+    skips the call where the original will run untimed anyway. A failure leaves ``error``
+    set and the pipeline compiles the original itself.
     """
 
-    def __init__(self, original: Callable):
+    def __init__(self, jitted: Callable, args: tuple):
         self.compile_seconds: float | None = None
         self.call_seconds: float | None = None
         self.outputs: list | None = None
         self.error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, args=(original,), daemon=True,
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(jitted, args), daemon=True,
                                         name="taso-jax-original")
         self._thread.start()
 
-    def _run(self, original: Callable) -> None:
+    def _run(self, jitted: Callable, args: tuple) -> None:
         try:
             t0 = time.perf_counter()
-            jax.block_until_ready(original())
+            compiled = jitted.lower(*args).compile()
+            self.compile_seconds = time.perf_counter() - t0
+            if self._cancelled.is_set():
+                return
             t1 = time.perf_counter()
-            out = jax.block_until_ready(original())
-            t2 = time.perf_counter()
+            out = jax.block_until_ready(compiled(*args))
+            self.call_seconds = time.perf_counter() - t1
             self.outputs = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
-            self.compile_seconds = max((t1 - t0) - (t2 - t1), 0.0)
-            self.call_seconds = t2 - t1
         except Exception as e:  # noqa: BLE001 - the pipeline compiles it again and says why
             self.error = e
+
+    def cancel(self) -> None:
+        """Skip the call if it has not begun, and wait for the compile (it fills the cache
+        that ``jax.jit`` of the original, run instead, reads)."""
+        self._cancelled.set()
+        self._thread.join()
 
     def join(self) -> _OriginalRun:
         """Wait for the thread; ``self``."""
@@ -320,7 +330,7 @@ class _OriginalRun:
     @property
     def ok(self) -> bool:
         """Whether the thread has ended with the original compiled, called and timed."""
-        return self.call_seconds is not None
+        return self.outputs is not None
 
 
 class FirstCallPipeline:
@@ -409,7 +419,7 @@ class FirstCallPipeline:
         if hit is None and (self.check or self.options.end_to_end > 0):
             original = self._original_call(entry, traced, args, static_pos)
             if original is not None:  # compiled while the search runs
-                entry.original_run = _OriginalRun(original)
+                entry.original_run = _OriginalRun(*original)
         reserve = self._reserve(entry, optimizer, graph)
         result = self._search_or_hit(entry, optimizer, graph, hit, deadline, traced.leaves,
                                      reserve)
@@ -515,6 +525,8 @@ class FirstCallPipeline:
         else:
             return False
         entry.report["original_kept"] = entry.original_kept
+        if entry.original_run is not None:  # the original runs now: its compile, no call
+            entry.original_run.cancel()
         return True
 
     def _check(self, entry, traced: TracedFunction, args, static_pos, result, hit) -> None:
@@ -645,20 +657,19 @@ class FirstCallPipeline:
         return [device_name(), jax.__version__, _package_version(), settings, rules]
 
     def _original_call(self, entry: _Entry, traced: TracedFunction, args,
-                       static_pos) -> Callable | None:
-        """A call of what the user would run, on this call's arguments, or ``None``.
+                       static_pos) -> tuple[Callable, tuple] | None:
+        """What the user would run and its arguments, ``(jitted, args)``, or ``None``.
 
-        ``jax.jit`` of the function itself where every leaf is an array; else ``jax.jit``
-        of the traced function on the array leaves (non-array leaves are static, as we
-        treat them). ``None`` under a transformation: nothing concrete to call.
+        ``jax.jit`` of the function itself where every leaf is an array (the one that the
+        comparison calls); else ``jax.jit`` of the traced function on the array leaves
+        (non-array leaves are static, as we treat them). ``None`` under a transformation:
+        nothing concrete to call.
         """
         if any(_is_tracer(x) for x in traced.leaves):
             return None
         if entry.all_arrays:
-            user_jit = self._user_jit(static_pos)
-            return lambda: user_jit(*args)
-        leaves, jit_original = traced.leaves, entry.jit_original
-        return lambda: jit_original(*leaves)
+            return self._user_jit(static_pos), tuple(args)
+        return entry.jit_original, tuple(traced.leaves)
 
     def _reserve(self, entry: _Entry, optimizer, graph) -> Callable[[], float] | None:
         """``reserve()``: seconds the first call needs after the search, before its limit.
@@ -687,7 +698,9 @@ class FirstCallPipeline:
         def reserve() -> float:
             if run.ok:
                 return run.compile_seconds + calls * run.call_seconds
-            return 2 * guessed_compile + (calls + 2) * guessed_call
+            if run.compile_seconds is not None:  # compiled; its call is running
+                return run.compile_seconds + (calls + 1) * guessed_call
+            return 2 * guessed_compile + (calls + 1) * guessed_call
 
         return reserve
 
