@@ -421,6 +421,8 @@ class FirstCallPipeline:
             if original is not None:  # compiled while the search runs
                 entry.original_run = _OriginalRun(*original)
         reserve = self._reserve(entry, optimizer, graph)
+        if reserve is not None:  # what the search must leave, as guessed when it starts
+            entry.reserved_s = reserve()
         result = self._search_or_hit(entry, optimizer, graph, hit, deadline, traced.leaves,
                                      reserve)
         lap(SEARCH_STAGE)
@@ -511,9 +513,17 @@ class FirstCallPipeline:
             entry.original_kept = hit[1]["original_kept"] + " (decided earlier; graph cache)"
         elif (hit is None and self.options.end_to_end > 0
               and result.out_of_time_in in _BEFORE_CHOICE):
-            entry.original_kept = (f"{_PAST_LIMIT}: the "
-                                   f"time limit ({self.options.time_limit:g} s) had passed "
-                                   f"after the search (in: {result.out_of_time_in})")
+            reserved = entry.reserved_s
+            if reserved is not None and reserved > self.options.time_limit:
+                # the search was given no time: no comparison could end within the limit
+                entry.original_kept = (
+                    f"{_PAST_LIMIT}: compiling, checking and comparing it once needs about "
+                    f"{reserved:.0f} s here (its calls priced or timed), more than the time "
+                    f"limit ({self.options.time_limit:g} s) holds")
+            else:
+                entry.original_kept = (f"{_PAST_LIMIT}: the "
+                                       f"time limit ({self.options.time_limit:g} s) had passed "
+                                       f"after the search (in: {result.out_of_time_in})")
         elif hit is None and _nothing_to_run(graph, result):
             # the staged graph would run what jax.jit of the original runs
             entry.original_kept = _KEPT_INPUT

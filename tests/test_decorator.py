@@ -1096,3 +1096,21 @@ def test_a_comparison_that_cannot_fit_the_limit_keeps_the_original_untimed(monke
         assert cell.original_kept.startswith("checked but not timed against jax.jit")
         assert cell._last.report["baseline"]["skipped"]
         assert cell.outcome().verdict.value == "time_limit"
+
+
+def test_a_first_call_whose_comparison_cannot_fit_the_limit_says_so(monkeypatch):
+    """Where compiling, checking and comparing once needs more than the whole limit, the
+    search gets no time and the reason names that need, not a search that overran."""
+    import taso_jax.first_call as first_call
+
+    monkeypatch.setattr(first_call, "COMPILE_GUESS_S", 1e4)
+
+    @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2, "time_limit": 5.0})
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.ones((64, 64)), "b": jnp.ones((64, 64))}
+    np.testing.assert_allclose(cell(w, jnp.ones((8, 64))), 128.0, rtol=1e-6)
+    assert cell._last.reserved_s > 5.0
+    assert "more than the time limit (5 s) holds" in cell.original_kept
+    assert cell.outcome().verdict.value == "time_limit"

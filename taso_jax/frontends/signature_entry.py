@@ -56,6 +56,8 @@ class _Entry:
     original_warm: bool = False  # the output check compiled and ran jax.jit of the function
     # the first call's background compile and calls of the original (first_call._OriginalRun)
     original_run: object = None
+    # seconds the search was to leave for the compile, check and comparison, when it began
+    reserved_s: float | None = None
 
 
 def _is_tracer(x) -> bool:
