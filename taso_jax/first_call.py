@@ -318,7 +318,8 @@ class _OriginalRun:
 
     def cancel(self) -> None:
         """Skip the call if it has not begun, and wait for the compile (it fills the cache
-        that ``jax.jit`` of the original, run instead, reads)."""
+        that ``jax.jit`` of the original, run instead, reads).
+        """
         self._cancelled.set()
         self._thread.join()
 
