@@ -317,8 +317,9 @@ class _OriginalRun:
             self.error = e
 
     def cancel(self) -> None:
-        """Skip the call if it has not begun, and wait for the compile (it fills the cache
-        that ``jax.jit`` of the original, run instead, reads).
+        """Skip the call if it has not begun, and wait for the compile.
+
+        The compile fills the cache that ``jax.jit`` of the original, run instead, reads.
         """
         self._cancelled.set()
         self._thread.join()

@@ -38,6 +38,21 @@ def test_builtin_example_report(capsys, tmp_path):
     assert data["check"]["ok"] and data["time"]["before_us"] > 0
 
 
+def test_the_builtin_example_is_written_whatever_the_verdict(tmp_path, capsys, monkeypatch):
+    """A built-in example has no file to give back: kept unchanged, its graph is written."""
+    import onnx
+    import taso_jax.search.options as options
+
+    # no candidate: the search hands its input back, and the verdict is "unchanged"
+    real = options.backtracking_search
+    monkeypatch.setattr(options, "backtracking_search",
+                        lambda graph, *a, **k: real(graph, [], *a[1:], **k))
+    out = tmp_path / "example.onnx"
+    assert main(["optimize", *FAST, "--no-time", "-o", str(out)]) == 0
+    assert "unchanged" in capsys.readouterr().out
+    onnx.checker.check_model(onnx.load(out), full_check=True)
+
+
 @pytest.mark.slow
 def test_optimize_model_writes_output_and_keeps_input(tmp_path, capsys):
     src = tmp_path / "m.onnx"
