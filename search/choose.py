@@ -40,7 +40,7 @@ from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
            "measured_set", "keep_fastest", "paired_speedup", "confirm_faster", "with_layouts",
            "halfway", "compiled_runs", "compiled_run", "screen_in_pairs", "screen_fastest",
-           "signed_rank_greater", "floor_us", "rounds_for", "NHWC_LAYOUT"]
+           "signed_rank_greater", "floor_us", "rounds_for", "made_seconds", "NHWC_LAYOUT"]
 
 #: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
 NHWC_LAYOUT = "layout:nhwc"
@@ -242,6 +242,23 @@ def compiled_run(graph: Graph, xs: Sequence):
 #: Nodes (weights included) from which :func:`compile_ahead` compiles the input in the
 #: background; a smaller graph compiles in well under a second.
 COMPILE_AHEAD_NODES = 200
+#: Seconds per node (weights included) that compiling and running a graph is taken to cost
+#: at most when it was measured beside the search (:func:`made_seconds`). NasNet-A's 676
+#: nodes compiled in 4.4-4.8 s alone, and in 43 s beside the search once (2026-11-29,
+#: 2 cores), which made the choice skip a 1.79x candidate ("one comparison needs 45.7 s").
+AHEAD_SECONDS_PER_NODE = 0.01
+
+
+def made_seconds(ahead: threading.Thread | None, graph: Graph) -> float:
+    """What making a candidate is taken to cost, from :func:`compile_ahead`'s thread.
+
+    Its ``seconds``, capped at :data:`AHEAD_SECONDS_PER_NODE` a node of ``graph``: the
+    compile ran beside the search and shared the cores (and Python's lock) with it, so its
+    wall time can be many times what a compile alone takes. 0.0 without a thread.
+    """
+    if ahead is None:
+        return 0.0
+    return min(ahead.seconds, AHEAD_SECONDS_PER_NODE * len(graph.nodes))
 
 
 def compile_ahead(graph: Graph) -> threading.Thread | None:
@@ -280,10 +297,11 @@ def compile_ahead(graph: Graph) -> threading.Thread | None:
     return thread
 
 
-def choice_reserve(ahead: threading.Thread | None) -> float | None:
+def choice_reserve(ahead: threading.Thread | None, graph: Graph | None = None) -> float | None:
     """Seconds the end-to-end choice needs for one comparison, or ``None``.
 
-    ``None`` until :func:`compile_ahead`'s thread has timed a call of the input. It is
+    ``None`` until :func:`compile_ahead`'s thread has timed a call of the input. Making a
+    candidate is :func:`made_seconds` of the input ``graph`` where it is given. It is
     what :func:`no_time_to_compare` asks for: making a candidate (taken as long as making
     the input) and :data:`COMPARE_CALLS` calls. The search is cut short to leave it
     (:func:`taso_jax.search.options.run_search`): a ResNet-18 at 224x224 whose calls took
@@ -292,7 +310,8 @@ def choice_reserve(ahead: threading.Thread | None) -> float | None:
     """
     if ahead is None or ahead.call_seconds is None:
         return None
-    return ahead.seconds + COMPARE_CALLS * ahead.call_seconds
+    made = ahead.seconds if graph is None else made_seconds(ahead, graph)
+    return made + COMPARE_CALLS * ahead.call_seconds
 
 
 def _measured_set(result, sample: int) -> list[tuple]:

@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 from taso_jax.search.backtracking import SearchResult, backtracking_search
-from taso_jax.search.choose import choice_reserve, choose_fastest, compile_ahead
+from taso_jax.search.choose import choice_reserve, choose_fastest, compile_ahead, made_seconds
 from taso_jax.search.cost import COST_MODEL_NAMES, AnalyticCostModel, CostModel, get_cost_model
 from taso_jax.search.limits import SHARES, Deadline
 from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
@@ -342,7 +342,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     def stop() -> bool:
         if reserve is not None:  # what the caller needs, as it learns it
             return end - time.perf_counter() < reserve()
-        need = choice_reserve(ahead)
+        need = choice_reserve(ahead, graph)
         return need is not None and deadline.left() < need * (1.0 + SHARES["second_opinion"])
 
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
@@ -366,7 +366,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         if chooser is None:
             chooser = partial(choose_fastest, layouts=opts.layout_candidates,
                               confirm=confirm,
-                              made_seconds=ahead.seconds if ahead is not None else 0.0)
+                              made_seconds=made_seconds(ahead, graph))
         until = deadline.at if reserve is None else min(deadline.at, end - reserve())
         result.end_to_end = chooser(result, deadline=until)
         # the candidates that lost are not run again: free their executables and weights

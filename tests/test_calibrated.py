@@ -269,6 +269,23 @@ def test_the_search_leaves_the_choice_the_time_one_comparison_needs():
     assert cut.stopped == StopReason.CHOICE_RESERVE and cut.iterations == 0
 
 
+def test_a_compile_timed_beside_the_search_is_capped_by_the_graphs_size():
+    """The input's compile ahead, slowed by the search beside it, is not taken as what
+    making a candidate costs past AHEAD_SECONDS_PER_NODE a node."""
+    import types
+
+    from taso_jax.search.choose import AHEAD_SECONDS_PER_NODE, choice_reserve, made_seconds
+
+    g = _bert_like()
+    cap = AHEAD_SECONDS_PER_NODE * len(g.nodes)
+    assert made_seconds(None, g) == 0.0
+    slow = types.SimpleNamespace(seconds=cap * 10, call_seconds=0.1)
+    quick = types.SimpleNamespace(seconds=cap / 10, call_seconds=0.1)
+    assert made_seconds(slow, g) == pytest.approx(cap)
+    assert made_seconds(quick, g) == pytest.approx(cap / 10)
+    assert choice_reserve(slow, g) < choice_reserve(slow)
+
+
 def test_a_decision_that_cannot_be_timed_before_the_deadline_is_left_to_the_curves(
         monkeypatch):
     import time
