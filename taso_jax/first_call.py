@@ -311,8 +311,10 @@ class _OriginalRun:
                 return
             t1 = time.perf_counter()
             out = jax.block_until_ready(compiled(*args))
-            self.call_seconds = time.perf_counter() - t1
+            if self._cancelled.is_set():  # released meanwhile: the outputs are not wanted
+                return
             self.outputs = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
+            self.call_seconds = time.perf_counter() - t1
         except Exception as e:  # noqa: BLE001 - the pipeline compiles it again and says why
             self.error = e
 
@@ -332,7 +334,16 @@ class _OriginalRun:
     @property
     def ok(self) -> bool:
         """Whether the thread has ended with the original compiled, called and timed."""
-        return self.outputs is not None
+        return self.call_seconds is not None
+
+    def release(self) -> None:
+        """Drop the reference outputs, and any the thread, still running, would store.
+
+        A signature's entry outlives its first call: GPT-2 small's logits at S=1024 are
+        200 MB.
+        """
+        self._cancelled.set()
+        self.outputs = None
 
 
 class FirstCallPipeline:
@@ -383,6 +394,8 @@ class FirstCallPipeline:
             warnings.warn(f"taso_jax.optimize({_fn_name(fn)}): falling back to jax.jit "
                           f"of the original function ({entry.fallback})",
                           RuntimeWarning, stacklevel=3)
+        if entry.original_run is not None:  # whatever the outcome, the reference goes
+            entry.original_run.release()
         entry.optimize_seconds = time.perf_counter() - t0
         entry.first_call = {"trace": trace_s, **entry.first_call,
                             "total": trace_s + entry.optimize_seconds}

@@ -1114,3 +1114,17 @@ def test_a_first_call_whose_comparison_cannot_fit_the_limit_says_so(monkeypatch)
     assert cell._last.reserved_s > 5.0
     assert "more than the time limit (5 s) holds" in cell.original_kept
     assert cell.outcome().verdict.value == "time_limit"
+
+
+def test_the_first_calls_reference_outputs_are_not_kept():
+    """The background run's outputs serve the output check only: the signature's entry,
+    kept for every later call, does not hold them."""
+
+    @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.ones((64, 64)), "b": jnp.ones((64, 64))}
+    cell(w, jnp.ones((8, 64)))
+    run = cell._last.original_run
+    assert run is not None and run.outputs is None
