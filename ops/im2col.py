@@ -17,7 +17,11 @@ prices it as a lowering (:data:`taso_jax.search.cost.LOWERING_PENALTY`).
 The operator's law says it equals ``conv2d`` with one group, any kernel, strides, padding,
 dilation and fused activation; read left to right it gives the one rule that introduces it
 (:mod:`taso_jax.verify.from_laws`). Its shape rule turns down grouped kernels, 1x1 kernels
-(``pointwise_matmul``'s) and column matrices over :data:`MAX_COLUMN_BYTES`. Its ONNX form
+(``pointwise_matmul``'s), kernels of more than :data:`~taso_jax.ops.taps.MAX_TAPS` taps
+and column matrices over :data:`MAX_COLUMN_BYTES`. One slice a tap makes XLA's compile
+grow with the taps: fifteen of basic_pitch's convolutions (kernels up to 1x256) as columns
+took 59 s to compile on 2 cores, against 6 s as convolutions (2026-11-29), more than a
+candidate may cost the end-to-end choice. Its ONNX form
 is Pad, one Slice per tap (ends relative to the padded input's end, so it holds at every
 binding of open sizes), Concat on the channels, Reshape ``[0, 0, -1]``, MatMul by the
 kernel's view and Reshape to the output's sizes (the batch size kept, the output's height
@@ -35,7 +39,7 @@ from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare
 from taso_jax.ops._lazy import LazyModule
 from taso_jax.ops.conv import _act, _conv2d_shape, _emit_act
 from taso_jax.ops.dims import is_open
-from taso_jax.ops.taps import kernel_taps, onnx_kernel_taps
+from taso_jax.ops.taps import MAX_TAPS, kernel_taps, onnx_kernel_taps
 from taso_jax.ops.tensor import _i64
 
 jnp = LazyModule("jax.numpy")
@@ -71,6 +75,8 @@ def _im2col_shape(ts, *, strides, padding, dilations, activation):
     if kh * kw == 1:
         raise ShapeError("conv2d_im2col: a 1x1 kernel's columns are the input itself "
                          "(pointwise_matmul)")
+    if kh * kw > MAX_TAPS:
+        raise ShapeError(f"conv2d_im2col: {kh}x{kw} kernel has more than {MAX_TAPS} taps")
     (y,) = _conv2d_shape(ts, strides=strides, padding=padding, dilations=dilations,
                          groups=1, activation=activation)
     column_bytes = (kh * kw * int(c) * int(y.shape[2]) * int(y.shape[3])
