@@ -142,8 +142,8 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
             that onnx's version converter cannot bring to 17,
             an ``input_shapes`` entry that does not fit its input, a model that ONNX's
             checker rejects, local functions that onnx's inliner refuses, a sparse
-            initializer too large once dense, or a graph output declared with another type
-            than shape inference computes.
+            initializer too large once dense, or a graph output declared with another element
+            type than shape inference computes (another shape: the computed one, noted).
         ImportTimeLimit: ``deadline`` passed (the model had passed ONNX's checker).
     """
     import onnx
@@ -163,7 +163,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
                            "it; onnxruntime does not): imported in that order")
     model, opset = _converted(model, src_opset, where)
     _check_deadline(deadline, "before shape inference")
-    types = _value_types(model, where)
+    types = _value_types(model, where, shape_notes)
     _check_deadline(deadline, "after shape inference")
     g = model.graph
     weights = _read_weights(g)

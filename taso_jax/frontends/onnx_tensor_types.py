@@ -20,16 +20,19 @@ from taso_jax.ops import TensorType
 __all__ = ["index_bounds", "probe_feeds", "static_types", "PROBE_OUTPUTS", "INFER_OVER"]
 
 
-def _value_types(model, where: str = "model") -> dict[str, TensorType]:
+def _value_types(model, where: str = "model", notes: list | None = None
+                 ) -> dict[str, TensorType]:
     """The static type of each value of ``model`` by ONNX shape inference, by name.
 
     The graph outputs' declared types are set aside while it runs, so that what it computes
     from the inputs is not merged with them: a declared type fills in an output it leaves
-    open, and one that disagrees with it is refused.
+    open. Where a declared shape disagrees with the computed one, the computed one is used
+    and a line is added to ``notes``, as onnxruntime warns and runs such a model (ddddocr's
+    recognizer declares ``[1, seqlen]`` for an output that is ``[T, 1, 8210]``).
 
     Raises:
-        ModelError: a graph output declared with another rank, size or element type than
-            shape inference computes (:func:`_check_declared_outputs`).
+        ModelError: a graph output declared with another element type than shape inference
+            computes (:func:`_check_declared_outputs`; onnxruntime refuses it too).
     """
     import onnx
 
@@ -39,7 +42,9 @@ def _value_types(model, where: str = "model") -> dict[str, TensorType]:
             vi.ClearField("type")
     inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
     types = static_types(inferred)
-    _check_declared_outputs(model.graph.output, inferred.graph.output, where)
+    found = _check_declared_outputs(model.graph.output, inferred.graph.output, where)
+    if notes is not None:
+        notes.extend(found)
     declared = static_types(onnx.ModelProto(graph=onnx.GraphProto(output=model.graph.output)))
     return {**declared, **types}
 
@@ -56,28 +61,35 @@ def _declared(vi) -> tuple[str, list[int | None]] | None:
             [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim])
 
 
-def _check_declared_outputs(declared, inferred, where: str) -> None:
-    """Refuse a graph output whose declared type disagrees with the inferred one.
+def _check_declared_outputs(declared, inferred, where: str) -> list[str]:
+    """Lines saying which graph outputs' declared shapes disagree with the inferred ones.
 
-    Compared where both are known: the element types, the ranks, and each size that both
-    give (an open size, ``dim_param``, agrees with any).
+    Compared where both are known: the ranks, and each size that both give (an open size,
+    ``dim_param``, agrees with any).
 
     Raises:
-        ModelError: naming the output, its declared type and the inferred one.
+        ModelError: an output whose declared element type is not the inferred one, naming
+            the output, its declared type and the inferred one.
     """
     from taso_jax.frontends.onnx_model import ModelError
 
     computed = {vi.name: _declared(vi) for vi in inferred}
+    notes = []
     for vi in declared:
         want, got = _declared(vi), computed.get(vi.name)
         if want is None or got is None:
             continue
-        if want[0] != got[0] or len(want[1]) != len(got[1]) or any(
-                a is not None and b is not None and a != b
-                for a, b in zip(want[1], got[1], strict=True)):
+        if want[0] != got[0]:
             raise ModelError(f"{where}: output {vi.name!r} is declared {_typed(want)}, but "
                              f"ONNX shape inference computes {_typed(got)} from the inputs; "
                              "correct the output's declared type")
+        if len(want[1]) != len(got[1]) or any(
+                a is not None and b is not None and a != b
+                for a, b in zip(want[1], got[1], strict=True)):
+            notes.append(f"output {vi.name!r} is declared {_typed(want)}, but ONNX shape "
+                         f"inference computes {_typed(got)} from the inputs: the computed "
+                         "type is used, and written")
+    return notes
 
 
 def _typed(t: tuple[str, list]) -> str:
