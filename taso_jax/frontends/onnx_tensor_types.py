@@ -88,7 +88,7 @@ def _check_declared_outputs(declared, inferred, where: str) -> list[str]:
                 for a, b in zip(want[1], got[1], strict=True)):
             notes.append(f"output {vi.name!r} is declared {_typed(want)}, but ONNX shape "
                          f"inference computes {_typed(got)} from the inputs: the computed "
-                         "type is used, and written")
+                         "type is used (and written, where the graph is rewritten)")
     return notes
 
 
