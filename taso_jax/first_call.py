@@ -65,11 +65,6 @@ _PAST_LIMIT = "not compiled, checked or timed against jax.jit"
 #: How ``original_kept`` starts where the optimized stages were checked but the time limit
 #: left no room for the comparison with ``jax.jit``.
 _UNTIMED = "checked but not timed against jax.jit"
-
-
-def past_limit(kept: str | None) -> bool:
-    """Whether ``original_kept`` says the time limit, not a measurement, kept the original."""
-    return bool(kept) and kept.startswith((_PAST_LIMIT, _UNTIMED))
 #: Interleaved runs of each when the optimized function is timed against the original.
 BASELINE_REPEATS = 25
 #: The phases of the search pipeline (``SearchResult.out_of_time_in``) that, cut by the time
@@ -271,6 +266,11 @@ LIMIT_SLACK = 0.5
 #: ended (compiling a Llama block at S=1024 took 0.6-1.5 s on the 2-core CPU), plus a share
 #: per operator (:data:`~taso_jax.search.choose.COMPILE_SECONDS_PER_NODE`).
 COMPILE_GUESS_S = 1.0
+
+
+def past_limit(kept: str | None) -> bool:
+    """Whether ``original_kept`` says the time limit, not a measurement, kept the original."""
+    return bool(kept) and kept.startswith((_PAST_LIMIT, _UNTIMED))
 
 
 def _tracing() -> bool:
@@ -708,7 +708,7 @@ class FirstCallPipeline:
         :data:`COMPILE_GUESS_S`, for the original's compile too. ``None`` where nothing is
         compared (no end-to-end choice, or under a transformation).
         """
-        run = getattr(entry, "original_run", None)
+        run = entry.original_run
         if self.options.end_to_end == 0 or run is None:
             return None
         from taso_jax.search.cost import AnalyticCostModel
@@ -742,6 +742,11 @@ class FirstCallPipeline:
         :data:`MIN_SPEEDUP`; an undecided first loop with the optimized ahead by at least
         half of that is extended, and a "faster" verdict must hold in one more loop unless
         its rounds already spanned :data:`~taso_jax.search.choose.CONFIRM_LOOP_SECONDS`).
+        With a ``deadline`` (the first call's time limit) each loop runs as many rounds as
+        what is left holds (the first to halfway), at least :data:`CONFIRM_LEAST_ROUNDS`,
+        and :data:`SPAN_SECONDS` of rounds need no check loop; where even the least loop
+        would pass the deadline by more than :data:`LIMIT_SLACK` of the limit, nothing is
+        timed and the reason starts "checked but not timed".
         This is the first call's one comparison: the end-to-end choice before it only
         screened the candidates (:func:`~taso_jax.search.choose.screen_fastest`), and its
         verdict and rounds are the report's ``"baseline"``. Called under a transformation
@@ -802,8 +807,8 @@ class FirstCallPipeline:
                                     warmup=(0 if hot else 1 if warm else 2) if first else 0,
                                     call_us=call * 1e6 if hot else None)
 
-        # Rounds spanning CONFIRM_LOOP_SECONDS (calls of 0.1 s and more) cover the drift
-        # that a check loop guards against: none is run after them.
+        # Rounds spanning SPAN_SECONDS under the time limit (CONFIRM_LOOP_SECONDS without
+        # one) cover the drift that a check loop guards against: none is run after them.
         test, ta, tb = confirm_faster(loop, min_speedup=MIN_SPEEDUP,
                                       span_seconds=SPAN_SECONDS if deadline is not None
                                       else CONFIRM_LOOP_SECONDS)
