@@ -274,6 +274,45 @@ def _second_opinion_seconds(deadline: Deadline) -> float | None:
     return seconds if seconds >= SECOND_OPINION_LEAST * share else None
 
 
+def _pipeline_deadline(deadline: Deadline | None, opts: OptimizeOptions,
+                       reserve: Callable[[], float] | None) -> tuple[Deadline, float]:
+    """The search pipeline's own deadline, and the end of the caller's (``perf_counter``).
+
+    The shares are of what the import and rule loading left (at least 5% of the limit);
+    the pipeline ends ``reserve()`` seconds before the caller's end, where given.
+    """
+    if deadline is None:
+        deadline = Deadline.start(opts.time_limit)
+    else:
+        deadline = Deadline.start(max(deadline.left(), 0.05 * min(deadline.seconds,
+                                                                   opts.time_limit)))
+    end = deadline.at  # the caller's own work comes after this pipeline, before ``end``
+    if reserve is not None:
+        deadline = Deadline.start(max(deadline.left() - reserve(), 1e-3))
+    return deadline, end
+
+
+def _search_stop(ahead, graph: Graph, deadline: Deadline, end: float,
+                 reserve: Callable[[], float] | None) -> Callable[[], bool] | None:
+    """When the search ends early, asked before each expansion; ``None``: never.
+
+    With the caller's ``reserve``, where less than it is left before ``end`` (it grows as
+    the caller learns better). Else, once the background compile ``ahead`` has timed a call
+    of the input, where going on would leave the choice less than one comparison needs,
+    with room for its second opinions (:func:`~taso_jax.search.choose.choice_reserve`).
+    """
+    if reserve is not None:
+        return lambda: end - time.perf_counter() < reserve()
+    if ahead is None:
+        return None
+
+    def stop() -> bool:
+        need = choice_reserve(ahead, graph)
+        return need is not None and deadline.left() < need * (1.0 + SHARES["second_opinion"])
+
+    return stop
+
+
 def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel,
                opts: OptimizeOptions, *, deadline: Deadline | None = None,
                chooser: Callable[..., dict] | None = None,
@@ -321,14 +360,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         the cost model could not time.
     """
     late = deadline is not None and deadline.passed()  # import and rule loading took it all
-    if deadline is None:
-        deadline = Deadline.start(opts.time_limit)
-    else:  # the shares are of what import and rule loading left
-        deadline = Deadline.start(max(deadline.left(), 0.05 * min(deadline.seconds,
-                                                                   opts.time_limit)))
-    end = deadline.at  # the caller's own work comes after this pipeline, before ``end``
-    if reserve is not None:
-        deadline = Deadline.start(max(deadline.left() - reserve(), 1e-3))
+    deadline, end = _pipeline_deadline(deadline, opts, reserve)
     second = (second_opinions and opts.end_to_end > 0
               and not isinstance(cost_model, AnalyticCostModel))
     limit = deadline.seconds * (SHARES["search"] - (SHARES["second_opinion"] if second else 0.0)
@@ -336,21 +368,11 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     # the choice's first step, compiling the input, overlaps the search
     ahead = (compile_ahead(graph) if chooser is None and confirm and opts.end_to_end > 0
              else None)
-    # Once the background compile has timed a call of the input, the search ends where
-    # going on would leave the choice less than one comparison needs, with room for its
-    # second opinions (choice_reserve).
-    def stop() -> bool:
-        if reserve is not None:  # what the caller needs, as it learns it
-            return end - time.perf_counter() < reserve()
-        need = choice_reserve(ahead, graph)
-        return need is not None and deadline.left() < need * (1.0 + SHARES["second_opinion"])
-
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
                                  budget=opts.budget, time_limit=limit,
                                  progress=progress, keep=max(1, opts.end_to_end),
                                  record=record,
-                                 stop=stop if ahead is not None or reserve is not None
-                                 else None)
+                                 stop=_search_stop(ahead, graph, deadline, end, reserve))
     if late or deadline.passed():
         result.out_of_time_in = "import" if late else "search"
     if second:

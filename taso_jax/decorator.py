@@ -70,9 +70,9 @@ __all__ = ["OptimizedFunction", "optimize_function"]
 #: seconds; the command line's default is the options record's 60 s). It bounds the whole
 #: first call after the trace: the import, the search and the end-to-end choice's screening
 #: end early enough to leave the compile, the output check and the one comparison with
-#: jax.jit of the function their time (``FirstCallPipeline._reserve``), which the comparison
-#: then sizes its rounds to; only its least loop may run past the limit, by at most
-#: ``first_call.LIMIT_SLACK`` of it, else the original runs untimed.
+#: jax.jit of the function their time (``first_call_budget.first_call_reserve``), which the
+#: comparison then sizes its rounds to; only its least loop may run past the limit, by at most
+#: ``first_call_budget.LIMIT_SLACK`` of it, else the original runs untimed.
 DECORATOR_TIME_LIMIT = 10.0
 #: Signatures (shapes, dtypes, static values) kept compiled per decorated function at most;
 #: the least recently called is dropped (60 shapes had held 413 MB against jax.jit's 176).

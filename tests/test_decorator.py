@@ -1101,9 +1101,9 @@ def test_a_comparison_that_cannot_fit_the_limit_keeps_the_original_untimed(monke
 def test_a_first_call_whose_comparison_cannot_fit_the_limit_says_so(monkeypatch):
     """Where compiling, checking and comparing once needs more than the whole limit, the
     search gets no time and the reason names that need, not a search that overran."""
-    import taso_jax.first_call as first_call
+    import taso_jax.first_call_budget as first_call_budget
 
-    monkeypatch.setattr(first_call, "COMPILE_GUESS_S", 1e4)
+    monkeypatch.setattr(first_call_budget, "COMPILE_GUESS_S", 1e4)
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2, "time_limit": 5.0})
     def cell(w, x):

@@ -54,7 +54,7 @@ class _Entry:
     all_arrays: bool = False  # every leaf of the traced arguments is an array (jax.jit-able)
     key_leaves: dict = field(default_factory=dict)  # leaf index -> PRNG impl (typed keys)
     original_warm: bool = False  # the output check compiled and ran jax.jit of the function
-    # the first call's background compile and calls of the original (first_call._OriginalRun)
+    # the first call's background compile and call of the original (first_call_budget.OriginalRun)
     original_run: object = None
     # seconds the search was to leave for the compile, check and comparison, when it began
     reserved_s: float | None = None
