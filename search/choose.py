@@ -40,7 +40,8 @@ from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
            "measured_set", "keep_fastest", "paired_speedup", "confirm_faster", "with_layouts",
            "halfway", "compiled_runs", "compiled_run", "screen_in_pairs", "screen_fastest",
-           "signed_rank_greater", "floor_us", "rounds_for", "made_seconds", "NHWC_LAYOUT"]
+           "signed_rank_greater", "floor_us", "rounds_for", "guessed_make_seconds",
+           "NHWC_LAYOUT"]
 
 #: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
 NHWC_LAYOUT = "layout:nhwc"
@@ -243,13 +244,13 @@ def compiled_run(graph: Graph, xs: Sequence):
 #: background; a smaller graph compiles in well under a second.
 COMPILE_AHEAD_NODES = 200
 #: Seconds per node (weights included) that compiling and running a graph is taken to cost
-#: at most when it was measured beside the search (:func:`made_seconds`). NasNet-A's 676
+#: at most when it was measured beside the search (:func:`guessed_make_seconds`). NasNet-A's 676
 #: nodes compiled in 4.4-4.8 s alone, and in 43 s beside the search once (2026-11-29,
 #: 2 cores), which made the choice skip a 1.79x candidate ("one comparison needs 45.7 s").
 AHEAD_SECONDS_PER_NODE = 0.01
 
 
-def made_seconds(ahead: threading.Thread | None, graph: Graph) -> float:
+def guessed_make_seconds(ahead: threading.Thread | None, graph: Graph) -> float:
     """What making a candidate is taken to cost, from :func:`compile_ahead`'s thread.
 
     Its ``seconds``, capped at :data:`AHEAD_SECONDS_PER_NODE` a node of ``graph``: the
@@ -301,7 +302,7 @@ def choice_reserve(ahead: threading.Thread | None, graph: Graph | None = None) -
     """Seconds the end-to-end choice needs for one comparison, or ``None``.
 
     ``None`` until :func:`compile_ahead`'s thread has timed a call of the input. Making a
-    candidate is :func:`made_seconds` of the input ``graph`` where it is given. It is
+    candidate is :func:`guessed_make_seconds` of the input ``graph`` where it is given. It is
     what :func:`no_time_to_compare` asks for: making a candidate (taken as long as making
     the input) and :data:`COMPARE_CALLS` calls. The search is cut short to leave it
     (:func:`taso_jax.search.options.run_search`): a ResNet-18 at 224x224 whose calls took
@@ -310,7 +311,7 @@ def choice_reserve(ahead: threading.Thread | None, graph: Graph | None = None) -
     """
     if ahead is None or ahead.call_seconds is None:
         return None
-    made = ahead.seconds if graph is None else made_seconds(ahead, graph)
+    made = ahead.seconds if graph is None else guessed_make_seconds(ahead, graph)
     return made + COMPARE_CALLS * ahead.call_seconds
 
 

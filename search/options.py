@@ -17,7 +17,12 @@ from functools import partial
 from typing import Any
 
 from taso_jax.search.backtracking import SearchResult, backtracking_search
-from taso_jax.search.choose import choice_reserve, choose_fastest, compile_ahead, made_seconds
+from taso_jax.search.choose import (
+    choice_reserve,
+    choose_fastest,
+    compile_ahead,
+    guessed_make_seconds,
+)
 from taso_jax.search.cost import COST_MODEL_NAMES, AnalyticCostModel, CostModel, get_cost_model
 from taso_jax.search.limits import SHARES, Deadline
 from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
@@ -388,7 +393,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         if chooser is None:
             chooser = partial(choose_fastest, layouts=opts.layout_candidates,
                               confirm=confirm,
-                              made_seconds=made_seconds(ahead, graph))
+                              made_seconds=guessed_make_seconds(ahead, graph))
         until = deadline.at if reserve is None else min(deadline.at, end - reserve())
         result.end_to_end = chooser(result, deadline=until)
         # the candidates that lost are not run again: free their executables and weights

@@ -274,15 +274,15 @@ def test_a_compile_timed_beside_the_search_is_capped_by_the_graphs_size():
     making a candidate costs past AHEAD_SECONDS_PER_NODE a node."""
     import types
 
-    from taso_jax.search.choose import AHEAD_SECONDS_PER_NODE, choice_reserve, made_seconds
+    from taso_jax.search.choose import AHEAD_SECONDS_PER_NODE, choice_reserve, guessed_make_seconds
 
     g = _bert_like()
     cap = AHEAD_SECONDS_PER_NODE * len(g.nodes)
-    assert made_seconds(None, g) == 0.0
+    assert guessed_make_seconds(None, g) == 0.0
     slow = types.SimpleNamespace(seconds=cap * 10, call_seconds=0.1)
     quick = types.SimpleNamespace(seconds=cap / 10, call_seconds=0.1)
-    assert made_seconds(slow, g) == pytest.approx(cap)
-    assert made_seconds(quick, g) == pytest.approx(cap / 10)
+    assert guessed_make_seconds(slow, g) == pytest.approx(cap)
+    assert guessed_make_seconds(quick, g) == pytest.approx(cap / 10)
     assert choice_reserve(slow, g) < choice_reserve(slow)
 
 
