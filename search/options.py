@@ -302,18 +302,24 @@ def _search_stop(ahead, graph: Graph, deadline: Deadline, end: float,
     """When the search ends early, asked before each expansion; ``None``: never.
 
     With the caller's ``reserve``, where less than it is left before ``end`` (it grows as
-    the caller learns better). Else, once the background compile ``ahead`` has timed a call
+    the caller learns better). And, once the background compile ``ahead`` has timed a call
     of the input, where going on would leave the choice less than one comparison needs,
-    with room for its second opinions (:func:`~taso_jax.search.choose.choice_reserve`).
+    with room for its second opinions (:func:`~taso_jax.search.choose.choice_reserve`),
+    before ``deadline`` or before the caller's reserve, whichever comes first.
     """
-    if reserve is not None:
-        return lambda: end - time.perf_counter() < reserve()
-    if ahead is None:
+    if reserve is None and ahead is None:
         return None
 
     def stop() -> bool:
-        need = choice_reserve(ahead, graph)
-        return need is not None and deadline.left() < need * (1.0 + SHARES["second_opinion"])
+        now = time.perf_counter()
+        left = deadline.left()
+        if reserve is not None:
+            kept = end - now - reserve()
+            if kept < 0.0:
+                return True
+            left = min(left, kept)
+        need = None if ahead is None else choice_reserve(ahead, graph)
+        return need is not None and left < need * (1.0 + SHARES["second_opinion"])
 
     return stop
 

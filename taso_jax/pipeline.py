@@ -56,6 +56,14 @@ class Source(Protocol):
     import_seconds: float | None
     checks_unchanged: bool
 
+    def after_search_seconds(self) -> float:
+        """Seconds the steps after the search pipeline need (prepare, check, admit, deliver).
+
+        A guess, kept out of the search's and the end-to-end choice's time
+        (:meth:`Optimizer.search <taso_jax.optimizer.Optimizer.search>`'s ``reserve``), so
+        that the whole run ends within its time limit.
+        """
+
     def time_graphs(self, target, optimized: Graph, report: dict, deadline: Deadline) -> None:
         """The report's own timing of the input and ``optimized`` graphs, where made."""
 
@@ -98,6 +106,12 @@ class GraphSource:
         self.graph, self.name, self.notes = graph, name, []
         self._check, self.rtol, self.atol = check, RTOL if rtol is None else rtol, atol
 
+    def after_search_seconds(self) -> float:
+        """The check's two compiles, guessed from the graph's size (none without a check)."""
+        from taso_jax.search.choose import COMPILE_SECONDS_PER_NODE
+
+        return 2 * COMPILE_SECONDS_PER_NODE * len(self.graph.nodes) if self._check else 0.0
+
     def time_graphs(self, target, optimized, report, deadline) -> None:
         """Not timed: the API's caller times what it runs."""
 
@@ -138,7 +152,8 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     started = time.perf_counter()
     deadline = deadline or Deadline.start(optimizer.options.time_limit)
     graph = source.graph
-    result = optimizer.search(graph, deadline, progress)
+    after = getattr(source, "after_search_seconds", None)
+    result = optimizer.search(graph, deadline, progress, reserve=after)
     report = search_report(source.name, graph, result, optimizer.options, optimizer.rules,
                            source.notes)
     unchanged = result.graph.key == graph.key
