@@ -24,8 +24,10 @@ def search_graph(graph, options: _options.OptimizeOptions | None = None, *, prog
         progress: ``progress(iterations, best cost in microseconds)`` after each expansion.
         **changes: settings that override ``options`` (``budget=30``, ``end_to_end=0``...),
             and ``check`` (default ``True``: a rewritten graph is compared with the input
-            under ``jax.jit`` at two input scales, and the input is returned, with a
-            ``RuntimeWarning``, where they differ), ``rtol``, ``atol`` (its tolerances,
+            under ``jax.jit`` at two input scales, and at two more for non-finite values
+            (:func:`~taso_jax.checks.range_scales`), and the input is returned, with a
+            ``RuntimeWarning``, where they differ or a weight computed ahead of time
+            overflows), ``rtol``, ``atol`` (its tolerances,
             at most :data:`~taso_jax.checks.MAX_RTOL` and :data:`~taso_jax.checks.MAX_ATOL`).
 
     A rule file named by ``substitutions`` is proved again unless ``trust_proofs=True``

@@ -3,7 +3,10 @@
 The output checks compare a delivered graph with the input's reference outputs at two
 input scales (:data:`CHECK_SCALES`) under one tolerance policy (:func:`compare_outputs`:
 ``|a - b| <= max(ATOL * max|b|, floor) + RTOL * |b|`` elementwise, integers exactly, NaN
-only with NaN): in onnxruntime against the user's file (:func:`check_onnx`, the command
+only with NaN), and at a tiny and a huge scale of the inputs' element type
+(:func:`range_scales`) where only the non-finite values are compared
+(:func:`compare_nonfinite`: a pre-folded weight that overflowed shows there): in
+onnxruntime against the user's file (:func:`check_onnx`, the command
 line), under ``jax.jit`` against the input graph (:func:`check_graphs`, the Python API),
 and at other bindings of open sizes (:func:`check_other_sizes`). The noise model: float32
 sums reassociate when products are merged or batchnorm is folded, which :data:`RTOL`
@@ -19,12 +22,13 @@ import numpy as np
 
 from taso_jax._text import one_line
 from taso_jax.frontends.onnx_io import model_refusal
-from taso_jax.ir.executor import random_array, random_inputs
+from taso_jax.ir.executor import _is_float, random_array, random_inputs
 from taso_jax.ir.graph import Graph
 from taso_jax.search.choose import device_name, time_graphs
 
 __all__ = ["measure_speed", "measure_onnxruntime", "compare_onnx", "check_onnx",
-           "reference_runs", "compare_outputs", "other_bindings", "check_other_sizes",
+           "reference_runs", "compare_outputs", "compare_nonfinite", "range_scales",
+           "other_bindings", "check_other_sizes",
            "RTOL", "ATOL", "CHECK_SCALES", "ONNXRUNTIME_WARN", "OTHER_SIZES_ATOL",
            "check_graphs", "MAX_RTOL", "MAX_ATOL", "check_tolerances", "tolerance_problem"]
 
@@ -177,13 +181,44 @@ def compare_onnx(original, optimized, inputs: dict, rtol: float = RTOL,
 CHECK_SCALES = (1.0, 100.0)
 
 
-def reference_runs(original, graph: Graph, scales=CHECK_SCALES, seed: int = 1
-                   ) -> list[tuple[float, dict, list]]:
+def range_scales(graph: Graph, scales=CHECK_SCALES) -> tuple[float, ...]:
+    """A tiny and a huge input scale across the dynamic range of ``graph``'s float inputs.
+
+    Of the narrowest float input type (the least largest value: float16 before bfloat16
+    before float32): ``tiny ** 0.5`` (float32 and bfloat16 1.1e-19, float16 7.8e-3), where
+    ``1 / x`` and ``x * x`` stay normal, and ``max ** 0.25`` (float32 4.3e9), where
+    products of two inputs, and their sums, stay far from overflow; the huge one only where
+    it is above every scale of ``scales`` (float16's 16 is not). A graph without float
+    inputs has none. At these
+    scales only the non-finite values are compared (:func:`compare_nonfinite`): a weight
+    summed ahead of time that overflowed (``abs(x) @ (W1 + W2)``, inf) gives inf where the
+    original, at tiny inputs, is finite; values are not compared, so that subnormal
+    rounding cannot fail a rewrite that is right.
+    """
+    import ml_dtypes
+
+    floats = [n.types[0].dtype for n in graph.inputs if _is_float(n.types[0].dtype)]
+    if not floats:
+        return ()
+    info = min((ml_dtypes.finfo(d) for d in floats), key=lambda f: float(f.max))
+    tiny, huge = float(info.tiny) ** 0.5, float(info.max) ** 0.25
+    return (tiny, huge) if huge > max(scales, default=1.0) else (tiny,)
+
+
+def _scaled(x: np.ndarray, scale: float) -> np.ndarray:
+    """``x`` times ``scale`` in its own type (a float array; bfloat16 included)."""
+    return x * np.asarray(scale, x.dtype)
+
+
+def reference_runs(original, graph: Graph, scales=CHECK_SCALES, seed: int = 1,
+                   nonfinite: bool = True) -> list[tuple[float, dict, list]]:
     """``(scale, inputs, outputs)`` of the original model at each input scale.
 
     Float inputs are N(0, 1) times the scale; integer and boolean inputs are not scaled,
-    nor are float inputs that the model casts to indices (``integer_input_bounds``). Run
-    before a long search, so that a model that does not run fails at once.
+    nor are float inputs that the model casts to indices (``integer_input_bounds``). With
+    ``nonfinite``, the scales of :func:`range_scales` follow ``scales`` (where
+    :func:`check_onnx` compares the non-finite values only). Run before a long search, so
+    that a model that does not run fails at once.
 
     Raises:
         ModelError: the original model does not run on these inputs.
@@ -197,9 +232,9 @@ def reference_runs(original, graph: Graph, scales=CHECK_SCALES, seed: int = 1
     runs = []
     indices = graph.meta.get("integer_input_bounds") or {}
     hint = graph.meta.get("value_sized_hint")
-    for scale in scales:
-        feeds = {k: (v * np.asarray(scale, v.dtype) if np.issubdtype(v.dtype, np.floating)
-                     and k not in indices else v) for k, v in base.items()}
+    for scale in (*scales, *(range_scales(graph, scales) if nonfinite else ())):
+        feeds = {k: (_scaled(v, scale) if _is_float(v.dtype) and k not in indices else v)
+                 for k, v in base.items()}
         runs.append((scale, feeds, _reference(session, feeds, hint)))
     return runs
 
@@ -209,8 +244,10 @@ def check_onnx(original, optimized, graph: Graph, rtol: float = RTOL,
                references: list | None = None) -> dict:
     """Compare the optimized model with the original at each input scale; ok if all are.
 
-    ``references`` are :func:`reference_runs` of the original when already made. Returns
-    the comparison of the worst scale, with ``"scales"`` (the scales run) and
+    ``references`` are :func:`reference_runs` of the original when already made; runs at
+    scales not in ``scales`` (:func:`range_scales`) compare the non-finite values only
+    (:func:`compare_nonfinite`). Returns the comparison of the worst scale, with
+    ``"scales"`` (the scales compared in full), ``"range_scales"`` (the others run) and
     ``"failed_scale"`` (the first failing one, or ``None``).
 
     Raises:
@@ -222,23 +259,28 @@ def check_onnx(original, optimized, graph: Graph, rtol: float = RTOL,
                                                                      scales, seed)
     actual, failed = _actual(optimized, [feeds for _, feeds, _ in runs], len(runs[0][2]),
                              rtol, atol)
+    full = [s for s, _, _ in runs if s in scales]
+    ranged = [s for s, _, _ in runs if s not in scales]
     if failed:
-        return {**failed, "failed_scale": runs[0][0], "scales": [s for s, _, _ in runs]}
+        return {**failed, "failed_scale": runs[0][0], "scales": full, "range_scales": ranged}
     worst = _worst_scale(((scale, got, reference) for (scale, _, reference), got
-                          in zip(runs, actual, strict=True)), rtol, atol)
-    worst["scales"] = [s for s, _, _ in runs]
+                          in zip(runs, actual, strict=True)), rtol, atol, full)
+    worst.update(scales=full, range_scales=ranged)
     return worst
 
 
-def _worst_scale(runs, rtol: float, atol: float | None) -> dict:
-    """The worst comparison of ``(scale, actual, reference)`` runs (:func:`compare_outputs`).
+def _worst_scale(runs, rtol: float, atol: float | None, full) -> dict:
+    """The worst comparison of ``(scale, actual, reference)`` runs.
 
-    Runs are compared in order until one fails; the result is the first failing comparison,
-    else the one with the largest error, with ``"failed_scale"`` (``None`` when all pass).
+    Runs at a scale of ``full`` are compared in full (:func:`compare_outputs`), the others
+    by their non-finite values (:func:`compare_nonfinite`). Runs are compared in order
+    until one fails; the result is the first failing comparison, else the one with the
+    largest error, with ``"failed_scale"`` (``None`` when all pass).
     """
     worst = None
     for scale, got, reference in runs:
-        r = compare_outputs(got, reference, rtol, atol)
+        r = (compare_outputs(got, reference, rtol, atol) if scale in full
+             else compare_nonfinite(got, reference, rtol, atol))
         r["failed_scale"] = None if r["ok"] else scale
         if worst is None or (worst["ok"] and not r["ok"]) or (
                 r["ok"] == worst["ok"] and r["max_abs_err"] > worst["max_abs_err"]):
@@ -255,9 +297,11 @@ def check_graphs(original: Graph, optimized: Graph, rtol: float = RTOL,
     The check the Python API makes where no independent executor of the original is at
     hand: both graphs are compiled with :func:`~taso_jax.ir.executor.compile_graph` and run
     on the same seeded random inputs, floats scaled by each of ``scales`` (integer and
-    boolean inputs, and inputs the graph uses as indices, are not scaled). Tolerances as in
-    :func:`compare_outputs`. Returns the comparison of the worst scale, with ``"scales"``
-    and ``"failed_scale"`` (the first failing one, or ``None``), and ``"reference"``.
+    boolean inputs, and inputs the graph uses as indices, are not scaled), then by each of
+    :func:`range_scales`, where only the non-finite values are compared
+    (:func:`compare_nonfinite`). Tolerances as in :func:`compare_outputs`. Returns the
+    comparison of the worst scale, with ``"scales"``, ``"range_scales"`` and
+    ``"failed_scale"`` (the first failing one, or ``None``), and ``"reference"``.
 
     Raises:
         ValueError: a tolerance refused by :func:`check_tolerances`.
@@ -268,16 +312,18 @@ def check_graphs(original: Graph, optimized: Graph, rtol: float = RTOL,
     base = random_inputs(original, seed=seed)
     indices = original.meta.get("integer_input_bounds") or {}
     run_a, run_b = compile_graph(original), compile_graph(optimized)
+    ranged = range_scales(original, scales)
+
     def runs():  # each scale's outputs are computed only when the comparison reaches it
-        for scale in scales:
-            xs = [x * np.asarray(scale, x.dtype) if np.issubdtype(x.dtype, np.floating)
-                  and n.name not in indices else x
+        for scale in (*scales, *ranged):
+            xs = [_scaled(x, scale) if _is_float(x.dtype) and n.name not in indices else x
                   for n, x in zip(original.inputs, base, strict=True)]
             yield (scale, [np.asarray(y) for y in _as_list(run_b(*xs))],
                    [np.asarray(y) for y in _as_list(run_a(*xs))])
 
-    worst = _worst_scale(runs(), rtol, atol)
-    worst.update(scales=list(scales), reference="jax.jit of the input graph")
+    worst = _worst_scale(runs(), rtol, atol, scales)
+    worst.update(scales=list(scales), range_scales=list(ranged),
+                 reference="jax.jit of the input graph")
     return worst
 
 
@@ -403,7 +449,7 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
             continue
         if b.size == 0:
             continue
-        if not np.issubdtype(b.dtype, np.inexact):  # integers and booleans: exactly
+        if not (np.issubdtype(b.dtype, np.inexact) or _is_float(b.dtype)):  # exactly
             diff = np.abs(a.astype(np.int64) - b.astype(np.int64)) if b.dtype != bool \
                 else (a != b).astype(np.int64)
             ok &= bool(np.all(diff == 0))
@@ -429,4 +475,43 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
            "outputs": len(reference)}
     if floor is not None:
         out["atol_floor"] = max(floors, default=0.0)
+    return out
+
+
+def compare_nonfinite(actual, reference, rtol: float = RTOL, atol: float | None = None
+                      ) -> dict:
+    """Compare outputs by their non-finite values only (the scales of :func:`range_scales`).
+
+    For each float output: where the reference is finite the actual value must be too; where
+    the reference is +inf or -inf the actual must not be NaN nor the opposite infinity (a
+    finite value is allowed: the rewrite overflowed less); where the reference is NaN
+    anything goes. Integer, boolean and complex outputs, and finite values, are not
+    compared (subnormal rounding at tiny inputs is not a fault).
+
+    Returns ``{"ok", "max_abs_err", "rtol", "atol", "outputs", "nonfinite_only": True}``
+    (``rtol``/``atol`` as :func:`compare_outputs` would report them); ``max_abs_err`` is
+    ``inf`` where a value does not match, else 0, and a failure adds ``"nonfinite"``: how
+    many elements failed, and of what kind (``"inf where the original is finite"``...).
+    """
+    ok, bad = len(actual) == len(reference), {}
+    for a, b in zip(actual, reference, strict=False):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape:
+            ok = False
+            continue
+        if not _is_float(b.dtype) or b.size == 0:
+            continue
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        kinds = (("not finite where the original is finite", np.isfinite(b) & ~np.isfinite(a)),
+                 ("NaN where the original is inf", np.isinf(b) & np.isnan(a)),
+                 ("inf of the other sign", np.isinf(b) & np.isinf(a) & (a != b)))
+        for what, where in kinds:
+            if where.any():
+                bad[what] = bad.get(what, 0) + int(where.sum())
+    ok = ok and not bad
+    out = {"ok": bool(ok), "max_abs_err": 0.0 if ok else float("inf"), "rtol": rtol,
+           "atol": f"{ATOL} x max|output|" if atol is None else atol,
+           "outputs": len(reference), "nonfinite_only": True}
+    if bad:
+        out["nonfinite"] = bad
     return out

@@ -481,9 +481,17 @@ class FirstCallPipeline:
         (:func:`_rounding_noise`) widens the tolerance, and failing that the stages run at
         full float32 precision if that matches.
 
+        First, whatever ``check`` says (a cached graph met other weights), a weight computed
+        ahead of time that overflows from the call's finite weights falls back
+        (:func:`~taso_jax.ir.fold_check.fold_overflow`, ``entry.report["fold_check"]``).
+
         Raises:
-            _Fallback: the outputs differ.
+            _Fallback: the outputs differ, or a pre-folded weight overflowed.
         """
+        overflow = self._fold_overflow(entry, traced)
+        if overflow is not None:
+            entry.report["fold_check"] = overflow.to_json()
+            raise _Fallback(str(overflow))
         stored = (hit[1].get("check") or {}) if hit is not None else {}
         if self.check is True and stored.get("ok") is True:
             entry.report["check"] = {**stored,
@@ -501,6 +509,19 @@ class FirstCallPipeline:
                             f"{check['max_abs_err']:.3g}); substitutions applied: "
                             f"{sorted(result.applied)}")
         entry.folded_for = ()
+
+    def _fold_overflow(self, entry, traced: TracedFunction):
+        """:func:`~taso_jax.ir.fold_check.fold_overflow` on the call's weights (``None``
+        where one is traced: no values to check)."""
+        from taso_jax.ir.fold_check import fold_overflow
+
+        ws = [x for x, k in zip(traced.leaves, traced.kinds, strict=True) if k == "weight"]
+        if any(_is_tracer(x) for x in ws):
+            return None
+        values = {name: entry.constants[slot] if isinstance(slot, str) else ws[slot]
+                  for name, slot in zip(entry.staged.weight_names, entry.weight_slots,
+                                        strict=True)}
+        return fold_overflow(entry.result.graph, entry.graph, values)
 
     def _compare_with_original(self, entry, traced: TracedFunction, args, static_pos) -> dict:
         """The optimized stages' outputs against the original's, under :meth:`_check`'s policy.

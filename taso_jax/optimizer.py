@@ -140,8 +140,11 @@ class Optimizer:
         ``graph`` is a :class:`~taso_jax.pipeline.Source` (the command line's ONNX file), or
         a graph (the Python API), which becomes a :class:`~taso_jax.pipeline.GraphSource`:
         a rewritten graph is compared with the input graph under ``jax.jit`` at the input
-        scales of :data:`~taso_jax.checks.CHECK_SCALES` (tolerances ``rtol``/``atol``);
-        where it differs, the input is delivered (:attr:`~taso_jax.outcome.Verdict.FALLBACK`) with a
+        scales of :data:`~taso_jax.checks.CHECK_SCALES` (tolerances ``rtol``/``atol``), and
+        by its non-finite values at :func:`~taso_jax.checks.range_scales`; where it differs,
+        or a weight it computes ahead of time overflows from finite weights
+        (:func:`~taso_jax.ir.fold_check.fold_overflow`, whatever ``check`` says), the input
+        is delivered (:attr:`~taso_jax.outcome.Verdict.FALLBACK`) with a
         ``RuntimeWarning``; ``check=False`` turns the check off (then a wrong rule given
         with ``trust_proofs`` or as objects goes unnoticed). Never slower: the end-to-end
         choice (``end_to_end > 0``) keeps the input unless a candidate is confirmed faster.

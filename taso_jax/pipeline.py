@@ -8,13 +8,15 @@ a front door imported: an ONNX file, a built graph) and returns the one
    report's own timing of the graphs (:meth:`Source.time_graphs`);
 2. a search that kept its input delivers it (:func:`~taso_jax.outcome.kept_input_verdict`),
    unless the source checks an unchanged graph too (a built-in example written as ONNX);
-3. the graph found is made deliverable (:meth:`Source.prepare`: an exported file); one that
+3. the weights it computes ahead of time are checked: one that overflows its element type
+   from finite weights (:func:`~taso_jax.ir.fold_check.fold_overflow`) delivers the input;
+4. the graph found is made deliverable (:meth:`Source.prepare`: an exported file); one that
    cannot be made is not delivered (:attr:`~taso_jax.outcome.Verdict.FALLBACK`);
-4. the output check (:meth:`Source.check`; its policy and noise model are
+5. the output check (:meth:`Source.check`; its policy and noise model are
    :mod:`taso_jax.checks`'s); a mismatch delivers the input;
-5. the source may refuse the result for what it is (:meth:`Source.admit`: a file that holds
+6. the source may refuse the result for what it is (:meth:`Source.admit`: a file that holds
    at the bound sizes only, one that imports back with opaque operators);
-6. delivery: the result (:meth:`Source.deliver`) or the input
+7. delivery: the result (:meth:`Source.deliver`) or the input
    (:meth:`Source.deliver_input`), and the outcome, built once, here.
 
 The front doors parse or trace, call :func:`deliver` and print; none decides a verdict.
@@ -136,7 +138,7 @@ class GraphSource:
 
     def deliver_input(self, report, verdict, why, deadline) -> None:
         """Nothing to write: the outcome holds the input graph; a failed check warns."""
-        if report.get("check", {}).get("ok") is False:
+        if report.get("check", {}).get("ok") is False or "fold_check" in report:
             warnings.warn(f"taso_jax.optimize: returning the input graph: {why}",
                           RuntimeWarning, stacklevel=6)
 
@@ -176,6 +178,13 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     kept = kept_input_verdict(graph, result, report)
     if kept is not None and not source.checks_unchanged:
         return done(*kept)
+    if not unchanged:
+        from taso_jax.ir.fold_check import fold_overflow
+
+        overflow = fold_overflow(result.graph, graph)
+        if overflow is not None:
+            report["fold_check"] = overflow.to_json()
+            return done(Verdict.FALLBACK, str(overflow))
     try:
         prepared = source.prepare(result.graph, report)
     except NotDeliverable as e:

@@ -214,6 +214,8 @@ def format_report(r: dict) -> str:
         lines.append("output check: not needed, the input model is returned unchanged")
     elif r.get("check"):
         lines.append(_check_line(r["check"]))
+    if r.get("fold_check"):
+        lines.append(f"weights computed ahead of time: {r['fold_check']['why']}")
     if r.get("written"):
         lines.append(_written_line(r))
     return "\n".join(lines)
@@ -225,10 +227,14 @@ def _check_line(k: dict) -> str:
     ``k`` is a comparison (:func:`~taso_jax.checks.compare_outputs`) with the check's
     ``scales``, ``reference``, and where they apply ``failed_scale``, ``noise_floor``
     (the export's own noise), ``rounding_noise`` and ``noise_margin`` (the device's),
-    ``full_precision`` and ``error``.
+    ``full_precision``, ``error``, ``range_scales`` and ``nonfinite``
+    (:func:`~taso_jax.checks.compare_nonfinite`).
     """
     scales = (f", inputs N(0,1) x {' and x '.join(f'{x:g}' for x in k['scales'])}"
               if k.get("scales") else "")
+    if k.get("range_scales"):
+        scales += "; non-finite values at x" + " and x".join(f"{x:.2g}"
+                                                            for x in k["range_scales"])
     return (f"output check ({k.get('reference', 'onnxruntime')}, original vs optimized"
             f"{scales}, rtol {k['rtol']}, atol {k['atol']}): "
             f"{'ok' if k['ok'] else 'MISMATCH'}"
@@ -246,7 +252,9 @@ def _check_line(k: dict) -> str:
                "float32 precision: at the device's default precision they differed "
                "from the original by more than that"
                if k.get("full_precision") else "")
-            + (f"; {k['error']}" if k.get("error") else ""))
+            + (f"; {k['error']}" if k.get("error") else "")
+            + ("; " + ", ".join(f"{n} element(s) {what}" for what, n in k["nonfinite"].items())
+               if k.get("nonfinite") else ""))
 
 
 def _applied_lines(r: dict) -> list[str]:
