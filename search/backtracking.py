@@ -48,7 +48,8 @@ from taso_jax.search.rules import Substitution
 
 from taso_jax.ir.graph import Graph
 
-__all__ = ["SearchResult", "SearchState", "Candidate", "backtracking_search"]
+__all__ = ["SearchResult", "SearchState", "Candidate", "RuleStats", "Iteration",
+           "backtracking_search"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,9 @@ class SearchResult:
             :func:`taso_jax.search.options.run_search`; empty for a model without stats.
         outcome: the :class:`taso_jax.outcome.Outcome` of the whole pipeline, where
             :func:`taso_jax.search_graph` ran it; else ``None``.
+        rule_stats: substitution name -> :class:`RuleStats` (matches found, rewrites
+            queued, seconds) over the backtracking search's expansions (not the descent's).
+        iteration_log: one :class:`Iteration` per graph expanded, in order.
     """
 
     graph: Graph
@@ -140,6 +144,8 @@ class SearchResult:
     unmeasurable: list[str] = field(default_factory=list)
     cost_model: dict = field(default_factory=dict)
     outcome: object | None = None  # a taso_jax.outcome.Outcome (a layer above the search)
+    rule_stats: dict = field(default_factory=dict)
+    iteration_log: list = field(default_factory=list)
 
     @property
     def path(self) -> tuple[str, ...]:
@@ -233,129 +239,223 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
                        progress, greedy, keep, record, stop)
 
 
-def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
-            alpha: float, budget: int, time_limit: float,
-            progress: Callable[[int, float], None] | None, greedy: bool,
-            keep: int, record: int | None = None,
-            stop: Callable[[], bool] | None = None) -> SearchResult:
-    """The body of :func:`backtracking_search`."""
-    if alpha < 1.0:
-        raise ValueError(f"alpha must be >= 1, got {alpha}")
-    if budget < 0:
-        raise ValueError(f"budget must be >= 0, got {budget}")
-    state = SearchState()
-    t0 = time.perf_counter()
-    end = t0 + time_limit  # of the search, and of measuring kernels (measure_until)
-    cost0 = cost_model.graph_cost(graph, end)
-    start, start_cost, start_path = graph, cost0, ()
-    visited: list[Candidate] = [Candidate(cost0, graph)]
-    hold = None if record is None else max(record, keep)
+@dataclass
+class RuleStats:
+    """What one substitution did in a search (egg's per-rule counters, :class:`SearchResult`).
 
-    def note(c: Candidate) -> None:
+    Attributes:
+        matches: matches found over every graph expanded (incrementally carried ones too).
+        queued: rewrites of those whose estimated cost passed the alpha bound, queued as
+            children.
+        seconds: wall time spent matching it and preparing its rewrites.
+    """
+
+    matches: int = 0
+    queued: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One expansion of the backtracking search (egg's ``Iteration``).
+
+    Attributes:
+        cost: the estimated cost of the graph expanded, microseconds.
+        best: the cheapest cost known after it (built graphs and queued estimates).
+        queued: children it queued. queue: the queue's length after it.
+        seconds: its wall time.
+    """
+
+    cost: float
+    best: float
+    queued: int
+    queue: int
+    seconds: float
+
+
+class _Backtracking:
+    """The state of one backtracking search and its steps (:func:`backtracking_search`).
+
+    It carries the search's deadline (``end``, a ``time.perf_counter()`` value) into every
+    step (matching, pricing, building), and records per-rule counters (:class:`RuleStats`)
+    and one :class:`Iteration` per expansion.
+    """
+
+    def __init__(self, graph: Graph, substitutions: Sequence[Substitution],
+                 cost_model: CostModel, alpha: float, budget: int, end: float, keep: int,
+                 record: int | None, stop: Callable[[], bool] | None):
+        self.graph, self.substitutions, self.cost_model = graph, substitutions, cost_model
+        self.alpha, self.budget, self.end, self.keep, self.stop = alpha, budget, end, keep, stop
+        self.state = SearchState()
+        self.cost0 = cost_model.graph_cost(graph, end)
+        self.visited: list[Candidate] = [Candidate(self.cost0, graph)]
+        self.hold = None if record is None else max(record, keep)
+        self.tie = itertools.count()
+        self.reach = {sub.id: _reach(sub) for sub in substitutions}
+        self.seen = {graph.key}
+        self.queue: list[_Entry] = []
+        # bounds the alpha relaxation: the cheapest graph built, or the cheapest estimate
+        # queued (estimates are upper bounds, so that cost is reachable)
+        self.best_cost = self.cost0
+        self.iterations, self.stopped = 0, StopReason.QUEUE_EMPTY
+        self.rule_stats: dict[str, RuleStats] = {}
+        self.log: list[Iteration] = []
+
+    def note(self, c: Candidate) -> None:
         """Record a graph built, holding at most about twice ``hold`` of them.
 
         Past that, the ``hold`` cheapest stay (ties go to the earlier), in their order of
         discovery, so that the best graph and the candidates are those of a full record.
         """
-        nonlocal visited
-        visited.append(c)
+        self.visited.append(c)
+        hold, visited = self.hold, self.visited
         if hold is not None and len(visited) > 2 * hold + 1:
             cheapest = sorted(range(1, len(visited)), key=lambda i: visited[i].cost)[:hold]
-            visited = [visited[0], *(visited[i] for i in sorted(cheapest))]
+            self.visited = [visited[0], *(visited[i] for i in sorted(cheapest))]
 
-    if greedy:
-        start, start_cost, rules = _descend(
-            graph, substitutions, cost_model, time_limit / 2, state, alpha,
-            on_step=lambda c, g, rules: note(Candidate.of(c, g, rules)), measure_until=end,
-            stop=stop)
-        start_path = tuple(rules)
-    tie = itertools.count()
-    queue = [_Entry(start_cost, next(tie), start, start_path)]
-    reach = {sub.id: _reach(sub) for sub in substitutions}
-    seen = {graph.key, start.key}
-    # best_cost bounds the alpha relaxation: the cheapest graph built, or the cheapest
-    # estimate queued (estimates are upper bounds, so that cost is reachable).
-    best_cost = start_cost
-    iterations, stopped = 0, StopReason.QUEUE_EMPTY
+    def start_from(self, start: Graph, cost: float, path: tuple) -> None:
+        """Queue the graph the search begins at (the input, or where the descent ended)."""
+        self.seen.add(start.key)
+        self.best_cost = min(self.best_cost, cost)
+        self.queue = [_Entry(cost, next(self.tie), start, path)]
 
-    def build(entry: _Entry) -> bool:
+    def build(self, entry: _Entry) -> bool:
         """Build, price and record an unbuilt entry; ``False`` if its graph was seen."""
         rebuilt: dict = {}
         g2 = entry.parent.replace(entry.mapping, rebuilt)
-        if g2.key in seen:
+        if g2.key in self.seen:
             return False
-        seen.add(g2.key)
-        entry.graph, entry.cost, entry.rebuilt = g2, cost_model.graph_cost(g2, end), rebuilt
-        note(Candidate.of(entry.cost, g2, entry.path))
+        self.seen.add(g2.key)
+        entry.graph, entry.cost, entry.rebuilt = g2, self.cost_model.graph_cost(g2, self.end), \
+            rebuilt
+        self.note(Candidate.of(entry.cost, g2, entry.path))
         return True
 
-    while queue:
-        if iterations >= budget:
-            stopped = StopReason.BUDGET
-            break
-        if stopped == StopReason.TIME_LIMIT or time.perf_counter() > end:
-            stopped = StopReason.TIME_LIMIT
-            break
-        if stop is not None and stop():
-            stopped = StopReason.CHOICE_RESERVE
-            break
-        entry = heapq.heappop(queue)
-        if entry.graph is None:
-            if not build(entry):
-                continue
-            best_cost = min(best_cost, entry.cost)
-            if queue and queue[0].cost < entry.cost:  # cheaper than estimated, not cheapest
-                entry.tie = next(tie)
-                heapq.heappush(queue, entry)
-                continue
+    def why_stop(self) -> str | None:
+        """The reason to stop before the next expansion, or ``None``."""
+        if self.iterations >= self.budget:
+            return StopReason.BUDGET
+        if self.stopped == StopReason.TIME_LIMIT or time.perf_counter() > self.end:
+            return StopReason.TIME_LIMIT
+        if self.stop is not None and self.stop():
+            return StopReason.CHOICE_RESERVE
+        return None
+
+    def run(self, progress: Callable[[int, float], None] | None) -> None:
+        """Pop and expand the cheapest graph until the queue empties or a stop holds."""
+        while self.queue:
+            why = self.why_stop()
+            if why is not None:
+                self.stopped = why
+                return
+            entry = heapq.heappop(self.queue)
+            if entry.graph is None:
+                if not self.build(entry):
+                    continue
+                self.best_cost = min(self.best_cost, entry.cost)
+                if self.queue and self.queue[0].cost < entry.cost:  # cheaper than estimated
+                    entry.tie = next(self.tie)
+                    heapq.heappush(self.queue, entry)
+                    continue
+            self.expand(entry)
+            if progress:
+                progress(self.iterations, self.best_cost)
+
+    def expand(self, entry: _Entry) -> None:
+        """Queue every rewrite of ``entry``'s graph whose estimate passes the alpha bound."""
+        t0, queued = time.perf_counter(), 0
         g, gc = entry.graph, entry.cost
-        iterations += 1
+        self.iterations += 1
         table: dict[str, list] = {}
         change = near_cache = None
         if entry.parent is not None:
             change = _Change(entry.parent, g, entry.mapping, entry.rebuilt)
             near_cache = {}
-        for sub in _relevant(substitutions, g):
-            if time.perf_counter() > end:  # one expansion of a large graph takes long
-                stopped = StopReason.TIME_LIMIT
+        for sub in _relevant(self.substitutions, g):
+            if time.perf_counter() > self.end:  # one expansion of a large graph takes long
+                self.stopped = StopReason.TIME_LIMIT
                 break
+            t_rule = time.perf_counter()
             rid = sub.id
-            previous = None if change is None or reach[rid] is None else entry.matches.get(rid)
+            previous = None if change is None or self.reach[rid] is None \
+                else entry.matches.get(rid)
             if previous is None:
-                found = list(find_matches(sub, g, state.matching, deadline=end))
+                found = list(find_matches(sub, g, self.state.matching, deadline=self.end))
             else:
-                found = _incremental_matches(g, sub, reach[rid], previous, change, near_cache,
-                                             state)
+                found = _incremental_matches(g, sub, self.reach[rid], previous, change,
+                                             near_cache, self.state)
             table[rid] = found or ()  # most rules match nowhere: one shared empty tuple
-            for rw, estimate in _prepared(g, gc, sub, cost_model, alpha * best_cost, state,
-                                          matches=found, deadline=end, measure_until=end):
-                heapq.heappush(queue, _Entry(estimate, next(tie), None, (*entry.path, sub),
-                                             g, table, rw.mapping))
-                best_cost = min(best_cost, estimate)
+            stats = self.rule_stats.setdefault(sub.name, RuleStats())
+            stats.matches += len(found)
+            for rw, estimate in _prepared(g, gc, sub, self.cost_model,
+                                          self.alpha * self.best_cost, self.state,
+                                          matches=found, deadline=self.end,
+                                          measure_until=self.end):
+                heapq.heappush(self.queue, _Entry(estimate, next(self.tie), None,
+                                                  (*entry.path, sub), g, table, rw.mapping))
+                self.best_cost = min(self.best_cost, estimate)
+                stats.queued += 1
+                queued += 1
+            stats.seconds += time.perf_counter() - t_rule
         # Its children need its nodes (to be built) and node set (to carry matches) only.
         g.forget_caches(keep=("nodes", "node_set"))
-        cap = QUEUE_PER_EXPANSION * (budget - iterations) + 4 * keep + QUEUE_FLOOR
-        if len(queue) > 2 * cap:
-            queue = heapq.nsmallest(cap, queue)  # sorted, hence a heap
-        if progress:
-            progress(iterations, best_cost)
-    # The cheapest children still queued unbuilt are built, so that the best graph and the
-    # candidates are among what was priced exactly.
-    built_after = tries = 0
-    while queue and built_after < keep and tries < 4 * keep and (
-            not tries or time.perf_counter() <= end):
-        entry = heapq.heappop(queue)
-        if entry.graph is None:
-            tries += 1
-            built_after += build(entry)
-    del queue
-    for v in visited:
-        v.graph.forget_caches()
-    best_cost, best, best_path = min(visited, key=lambda v: v.cost)
-    if best_cost >= cost0:
-        best, best_cost, best_path = graph, cost0, ()
-    order = sorted(range(len(visited)), key=lambda i: visited[i].cost)
-    candidates = [visited[i] for i in order[:keep]]
-    return SearchResult(best, cost0, best_cost, Counter(best_path), iterations, len(seen),
-                        time.perf_counter() - t0, stopped, state.matching.rejected,
-                        candidates=candidates, visited=visited)
+        cap = QUEUE_PER_EXPANSION * (self.budget - self.iterations) + 4 * self.keep \
+            + QUEUE_FLOOR
+        if len(self.queue) > 2 * cap:
+            self.queue = heapq.nsmallest(cap, self.queue)  # sorted, hence a heap
+        self.log.append(Iteration(gc, self.best_cost, queued, len(self.queue),
+                                  time.perf_counter() - t0))
+
+    def result(self, t0: float) -> SearchResult:
+        """Build the cheapest children still queued, and the result.
+
+        The cheapest children left unbuilt are built, so that the best graph and the
+        candidates are among what was priced exactly.
+        """
+        built_after = tries = 0
+        while self.queue and built_after < self.keep and tries < 4 * self.keep and (
+                not tries or time.perf_counter() <= self.end):
+            entry = heapq.heappop(self.queue)
+            if entry.graph is None:
+                tries += 1
+                built_after += self.build(entry)
+        self.queue = []
+        visited = self.visited
+        for v in visited:
+            v.graph.forget_caches()
+        best_cost, best, best_path = min(visited, key=lambda v: v.cost)
+        if best_cost >= self.cost0:
+            best, best_cost, best_path = self.graph, self.cost0, ()
+        order = sorted(range(len(visited)), key=lambda i: visited[i].cost)
+        return SearchResult(best, self.cost0, best_cost, Counter(best_path), self.iterations,
+                            len(self.seen), time.perf_counter() - t0, self.stopped,
+                            self.state.matching.rejected,
+                            candidates=[visited[i] for i in order[:self.keep]],
+                            visited=visited, rule_stats=self.rule_stats,
+                            iteration_log=self.log)
+
+
+def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: CostModel,
+            alpha: float, budget: int, time_limit: float,
+            progress: Callable[[int, float], None] | None, greedy: bool,
+            keep: int, record: int | None = None,
+            stop: Callable[[], bool] | None = None) -> SearchResult:
+    """The body of :func:`backtracking_search`: the descent, then the runner."""
+    if alpha < 1.0:
+        raise ValueError(f"alpha must be >= 1, got {alpha}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    t0 = time.perf_counter()
+    end = t0 + time_limit  # of the search, and of measuring kernels (measure_until)
+    run = _Backtracking(graph, substitutions, cost_model, alpha, budget, end, keep, record,
+                        stop)
+    start, start_cost, start_path = graph, run.cost0, ()
+    if greedy:
+        start, start_cost, rules = _descend(
+            graph, substitutions, cost_model, time_limit / 2, run.state, alpha,
+            on_step=lambda c, g, rules: run.note(Candidate.of(c, g, rules)),
+            measure_until=end, stop=stop)
+        start_path = tuple(rules)
+    run.start_from(start, start_cost, start_path)
+    run.run(progress)
+    return run.result(t0)

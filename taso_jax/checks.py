@@ -189,7 +189,7 @@ def range_scales(graph: Graph, scales=CHECK_SCALES) -> tuple[float, ...]:
     ``1 / x`` and ``x * x`` stay normal, and ``max ** 0.25`` (float32 4.3e9), where
     products of two inputs, and their sums, stay far from overflow; the huge one only where
     it is above every scale of ``scales`` (float16's 16 is not). A graph without float
-    inputs has none. At these
+    inputs it scales (float ids cast to indices are not) has none. At these
     scales only the non-finite values are compared (:func:`compare_nonfinite`): a weight
     summed ahead of time that overflowed (``abs(x) @ (W1 + W2)``, inf) gives inf where the
     original, at tiny inputs, is finite; values are not compared, so that subnormal
@@ -197,7 +197,9 @@ def range_scales(graph: Graph, scales=CHECK_SCALES) -> tuple[float, ...]:
     """
     import ml_dtypes
 
-    floats = [n.types[0].dtype for n in graph.inputs if _is_float(n.types[0].dtype)]
+    indices = graph.meta.get("integer_input_bounds") or {}  # float ids are never scaled
+    floats = [n.types[0].dtype for n in graph.inputs
+              if _is_float(n.types[0].dtype) and n.name not in indices]
     if not floats:
         return ()
     info = min((ml_dtypes.finfo(d) for d in floats), key=lambda f: float(f.max))

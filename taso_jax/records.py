@@ -196,7 +196,11 @@ def search_report(name: str, graph: Graph, result, options: OptimizeOptions, sub
                    "explored": result.explored, "stopped": result.stopped,
                    "out_of_time_in": result.out_of_time_in,
                    "alpha": options.alpha, "budget": options.budget,
-                   "substitutions": len(substitutions)},
+                   "substitutions": len(substitutions),
+                   # rule name -> [matches, rewrites queued], rules that matched only
+                   "rule_counters": {name: [c.matches, c.queued] for name, c
+                                     in sorted((result.rule_stats or {}).items())
+                                     if c.matches}},
         "rules": dict(result.rules),
         "cost_model": dict(getattr(result, "cost_model", None) or {}),
         "applied": dict(result.applied),

@@ -188,10 +188,17 @@ def format_report(r: dict) -> str:
         lines.append(PhaseTimes(**r["phases"]).line())
     if r.get("wall_seconds") is not None:
         lines.append(f"total time: {r['wall_seconds']:.1f} s (limit {r['time_limit']:g} s: "
-                     "import, search, kernel measurement and end-to-end choice)")
+                     "import, search, end-to-end choice, check and write)")
     lines.append(f"backtracking search: {s['seconds']:.1f} s, {s['iterations']} graphs expanded, "
                  f"{s['explored']} explored, stopped: {s['stopped']}, "
                  f"{s['substitutions']} substitutions")
+    counters = s.get("rule_counters") or {}
+    if counters:
+        busiest = sorted(counters.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))[:3]
+        lines.append(f"rules that matched in the backtracking search: {len(counters)} of "
+                     f"{s['substitutions']}; most "
+                     "rewrites queued: " + ", ".join(f"{name} ({q} of {m} matches)"
+                                                    for name, (m, q) in busiest))
     if s.get("out_of_time_in"):
         lines.append(f"time limit reached during: {s['out_of_time_in']}")
     cm = r.get("cost_model") or {}
