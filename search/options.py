@@ -113,7 +113,8 @@ class OptimizeOptions:
            "measurement's noise; 0 trusts the cost model")
     trust_proofs: bool = _option(
         False, "take a rule file's proof stamps as they are; by default its rules are "
-               "proved again (once per file content); the shipped set is trusted")
+               "proved again (once per file content and process: a cached proof is proved "
+               "again); the shipped set is trusted")
     target: str = _option(
         "xla", "the runtime the result must be fast in: \"xla\" (jax.jit on this device) "
                "or \"onnxruntime\" (kernels and candidates timed in onnxruntime against "

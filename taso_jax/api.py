@@ -80,8 +80,8 @@ def optimize(graph=None, **options):
     (arguments whose array leaves are weights: weight-only subgraphs are computed once per
     distinct weight arrays), ``static_argnums`` / ``static_argnames`` and ``check`` (compare
     with ``jax.jit`` of the original at the first call of each signature; a graph read from
-    the graph cache was checked by the process that stored it, and ``check="always"``
-    checks it again); see
+    the graph cache is checked on its first use in each process, and ``check="always"``
+    checks it every time); see
     :class:`~taso_jax.decorator.OptimizedFunction`, and ``mode="background"``
     (first calls run ``jax.jit`` of the original while the optimization runs in a thread).
     Its search time limit defaults to 10 s, and optimized graphs are kept in a cache on

@@ -202,7 +202,8 @@ def _generate(args) -> int:
                                                timeout_ms=args.timeout_ms,
                                                workers=args.workers, progress=vprogress,
                                                cluster=args.cluster,
-                                               checkpoint=args.checkpoint)
+                                               checkpoint=args.checkpoint,
+                                               trust_proofs=args.trust_proofs)
         vbar.close()
         c = vstats["counts"]
         proved = [s for s in stamped if s.proof_status == "proved"]
@@ -259,15 +260,20 @@ def _verify(args) -> int:
     bar, progress = _verify_progress(len(subs), args.quiet)
     stamped, stats = verify_substitutions(subs, rlimit=args.rlimit, timeout_ms=args.timeout_ms,
                                           workers=args.workers, progress=progress,
-                                          cluster=args.cluster, checkpoint=args.checkpoint)
+                                          cluster=args.cluster, checkpoint=args.checkpoint,
+                                          trust_proofs=args.trust_proofs)
     bar.close()
     c = stats["counts"]
     print(f"substitutions: {len(subs)} ({args.file or 'shipped set'}); axioms: "
           f"{stats['axioms']}; Z3 limit {_limits(args)} each")
+    how = [stats["engine"]]
+    if stats["resumed"]:
+        how.append(f"{stats['resumed']} from the checkpoint")
+    if stats["reproved"]:  # lines this process did not write (--trust-proofs takes them)
+        how.append(f"{stats['reproved']} that the checkpoint says are proved, proved again")
     print(f"proved: {c['proved']}; not proved: {c['unproved']} (the axioms allow the sides "
           f"to differ); unknown: {c['unknown']} (no answer within the limit); {stats['seconds']} s"
-          f" ({stats['engine']}" + (f"; {stats['resumed']} from the checkpoint)"
-                                     if stats["resumed"] else ")"))
+          f" ({'; '.join(how)})")
     failed = [s for s in stamped if s.proof_status != "proved"]
     if failed:
         _list_unproved(args.report, failed)
@@ -395,7 +401,11 @@ def _limit_flags(p) -> None:
                         "process pool here; needs taso_jax[cluster])")
     p.add_argument("--checkpoint", metavar="FILE", default=None,
                    help="record each finished proof in FILE (JSON lines); a rerun with the "
-                        "same FILE and limits skips the proofs already there")
+                        "same FILE and limits skips the proofs already there, but proves "
+                        "again a rule that a line says is proved, unless --trust-proofs")
+    p.add_argument("--trust-proofs", action="store_true",
+                   help="take the 'proved' lines of --checkpoint as they are (a file anyone "
+                        "could have written: only one you made or trust)")
 
 
 class _UsageExit(Exception):

@@ -344,13 +344,16 @@ class FirstCallPipeline:
         key = graph_cache.cache_key(graph, self._cache_parts(optimizer.rules))
         lap("import")
         hit = graph_cache.load(key, graph)
-        if hit is None and (self.check or self.options.end_to_end > 0):
+        # another process's entry is checked on its first use here (see _check)
+        unchecked_hit = (hit is not None and self.check
+                         and not graph_cache.checked(key, hit[0], graph))
+        if (hit is None and (self.check or self.options.end_to_end > 0)) or unchecked_hit:
             original = self._original_call(entry, traced, args, static_pos)
-            if original is not None:  # compiled while the search runs
+            if original is not None:  # compiled while the search runs, or the stages compile
                 entry.original_run = OriginalRun(*original)
         reserve = (first_call_reserve(entry.original_run, optimizer, graph)
-                   if entry.original_run is not None and self.options.end_to_end > 0
-                   else None)
+                   if entry.original_run is not None and hit is None
+                   and self.options.end_to_end > 0 else None)
         if reserve is not None:  # what the search must leave, as guessed when it starts
             entry.reserved_s = reserve()
         result = self._search_or_hit(entry, optimizer, graph, hit, deadline, traced.leaves,
@@ -360,7 +363,14 @@ class FirstCallPipeline:
         entry.report = self._first_report(entry, graph, result, optimizer.rules, weight_index)
         if self._kept_before_check(entry, graph, result, hit, key):
             return
-        self._check(entry, traced, args, static_pos, result, hit)
+        try:
+            self._check(entry, traced, args, static_pos, result, hit, key)
+        except _Fallback:
+            if hit is not None:  # another process's entry that this one will not use
+                graph_cache.drop(key)
+            raise
+        if entry.report.get("check", {}).get("ok"):
+            graph_cache.mark_checked(key, result.graph, graph)
         lap("compile and check")
         if hit is not None:
             entry.original_kept = None  # the earlier process measured the optimized faster
@@ -470,11 +480,15 @@ class FirstCallPipeline:
             entry.original_run.cancel()
         return True
 
-    def _check(self, entry, traced: TracedFunction, args, static_pos, result, hit) -> None:
+    def _check(self, entry, traced: TracedFunction, args, static_pos, result, hit,
+               key: str) -> None:
         """The output check against ``jax.jit`` of the function (``entry.report["check"]``).
 
-        A graph read from the graph cache was checked by the process that stored it (the
-        key covers the jaxpr), and is not again unless ``check="always"``. Otherwise the
+        A graph read from the graph cache (under ``key``) is checked on its first use in
+        this process: the file's digest is no proof that the process that stored it checked
+        this graph (it may have been edited and its digest computed again). Once this
+        process has checked or stored it (:func:`~taso_jax.frontends.graph_cache.checked`),
+        a hit is not checked again unless ``check="always"``. Otherwise the
         optimized stages run on the call's values (random ones for tracers) and are compared
         with the original's outputs (:func:`~taso_jax.checks.compare_outputs`); where they
         differ on a device whose default precision rounds, the original's own rounding noise
@@ -493,17 +507,25 @@ class FirstCallPipeline:
             entry.report["fold_check"] = overflow.to_json()
             raise _Fallback(str(overflow))
         stored = (hit[1].get("check") or {}) if hit is not None else {}
-        if self.check is True and stored.get("ok") is True:
+        first_use = hit is not None and not graph_cache.checked(key, result.graph, entry.graph)
+        if self.check is True and stored.get("ok") is True and not first_use:
             entry.report["check"] = {**stored,
-                                     "reference": "jax.jit of the original function, in the "
-                                                  "process that stored the graph cache entry"}
+                                     "reference": "jax.jit of the original function, earlier "
+                                                  "in this process (the process that stored "
+                                                  "the graph cache entry, or its first use)"}
             entry.folded_for = ()
             return
         if not self.check:
             return
         check = self._compare_with_original(entry, traced, args, static_pos)
-        check["reference"] = "jax.jit of the original function"
+        check["reference"] = ("jax.jit of the original function, on the graph cache entry's "
+                              "first use in this process" if first_use else
+                              "jax.jit of the original function")
         entry.report["check"] = check
+        if not check["ok"] and hit is not None:
+            raise _Fallback(f"the graph cache entry {key[:12]} gives outputs that differ from "
+                            f"the original's (max abs error {check['max_abs_err']:.3g}): it was "
+                            f"edited or is stale; it was removed")
         if not check["ok"]:
             raise _Fallback(f"optimized outputs differ from the original's (max abs error "
                             f"{check['max_abs_err']:.3g}); substitutions applied: "
@@ -535,6 +557,9 @@ class FirstCallPipeline:
         weights = [v for v, k in zip(values, kinds, strict=True) if k == "weight"]
         inputs = [v for v, k in zip(values, kinds, strict=True) if k == "input"]
         run = entry.original_run
+        # with a background run of the original, the stages compile and run while it does
+        # (a graph cache hit: nothing else overlaps it)
+        early = entry.run(self._folded(entry, weights, True), *inputs) if run else None
         if run is not None and run.join().ok:
             # the background run's outputs: what the timing against it calls, compiled once
             ref = run.outputs
@@ -550,7 +575,10 @@ class FirstCallPipeline:
         floor, noise = None, []
 
         def compare() -> dict:
-            got = entry.run(self._folded(entry, weights, True), *inputs)
+            nonlocal early
+            got = (early if early is not None else
+                   entry.run(self._folded(entry, weights, True), *inputs))
+            early = None
             check = compare_outputs([np.asarray(x) for x in got], ref, floor=floor)
             if floor is not None:
                 check.update(rounding_noise=max(noise), noise_margin=NOISE_MARGIN)

@@ -11,6 +11,12 @@ worker`` per machine. A ``checkpoint`` file (JSON lines, one finished proof per 
 by rule id, limits and axioms, with a digest the loader recomputes) lets an interrupted run
 resume where it stopped.
 
+A file is not a trust boundary: anyone who can write a checkpoint or a proof cache can also
+compute its digest. So what is read back from one resumes only the work that cannot make a
+rule usable: a rule it says was not proved (or had no answer) is not tried again, but a
+rule it says was proved is proved again, unless this process proved it (under the same
+limits and axioms: :data:`_PROVED_HERE`) or the caller passes ``trust_proofs=True``.
+
 The result of each proof is written into ``provenance["proof"]``: ``{"status", "axioms",
 "seconds", "rlimit"}`` (and ``"timeout_ms"`` when a wall-clock limit was set). Proofs are
 bounded by Z3's resource limit, so a rule's status does not depend on the machine's load.
@@ -33,6 +39,10 @@ __all__ = ["verify_substitutions", "load_proved_rules", "rules_for", "NOT_PROVED
 
 _PROVER = None
 _PROVER_LIMITS: tuple | None = None
+
+#: The proofs this process received, by ``(rule id, limits and axioms)``: the only "proved"
+#: results a checkpoint or proof cache may stand for without ``trust_proofs``.
+_PROVED_HERE: dict[tuple[str, str], dict] = {}
 
 #: ``provenance["proof"]["why"]`` of a rule whose proof the deadline cut (its status is
 #: ``"unverified"``: the search leaves it out unless unverified rules are allowed).
@@ -143,7 +153,8 @@ def checkpoint_digest(rule_id: str, axioms: str, limits: dict, result: dict) -> 
     loader recomputes it, so a line written for another rule, other axioms, other limits or
     settings, by an older version, or edited by hand (a ``"proved"`` typed in) does not
     count, and that proof is run again. It is a checksum, not a signature: it stops stale
-    and hand-made lines, not a forger who reads this function.
+    and hand-made lines, not a forger who reads this function, which is why a "proved" line
+    that this process did not write is proved again (:func:`_resumable`).
     """
     import hashlib
 
@@ -180,10 +191,29 @@ def _read_checkpoint(path, limits: dict, axioms: str) -> dict[str, dict]:
     return done
 
 
+def _resumable(found: dict[str, dict], limits_key: str, trust_proofs: bool
+               ) -> dict[str, dict]:
+    """The results read from a file that may stand in for a proof now.
+
+    A result that is not "proved" is kept: it can only leave a rule out. A "proved" one is
+    kept where ``trust_proofs``, or as this process's own result where this process proved
+    the rule under the same limits and axioms (:data:`_PROVED_HERE`); any other is a claim,
+    and the rule is proved again.
+    """
+    kept = {}
+    for rule_id, result in found.items():
+        if result.get("status") != "proved" or trust_proofs:
+            kept[rule_id] = result
+        elif (rule_id, limits_key) in _PROVED_HERE:
+            kept[rule_id] = _PROVED_HERE[rule_id, limits_key]
+    return kept
+
+
 def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None,
                          timeout_ms: int | None = None, workers: int | None = None,
                          progress: Callable[[int, Counter], None] | None = None,
-                         cluster: str | None = None, checkpoint=None, deadline=None
+                         cluster: str | None = None, checkpoint=None, deadline=None,
+                         trust_proofs: bool = False, earlier: dict[str, dict] | None = None
                          ) -> tuple[list[Substitution], dict]:
     """Prove every substitution from the operator axioms, or as many as ``deadline`` allows.
 
@@ -198,17 +228,26 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
             ``workers`` processes) or a Dask scheduler address.
         checkpoint: a file that records each finished proof as it arrives; proofs already
             in it (same rule id, same limits, axioms and prover settings, with a digest
-            that checks out: :func:`checkpoint_digest`) are not done again.
+            that checks out: :func:`checkpoint_digest`) are not done again, except that a
+            "proved" line that this process did not write is proved again unless
+            ``trust_proofs`` (see the module's docstring).
         deadline: a :class:`~taso_jax.search.limits.Deadline`, or ``None`` (no limit; not
             with a cluster). Once it passes no result is waited for: the pool is stopped,
             and each rule whose proof had not come back is stamped ``"unverified"`` with
             ``"why":`` :data:`NOT_PROVED_IN_TIME` (one proof already running in this
             process, ``workers=1``, runs to its end: Z3's ``rlimit`` bounds it).
+        trust_proofs: take "proved" results from ``checkpoint`` and ``earlier`` that this
+            process did not prove (a committed store of proofs, a file the caller made).
+        earlier: results read from a proof cache, rule id -> result, under the same policy
+            as the checkpoint's lines (the caller checks that they were proved under these
+            limits).
 
     Returns:
         ``(stamped, stats)``: the substitutions with ``provenance["proof"]`` set, and
         ``{"counts": {"proved", "unproved", "unknown"}, "seconds", "axioms", "resumed",
-        "engine", "not_proved_in_time"}`` (``resumed``: proofs read from the checkpoint).
+        "reproved", "engine", "not_proved_in_time"}`` (``resumed``: results read from the
+        checkpoint or ``earlier``; ``reproved``: "proved" results read there that were
+        proved again).
 
     Raises:
         RuntimeError: a cluster was asked for and Dask is not installed.
@@ -229,15 +268,23 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
     axioms = hashlib.sha256("\n".join(f"{n}: {a.law}" for n, a in all_axioms()).encode())
     checkpoint_limits = {**limits, "axioms": axioms.hexdigest()[:16]}
     results: list = [None] * len(subs)
-    done_before = (_read_checkpoint(checkpoint, checkpoint_limits, axioms.hexdigest())
-                   if checkpoint else {})
+    found = {**(earlier or {}),
+             **(_read_checkpoint(checkpoint, checkpoint_limits, axioms.hexdigest())
+                if checkpoint else {})}
+    limits_key = json.dumps(checkpoint_limits, sort_keys=True)
+    done_before = _resumable(found, limits_key, trust_proofs)
+    reproved = 0
     for i, sub in enumerate(subs):
         if sub.id in done_before:
             results[i] = done_before[sub.id]
             counts[results[i]["status"]] += 1
+        elif sub.id in found:
+            reproved += 1
     jobs = [(i, s.to_json()) for i, s in enumerate(subs) if results[i] is None]
     pool = None
-    if deadline is not None and deadline.passed():  # reading the rules took the time
+    if not jobs:
+        it, engine = iter(()), "none (every result resumed)"
+    elif deadline is not None and deadline.passed():  # reading the rules took the time
         it, engine = iter(()), "none (the time limit had passed)"
     elif cluster is not None:
         it = _cluster_results(jobs, cluster, workers, rlimit, timeout_ms)
@@ -264,6 +311,8 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
         for done, (i, r) in enumerate(it, len(subs) - len(jobs) + 1):
             results[i] = r
             counts[r["status"]] += 1
+            if r["status"] == "proved":
+                _PROVED_HERE[subs[i].id, limits_key] = r
             if log is not None:
                 log.write(json.dumps({
                     "id": subs[i].id, "limits": checkpoint_limits, "result": r,
@@ -288,7 +337,7 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
                for s, r in zip(subs, results, strict=True)]
     stats = {"counts": {k: counts.get(k, 0) for k in ("proved", "unproved", "unknown")},
              "seconds": round(time.perf_counter() - t0, 1), "axioms": len(all_axioms()),
-             "resumed": len(subs) - len(jobs), "engine": engine,
+             "resumed": len(subs) - len(jobs), "reproved": reproved, "engine": engine,
              "not_proved_in_time": sum(r is None for r in results)}
     return stamped, stats
 
@@ -319,8 +368,11 @@ def load_proved_rules(path, trust_proofs: bool = False, rlimit: int | None = Non
     hand-edited ``clip(x) => x`` can say "proved"): every rule is proved again from the
     axioms (:func:`verify_substitutions`) and carries the new stamp, so the search leaves
     out whatever is not proved. The result is cached by the file's content hash (SHA-256)
-    under ``<user cache dir>/taso_jax/proofs/`` (or ``cache_dir``), so a file is proved
-    once. ``trust_proofs`` keeps the file's own stamps.
+    under ``<user cache dir>/taso_jax/proofs/`` (or ``cache_dir``). The cache is a file as
+    well: a later load takes from it the rules not proved (they are not tried again), but
+    proves again each rule it says was proved, unless this process proved it
+    (:func:`_resumable`); so a file is proved once per process. ``trust_proofs`` keeps the
+    file's own stamps.
 
     Under a ``deadline`` (a :class:`~taso_jax.search.limits.Deadline`) the proofs stop when
     it passes: the rules proved by then carry their stamps, the others are stamped
@@ -348,11 +400,7 @@ def load_proved_rules(path, trust_proofs: bool = False, rlimit: int | None = Non
 
         cache_dir = os.path.join(platformdirs.user_cache_dir("taso_jax"), "proofs")
     cached = Path(cache_dir) / f"{hashlib.sha256(data).hexdigest()}-r{rlimit}.json"
-    if cached.is_file():
-        try:
-            return load_substitutions(cached)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # a damaged cache entry is proved again below
+    earlier = _cached_results(cached, subs, rlimit)
     partial = cached.with_name(cached.stem + ".partial.jsonl")
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -360,7 +408,7 @@ def load_proved_rules(path, trust_proofs: bool = False, rlimit: int | None = Non
     except OSError:
         partial = None  # no cache: the proofs are redone next time
     stamped, stats = verify_substitutions(subs, rlimit=rlimit, checkpoint=partial,
-                                          deadline=deadline)
+                                          deadline=deadline, earlier=earlier)
     if stats["not_proved_in_time"]:
         return stamped  # the checkpoint keeps what was proved; the file is not done
     try:
@@ -370,6 +418,29 @@ def load_proved_rules(path, trust_proofs: bool = False, rlimit: int | None = Non
     except OSError:
         pass
     return stamped
+
+
+def _cached_results(cached, subs: Sequence[Substitution], rlimit: int) -> dict[str, dict]:
+    """The results in the proof cache ``cached`` of ``subs``, rule id -> result, or ``{}``.
+
+    Only a cache of the same rules, stamped under the same ``rlimit`` and no wall-clock
+    limit, counts; a damaged one is none (its rules are proved again).
+    """
+    from taso_jax.search.rules import load_substitutions
+
+    try:
+        stamped = load_substitutions(cached)
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if [s.id for s in stamped] != [s.id for s in subs]:
+        return {}
+    found = {}
+    for s in stamped:
+        proof = s.provenance.get("proof")
+        if (isinstance(proof, dict) and proof.get("rlimit") == rlimit
+                and "timeout_ms" not in proof and proof.get("status") in _STATUSES):
+            found[s.id] = {k: v for k, v in proof.items() if k != "rlimit"}
+    return found
 
 
 def rules_for(options, deadline=None) -> list[Substitution]:

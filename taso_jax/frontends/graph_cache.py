@@ -12,8 +12,14 @@ the options of the search, the rule set (the ids of the rules used), and the ver
 them): the graph is stored by reference to the imported graph's inputs, weights and opaque
 nodes, and rebuilt on them. Each file carries a SHA-256 digest of its graph records, so a
 file damaged on disk is a miss rather than a different graph. The decorator stores a graph
-only once its outputs matched ``jax.jit`` of the original, and records that check, so a hit
-does not compile the original to check it again (``check="always"`` does).
+only once its outputs matched ``jax.jit`` of the original, and records that check.
+
+The digest is a checksum, not a trust boundary: whoever can write the folder (a shared or
+restored CI cache) can edit a graph and compute its digest again. So an entry that another
+process wrote is checked against the original on its first use in this process, and a hit
+skips that check only where this process has checked (or stored) that very graph
+(:func:`mark_checked`, :func:`checked`; ``check="always"`` checks every time). An entry that
+fails it is removed (:func:`drop`).
 
 Files are JSON, one per key, written atomically, in ``$TASO_JAX_GRAPH_CACHE`` or else
 ``<user cache dir>/taso_jax/graphs``; set the variable to ``off`` to disable the cache. A
@@ -22,6 +28,7 @@ file that cannot be read is ignored (and replaced on the next store).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -33,11 +40,16 @@ from taso_jax._io import atomic_write
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, make_node
 from taso_jax.ops import TensorType
 
-__all__ = ["GRAPH_CACHE_ENV", "graph_cache_dir", "cache_key", "store", "load"]
+__all__ = ["GRAPH_CACHE_ENV", "graph_cache_dir", "cache_key", "store", "load", "checked",
+           "mark_checked", "drop"]
 
 #: Environment variable naming the graph cache folder (``off`` disables the cache).
 GRAPH_CACHE_ENV = "TASO_JAX_GRAPH_CACHE"
 _FORMAT = 2  # 2: with the digest of the graph records
+
+#: Key and digest of each optimized graph whose outputs this process compared with the
+#: original's, for :func:`checked`.
+_checked: set[str] = set()
 
 
 def graph_cache_dir() -> str | None:
@@ -195,3 +207,34 @@ def load(key: str, source: Graph) -> tuple[Graph, dict] | None:
     if "applied" in info:
         info["applied"] = Counter(info["applied"])
     return graph, info
+
+
+def _identity(key: str, optimized: Graph, source: Graph) -> str | None:
+    """``key`` and the digest of ``optimized``'s records, or ``None`` where it has none."""
+    try:
+        return key + _digest(_encode(optimized, source))
+    except (KeyError, TypeError):
+        return None
+
+
+def mark_checked(key: str, optimized: Graph, source: Graph) -> None:
+    """Note that this process compared ``optimized``'s outputs with the original's."""
+    identity = _identity(key, optimized, source)
+    if identity is not None:
+        _checked.add(identity)
+
+
+def checked(key: str, optimized: Graph, source: Graph) -> bool:
+    """Whether this process compared this very graph, under ``key``, with the original.
+
+    A hit that another process wrote is not: its outputs are compared on its first use here.
+    """
+    return _identity(key, optimized, source) in _checked
+
+
+def drop(key: str) -> None:
+    """Remove the entry under ``key`` (one whose outputs differ from the original's)."""
+    folder = graph_cache_dir()
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(folder, key + ".json"))
