@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 import os
 import time
@@ -252,59 +253,23 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
     Raises:
         RuntimeError: a cluster was asked for and Dask is not installed.
     """
-    import multiprocessing
-
     from taso_jax.verify.laws import all_axioms
     from taso_jax.verify.prover import DEFAULT_RLIMIT
 
     rlimit = DEFAULT_RLIMIT if rlimit is None else rlimit
     t0 = time.perf_counter()
     workers = workers or os.cpu_count() or 1
-    counts: Counter = Counter()
     limits = {"rlimit": rlimit, **({"timeout_ms": timeout_ms} if timeout_ms else {})}
     # a checkpoint is reused only under the same limits and the same axioms
-    import hashlib
-
     axioms = hashlib.sha256("\n".join(f"{n}: {a.law}" for n, a in all_axioms()).encode())
     checkpoint_limits = {**limits, "axioms": axioms.hexdigest()[:16]}
-    results: list = [None] * len(subs)
     found = {**(earlier or {}),
              **(_read_checkpoint(checkpoint, checkpoint_limits, axioms.hexdigest())
                 if checkpoint else {})}
     limits_key = json.dumps(checkpoint_limits, sort_keys=True)
-    done_before = _resumable(found, limits_key, trust_proofs)
-    reproved = 0
-    for i, sub in enumerate(subs):
-        if sub.id in done_before:
-            results[i] = done_before[sub.id]
-            counts[results[i]["status"]] += 1
-        elif sub.id in found:
-            reproved += 1
+    results, counts, reproved = _resumed(subs, found, limits_key, trust_proofs)
     jobs = [(i, s.to_json()) for i, s in enumerate(subs) if results[i] is None]
-    pool = None
-    if not jobs:
-        it, engine = iter(()), "none (every result resumed)"
-    elif deadline is not None and deadline.passed():  # reading the rules took the time
-        it, engine = iter(()), "none (the time limit had passed)"
-    elif cluster is not None:
-        it = _cluster_results(jobs, cluster, workers, rlimit, timeout_ms)
-        engine = f"dask ({cluster})"
-    elif workers == 1 or len(jobs) < 8:
-        _init(rlimit, timeout_ms)
-        it = map(_prove_json, jobs)
-        engine = "this process"
-    else:
-        ctx = multiprocessing.get_context("spawn")  # JAX is threaded: never fork it
-        # Z3 keeps memory across proofs in a process (gigabytes over a few thousand rules):
-        # each worker is replaced after a bounded number of chunks.
-        pool = ctx.Pool(workers, initializer=_init, initargs=(rlimit, timeout_ms),
-                        maxtasksperchild=16)
-        # one rule a task under a deadline: only then is the iterator one whose results can
-        # be waited for with a timeout (chunks come back through a plain generator)
-        it = pool.imap_unordered(_prove_json, jobs, chunksize=4 if deadline is None else 1)
-        engine = f"process pool ({workers})"
-    if deadline is not None and cluster is None:
-        it = _until(it, deadline, pool)
+    it, engine, pool = _proof_engine(jobs, cluster, workers, rlimit, timeout_ms, deadline)
     log = open(checkpoint, "a") if checkpoint else None  # noqa: SIM115
     cut = False
     try:
@@ -340,6 +305,63 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
              "resumed": len(subs) - len(jobs), "reproved": reproved, "engine": engine,
              "not_proved_in_time": sum(r is None for r in results)}
     return stamped, stats
+
+
+def _resumed(subs: Sequence[Substitution], found: dict, limits_key: str,
+             trust_proofs: bool) -> tuple[list, Counter, int]:
+    """``(results, counts, reproved)``: what the earlier results settle, per substitution.
+
+    ``results[i]`` is the result kept for ``subs[i]`` (``None``: to prove), ``counts`` the
+    kept results by status, ``reproved`` how many earlier "proved" results are not kept
+    (:func:`_resumable`) and are proved again.
+    """
+    done_before = _resumable(found, limits_key, trust_proofs)
+    results: list = [None] * len(subs)
+    counts: Counter = Counter()
+    reproved = 0
+    for i, sub in enumerate(subs):
+        if sub.id in done_before:
+            results[i] = done_before[sub.id]
+            counts[results[i]["status"]] += 1
+        elif sub.id in found:
+            reproved += 1
+    return results, counts, reproved
+
+
+def _proof_engine(jobs: list, cluster: str | None, workers: int, rlimit: int,
+                  timeout_ms: int | None, deadline) -> tuple[Iterator, str, object]:
+    """``(results, engine, pool)``: where the ``jobs`` are proved, and their results.
+
+    ``results`` yields ``(index, result)`` as proofs come back (only those before
+    ``deadline`` where one is given, without a cluster); ``engine`` names where they run;
+    ``pool`` is the process pool to stop afterwards, or ``None``.
+    """
+    import multiprocessing
+
+    pool = None
+    if not jobs:
+        return iter(()), "none (every result resumed)", None
+    if deadline is not None and deadline.passed():  # reading the rules took the time
+        return iter(()), "none (the time limit had passed)", None
+    if cluster is not None:
+        return (_cluster_results(jobs, cluster, workers, rlimit, timeout_ms),
+                f"dask ({cluster})", None)
+    if workers == 1 or len(jobs) < 8:
+        _init(rlimit, timeout_ms)
+        it, engine = map(_prove_json, jobs), "this process"
+    else:
+        ctx = multiprocessing.get_context("spawn")  # JAX is threaded: never fork it
+        # Z3 keeps memory across proofs in a process (gigabytes over a few thousand rules):
+        # each worker is replaced after a bounded number of chunks.
+        pool = ctx.Pool(workers, initializer=_init, initargs=(rlimit, timeout_ms),
+                        maxtasksperchild=16)
+        # one rule a task under a deadline: only then is the iterator one whose results can
+        # be waited for with a timeout (chunks come back through a plain generator)
+        it = pool.imap_unordered(_prove_json, jobs, chunksize=4 if deadline is None else 1)
+        engine = f"process pool ({workers})"
+    if deadline is not None:
+        it = _until(it, deadline, pool)
+    return it, engine, pool
 
 
 def _until(results, deadline, pool) -> Iterator[tuple[int, dict]]:
