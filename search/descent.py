@@ -376,104 +376,147 @@ def _descend(graph: Graph, substitutions: Sequence[Substitution], cost_model: Co
     ``on_step(cost, graph, rules)`` is called after each step with the rules applied so far;
     ``stop()`` (optional) ends the descent before its next pass when it says so.
     """
-    state = state if state is not None else SearchState()
-    t0 = time.perf_counter()
-    deadline = t0 + time_limit
-    cost = cost_model.graph_cost(graph, measure_until)
-    applied: list[Substitution] = []
-    reach = {sub.id: _reach(sub) for sub in substitutions}
-    by_id = {sub.id: sub for sub in substitutions}
-    # Matches per rule id in the current graph, carried across each rewrite
-    # (:func:`_incremental_matches`) instead of found again over the whole graph.
-    table: dict[str, list] = {}
-    refused: set = set()  # matches that did not pay (see _prepared)
-    memo: dict = {}  # (rule id, kernel signature) -> length of its chain taken (_chain_step)
-    # chainable rule's id -> the other rules of one source node of its operator
-    # (_chain_step)
-    rivals = {sub.id: [r for r in substitutions if r.id != sub.id and len(r.source) == 1
-                       and r.source[0].op == sub.source[0].op]
-              for sub in substitutions if _chainable(sub)}
-    # attribute-only rule's id -> the others of its operator (_cheapest_alternative)
-    alternatives = {sub.id: [r for r in substitutions if r.id != sub.id and _alternative(r)
-                             and r.source[0].op == sub.source[0].op]
-                    for sub in substitutions if _alternative(sub)}
-    settled: set = set()  # nodes whose forms the cost model has settled (_settle)
-    improved = True
-    while improved and time.perf_counter() < deadline and not (stop is not None and stop()):
-        improved = False
-        if _settle(graph, {k: v + [by_id[k]] for k, v in alternatives.items()}, cost_model,
-                   state, settled, deadline):
-            cost = cost_model.graph_cost(graph, measure_until)
-            refused.clear()  # a match refused at its old prices may pay now
+    descent = _Descent(graph, substitutions, cost_model, time.perf_counter() + time_limit,
+                       state if state is not None else SearchState(), alpha, on_step,
+                       measure_until)
+    while descent.improved and time.perf_counter() < descent.deadline and not (
+            stop is not None and stop()):
+        descent.one_pass()
+    return descent.graph, descent.cost, descent.applied
+
+
+class _Descent:
+    """The state of one greedy descent (:func:`_descend`) and its steps.
+
+    ``table`` holds the matches per rule id in the current graph, carried across each
+    rewrite (:func:`_incremental_matches`) instead of found again over the whole graph.
+    """
+
+    def __init__(self, graph: Graph, substitutions: Sequence[Substitution],
+                 cost_model: CostModel, deadline: float, state: SearchState, alpha: float,
+                 on_step, measure_until: float | None):
+        self.graph, self.substitutions, self.cost_model = graph, substitutions, cost_model
+        self.deadline, self.state, self.alpha = deadline, state, alpha
+        self.on_step, self.measure_until = on_step, measure_until
+        self.cost = cost_model.graph_cost(graph, measure_until)
+        self.applied: list[Substitution] = []
+        self.reach = {sub.id: _reach(sub) for sub in substitutions}
+        self.by_id = {sub.id: sub for sub in substitutions}
+        self.table: dict[str, list] = {}
+        self.refused: set = set()  # matches that did not pay (see _prepared)
+        self.memo: dict = {}  # (rule id, kernel signature) -> its chain's length (_chain_step)
+        # chainable rule's id -> the other rules of one source node of its operator
+        self.rivals = {sub.id: [r for r in substitutions if r.id != sub.id
+                                and len(r.source) == 1 and r.source[0].op == sub.source[0].op]
+                       for sub in substitutions if _chainable(sub)}
+        # attribute-only rule's id -> the others of its operator (_cheapest_alternative)
+        self.alternatives = {sub.id: [r for r in substitutions if r.id != sub.id
+                                      and _alternative(r)
+                                      and r.source[0].op == sub.source[0].op]
+                             for sub in substitutions if _alternative(sub)}
+        self.settled: set = set()  # nodes whose forms the cost model has settled (_settle)
+        self.improved = True
+
+    def one_pass(self) -> None:
+        """Settle forms, apply every paying rewrite of every rule, else try a pair of them."""
+        self.improved = False
+        if _settle(self.graph, {k: v + [self.by_id[k]] for k, v in self.alternatives.items()},
+                   self.cost_model, self.state, self.settled, self.deadline):
+            self.cost = self.cost_model.graph_cost(self.graph, self.measure_until)
+            self.refused.clear()  # a match refused at its old prices may pay now
         # Rules that only pick a node's form (lowerings) come after those that change the
         # structure, which match the naive form: a causal GQA lowered to query blocks first
         # kept its repeated K/V heads (1.97x, where the grouped form ran 2.5x).
-        for sub in sorted(_relevant(substitutions, graph), key=lambda r: r.id in alternatives):
-            again = True
-            run = None  # the change this rule's rewrites made so far, composed: a rule's
-            # rewrites come in runs (NasNet-A at 4x depth: 314 rewrites, 3 runs), and
-            # during a run only its own matches are read; the other rules' are carried
-            # across the whole run at once
-            while again and time.perf_counter() < deadline:
-                again = False
-                matches = table.get(sub.id)
-                if matches is None:
-                    matches = table[sub.id] = list(find_matches(sub, graph, state.matching,
-                                                                deadline=deadline))
-                for rw, _ in _prepared(graph, cost, sub, cost_model, cost * (1 - 1e-9), state,
-                                       matches=matches, refused=refused, deadline=deadline,
-                                       measure_until=measure_until):
-                    rebuilt: dict = {}
-                    g2 = graph.replace(rw.mapping, rebuilt)
-                    c2 = cost_model.graph_cost(g2, measure_until)
-                    if c2 < cost * (1 - 1e-9):
-                        taken, mapping = sub, rw.mapping
-                        if alternatives.get(sub.id):
-                            chosen = _cheapest_alternative(
-                                graph, rw.match.nodes[0], (sub, g2, c2, mapping, rebuilt),
-                                alternatives[sub.id], cost_model, state, measure_until)
-                            if chosen is None:  # measured: the node's own form is cheapest
-                                cost = cost_model.graph_cost(graph, measure_until)
-                                continue
-                            taken, g2, c2, mapping, rebuilt = chosen
-                        step = _Change(graph, g2, mapping, rebuilt)
-                        break
-                else:  # no single rewrite pays: maybe a run of them on one node does
-                    chain = (_chain_step(graph, cost, sub, matches, cost_model, state, memo,
-                                         rivals[sub.id], measure_until=measure_until)
-                             if sub.id in rivals else None)
-                    if chain is None:
-                        continue
-                    g2, c2, rules, ((before, after, mapping, rebuilt),) = chain
-                    step, taken = _Change(before, after, mapping, rebuilt), sub
-                    applied += rules[:-1]
-                run = step if run is None else run.then(step, g2.node_set)
-                table[sub.id] = _carry_table({sub.id: matches}, step, g2, reach,
-                                             by_id, state).get(sub.id)
-                graph.forget_caches()  # a step behind: kept for the choice only
-                graph, cost = g2, c2
-                applied.append(taken)
-                again = improved = True
-                if on_step:
-                    on_step(cost, graph, tuple(applied))
-            if run is not None:
-                own = table.pop(sub.id)
-                table = _carry_table(table, run, graph, reach, by_id, state)
-                if own is not None:
-                    table[sub.id] = own
-        if not improved:
-            step = _pair_step(graph, cost, substitutions, cost_model, alpha, deadline, state,
-                              table=table, measure_until=measure_until,
-                              alternatives=alternatives)
-            if step is not None:
-                graph, cost = step[0], step[1]
-                applied += step[2]
-                improved = True
-                (g0, g1, m1, r1), (_, g2, m2, r2) = step[3]  # matches, two rewrites on
-                both = _Change(g0, g1, m1, r1).then(_Change(g1, g2, m2, r2), g2.node_set)
-                table = _carry_table(table, both, graph, reach, by_id, state)
-                g0.forget_caches()
-                g1.forget_caches()
-                if on_step:
-                    on_step(cost, graph, tuple(applied))
-    return graph, cost, applied
+        for sub in sorted(_relevant(self.substitutions, self.graph),
+                          key=lambda r: r.id in self.alternatives):
+            self.apply_rule(sub)
+        if not self.improved:
+            self.pair_step()
+
+    def apply_rule(self, sub: Substitution) -> None:
+        """Apply ``sub`` where it pays, again and again, until it pays nowhere.
+
+        A rule's rewrites come in runs (NasNet-A at 4x depth: 314 rewrites, 3 runs); during
+        a run only its own matches are read, and the other rules' are carried across the
+        whole run at once (``run``: the change its rewrites made so far, composed).
+        """
+        run = None
+        while time.perf_counter() < self.deadline:
+            matches = self.table.get(sub.id)
+            if matches is None:
+                matches = self.table[sub.id] = list(find_matches(
+                    sub, self.graph, self.state.matching, deadline=self.deadline))
+            found = self._paying_step(sub, matches)
+            if found is None:
+                break
+            step, g2, c2, taken, before = found
+            self.applied += before
+            run = step if run is None else run.then(step, g2.node_set)
+            self.table[sub.id] = _carry_table({sub.id: matches}, step, g2, self.reach,
+                                              self.by_id, self.state).get(sub.id)
+            self.graph.forget_caches()  # a step behind: kept for the choice only
+            self._moved(g2, c2, [taken])
+        if run is not None:
+            own = self.table.pop(sub.id)
+            self.table = _carry_table(self.table, run, self.graph, self.reach, self.by_id,
+                                      self.state)
+            if own is not None:
+                self.table[sub.id] = own
+
+    def _paying_step(self, sub: Substitution, matches: list):
+        """``(step, graph, cost, rule taken, rules applied before it)`` or ``None``.
+
+        The first rewrite of ``sub`` that lowers the cost (for a rule that picks a node's
+        form, the cheapest of that node's forms); where no single rewrite pays, a run of
+        them on one node (:func:`_chain_step`).
+        """
+        graph, cm, mu = self.graph, self.cost_model, self.measure_until
+        for rw, _ in _prepared(graph, self.cost, sub, cm, self.cost * (1 - 1e-9), self.state,
+                               matches=matches, refused=self.refused, deadline=self.deadline,
+                               measure_until=mu):
+            rebuilt: dict = {}
+            g2 = graph.replace(rw.mapping, rebuilt)
+            c2 = cm.graph_cost(g2, mu)
+            if c2 >= self.cost * (1 - 1e-9):
+                continue
+            taken, mapping = sub, rw.mapping
+            if self.alternatives.get(sub.id):
+                chosen = _cheapest_alternative(
+                    graph, rw.match.nodes[0], (sub, g2, c2, mapping, rebuilt),
+                    self.alternatives[sub.id], cm, self.state, mu)
+                if chosen is None:  # measured: the node's own form is cheapest
+                    self.cost = cm.graph_cost(graph, mu)
+                    continue
+                taken, g2, c2, mapping, rebuilt = chosen
+            return _Change(graph, g2, mapping, rebuilt), g2, c2, taken, []
+        if sub.id not in self.rivals:
+            return None
+        chain = _chain_step(graph, self.cost, sub, matches, cm, self.state, self.memo,
+                            self.rivals[sub.id], measure_until=mu)
+        if chain is None:
+            return None
+        g2, c2, rules, ((before, after, mapping, rebuilt),) = chain
+        return _Change(before, after, mapping, rebuilt), g2, c2, sub, list(rules[:-1])
+
+    def _moved(self, graph: Graph, cost: float, rules: list[Substitution]) -> None:
+        """The descent is at ``graph`` now, having applied ``rules`` last."""
+        self.graph, self.cost = graph, cost
+        self.applied += rules
+        self.improved = True
+        if self.on_step:
+            self.on_step(cost, graph, tuple(self.applied))
+
+    def pair_step(self) -> None:
+        """Two rewrites that pay together where none pays alone (:func:`_pair_step`)."""
+        step = _pair_step(self.graph, self.cost, self.substitutions, self.cost_model,
+                          self.alpha, self.deadline, self.state, table=self.table,
+                          measure_until=self.measure_until, alternatives=self.alternatives)
+        if step is None:
+            return
+        (g0, g1, m1, r1), (_, g2, m2, r2) = step[3]  # matches, two rewrites on
+        both = _Change(g0, g1, m1, r1).then(_Change(g1, g2, m2, r2), g2.node_set)
+        self.table = _carry_table(self.table, both, step[0], self.reach, self.by_id,
+                                  self.state)
+        g0.forget_caches()
+        g1.forget_caches()
+        self._moved(step[0], step[1], list(step[2]))
