@@ -265,8 +265,14 @@ class OptimizedFunction(FirstCallPipeline):
             if out is not None:
                 return out
         self._opt_fast = None
-        args = self._bind(args, kwargs)
-        n = len(args)
+        return self._call_in_full(args, kwargs)
+
+    def _argument_positions(self, n: int) -> tuple[set, set, set]:
+        """``(weight, static, donated)`` positions among ``n`` bound arguments (cached).
+
+        Raises:
+            ValueError: an argument marked weight and static, or donated and static/weight.
+        """
         if n not in self._positions:
             weight_pos = normalize_argnums(self._flat_fn, n, *self._weight_spec, "weight")
             static_pos = normalize_argnums(self._flat_fn, n, *self._static_spec, "static")
@@ -281,7 +287,15 @@ class OptimizedFunction(FirstCallPipeline):
                                  "donated and static or weight (only runtime inputs can be "
                                  "donated)")
             self._positions[n] = (weight_pos, static_pos, donate_pos)
-        weight_pos, static_pos, donate_pos = self._positions[n]
+        return self._positions[n]
+
+    def _call_in_full(self, args, kwargs):
+        """Run a call the fast paths did not take (:meth:`__call__`).
+
+        Its signature's entry is found, built or optimized, then run.
+        """
+        args = self._bind(args, kwargs)
+        weight_pos, static_pos, donate_pos = self._argument_positions(len(args))
         dyn = tuple(None if i in static_pos else a for i, a in enumerate(args))
         flat, tree = jax.tree_util.tree_flatten(dyn)
         entry = self._fast_lookup(flat, tree, args, static_pos)
