@@ -405,8 +405,7 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     equal), and the confirmation's :func:`paired_speedup` (``None`` when no candidate's
     fastest round was below the input's).
     """
-    # Over 80 lines for its docstring, the contract (arguments, returns, errors);
-    # the body is 58 lines (issue 59's allowance of five).
+    # over 80 lines for its docstring (the contract); the body is 58 lines
     # screening only, past the deadline nothing is timed: every candidate is picked from
     graphs = measured_set(result, sample, deadline if confirm else None)
     if layouts:

@@ -371,8 +371,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         what was timed when candidates were measured, ``result.unmeasurable`` the kernels
         the cost model could not time.
     """
-    # Over 80 lines for its docstring, the contract (arguments, returns, errors);
-    # the body is 42 lines (issue 59's allowance of five).
+    # over 80 lines for its docstring (the contract); the body is 42 lines
     late = deadline is not None and deadline.passed()  # import and rule loading took it all
     deadline, end = _pipeline_deadline(deadline, opts, reserve)
     second = (second_opinions and opts.end_to_end > 0

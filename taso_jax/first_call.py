@@ -688,8 +688,7 @@ class FirstCallPipeline:
         instead, and ``None`` is returned. With ``end_to_end=0``, a graph that the search
         left unchanged and that has no weight-only work to fold runs the original.
         """
-        # Over 80 lines for its docstring, the contract (arguments, returns, errors);
-        # the body is 66 lines (issue 59's allowance of five).
+        # over 80 lines for its docstring (the contract); the body is 66 lines
         if self.options.end_to_end == 0:
             return _KEPT_INPUT if _nothing_to_run(entry.graph, result) else None
         if any(_is_tracer(x) for x in traced.leaves):

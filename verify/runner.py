@@ -253,8 +253,7 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
     Raises:
         RuntimeError: a cluster was asked for and Dask is not installed.
     """
-    # Over 80 lines for its docstring, the contract (arguments, returns, errors);
-    # the body is 52 lines (issue 59's allowance of five).
+    # over 80 lines for its docstring (the contract); the body is 52 lines
     from taso_jax.verify.laws import all_axioms
     from taso_jax.verify.prover import DEFAULT_RLIMIT
 

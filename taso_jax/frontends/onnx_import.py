@@ -146,8 +146,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
             type than shape inference computes (another shape: the computed one, noted).
         ImportTimeLimit: ``deadline`` passed (the model had passed ONNX's checker).
     """
-    # Over 80 lines for its docstring, the contract (arguments, returns, errors);
-    # the body is 57 lines (issue 59's allowance of five).
+    # over 80 lines for its docstring (the contract); the body is 57 lines
     import onnx
 
     where = str(source) if not isinstance(source, onnx.ModelProto) else "model"
