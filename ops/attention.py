@@ -151,12 +151,13 @@ def causal_scores(ctx, x):
             continue
         mask = np.asarray(mask)
         keep = mask == 0
-        fills = np.unique(mask[~keep]).astype(np.float64)
-        if fills.size != 1 or not fills[0] <= ADDITIVE_FILL:
-            continue  # a fill that is not one large negative value (nor NaN)
+        masked = mask[~keep]
+        fill = float(masked[0]) if masked.size else 0.0
+        if not fill <= ADDITIVE_FILL or not np.all(masked == masked[0]):
+            continue  # not one large negative value (nor NaN) where masked
         offset = causal_offset(keep)
         if offset is not None:
-            return ctx.op("causal_mask", [s], offset=offset, fill=float(fills[0]))
+            return ctx.op("causal_mask", [s], offset=offset, fill=fill)
     return x
 
 
