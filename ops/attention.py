@@ -39,7 +39,8 @@ from taso_jax.ops.elementwise import broadcast_shape
 jax = LazyModule("jax")
 jnp = LazyModule("jax.numpy")
 
-__all__ = ["causal_offset", "repeat_idiom", "IMPLS", "SKIP_FILL", "MAX_BLOCKS"]
+__all__ = ["causal_offset", "causal_scores", "repeat_idiom", "IMPLS", "SKIP_FILL",
+           "ADDITIVE_FILL", "MAX_BLOCKS"]
 
 #: The lowerings of ``attention``.
 IMPLS = ("naive", "blocked")
@@ -49,6 +50,10 @@ MAX_BLOCKS = 16
 #: Largest ``fill`` for which a lowering may skip masked keys instead of weighting them
 #: ``exp(fill - max)`` (zero in float32 and bfloat16 below ``max - 104``).
 SKIP_FILL = -1e4
+#: Largest finite fill of a constant additive causal mask that :func:`causal_scores` reads,
+#: before a softmax, as a ``causal_mask``: masked scores then weigh exactly zero, as with the
+#: mask, unless a row's scores span about ``-fill`` (1e9).
+ADDITIVE_FILL = -1e9
 
 _F32 = "float32"
 
@@ -112,6 +117,48 @@ def causal_offset(mask: np.ndarray) -> int | None:
     if offset < 0 or offset >= sk:
         return None
     return offset if np.array_equal(m, _keep_numpy(sq, sk, offset)) else None
+
+
+def causal_scores(ctx, x):
+    """``causal_mask(s, offset, fill)`` for a softmax's input ``x = s + m``, else ``x``.
+
+    ``m`` is a constant (computed from constants only: Hugging Face's
+    ``select(mask > 0, 0, finfo.min)`` over a sliced ``tril``) equal over its leading axes,
+    broadcast into the scores ``s``; each of its values, all checked, is 0 where key
+    ``j <= i + offset`` and one ``fill <= ADDITIVE_FILL`` elsewhere. A softmax over the last
+    axis then reads the same as on ``causal_mask(s, offset, fill)``: the two differ only in
+    the masked terms, ``exp(s_ij + fill - max)`` against ``exp(fill - max)``; every row keeps a
+    key (``offset >= 0``), so while a row's scores span less than ``-fill - 104`` both are
+    exactly zero in float32 (and bfloat16, float16 below ``-fill - 17``) and the rows' maxima
+    are those of the kept scores. That bound is the one the blocked lowering already relies
+    on (:data:`SKIP_FILL`); it holds for any finite float32 scores with ``fill = finfo.min``.
+    With ``fill = -inf`` the add itself is the mask (``elementwise._causal_additive``).
+
+    An import-time canonicalization, not a rule: the search never sees ``s + m``, so the
+    attention laws (stated on ``causal_mask``) apply to it. Call it only for a softmax over
+    the last axis of ``x``.
+    """
+    from taso_jax.ops.elementwise import _unbroadcast
+
+    if x.node.op != "ewadd" or len(x.shape) < 2 \
+            or not np.issubdtype(np.dtype(x.dtype), np.floating):
+        return x
+    for s, m in (x.node.inputs, x.node.inputs[::-1]):
+        if s.shape != x.shape or ctx.weight_only(s) or not ctx.weight_only(m):
+            continue
+        mask = ctx.const(_unbroadcast(m))
+        if mask is None or np.shape(mask)[-2:] != x.shape[-2:]:
+            continue
+        mask = np.asarray(mask)
+        keep = mask == 0
+        masked = mask[~keep]
+        fill = float(masked[0]) if masked.size else 0.0
+        if not fill <= ADDITIVE_FILL or not np.all(masked == masked[0]):
+            continue  # not one large negative value (nor NaN) where masked
+        offset = causal_offset(keep)
+        if offset is not None:
+            return ctx.op("causal_mask", [s], offset=offset, fill=fill)
+    return x
 
 
 # ---- attention ----------------------------------------------------------------------------
@@ -427,8 +474,9 @@ declare(OpDef(
 # (``jax.nn.dot_product_attention(bias=...)``, Hugging Face's extended attention masks). The
 # mask broadcasts against the scores ``[..., Sq, Sk]`` without enlarging them. It has one
 # lowering, the composition: a mask read at run time gives no block that could be skipped.
-# A constant causal mask is a ``causal_mask`` instead (``causal_additive``), for which the
-# blocked lowering of ``attention`` applies.
+# A constant causal mask is a ``causal_mask`` instead (``_causal_additive`` for -inf; before a
+# softmax, :func:`causal_scores` for finite fills too), for which the blocked lowering of
+# ``attention`` applies.
 
 def _masked(q, kt, v, mask):
     return jnp.matmul(jax.nn.softmax(jnp.matmul(q, kt) + mask, axis=-1), v)

@@ -633,7 +633,8 @@ def _causal_additive(ctx, a, b):
     the same over the leading ones (``jnp.where(jnp.tril(...), 0, -jnp.inf)``, added to the
     scores). Adding ``-inf`` gives ``-inf`` for every score but ``+inf``, so this is the
     causal ``where``; a finite fill (``-1e9``, ``finfo.min``) is not: ``x + fill`` differs
-    from ``fill`` with ``x``, which a fully masked row would show.
+    from ``fill`` with ``x``, which a fully masked row would show. Before a softmax a finite
+    fill masks too (``attention.causal_scores``).
     """
     from taso_jax.ops.attention import causal_offset
 

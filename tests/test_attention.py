@@ -406,17 +406,21 @@ def test_additive_mask_becomes_masked_attention(form):
 
 def test_additive_causal_mask_becomes_the_causal_flag():
     """A constant additive mask of 0 on and below the diagonal and -inf above is the causal
-    mask, so the blocked lowering applies; a finite fill stays an addition (x + fill is
-    not fill, which a fully masked row would show)."""
+    mask, so the blocked lowering applies; a finite fill is the mask only before a softmax
+    (elsewhere x + fill is not fill, which a fully masked row would show)."""
     s_len, d = 256, 16
 
-    def fn(q, k, v, fill=-jnp.inf):
+    def fn(q, k, v, fill=-jnp.inf, softmax=True):
         s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * np.float32(d ** -0.5)
         s = s + jnp.where(jnp.tril(jnp.ones((s_len, s_len), bool)), 0.0, fill)
+        if not softmax:
+            return s
         return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
 
     args = [jax.random.normal(jax.random.key(i), (1, 2, s_len, d)) for i in range(3)]
-    assert "causal_mask" not in _ops(taso_jax.from_jax(lambda *a: fn(*a, fill=-1e9), *args))
+    assert "causal_mask" not in _ops(
+        taso_jax.from_jax(lambda *a: fn(*a, fill=-1e9, softmax=False), *args))
+    assert "causal_mask" in _ops(taso_jax.from_jax(lambda *a: fn(*a, fill=-1e9), *args))
     g = taso_jax.from_jax(fn, *args)
     assert "causal_mask" in _ops(g) and "ewadd" not in _ops(g), _ops(g)
     result = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0, time_limit=60)
@@ -486,3 +490,71 @@ def test_fused_attention_in_its_naive_lowering_is_priced_as_its_composition(tmp_
               for t in (plain.outputs[0], composed.outputs[0], causal.outputs[0],
                         blocked.outputs[0])]
     assert [_runtime_nodes(g) for g in graphs] == [3, 3, 4, 1]
+
+
+def _hf_style_attention(q, k, v, keep):
+    """Hugging Face Flax Llama's attention in plain JAX: ``[batch, seq, heads, dim]``, K/V
+    heads repeated, a ``[1, 1, S, S]`` bool mask sliced from a larger constant, and-ed with
+    an all-ones padding mask, selected into a bias of 0 and ``finfo.min`` added to the
+    scores (flax's ``dot_product_attention_weights``), heads merged after."""
+    b, s, h, d = q.shape
+    k, v = (jnp.repeat(t, h // k.shape[2], axis=2) for t in (k, v))
+    causal = jnp.broadcast_to(jnp.asarray(keep)[None, None, :s, :s], (b, 1, s, s))
+    pad = jnp.broadcast_to(jnp.ones((b, s), jnp.int32)[:, None, None, :], causal.shape)
+    mask = jnp.logical_and(pad > 0, causal)
+    bias = jax.lax.select(mask, jnp.full(mask.shape, 0.0, q.dtype),
+                          jnp.full(mask.shape, jnp.finfo(q.dtype).min, q.dtype))
+    w = jnp.einsum("...qhd,...khd->...hqk", q / jnp.sqrt(d).astype(q.dtype), k) + bias
+    out = jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(w), v)
+    return out.reshape(b, s, h * d)
+
+
+def test_hf_style_finfo_min_causal_bias_becomes_grouped_causal_attention():
+    """The constant 0 / finfo.min causal bias of Hugging Face's Flax decoders is read as the
+    causal mask before the softmax, so the attention with its repeated K/V heads becomes
+    one blocked grouped_attention; with one masked entry made visible it is not causal, and
+    stays an addition."""
+    s_len, heads, kv, d = 256, 4, 2, 8
+    tril = np.tril(np.ones((2 * s_len, 2 * s_len), bool))
+    key = jax.random.key(7)
+    args = [jax.random.normal(jax.random.fold_in(key, i), (1, s_len, h, d))
+            for i, h in enumerate((heads, kv, kv))]
+
+    def fn(q, k, v):
+        return _hf_style_attention(q, k, v, tril)
+
+    g = taso_jax.from_jax(fn, *args)
+    assert "causal_mask" in _ops(g), _ops(g)
+    # check=False as for the grouped causal attention above; compared at x1 and x10 below
+    result = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0, time_limit=60,
+                                   check=False)
+    atts = [dict(n.attrs) for n in result.graph.nodes if n.op == "grouped_attention"]
+    assert len(atts) == 1 and atts[0]["causal"] and atts[0]["impl"] == "blocked", \
+        _ops(result.graph)
+    assert atts[0]["fill"] == float(np.finfo(np.float32).min)
+    assert "repeat" not in _ops(result.graph)
+    _check_at_two_scales(result.graph, fn, args)
+
+    flipped = tril.copy()
+    flipped[3, 5] = True  # query 3 sees key 5
+    g = taso_jax.from_jax(lambda q, k, v: _hf_style_attention(q, k, v, flipped), *args)
+    assert "causal_mask" not in _ops(g) and "ewadd" in _ops(g), _ops(g)
+
+
+def test_hf_flax_llama_attention_imports_as_causal_mask():
+    """transformers' FlaxLlamaForCausalLM, tiny: each layer's scores reach the softmax
+    through a causal_mask (its bias of 0 and finfo.min read as the mask)."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import transformer_models
+
+    fn, w, args = transformer_models.make_hf_llama(
+        seq=16, **{**transformer_models.TINY["hf_llama"], "num_hidden_layers": 2})
+    g = taso_jax.from_jax(fn, w, *args, weight_argnums=0)
+    masks = [n for n in g.nodes if n.op == "causal_mask" and not n.weight_only]
+    softmaxes = [n for n in g.nodes if n.op == "softmax"]
+    assert len(masks) == len(softmaxes) == 2, _ops(g)
+    assert all(n.inputs[0].node.op == "causal_mask" for n in softmaxes)

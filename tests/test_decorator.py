@@ -1098,6 +1098,36 @@ def test_a_comparison_that_cannot_fit_the_limit_keeps_the_original_untimed(monke
         assert cell.outcome().verdict.value == "time_limit"
 
 
+def test_an_original_timed_slowly_beside_the_search_is_timed_again_alone(monkeypatch):
+    """jax.jit's original is first called beside the search and the compiles, sharing the
+    cores; where that one slow sample would leave the comparison untimed, the original is
+    called once alone, and the comparison runs."""
+    import taso_jax.first_call as first_call
+    import taso_jax.first_call_budget as first_call_budget
+
+    real = first_call_budget.OriginalRun._run
+
+    def shared(self, jitted, args):
+        real(self, jitted, args)
+        if self.call_seconds is not None:
+            self.call_seconds = 1.0  # as if it had shared the cores
+
+    monkeypatch.setattr(first_call_budget.OriginalRun, "_run", shared)
+    # about 10 s past the limit may be spent: 16 calls of 1 s do not fit, of 1 ms do
+    monkeypatch.setattr(first_call, "LIMIT_SLACK", -0.8)
+
+    @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.ones((64, 64)), "b": jnp.ones((64, 64))}
+    np.testing.assert_allclose(cell(w, jnp.ones((8, 64))), 128.0, rtol=1e-6)
+    assert cell._last.original_run.call_seconds == 1.0
+    if cell.optimized_graph.key != cell.graph.key:
+        assert not (cell.original_kept or "").startswith("checked but not timed")
+        assert not cell._last.report["baseline"].get("skipped")
+
+
 def test_a_first_call_whose_comparison_cannot_fit_the_limit_says_so(monkeypatch):
     """Where compiling, checking and comparing once needs more than the whole limit, the
     search gets no time and the reason names that need, not a search that overran."""
