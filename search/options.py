@@ -372,7 +372,9 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         the cost model could not time.
     """
     # over 80 lines for its docstring (the contract); the body is 42 lines
-    late = deadline is not None and deadline.passed()  # import and rule loading took it all
+    # import and rule loading took it all, or all but the caller's own reserve
+    late = deadline is not None and (deadline.passed() or (
+        reserve is not None and deadline.left() <= reserve()))
     deadline, end = _pipeline_deadline(deadline, opts, reserve)
     second = (second_opinions and opts.end_to_end > 0
               and not isinstance(cost_model, AnalyticCostModel))

@@ -73,3 +73,18 @@ def test_the_reports_own_timing_leaves_delivery_its_time():
     assert not calls and "left out" in report["notes"][0]
     _time_graphs(args, target, None, None, report, deadline, keep=4.0)
     assert calls and abs(calls[0] - (deadline.at - 4.0)) < 1e-9  # its rounds end there
+
+
+def test_a_reserve_larger_than_what_the_import_left_blames_the_import():
+    """Where the import (or the rule proofs) left less than delivery's reserve, the time
+    ran out before the search, not in it."""
+    from taso_jax.search.cost import AnalyticCostModel
+    from taso_jax.search.options import OptimizeOptions, run_search
+    from taso_jax.search.rules import default_substitutions
+
+    graph, _ = example("nasrnn")
+    opts = OptimizeOptions(cost_model="analytic", end_to_end=0, time_limit=10.0)
+    result = run_search(graph, default_substitutions(), AnalyticCostModel(), opts,
+                        deadline=Deadline(time.perf_counter() + 0.5, 10.0),
+                        reserve=lambda: 1.0)
+    assert result.out_of_time_in == "import"
