@@ -110,6 +110,27 @@ def _rule_file_error(error: Exception, substitutions) -> bool:
     return os.fspath(error.filename) == os.fspath(substitutions)
 
 
+def _original_call_seconds(run, original, warm: bool, deadline) -> float:
+    """Seconds one call of the original takes, as the comparison with it is sized.
+
+    The background run's call where it made one (:class:`OriginalRun`), else one call timed
+    here (with a warm-up unless ``warm``). That background call ran beside the search and
+    the compiles (0.63-1.0 s where HF Llama's call alone took 0.36 s, S=1024, 2 loaded
+    cores): where it would leave the least comparison past ``deadline`` by more than
+    :data:`LIMIT_SLACK` of the limit, the original is timed once alone before giving up.
+    """
+    def alone() -> float:
+        return time_function(original, repeats=1, warmup=0 if warm else 1)[0] / 1e6
+
+    if run is None or not run.ok:
+        return alone()
+    call = run.call_seconds
+    least = 2 * (CONFIRM_LEAST_ROUNDS + 2) * call
+    if deadline is not None and least > deadline.left() + LIMIT_SLACK * deadline.seconds:
+        call = min(call, alone())
+    return call
+
+
 def _nothing_to_run(graph, result) -> bool:
     """Whether ``result`` delivers ``graph`` itself with too little weight-only work to gain.
 
@@ -689,7 +710,7 @@ class FirstCallPipeline:
         instead, and ``None`` is returned. With ``end_to_end=0``, a graph that the search
         left unchanged and that has no weight-only work to fold runs the original.
         """
-        # over 80 lines for its docstring (the contract); the body is 66 lines
+        # over 80 lines for its docstring (the contract); the body is 59 lines
         if self.options.end_to_end == 0:
             return _KEPT_INPUT if _nothing_to_run(entry.graph, result) else None
         if any(_is_tracer(x) for x in traced.leaves):
@@ -716,17 +737,8 @@ class FirstCallPipeline:
         # of the function itself: one warm-up call before the first loop, none after it.
         warm = entry.original_warm
         run = entry.original_run
-        call = (run.call_seconds if run is not None and run.ok else
-                time_function(original, repeats=1, warmup=0 if warm else 1)[0] / 1e6)
+        call = _original_call_seconds(run, original, warm, deadline)
         least = 2 * (CONFIRM_LEAST_ROUNDS + 2) * call  # seconds of the least loop
-        if deadline is not None and run is not None and run.ok \
-                and least > deadline.left() + LIMIT_SLACK * deadline.seconds:
-            # The background call ran beside the search and the compiles (0.63-1.0 s where
-            # HF Llama's call alone took 0.36 s, S=1024, 2 loaded cores): one call alone
-            # before giving up.
-            call = min(call, time_function(original, repeats=1,
-                                           warmup=0 if warm else 1)[0] / 1e6)
-            least = 2 * (CONFIRM_LEAST_ROUNDS + 2) * call
         rounds = rounds_for(call, CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, BASELINE_REPEATS)
         if deadline is not None and least > deadline.left() + LIMIT_SLACK * deadline.seconds:
             entry.report["baseline"] = {"skipped": True, "call_us": call * 1e6,
