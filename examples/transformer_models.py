@@ -232,6 +232,64 @@ def make_causal_attention_additive(seq: int = 1024, dtype: str = "float32", batc
     return fn, {}, cast(_qkv(seq, batch, heads, head_dim, "bhsd"), dtype)
 
 
+def _masked_scores(q, k, v, keep, fill, additive: bool):
+    """``softmax(q k^T / sqrt(d) [masked]) v`` on ``[batch, heads, seq, head_dim]``: the
+    constant boolean ``keep [seq, seq]`` added as ``jnp.where(keep, 0, fill)``
+    (``additive``) or applied by ``jnp.where(keep, scores, fill)``."""
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+    fill = jnp.asarray(fill, q.dtype)
+    s = s + jnp.where(keep, jnp.asarray(0, q.dtype), fill) if additive \
+        else jnp.where(keep, s, fill)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def make_sliding_window_attention(seq: int = 2048, dtype: str = "float32", batch: int = 1,
+                                  heads: int = 12, head_dim: int = 64, window: int = 256):
+    """Causal attention over a sliding window (Longformer's and Mistral's local attention):
+    query ``i`` sees keys ``i - window < j <= i``, the constant mask built from a
+    ``jnp.arange`` comparison and added as 0 and ``-inf``; ``q, k, v [batch, heads, seq,
+    head_dim]``."""
+
+    def fn(w, q, k, v):
+        i, j = jnp.arange(q.shape[2])[:, None], jnp.arange(q.shape[2])[None, :]
+        return _masked_scores(q, k, v, (j <= i) & (j > i - window), -jnp.inf, True)
+
+    return fn, {}, cast(_qkv(seq, batch, heads, head_dim, "bhsd"), dtype)
+
+
+def make_prefix_lm_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                             heads: int = 12, head_dim: int = 64, prefix: int = 256):
+    """Prefix-LM attention (T5's and UniLM's): the first ``prefix`` positions see each other
+    in both directions, the rest causally; the constant boolean mask applied by
+    ``jnp.where(keep, scores, finfo.min)``; ``q, k, v [batch, heads, seq, head_dim]``."""
+
+    def fn(w, q, k, v):
+        n = q.shape[2]
+        keep = jnp.tril(jnp.ones((n, n), dtype=bool)) | (jnp.arange(n)[None, :] < prefix)
+        return _masked_scores(q, k, v, keep, jnp.finfo(q.dtype).min, False)
+
+    return fn, {}, cast(_qkv(seq, batch, heads, head_dim, "bhsd"), dtype)
+
+
+def make_packed_documents_attention(seq: int = 2048, dtype: str = "float32", batch: int = 1,
+                                    heads: int = 12, head_dim: int = 64, docs: int = 4):
+    """Causal attention over ``docs`` documents packed into one sequence (block-diagonal
+    causal): query ``i`` sees the keys ``j <= i`` of its own document; documents of unequal
+    lengths (5, 3, 4, 4 parts in 16 for four), the document ids a constant array, the mask
+    added as 0 and ``-1e9``; ``q, k, v [batch, heads, seq, head_dim]``."""
+    parts = np.resize(np.asarray([5, 3, 4, 4]), docs)
+    ids = np.repeat(np.arange(docs), np.diff(np.round(
+        np.concatenate([[0], np.cumsum(parts)]) * seq / parts.sum()).astype(int)))
+
+    def fn(w, q, k, v):
+        doc = jnp.asarray(ids)
+        i, j = jnp.arange(q.shape[2])[:, None], jnp.arange(q.shape[2])[None, :]
+        keep = (doc[:, None] == doc[None, :]) & (j <= i)
+        return _masked_scores(q, k, v, keep, -1e9, True)
+
+    return fn, {}, cast(_qkv(seq, batch, heads, head_dim, "bhsd"), dtype)
+
+
 def make_masked_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
                           heads: int = 12, head_dim: int = 64):
     """Attention with an additive padding mask read at run time, ``[batch, 1, seq, seq]`` of
@@ -417,6 +475,9 @@ MODELS = {"causal_attention": make_causal_attention,
           "causal_attention_dpa": make_causal_attention_dpa,
           "causal_attention_additive": make_causal_attention_additive,
           "masked_attention": make_masked_attention,
+          "sliding_window_attention": make_sliding_window_attention,
+          "prefix_lm_attention": make_prefix_lm_attention,
+          "packed_documents_attention": make_packed_documents_attention,
           "gqa_causal_attention": make_gqa_causal_attention,
           "gqa_causal_attention_dpa": make_gqa_causal_attention_dpa,
           "linen_attention": make_linen_attention,
@@ -430,6 +491,9 @@ TINY = {"causal_attention": {"heads": 2, "head_dim": 8},
         "causal_attention_dpa": {"heads": 2, "head_dim": 8},
         "causal_attention_additive": {"heads": 2, "head_dim": 8},
         "masked_attention": {"heads": 2, "head_dim": 8},
+        "sliding_window_attention": {"heads": 2, "head_dim": 8, "window": 4},
+        "prefix_lm_attention": {"heads": 2, "head_dim": 8, "prefix": 4},
+        "packed_documents_attention": {"heads": 2, "head_dim": 8},
         "gqa_causal_attention": {"heads": 4, "kv_heads": 2, "head_dim": 8},
         "gqa_causal_attention_dpa": {"heads": 4, "kv_heads": 2, "head_dim": 8},
         "linen_attention": {"heads": 2, "head_dim": 8},

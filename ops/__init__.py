@@ -344,6 +344,7 @@ def get_op(name: str) -> OpDef:
 # Operator families register themselves on import.
 from taso_jax.ops import (  # noqa: E402,F401
     attention,
+    attention_masks,
     conv,
     elementwise,
     im2col,

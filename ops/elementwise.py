@@ -555,6 +555,15 @@ def _import_logical(ctx, ins, **_):
     return [ctx.op("logical_and" if len(ins) == 2 else "logical_not", ins)]
 
 
+@jaxpr_importer("or")
+def _import_or(ctx, ins, **_):
+    # a or b = not (not a and not b): a constant mask built with | (prefix-LM) then folds
+    if any(ctx.type(t).dtype != "bool" for t in ins):
+        return None  # bitwise on integers
+    nots = [ctx.op("logical_not", [t]) for t in ins]
+    return [ctx.op("logical_not", [ctx.op("logical_and", nots)])]
+
+
 @jaxpr_importer("rsqrt")
 def _import_rsqrt(ctx, ins, **_):
     one = ctx.scalar(1.0, ctx.type(ins[0]).dtype)

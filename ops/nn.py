@@ -162,8 +162,10 @@ def softmax_idiom(ctx, num, den):
         return None  # a clip that could change the maximum
     if axis % len(x.shape) == len(x.shape) - 1:
         from taso_jax.ops.attention import causal_scores
+        from taso_jax.ops.attention_masks import block_scores
 
         x = causal_scores(ctx, x)  # a constant additive causal mask read as the mask
+        x = block_scores(ctx, x)  # any other constant mask read by blocks
     return ctx.op("softmax", [x], axis=axis)
 
 
