@@ -476,7 +476,8 @@ declare(OpDef(
 # lowering, the composition: a mask read at run time gives no block that could be skipped.
 # A constant causal mask is a ``causal_mask`` instead (``_causal_additive`` for -inf; before a
 # softmax, :func:`causal_scores` for finite fills too), for which the blocked lowering of
-# ``attention`` applies.
+# ``attention`` applies; any other constant mask is read by blocks before a softmax and
+# becomes ``block_masked_attention`` (ops/attention_masks.py).
 
 def _masked(q, kt, v, mask):
     return jnp.matmul(jax.nn.softmax(jnp.matmul(q, kt) + mask, axis=-1), v)

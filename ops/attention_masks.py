@@ -74,8 +74,10 @@ _F32 = "float32"
 
 
 def parse_plan(plan: str, sq: int, sk: int) -> tuple[int, np.ndarray]:
-    """``(grain, codes)`` of a plan for ``[sq, sk]`` scores; ``codes`` a ``[R, C]`` array of
-    ``'S'``, ``'F'``, ``'P'`` (``R = ceil(sq / grain)``, ``C = ceil(sk / grain)``).
+    """``(grain, codes)`` of a plan for scores ``[sq, sk]``.
+
+    ``codes`` is a ``[R, C]`` array of ``'S'``, ``'F'``, ``'P'`` (``R = ceil(sq / grain)``,
+    ``C = ceil(sk / grain)``).
 
     ``""`` is one partial cell of the whole matrix.
 
@@ -106,19 +108,20 @@ def block_plan(mask: np.ndarray, grain: int = PLAN_GRAIN) -> str | None:
     ``None`` where no cell is skipped (nothing to gain) or a row keeps no entry ``>= 0``
     (the argument of the module docstring needs one).
     """
-    m = np.asarray(mask, np.float64).reshape(-1, *np.shape(mask)[-2:])
+    m = np.asarray(mask).reshape(-1, *np.shape(mask)[-2:])
     if m.shape[-2] < 1 or m.shape[-1] < 1 or not (np.isfinite(m) | (m == -np.inf)).all() \
             or not (m.max(axis=-1) >= 0).all():
         return None
     sq, sk = m.shape[-2:]
     r, c = -(-sq // grain), -(-sk // grain)
-    pad = np.full((m.shape[0], r * grain, c * grain), np.nan)
-    pad[:, :sq, :sk] = m
-    cells = pad.reshape(m.shape[0], r, grain, c, grain).transpose(1, 3, 0, 2, 4)
-    cells = cells.reshape(r, c, -1)
-    seen = ~np.isnan(cells)
-    skip = np.where(seen, cells <= ADDITIVE_FILL, True).all(axis=-1)
-    full = np.where(seen, cells == 0, True).all(axis=-1)
+
+    def per_cell(entries):  # [sq, sk] bool -> [r, c]: true at every entry of the cell
+        pad = np.ones((r * grain, c * grain), bool)
+        pad[:sq, :sk] = entries
+        return pad.reshape(r, grain, c, grain).all(axis=(1, 3))
+
+    skip = per_cell((m <= ADDITIVE_FILL).all(axis=0))
+    full = per_cell((m == 0).all(axis=0))
     if not skip.any() or skip.all(axis=1).any():
         return None
     codes = np.where(skip, "S", np.where(full, "F", "P"))
@@ -131,8 +134,11 @@ def _cells(codes: np.ndarray, grain: int, sq: int, sk: int, code: str) -> np.nda
 
 
 def effective_mask(m, plan: str, sq: int, sk: int, rows=slice(None), cols=slice(None)):
-    """``m`` with the plan imposed: ``-inf`` in ``S`` cells, 0 in ``F`` cells, over the
-    entries ``[..., rows, cols]`` of the ``[sq, sk]`` scores (``m`` already sliced so)."""
+    """``m`` with the plan imposed: ``-inf`` in ``S`` cells, 0 in ``F`` cells.
+
+    ``m`` holds the entries ``[..., rows, cols]`` of a mask over ``[sq, sk]`` scores (already
+    sliced so); a JAX array of its shape and dtype is returned.
+    """
     grain, codes = parse_plan(plan, sq, sk)
     skip, full = (_cells(codes, grain, sq, sk, c)[rows, cols] for c in "SF")
     m = jnp.asarray(m)
@@ -144,9 +150,10 @@ def effective_mask(m, plan: str, sq: int, sk: int, rows=slice(None), cols=slice(
 
 
 def plan_spans(plan: str, sq: int, sk: int, block: int) -> list[tuple[int, int, int, int, bool]]:
-    """``(r0, r1, k0, k1, masked)`` per query block of ``block`` rows: the key span
-    ``[k0, k1)`` from the first to the last cell some row of the block does not skip, and
-    whether any cell of the span is not ``F`` (the mask must be added).
+    """``(r0, r1, k0, k1, masked)`` per query block ``[r0, r1)`` of ``block`` rows.
+
+    ``[k0, k1)`` is the key span from the first to the last cell that some row of the block
+    does not skip; ``masked``, whether a cell of the span is not ``F`` (the mask is added).
 
     Raises:
         ShapeError: ``block`` is not a multiple of the plan's grain (:func:`parse_plan`).
@@ -327,8 +334,11 @@ declare(OpDef(
 # ---- import -------------------------------------------------------------------------------
 
 def _additive(ctx, x):
-    """``(s, m, mask)`` if ``x`` is ``s + m`` or ``where(keep, s, fill)`` over a constant mask,
-    ``mask`` its additive ``[Sq, Sk]`` value (equal over the leading axes), else ``None``."""
+    """``(s, m, mask)`` if ``x`` is ``s + m`` or ``where(keep, s, fill)``, else ``None``.
+
+    The mask is a constant equal over the leading axes; ``mask`` is its additive ``[Sq, Sk]``
+    value, ``m`` the additive mask tensor (``None`` for a ``where``).
+    """
     from taso_jax.ops.elementwise import _scalar_const, _unbroadcast
 
     node = x.node
