@@ -513,7 +513,7 @@ def test_hf_style_finfo_min_causal_bias_becomes_grouped_causal_attention():
     """The constant 0 / finfo.min causal bias of Hugging Face's Flax decoders is read as the
     causal mask before the softmax, so the attention with its repeated K/V heads becomes
     one blocked grouped_attention; with one masked entry made visible it is not causal, and
-    stays an addition."""
+    is read by blocks instead (``block_mask``, tests/test_attention_masks.py)."""
     s_len, heads, kv, d = 256, 4, 2, 8
     tril = np.tril(np.ones((2 * s_len, 2 * s_len), bool))
     key = jax.random.key(7)
@@ -538,7 +538,7 @@ def test_hf_style_finfo_min_causal_bias_becomes_grouped_causal_attention():
     flipped = tril.copy()
     flipped[3, 5] = True  # query 3 sees key 5
     g = taso_jax.from_jax(lambda q, k, v: _hf_style_attention(q, k, v, flipped), *args)
-    assert "causal_mask" not in _ops(g) and "ewadd" in _ops(g), _ops(g)
+    assert "causal_mask" not in _ops(g) and "block_mask" in _ops(g), _ops(g)
 
 
 def test_hf_flax_llama_attention_imports_as_causal_mask():
