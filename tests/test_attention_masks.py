@@ -149,7 +149,7 @@ _WORKLOADS = {"sliding_window_attention": {"window": 64}, "prefix_lm_attention":
 @pytest.mark.parametrize("name", sorted(_WORKLOADS))
 def test_workloads_lowered_and_equal_at_two_scales(name):
     """Each masked workload (S=256) is lowered to query blocks by the search and equals
-    ``jax.jit`` of the original at two input scales (scores spanning about 1 and 100)."""
+    ``jax.jit`` of the original at the inputs and with the queries x10."""
     fn, w, inputs = transformer_models.MODELS[name](seq=4 * PLAN_GRAIN, heads=2, head_dim=16,
                                                     **_WORKLOADS[name])
 
@@ -161,22 +161,23 @@ def test_workloads_lowered_and_equal_at_two_scales(name):
     assert len(atts) == 1 and dict(atts[0].attrs)["impl"] == "blocked"
     assert "S" in dict(atts[0].attrs)["plan"]
     for scale in (1.0, 10.0):
-        args = [x * scale for x in inputs]
+        args = [inputs[0] * scale, *inputs[1:]]
         np.testing.assert_allclose(np.asarray(run(*args)), np.asarray(jax.jit(f)(*args)),
-                                   rtol=2e-5, atol=2e-5 * scale)
+                                   rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(_WORKLOADS))
 def test_decorator_delivers_block_masked_attention(name):
     """Under the decorator's defaults (measured cost, end-to-end check) each masked workload
-    at S=1024 runs as block_masked_attention, equal to ``jax.jit`` at two input scales."""
+    at S=1024 runs as block_masked_attention, equal to ``jax.jit`` at the inputs and with the
+    queries x10."""
     sizes = {"sliding_window_attention": {"window": 256},
              "prefix_lm_attention": {"prefix": 256}}.get(name, {})
     fn, w, inputs = transformer_models.MODELS[name](seq=1024, heads=4, head_dim=32, **sizes)
     opt = taso_jax.optimize(fn, weight_argnums=0)
     for scale in (1.0, 10.0):
-        args = [x * scale for x in inputs]
+        args = [inputs[0] * scale, *inputs[1:]]
         np.testing.assert_allclose(np.asarray(opt(w, *args)), np.asarray(jax.jit(fn)(w, *args)),
-                                   rtol=1e-4, atol=1e-5 * scale)
+                                   rtol=1e-4, atol=1e-5)
     assert "block_masked_attention" in str(opt.outcome().to_json().get("applied", {}))
