@@ -72,7 +72,7 @@ def fold_overflow(graph: Graph, original: Graph | None = None,
         upstream); values beyond the element type's range come out as inf in JAX, so an
         overflowing cast is caught as such.
     """
-    from taso_jax.ir.executor import _is_float, device_constant, run_node
+    from taso_jax.ir.executor import _is_float, device_constant, run_nodes
 
     old = original.node_set if original is not None else frozenset()
     wo = graph.weight_only
@@ -87,34 +87,28 @@ def fold_overflow(graph: Graph, original: Graph | None = None,
             needed.add(n)
             stack.extend(t.node for t in n.inputs)
     values = graph.weights if weights is None else weights
-    env: dict[Tensor, object] = {}
-    finite: dict[Tensor, bool] = {}
+    nodes = [n for n in graph.nodes if n in needed and n.op != "weight"]  # topological
+    outs, finite = run_nodes(nodes, lambda t: device_constant(values[t.node.name]),
+                             probe=_all_finite)
 
     def is_finite(t: Tensor) -> bool:
-        if t not in finite:
-            v = env[t]
-            finite[t] = not _is_float(t.dtype) or bool(np.asarray(_all_finite(v)))
-        return finite[t]
+        return not _is_float(t.dtype) or bool(np.asarray(finite[t]))
 
-    for n in graph.nodes:  # topological order
-        if n not in needed:
-            continue
-        if n.op == "weight":
-            env[n.outputs[0]] = device_constant(values[n.name])
-            continue
-        outs = run_node(n, [env[t] for t in n.inputs])
-        env.update(zip(n.outputs, outs, strict=True))
+    for n, got in zip(nodes, outs, strict=True):
         if n in old or not all(is_finite(t) for t in n.inputs):
             continue
-        for t in n.outputs:
+        for t, v in zip(n.outputs, got, strict=True):
             if not is_finite(t):
-                return FoldOverflow(n.op, t.dtype, t.shape, _what(env[t]))
+                return FoldOverflow(n.op, t.dtype, t.shape, _what(v))
     return None
 
 
 def _all_finite(value):
+    """Whether every element of ``value`` is finite (``True`` for integers and booleans)."""
     import jax.numpy as jnp
 
+    if not jnp.issubdtype(value.dtype, jnp.inexact):
+        return jnp.bool_(True)
     return jnp.isfinite(value).all()
 
 
