@@ -544,7 +544,8 @@ def _pass_through(args, name: str, error, external_data, deadline) -> int:
     """
     from taso_jax.checks import _session
     from taso_jax.frontends.onnx_io import ModelError
-    from taso_jax.outcome import Verdict, make_outcome
+    from taso_jax.outcome import Verdict
+    from taso_jax.pipeline import stopped_before
 
     try:
         _session(args.model)
@@ -556,7 +557,7 @@ def _pass_through(args, name: str, error, external_data, deadline) -> int:
               "kept_input_because": "its sizes follow input values"}
     _write_copy(args, args.model, external_data, report)
     report["wall_seconds"] = _elapsed(deadline)
-    _emit(args, make_outcome(Verdict.PASS_THROUGH, report, why="its sizes follow input values"))
+    _emit(args, stopped_before(Verdict.PASS_THROUGH, report, "its sizes follow input values"))
     return 0
 
 
@@ -612,13 +613,14 @@ def _import_cut(args, name: str, why: str, external_data, deadline) -> int:
     ImportTimeLimit` is raised only after it); it is neither searched nor run, and the
     report names the step at which the limit passed.
     """
-    from taso_jax.outcome import Verdict, make_outcome
+    from taso_jax.outcome import Verdict
+    from taso_jax.pipeline import stopped_before
 
     report = {"model": name, "imported": False, "time_limit": args.time_limit,
               "out_of_time_in": "import", "kept_input_because": why}
     _write_copy(args, args.model, external_data, report)
     report["wall_seconds"] = _elapsed(deadline)
-    _emit(args, make_outcome(Verdict.TIME_LIMIT, report, why=why))
+    _emit(args, stopped_before(Verdict.TIME_LIMIT, report, why))
     return 0
 
 
