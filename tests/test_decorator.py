@@ -1104,8 +1104,8 @@ def test_an_original_timed_slowly_beside_the_search_is_timed_again_alone(monkeyp
     """jax.jit's original is first called beside the search and the compiles, sharing the
     cores; where that one slow sample would leave the comparison untimed, the original is
     called once alone, and the comparison runs."""
-    import taso_jax.first_call_timing as first_call_timing
     import taso_jax.first_call_budget as first_call_budget
+    import taso_jax.first_call_timing as first_call_timing
 
     real = first_call_budget.OriginalRun._run
 
@@ -1160,3 +1160,45 @@ def test_the_first_calls_reference_outputs_are_not_kept():
     cell(w, jnp.ones((8, 64)))
     run = cell._last.original_run
     assert run is not None and run.outputs is None
+
+
+def test_the_decorator_s_outcome_is_made_by_the_delivery_pipeline(monkeypatch, tmp_path):
+    """Issue 59: the decorator's first call runs ``pipeline.deliver`` like the other front
+    doors; its outcome, rewritten or fallen back, is the pipeline's, and its text and JSON
+    reports tell the same story."""
+    import taso_jax.first_call_check as first_call_check
+    import taso_jax.pipeline as pipeline
+
+    monkeypatch.setenv("TASO_JAX_GRAPH_CACHE", str(tmp_path))
+    made, real_make = [], pipeline.make_outcome
+    monkeypatch.setattr(pipeline, "make_outcome",
+                        lambda *a, **k: made.append(real_make(*a, **k)) or made[-1])
+
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.ones((16, 16)) / 16, "b": jnp.ones((16, 16)) / 8}
+    x = jnp.ones((4, 16))
+    merged = taso_jax.optimize(cell, weight_argnums=0, **OPTS)
+    _assert_close(merged(w, x), jax.jit(cell)(w, x))
+    assert len(made) == 1 and merged._last.outcome is made[0]
+    outcome = merged.outcome()
+    assert outcome.verdict == made[0].verdict == "rewritten" and outcome.result is not None
+    data, text = outcome.to_json(), merged.report(time=False)
+    assert data["outcome"]["delivered"] == "optimized" and data["phases"]["search_s"] >= 0
+    assert text.split(": ", 1)[1].startswith("result: rewritten")
+    assert all(name in text for name in data["applied"])
+
+    real = first_call_check.compare_outputs
+    monkeypatch.setattr(first_call_check, "compare_outputs",
+                        lambda *a, **k: {**real(*a, **k), "ok": False, "max_abs_err": 1.0})
+    wrong = taso_jax.optimize(lambda w, x: cell(w, x) * 2, weight_argnums=0,
+                              **{**OPTS, "budget": 21})  # not the first's graph cache entry
+    with pytest.warns(RuntimeWarning, match="falling back.*differ from the original"):
+        wrong(w, x)
+    assert len(made) == 2 and wrong._last.outcome is made[1]
+    outcome = wrong.outcome()
+    data, text = outcome.to_json(), wrong.report(time=False)
+    assert outcome.verdict == "fallback" and data["outcome"]["why"] == wrong.fallback_reason
+    assert data["outcome"]["delivered"] == "input" and wrong.fallback_reason in text
+    assert data["check"]["ok"] is False and data["kept_input_because"] == outcome.why

@@ -129,3 +129,17 @@ def test_outcomes_are_made_in_one_module():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Outcome":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, found
+
+
+def test_outcomes_are_decided_in_the_pipeline():
+    """``make_outcome`` is called in ``taso_jax/pipeline.py`` only (issue 59): every front
+    door (the command line, the API, the decorator) gets its outcome from the pipeline."""
+    found = []
+    for path in sorted((ROOT / "taso_jax").rglob("*.py")):
+        if path.name in ("outcome.py", "pipeline.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and "make_outcome" in (
+                    getattr(node.func, "id", None), getattr(node.func, "attr", None)):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
