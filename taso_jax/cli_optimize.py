@@ -113,13 +113,13 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     """Import the model, run the delivery pipeline, print: the command's front door.
 
     The verdict, the check and the delivery are the pipeline's
-    (:func:`~taso_jax.pipeline.deliver`, with the model as an :class:`_OnnxFile`); every way
+    (:meth:`Optimizer.run <taso_jax.optimizer.Optimizer.run>`, with the model as an
+    :class:`_OnnxFile`); every way
     out prints an :class:`~taso_jax.outcome.Outcome` and writes its JSON, except a failed
     output check, which prints its report, names the substitutions applied, writes
     nothing and exits 1.
     """
     from taso_jax.frontends.onnx_io import ImportTimeLimit, ValueSizedModel
-    from taso_jax.pipeline import deliver
 
     protected, external_data = _protected_paths(args)
     try:
@@ -139,7 +139,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
         bar.set_postfix_str(f"best {best:.1f} us")
 
     try:
-        outcome = deliver(optimizer, source, deadline, progress)
+        outcome = optimizer.run(source, deadline=deadline, progress=progress)
     finally:
         bar.close()
     if source.check_failed:

@@ -3,7 +3,8 @@
 :class:`FirstCallPipeline` holds what ``@taso_jax.optimize`` does the first time it meets a
 call signature, and :class:`~taso_jax.decorator.OptimizedFunction` inherits it: ``_build``
 traces the function and fills an ``_Entry``; ``_optimize`` imports the jaxpr, makes the
-optimizer and runs :func:`taso_jax.pipeline.deliver` on a
+optimizer and runs the delivery pipeline (:meth:`Optimizer.run
+<taso_jax.optimizer.Optimizer.run>`, :func:`taso_jax.pipeline.deliver`) on a
 :class:`~taso_jax.traced_source.TracedSource`, whose hooks read the graph cache, split the
 result into jitted stages, check it against ``jax.jit`` of the original
 (:mod:`taso_jax.first_call_check`) and time it against that original
@@ -31,7 +32,7 @@ from taso_jax.frontends.jaxpr_io import TracedFunction, _fn_name, trace_function
 from taso_jax.frontends.onnx_model import ImportTimeLimit
 from taso_jax.frontends.signature_entry import _Entry, _is_tracer, _leaf_signature
 from taso_jax.outcome import Verdict
-from taso_jax.pipeline import deliver, stopped_before
+from taso_jax.pipeline import stopped_before
 from taso_jax.records import PhaseTimes
 from taso_jax.search.choose import device_name
 from taso_jax.search.limits import Deadline
@@ -156,7 +157,8 @@ class FirstCallPipeline:
     def _optimize(self, entry, traced: TracedFunction, args, static_pos):
         """The first call's pipeline for ``entry``: import, deliver; the outcome.
 
-        The jaxpr is imported, then :func:`~taso_jax.pipeline.deliver` runs on a
+        The jaxpr is imported, then :meth:`Optimizer.run
+        <taso_jax.optimizer.Optimizer.run>` runs the delivery pipeline on a
         :class:`~taso_jax.traced_source.TracedSource`.
         One deadline covers the import, the search and what follows (the trace is
         ``jax.jit``'s own work); seconds per step go to ``entry.first_call``.
@@ -184,7 +186,7 @@ class FirstCallPipeline:
         lap("import")
         source = TracedSource(self, entry, traced, args, static_pos, graph, key, lap,
                               entry.first_call["trace"] + entry.first_call["import"])
-        return deliver(optimizer, source, deadline)
+        return optimizer.run(source, deadline=deadline)
 
     def _optimizer(self, deadline: Deadline):
         """The :class:`~taso_jax.optimizer.Optimizer` of this function's options, made once.
