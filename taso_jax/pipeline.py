@@ -1,7 +1,7 @@
 """The delivery pipeline every front door runs: search, time, check, decide, deliver.
 
 :func:`deliver` takes an :class:`~taso_jax.optimizer.Optimizer` and a :class:`Source` (what
-a front door imported: an ONNX file, a built graph) and returns the one
+a front door imported: an ONNX file, a built graph, a traced function) and returns the one
 :class:`~taso_jax.outcome.Outcome`. The steps, in order:
 
 1. search (:meth:`Optimizer.search <taso_jax.optimizer.Optimizer.search>`, or the source's
@@ -33,7 +33,9 @@ time limit, a failure it falls back from) has its outcome made here too
 (:func:`stopped_before`): :func:`~taso_jax.outcome.make_outcome` is called in this module
 only.
 
-The front doors parse or trace, call :func:`deliver` and print; none decides a verdict.
+The front doors parse or trace, call :meth:`Optimizer.run
+<taso_jax.optimizer.Optimizer.run>` (which runs :func:`deliver`) and print or compile; none
+decides a verdict.
 """
 
 from __future__ import annotations
