@@ -113,13 +113,13 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     """Import the model, run the delivery pipeline, print: the command's front door.
 
     The verdict, the check and the delivery are the pipeline's
-    (:func:`~taso_jax.pipeline.deliver`, with the model as an :class:`_OnnxFile`); every way
+    (:meth:`Optimizer.run <taso_jax.optimizer.Optimizer.run>`, with the model as an
+    :class:`_OnnxFile`); every way
     out prints an :class:`~taso_jax.outcome.Outcome` and writes its JSON, except a failed
     output check, which prints its report, names the substitutions applied, writes
     nothing and exits 1.
     """
     from taso_jax.frontends.onnx_io import ImportTimeLimit, ValueSizedModel
-    from taso_jax.pipeline import deliver
 
     protected, external_data = _protected_paths(args)
     try:
@@ -139,7 +139,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
         bar.set_postfix_str(f"best {best:.1f} us")
 
     try:
-        outcome = deliver(optimizer, source, deadline, progress)
+        outcome = optimizer.run(source, deadline=deadline, progress=progress)
     finally:
         bar.close()
     if source.check_failed:
@@ -544,7 +544,8 @@ def _pass_through(args, name: str, error, external_data, deadline) -> int:
     """
     from taso_jax.checks import _session
     from taso_jax.frontends.onnx_io import ModelError
-    from taso_jax.outcome import Verdict, make_outcome
+    from taso_jax.outcome import Verdict
+    from taso_jax.pipeline import stopped_before
 
     try:
         _session(args.model)
@@ -556,7 +557,7 @@ def _pass_through(args, name: str, error, external_data, deadline) -> int:
               "kept_input_because": "its sizes follow input values"}
     _write_copy(args, args.model, external_data, report)
     report["wall_seconds"] = _elapsed(deadline)
-    _emit(args, make_outcome(Verdict.PASS_THROUGH, report, why="its sizes follow input values"))
+    _emit(args, stopped_before(Verdict.PASS_THROUGH, report, "its sizes follow input values"))
     return 0
 
 
@@ -612,13 +613,14 @@ def _import_cut(args, name: str, why: str, external_data, deadline) -> int:
     ImportTimeLimit` is raised only after it); it is neither searched nor run, and the
     report names the step at which the limit passed.
     """
-    from taso_jax.outcome import Verdict, make_outcome
+    from taso_jax.outcome import Verdict
+    from taso_jax.pipeline import stopped_before
 
     report = {"model": name, "imported": False, "time_limit": args.time_limit,
               "out_of_time_in": "import", "kept_input_because": why}
     _write_copy(args, args.model, external_data, report)
     report["wall_seconds"] = _elapsed(deadline)
-    _emit(args, make_outcome(Verdict.TIME_LIMIT, report, why=why))
+    _emit(args, stopped_before(Verdict.TIME_LIMIT, report, why))
     return 0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -180,6 +180,13 @@ class Outcome:
         ``None`` where the input is delivered or nothing was timed.
         """
         return None if self.verdict.delivers_input else _measured(self.report)[1]
+
+    def with_report(self, **entries) -> Outcome:
+        """The same outcome with ``entries`` added to its report (measured after it was made).
+
+        The verdict, graph, ``why`` and phases stay; the delivered view is settled again.
+        """
+        return replace(self, report={**_thawed(self.report), **entries})
 
     def to_json(self) -> dict:
         """The ``--json`` report: a plain dump of the record as it was decided.
