@@ -30,6 +30,7 @@ from taso_jax.cli_files import (
     check_output_path,
     check_tolerances,
 )
+from taso_jax.cli_timing import onnxruntime_timing, report_timing
 
 __all__ = ["run_optimize"]
 
@@ -297,12 +298,12 @@ class _OnnxFile:
         return min(guess, AFTER_SEARCH_SHARE * self.args.time_limit)
 
     def time_graphs(self, target, optimized, report: dict, deadline) -> None:
-        """The report's own timing in the target's runtime (:func:`_time_graphs`).
+        """The report's own timing in the target's runtime (:func:`.cli_timing.report_timing`).
 
         It ends where delivery's own time (:meth:`after_search_seconds`) begins.
         """
         if not self.args.no_time:
-            _time_graphs(self.args, target, self.graph, optimized, report, deadline,
+            report_timing(self.args, target, self.graph, optimized, report, deadline,
                          keep=self.after_search_seconds())
 
     def prepare(self, optimized, report: dict):
@@ -408,14 +409,14 @@ class _OnnxFile:
     def deliver(self, data, report: dict, unchanged: bool, deadline) -> None:
         """Time the file in onnxruntime and write it to ``-o``.
 
-        The timing is :func:`_time_in_onnxruntime`'s; the write is atomic, and over 2 GB
-        puts the tensors in a data file beside it.
+        The timing is :func:`~taso_jax.cli_timing.onnxruntime_timing`'s; the write is
+        atomic, and over 2 GB puts the tensors in a data file beside it.
         """
         from taso_jax.frontends.onnx_export import write_onnx
 
         args = self.args
         if not args.no_time and not unchanged:
-            _time_in_onnxruntime(args, self.target, report, self.reference, data,
+            onnxruntime_timing(args, self.target, report, self.reference, data,
                                  self.references[0][1], deadline)
         if args.output:
             written_data = write_onnx(args.output, data, keep=self.protected)
@@ -455,68 +456,6 @@ class _OnnxFile:
 AFTER_SEARCH_PER_IMPORT = 3.0
 #: The most of the time limit kept for delivery after the search pipeline.
 AFTER_SEARCH_SHARE = 0.4
-
-
-def _time_graphs(args, target, graph, optimized, report: dict, deadline,
-                 keep: float = 0.0) -> None:
-    """The report's own timing of the input and optimized graphs in the target's runtime.
-
-    An input written back as it is is not timed: nothing to compare, and compiling it only
-    to time it once cost 100 s on a 5,000-operator chain under a 20 s limit. A target that
-    times the written files instead (``times_graphs`` false: onnxruntime, whose
-    process then never imports JAX, about 145 MB) is timed after the export. Past the time
-    limit it is left out (a compile and five calls more: 10 s past a 30 s limit on a 1 s
-    model), and the speed-up is the end-to-end choice's. ``keep``: seconds before the limit
-    it leaves to delivery (:meth:`_OnnxFile.after_search_seconds`): its rounds end there,
-    and it is left out where less is left.
-    """
-    if not target.times_graphs:
-        return
-    if deadline.left() <= keep:
-        report["notes"].append(f"the report's own {target.runtime} timing was left out: the "
-                               "time limit had passed, or what it left is delivery's "
-                               "(--time-limit)")
-        return
-    try:
-        timing = target.time_graphs(graph, optimized, args.repeats, deadline.at - keep)
-    except Exception as e:  # noqa: BLE001 - the report's own timing only
-        report["notes"].append(f"the report's own {target.runtime} timing failed, and is left "
-                               f"out: {type(e).__name__}: {one_line(str(e), 200)}")
-        return
-    report[target.timing_key] = timing
-
-
-#: Rounds of the report's onnxruntime timing once the time limit has passed.
-LATE_ONNXRUNTIME_ROUNDS = 3
-
-
-def _time_in_onnxruntime(args, target, report: dict, reference, data, feeds: dict,
-                         deadline) -> None:
-    """The report's onnxruntime timing of the written model against the input file.
-
-    For a target that did not time its choice in onnxruntime (XLA) it is what warns that
-    the file runs slower there (one rewritten OCR model ran at 0.17x), so past the time
-    limit it is still made, on :data:`LATE_ONNXRUNTIME_ROUNDS` rounds (two sessions and a
-    few runs), with a note; ``report["onnxruntime"]["slower_warning"]`` says whether to
-    warn (below :data:`~taso_jax.checks.ONNXRUNTIME_WARN`). For the onnxruntime target
-    the end-to-end choice timed it already, and past the limit its figure stands in
-    (:attr:`~taso_jax.outcome.Outcome.speedup`).
-    """
-    from taso_jax.checks import ONNXRUNTIME_WARN, measure_onnxruntime
-
-    if not deadline.passed():
-        timing = measure_onnxruntime(reference, data, feeds, deadline=deadline.at)
-    elif not target.warns_in_onnxruntime:  # two sessions more, for the choice's figure
-        report["notes"].append("the report's own onnxruntime timing was left out: the time "
-                               "limit had passed (--time-limit); the speed-up is the "
-                               "end-to-end choice's")
-        return
-    else:
-        timing = measure_onnxruntime(reference, data, feeds, repeats=LATE_ONNXRUNTIME_ROUNDS)
-        report["notes"].append(f"the report's onnxruntime timing ran {LATE_ONNXRUNTIME_ROUNDS} "
-                               "rounds only: the time limit had passed (--time-limit)")
-    report["onnxruntime"] = {**timing, "slower_warning": bool(
-        target.warns_in_onnxruntime and timing["speedup"] < ONNXRUNTIME_WARN)}
 
 
 def _elapsed(deadline) -> float:
