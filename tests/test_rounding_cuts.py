@@ -197,3 +197,14 @@ def test_float16_outputs_are_compared_at_float16_rounding():
                            unit=2.0 ** -10)["ok"]
     f32 = b.astype(np.float32)
     assert "type_rtol" not in compare_outputs([f32], [f32])
+
+
+def test_a_cut_that_does_not_run_decides_nothing(tmp_path):
+    """An optimized model onnxruntime refuses: no verdict from the cuts (``None``)."""
+    onnx.save(_topk(), tmp_path / "a.onnx")
+    graph = load_onnx(str(tmp_path / "a.onnx"))
+    data, runs = _reference(_topk(), graph)
+    broken = _topk()
+    broken.graph.node[0].op_type = "NoSuchOp"
+    assert check_cuts(data, broken.SerializeToString(), runs) is None
+    assert check_cuts(data, b"not a model", runs) is None
