@@ -414,7 +414,8 @@ OTHER_SIZES_ATOL = 1e-5
 
 
 def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
-                      rtol: float = RTOL, atol: float | None = None, seed: int = 2) -> dict:
+                      rtol: float = RTOL, atol: float | None = None, seed: int = 2,
+                      judge=None) -> dict:
     """Check ``optimized``, its sizes left open, against ``original`` at other sizes.
 
     The first binding of :func:`other_bindings` at which the original runs is used; inputs
@@ -422,7 +423,10 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
     the absolute tolerance is at least :data:`OTHER_SIZES_ATOL`.
     Returns ``{"ok", "shapes", ...}`` with the comparison (:func:`compare_outputs`),
     ``"ok": None`` when the original itself runs at none of the trial sizes, and
-    ``"error"`` when the optimized model does not run there.
+    ``"error"`` when the optimized model does not run there. ``judge(check, original,
+    optimized, runs)``, where given, settles a failed comparison in place (as
+    :func:`~taso_jax.rounding_cuts.judge_at_cuts` does); ``runs`` is
+    ``[(1.0, feeds, reference outputs)]``.
 
     Raises:
         ValueError: a tolerance refused by :func:`check_tolerances`.
@@ -444,6 +448,8 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
         r = failed or compare_outputs(actual[0], reference, rtol, atol,
                                       floor=[OTHER_SIZES_ATOL] * len(reference),
                                       unit=rounding_unit(graph))
+        if not r["ok"] and not failed and judge is not None:
+            judge(r, original, optimized, [(1.0, feeds, reference)])
         return {**r, "shapes": {k: list(v) for k, v in shapes.items()}}
     return {"ok": None, "shapes": None}
 

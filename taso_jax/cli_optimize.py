@@ -666,17 +666,24 @@ def _keep_sizes_open(data: bytes, general: bytes, original: str, graph, report: 
 
     The model was optimized at one binding of its symbolic sizes; written with them open,
     it is checked against the original at other sizes
-    (:func:`taso_jax.checks.check_other_sizes`). Where that fails (a rewritten Reshape holds
-    a fixed size), the model is written at the sizes it was optimized at if the user fixed
-    them (``--input-shape`` for every input with open sizes), or if the original itself
-    runs at none of the other sizes tried. Otherwise it returns ``None``: a model that
-    accepts fewer sizes than the input is no drop-in replacement, and the input is kept.
+    (:func:`taso_jax.checks.check_other_sizes`; where rounding is amplified, at the
+    amplifiers, :func:`~taso_jax.rounding_cuts.judge_at_cuts`). Where that fails (a
+    rewritten Reshape holds a fixed size), the model is written at the sizes it was
+    optimized at if the user fixed them (``--input-shape`` for every input with open
+    sizes), or if the original itself runs at none of the other sizes tried. Otherwise it
+    returns ``None``: a model that accepts fewer sizes than the input is no drop-in
+    replacement, and the input is kept.
     """
-    from taso_jax.checks import check_other_sizes
+    from taso_jax.checks import check_other_sizes, rounding_unit
+    from taso_jax.rounding_cuts import judge_at_cuts
+
+    def judge(check, original, optimized, runs):  # where the model amplifies rounding
+        judge_at_cuts(check, original, optimized, runs, args.rtol, args.atol,
+                      rounding_unit(graph))
 
     symbolic = graph.meta["symbolic_dims"]
     other = check_other_sizes(original, general, graph, symbolic, rtol=args.rtol,
-                              atol=args.atol)
+                              atol=args.atol, judge=judge)
     report["other_sizes"] = other
     if other["ok"]:
         shapes = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in other["shapes"].items())

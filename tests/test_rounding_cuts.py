@@ -42,8 +42,9 @@ def _merged_sum(x: str, out: str, n: int, dtype=np.float32, seed: int = 0):
     return nodes, inits
 
 
-def _model(nodes, inits, outputs, elem=TensorProto.FLOAT):
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", elem, [1, 32])],
+def _model(nodes, inits, outputs, elem=TensorProto.FLOAT, batch=1):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", elem,
+                                                                         [batch, 32])],
                               outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
                               ir_version=8)
@@ -51,7 +52,7 @@ def _model(nodes, inits, outputs, elem=TensorProto.FLOAT):
     return model
 
 
-def _topk(n=16384, k=8000, relu=False, after=None):
+def _topk(n=16384, k=8000, relu=False, after=None, batch=1):
     """``TopK(x @ a + x @ b, k)``: near-equal values among k of n reorder under rounding.
 
     ``relu`` puts a ReLU before the TopK; ``after`` multiplies its values by that constant
@@ -69,9 +70,10 @@ def _topk(n=16384, k=8000, relu=False, after=None):
         inits.append(_init("c", np.array(after, np.float32)))
         nodes.append(helper.make_node("Mul", ["values", "c"], ["scaled"]))
         values = "scaled"
-    return _model(nodes, inits, [helper.make_tensor_value_info(values, TensorProto.FLOAT, [1, k]),
+    return _model(nodes, inits, [helper.make_tensor_value_info(values, TensorProto.FLOAT,
+                                                               [batch, k]),
                                  helper.make_tensor_value_info("indices", TensorProto.INT64,
-                                                               [1, k])])
+                                                               [batch, k])], batch=batch)
 
 
 def _qdq(n=4096, step=0.02):
@@ -208,3 +210,13 @@ def test_a_cut_that_does_not_run_decides_nothing(tmp_path):
     broken.graph.node[0].op_type = "NoSuchOp"
     assert check_cuts(data, broken.SerializeToString(), runs) is None
     assert check_cuts(data, b"not a model", runs) is None
+
+
+def test_a_topk_model_with_open_sizes_keeps_them(tmp_path):
+    """The check at other sizes compares at the TopK too: the batch stays open."""
+    code, report, src, out = _optimize(tmp_path, _topk(k=8000, batch="N"))
+    assert code == 0 and report["outcome"]["verdict"] == "rewritten", report["outcome"]
+    other = report["other_sizes"]
+    assert other["ok"] and other["rounding_cuts"]["amplifiers"] == {"TopK": 1}
+    dims = onnx.load(str(out)).graph.input[0].type.tensor_type.shape.dim
+    assert dims[0].dim_param == "N"
