@@ -9,14 +9,16 @@ quantization step (and every layer after it sees a whole step). Comparing such a
 outputs cannot tell a right rewrite from a wrong one.
 
 :func:`check_cuts` compares at those operators instead (:data:`AMPLIFIERS`). The model is
-cut there: each amplifier's continuous inputs (a ``TopK``'s values, a ``QuantizeLinear``'s
-float input, a ``NonMaxSuppression``'s boxes and scores) are compared with the original's
-under the check's own tolerance (:func:`~taso_jax.checks.compare_outputs`); the optimized
-model then continues from the original's amplifier outputs, fed in its place, and its
-outputs are compared with the original's. Every value the optimized model computes is
-compared, on each segment between cuts, with the original's under the float tolerance; only
-the amplifying step itself is taken from the original. A wrong rewrite before an amplifier
-(a dropped ReLU, a wrong sign) shows in its inputs, one after it in the outputs.
+cut there: each amplifier's computed inputs (a ``TopK``'s values and a computed ``k``, a
+``QuantizeLinear``'s float input, a ``NonMaxSuppression``'s boxes and scores) are compared
+with the original's under the check's own tolerance (integers exactly;
+:func:`~taso_jax.checks.compare_outputs`); the optimized model then continues from the
+original's amplifier outputs, fed in its place, and its outputs are compared with the
+original's. Every value that reaches an output or an amplifier is thus compared, on each
+segment between the cuts, under the float tolerance; only the amplifying step itself is
+the original's. A wrong rewrite before an amplifier (a dropped ReLU, a wrong sign) shows
+in its inputs, one after it in the outputs. It runs only where the outputs' own
+comparison failed.
 
 The amplifiers of the two models are paired by operator, attributes and constant inputs
 (a quantization's scale and zero point), in graph order; models whose amplifiers do not
@@ -82,10 +84,15 @@ def _constants(graph) -> dict:
     return {k: numpy_helper.to_array(t) for k, t in values.items()}
 
 
+def _constant_names(graph) -> set[str]:
+    """The names of the graph's initializers and ``Constant`` outputs."""
+    return {t.name for t in graph.initializer} | {
+        o for n in graph.node if n.op_type == "Constant" for o in n.output}
+
+
 def _amplifiers(graph) -> list:
     """The :data:`AMPLIFIERS` nodes of ``graph`` whose compared inputs are not constants."""
-    constant = {t.name for t in graph.initializer} | {
-        o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    constant = _constant_names(graph)
     return [n for n in graph.node if n.domain in ("", "ai.onnx") and n.op_type in AMPLIFIERS
             and any(i < len(n.input) and n.input[i] and n.input[i] not in constant
                     for i in AMPLIFIERS[n.op_type])]
@@ -193,8 +200,9 @@ def _compare_cut(orig, opt, pairs: list, optimized, runs: list, rtol, atol, unit
                  scales) -> dict:
     """:func:`check_cuts` on loaded models whose amplifiers pair (``pairs``)."""
     from taso_jax.checks import _outputs, _session
-    spots = [(o.input[i], p.input[i]) for o, p in pairs for i in AMPLIFIERS[o.op_type]
-             if i < len(o.input) and o.input[i]]
+    constant = _constant_names(orig.graph)  # every computed input is compared (a TopK's k)
+    spots = [(a, b) for o, p in pairs for a, b in zip(o.input, p.input, strict=False)
+             if a and b and a not in constant]
     fed = [(o.output[j], p.output[j]) for o, p in pairs for j in range(len(o.output))
            if o.output[j] and p.output[j]]
     fed_o, fed_p = {a for a, _ in fed}, {b for _, b in fed}
