@@ -22,6 +22,7 @@ from typing import Any
 from taso_jax.ir.graph import Graph
 from taso_jax.records import Check, Choice, PhaseTimes
 from taso_jax.report import (
+    _check_line,
     end_to_end_line,
     format_not_searched,
     format_pass_through,
@@ -237,6 +238,8 @@ class Outcome:
             if found.get("end_to_end"):
                 lines.append("  how it was chosen among the graphs: "
                              + end_to_end_line(found["end_to_end"]))
+            if found.get("check", {}).get("ok") is False:  # why it was not delivered
+                lines.append("  its " + _check_line(found["check"]))
         return "\n".join(lines)
 
 

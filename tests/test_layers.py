@@ -25,7 +25,7 @@ LAYERS = {"taso_jax.ops": 0, "taso_jax._io": 0, "taso_jax._text": 0, "taso_jax._
           # the delivery pipeline: targets, checks, records, the outcome and its rendering
           "taso_jax.checks": 5, "taso_jax.records": 5, "taso_jax.targets": 5,
           "taso_jax.outcome": 5, "taso_jax.report": 5, "taso_jax.optimizer": 5,
-          "taso_jax.pipeline": 5,
+          "taso_jax.pipeline": 5, "taso_jax.rounding_cuts": 5,
           # the front doors
           "taso_jax.api": 6, "taso_jax.decorator": 6, "taso_jax.first_call": 6,
           "taso_jax.first_call_budget": 6, "taso_jax.first_call_check": 6,
