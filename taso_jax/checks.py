@@ -30,7 +30,8 @@ __all__ = ["measure_speed", "measure_onnxruntime", "compare_onnx", "check_onnx",
            "reference_runs", "compare_outputs", "compare_nonfinite", "range_scales",
            "other_bindings", "check_other_sizes",
            "RTOL", "ATOL", "CHECK_SCALES", "ONNXRUNTIME_WARN", "OTHER_SIZES_ATOL",
-           "check_graphs", "MAX_RTOL", "MAX_ATOL", "check_tolerances", "tolerance_problem"]
+           "check_graphs", "MAX_RTOL", "MAX_ATOL", "check_tolerances", "tolerance_problem",
+           "TYPE_ULPS", "rounding_unit"]
 
 #: Outputs agree when ``|a - b| <= ATOL * max|b| + RTOL * |b|`` elementwise (float32 sums
 #: reassociate when convolutions are merged or batchnorm is folded).
@@ -44,6 +45,33 @@ RTOL, ATOL = 1e-3, 1e-4
 #: magnitude (a dropped ReLU or clip) still fails at the x100 scale of :data:`CHECK_SCALES`.
 #: ``--atol 1e308`` had passed a trusted rule that drops a ReLU.
 MAX_RTOL, MAX_ATOL = 0.1, 1.0
+
+#: Outputs of a narrower float type than float32 (float16, bfloat16), or computed in one, are
+#: compared at that type's rounding: ``rtol`` at least ``TYPE_ULPS`` units of it (float16
+#: 7.8e-3, bfloat16 6.25e-2) and ``atol`` at least that times the largest reference
+#: magnitude. :data:`RTOL` is one float16 unit: a merged float16 matmul, whose summed
+#: weight is rounded once more, differed by two (0.00195 at values near 1).
+TYPE_ULPS = 8
+
+
+def rounding_unit(graph: Graph) -> float:
+    """The rounding unit (``finfo.eps``) of the narrowest float type ``graph`` computes in.
+
+    ``0.0`` where every float tensor (inputs, weights, intermediate and output values) is
+    float32 or wider: the check's tolerances (:data:`RTOL`, :data:`ATOL`) are float32's.
+    float16 gives 2^-10, bfloat16 2^-7 (:data:`TYPE_ULPS` of it set the check's floor).
+    """
+    return max((_narrow_unit(t.dtype) for n in graph.nodes for t in n.types), default=0.0)
+
+
+def _narrow_unit(dtype) -> float:
+    """``finfo(dtype).eps`` for a float type narrower than float32, else ``0.0``."""
+    import ml_dtypes
+
+    if not _is_float(dtype):
+        return 0.0
+    eps = float(ml_dtypes.finfo(np.dtype(dtype)).eps)
+    return eps if eps > float(np.finfo(np.float32).eps) else 0.0
 
 
 def tolerance_problem(name: str, value: float | None) -> str | None:
@@ -266,22 +294,24 @@ def check_onnx(original, optimized, graph: Graph, rtol: float = RTOL,
     if failed:
         return {**failed, "failed_scale": runs[0][0], "scales": full, "range_scales": ranged}
     worst = _worst_scale(((scale, got, reference) for (scale, _, reference), got
-                          in zip(runs, actual, strict=True)), rtol, atol, full)
+                          in zip(runs, actual, strict=True)), rtol, atol, full,
+                         rounding_unit(graph))
     worst.update(scales=full, range_scales=ranged)
     return worst
 
 
-def _worst_scale(runs, rtol: float, atol: float | None, full) -> dict:
+def _worst_scale(runs, rtol: float, atol: float | None, full, unit: float = 0.0) -> dict:
     """The worst comparison of ``(scale, actual, reference)`` runs.
 
     Runs at a scale of ``full`` are compared in full (:func:`compare_outputs`), the others
-    by their non-finite values (:func:`compare_nonfinite`). Runs are compared in order
+    by their non-finite values (:func:`compare_nonfinite`), ``unit`` the graph's rounding
+    (:func:`rounding_unit`). Runs are compared in order
     until one fails; the result is the first failing comparison, else the one with the
     largest error, with ``"failed_scale"`` (``None`` when all pass).
     """
     worst = None
     for scale, got, reference in runs:
-        r = (compare_outputs(got, reference, rtol, atol) if scale in full
+        r = (compare_outputs(got, reference, rtol, atol, unit=unit) if scale in full
              else compare_nonfinite(got, reference, rtol, atol))
         r["failed_scale"] = None if r["ok"] else scale
         if worst is None or (worst["ok"] and not r["ok"]) or (
@@ -323,7 +353,7 @@ def check_graphs(original: Graph, optimized: Graph, rtol: float = RTOL,
             yield (scale, [np.asarray(y) for y in _as_list(run_b(*xs))],
                    [np.asarray(y) for y in _as_list(run_a(*xs))])
 
-    worst = _worst_scale(runs(), rtol, atol, scales)
+    worst = _worst_scale(runs(), rtol, atol, scales, rounding_unit(original))
     worst.update(scales=list(scales), range_scales=list(ranged),
                  reference="jax.jit of the input graph")
     return worst
@@ -384,7 +414,8 @@ OTHER_SIZES_ATOL = 1e-5
 
 
 def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
-                      rtol: float = RTOL, atol: float | None = None, seed: int = 2) -> dict:
+                      rtol: float = RTOL, atol: float | None = None, seed: int = 2,
+                      judge=None) -> dict:
     """Check ``optimized``, its sizes left open, against ``original`` at other sizes.
 
     The first binding of :func:`other_bindings` at which the original runs is used; inputs
@@ -392,7 +423,10 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
     the absolute tolerance is at least :data:`OTHER_SIZES_ATOL`.
     Returns ``{"ok", "shapes", ...}`` with the comparison (:func:`compare_outputs`),
     ``"ok": None`` when the original itself runs at none of the trial sizes, and
-    ``"error"`` when the optimized model does not run there.
+    ``"error"`` when the optimized model does not run there. ``judge(check, original,
+    optimized, runs)``, where given, settles a failed comparison in place (as
+    :func:`~taso_jax.rounding_cuts.judge_at_cuts` does); ``runs`` is
+    ``[(1.0, feeds, reference outputs)]``.
 
     Raises:
         ValueError: a tolerance refused by :func:`check_tolerances`.
@@ -412,13 +446,16 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
             continue
         actual, failed = _actual(optimized, [feeds], len(reference), rtol, atol)
         r = failed or compare_outputs(actual[0], reference, rtol, atol,
-                                      floor=[OTHER_SIZES_ATOL] * len(reference))
+                                      floor=[OTHER_SIZES_ATOL] * len(reference),
+                                      unit=rounding_unit(graph))
+        if not r["ok"] and not failed and judge is not None:
+            judge(r, original, optimized, [(1.0, feeds, reference)])
         return {**r, "shapes": {k: list(v) for k, v in shapes.items()}}
     return {"ok": None, "shapes": None}
 
 
 def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = None,
-                    floor=None) -> dict:
+                    floor=None, unit: float = 0.0) -> dict:
     """Compare output arrays with their references (same order).
 
     Integer and boolean outputs must be equal. Float and complex outputs agree where
@@ -428,6 +465,9 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
     that value: the rounding noise the reference itself carries on the device (see
     ``taso_jax.decorator``), where the default tolerance would be tighter than the
     reference is exact. Non-finite values must match exactly: NaN with NaN, +inf with +inf.
+    An output of a float type narrower than float32, or of a graph computing in one
+    (``unit``: :func:`rounding_unit`), is compared at that type's rounding: ``rtol`` and the
+    scale-aware ``atol`` at least :data:`TYPE_ULPS` units of it (reported as ``"type_rtol"``).
 
     Returns ``{"ok", "max_abs_err", "rtol", "atol", "outputs"}``; ``max_abs_err`` is
     ``inf`` when a non-finite value does not match. A NaN tolerance (``rtol``, ``atol`` or a
@@ -444,8 +484,10 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
     tolerances = [rtol, *floors] + ([] if atol is None else [atol])
     if np.isnan(np.asarray(tolerances, np.float64)).any():
         ok = False  # a NaN tolerance passes nothing, even where every value is NaN
+    widest = 0.0  # the type rounding's share of rtol, where it widened one
     for a, b, low in zip(actual, reference, floors, strict=False):
         a, b = np.asarray(a), np.asarray(b)
+        typed = min(TYPE_ULPS * max(unit, _narrow_unit(b.dtype)), MAX_RTOL)
         if a.shape != b.shape:
             ok = False
             continue
@@ -466,7 +508,9 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
         scale = float(np.max(np.abs(b[np.isfinite(b)]), initial=0.0))
         # np.maximum and the negated test carry a NaN tolerance through: it fails, never
         # passes (err > nan is False, and Python's max(nan, x) can drop the NaN)
-        tol = np.maximum(ATOL * scale if atol is None else atol, low) + rtol * np.abs(b)
+        widest = max(widest, typed)
+        tol = (np.maximum(ATOL * scale if atol is None else atol, max(low, typed * scale))
+               + max(rtol, typed) * np.abs(b))
         with np.errstate(invalid="ignore"):  # inf - inf where both are inf: masked out
             err = np.where(finite, np.abs(a - b), 0.0)
         if not np.all((err <= tol) | ~finite):  # non-finite values: compared above
@@ -477,6 +521,8 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
            "outputs": len(reference)}
     if floor is not None:
         out["atol_floor"] = max(floors, default=0.0)
+    if widest > rtol:
+        out["type_rtol"] = widest
     return out
 
 

@@ -5,10 +5,11 @@ taso-jax generate   generate substitutions and prove them from the operator axio
 taso-jax verify     prove a substitution file (default: the shipped set) with Z3
 taso-jax bench      time TASO's six benchmark models: jax.jit against optimized
 
-Exit codes: 0 success; 1 the optimized model failed the output check (nothing written),
-verify found rules it could not prove, or an internal error (one line; --debug prints the
-traceback); 2 bad input, named in one line (a missing, invalid or unsupported model, a bad
-option, an output path that would overwrite an input or is not writable).
+Exit codes: 0 success (an optimized model that fails the output check is not written: the
+input is, with a warning); 1 verify found rules it could not prove, or an internal error
+(one line; --debug prints the traceback); 2 bad input, named in one line (a missing,
+invalid or unsupported model, a bad option, an output path that would overwrite an input or
+is not writable).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from taso_jax.cli_files import (
     check_output_path,
     check_tolerances,
 )
+from taso_jax.cli_timing import onnxruntime_timing, report_timing
 
 __all__ = ["run_optimize"]
 
@@ -113,13 +114,13 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     """Import the model, run the delivery pipeline, print: the command's front door.
 
     The verdict, the check and the delivery are the pipeline's
-    (:func:`~taso_jax.pipeline.deliver`, with the model as an :class:`_OnnxFile`); every way
-    out prints an :class:`~taso_jax.outcome.Outcome` and writes its JSON, except a failed
-    output check, which prints its report, names the substitutions applied, writes
-    nothing and exits 1.
+    (:meth:`Optimizer.run <taso_jax.optimizer.Optimizer.run>`, with the model as an
+    :class:`_OnnxFile`); every way out prints an :class:`~taso_jax.outcome.Outcome` and
+    writes its JSON. A failed output check (after the rounding-aware comparisons of
+    :meth:`_OnnxFile.check`) writes the input back unchanged and warns, naming the
+    substitutions applied: a valid model is never refused (exit 0).
     """
     from taso_jax.frontends.onnx_io import ImportTimeLimit, ValueSizedModel
-    from taso_jax.pipeline import deliver
 
     protected, external_data = _protected_paths(args)
     try:
@@ -139,15 +140,14 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
         bar.set_postfix_str(f"best {best:.1f} us")
 
     try:
-        outcome = deliver(optimizer, source, deadline, progress)
+        outcome = optimizer.run(source, deadline=deadline, progress=progress)
     finally:
         bar.close()
-    if source.check_failed:
-        print(outcome.to_text())
-        print(f"taso-jax: error: optimized model's outputs differ from the original's; "
-              f"nothing written; {outcome.why.split('; ', 1)[1]}", file=sys.stderr)
-        return 1
     _emit(args, outcome)
+    if source.check_failed:  # a valid model is never refused: its input is the result
+        print(f"taso-jax: warning: the optimized model's outputs differ from the original's, "
+              f"so the input is written back unchanged; {outcome.why.split('; ', 1)[1]}",
+              file=sys.stderr)
     return 0
 
 
@@ -297,12 +297,12 @@ class _OnnxFile:
         return min(guess, AFTER_SEARCH_SHARE * self.args.time_limit)
 
     def time_graphs(self, target, optimized, report: dict, deadline) -> None:
-        """The report's own timing in the target's runtime (:func:`_time_graphs`).
+        """The report's own timing in the target's runtime (:func:`.cli_timing.report_timing`).
 
         It ends where delivery's own time (:meth:`after_search_seconds`) begins.
         """
         if not self.args.no_time:
-            _time_graphs(self.args, target, self.graph, optimized, report, deadline,
+            report_timing(self.args, target, self.graph, optimized, report, deadline,
                          keep=self.after_search_seconds())
 
     def prepare(self, optimized, report: dict):
@@ -358,13 +358,16 @@ class _OnnxFile:
 
         Where it fails, the input graph exported without any rewrite measures the noise of
         import and export alone: an error within twice that noise passes (the model's own
-        rounding, :mod:`taso_jax.checks`).
+        rounding, :mod:`taso_jax.checks`). Where it still fails, a model that amplifies
+        rounding (``TopK``, ``QuantizeLinear``...) is compared at those operators instead
+        (:func:`~taso_jax.rounding_cuts.check_cuts`), and that comparison decides.
         """
         import numpy as np
 
-        from taso_jax.checks import check_onnx, reference_runs
+        from taso_jax.checks import check_onnx, reference_runs, rounding_unit
         from taso_jax.frontends.onnx_export import serialize_onnx
         from taso_jax.frontends.onnx_io import export_onnx
+        from taso_jax.rounding_cuts import judge_at_cuts
 
         args, graph, fold = self.args, self.graph, self.target.export_fold()
         if self.original is None:
@@ -380,6 +383,9 @@ class _OnnxFile:
             err = check["max_abs_err"]
             if not noise["ok"] and np.isfinite(err) and err <= 2 * noise["max_abs_err"]:
                 check.update(ok=True, noise_floor=noise["max_abs_err"])
+        if not check["ok"] and "error" not in check:
+            judge_at_cuts(check, self.reference, prepared[0], self.references, args.rtol,
+                          args.atol, rounding_unit(graph))
         return check
 
     def admit(self, prepared, report: dict, unchanged: bool):
@@ -408,14 +414,14 @@ class _OnnxFile:
     def deliver(self, data, report: dict, unchanged: bool, deadline) -> None:
         """Time the file in onnxruntime and write it to ``-o``.
 
-        The timing is :func:`_time_in_onnxruntime`'s; the write is atomic, and over 2 GB
-        puts the tensors in a data file beside it.
+        The timing is :func:`~taso_jax.cli_timing.onnxruntime_timing`'s; the write is
+        atomic, and over 2 GB puts the tensors in a data file beside it.
         """
         from taso_jax.frontends.onnx_export import write_onnx
 
         args = self.args
         if not args.no_time and not unchanged:
-            _time_in_onnxruntime(args, self.target, report, self.reference, data,
+            onnxruntime_timing(args, self.target, report, self.reference, data,
                                  self.references[0][1], deadline)
         if args.output:
             written_data = write_onnx(args.output, data, keep=self.protected)
@@ -427,11 +433,14 @@ class _OnnxFile:
     def deliver_input(self, report: dict, verdict, why, deadline) -> None:
         """Write the user's own file back as the result (:func:`_write_copy`).
 
-        Nothing is written where the output check failed: the command exits 1.
+        Where the output check failed, a note says so (the command warns too).
         """
         if report.get("check", {}).get("ok") is False:
             self.check_failed = True
-        elif self.original is not None:
+            report["notes"].append("the optimized model's outputs differ from the original's "
+                                   "(a fault in a rewrite or in taso_jax, please report "
+                                   "it): the input is written back unchanged")
+        if self.original is not None:
             _write_copy(self.args, self.original, self.external_data, report)
             if report.get("written_copy_of_input") == "converted":
                 report["written_opset"] = int(self.graph.meta["opset"])
@@ -455,68 +464,6 @@ class _OnnxFile:
 AFTER_SEARCH_PER_IMPORT = 3.0
 #: The most of the time limit kept for delivery after the search pipeline.
 AFTER_SEARCH_SHARE = 0.4
-
-
-def _time_graphs(args, target, graph, optimized, report: dict, deadline,
-                 keep: float = 0.0) -> None:
-    """The report's own timing of the input and optimized graphs in the target's runtime.
-
-    An input written back as it is is not timed: nothing to compare, and compiling it only
-    to time it once cost 100 s on a 5,000-operator chain under a 20 s limit. A target that
-    times the written files instead (``times_graphs`` false: onnxruntime, whose
-    process then never imports JAX, about 145 MB) is timed after the export. Past the time
-    limit it is left out (a compile and five calls more: 10 s past a 30 s limit on a 1 s
-    model), and the speed-up is the end-to-end choice's. ``keep``: seconds before the limit
-    it leaves to delivery (:meth:`_OnnxFile.after_search_seconds`): its rounds end there,
-    and it is left out where less is left.
-    """
-    if not target.times_graphs:
-        return
-    if deadline.left() <= keep:
-        report["notes"].append(f"the report's own {target.runtime} timing was left out: the "
-                               "time limit had passed, or what it left is delivery's "
-                               "(--time-limit)")
-        return
-    try:
-        timing = target.time_graphs(graph, optimized, args.repeats, deadline.at - keep)
-    except Exception as e:  # noqa: BLE001 - the report's own timing only
-        report["notes"].append(f"the report's own {target.runtime} timing failed, and is left "
-                               f"out: {type(e).__name__}: {one_line(str(e), 200)}")
-        return
-    report[target.timing_key] = timing
-
-
-#: Rounds of the report's onnxruntime timing once the time limit has passed.
-LATE_ONNXRUNTIME_ROUNDS = 3
-
-
-def _time_in_onnxruntime(args, target, report: dict, reference, data, feeds: dict,
-                         deadline) -> None:
-    """The report's onnxruntime timing of the written model against the input file.
-
-    For a target that did not time its choice in onnxruntime (XLA) it is what warns that
-    the file runs slower there (one rewritten OCR model ran at 0.17x), so past the time
-    limit it is still made, on :data:`LATE_ONNXRUNTIME_ROUNDS` rounds (two sessions and a
-    few runs), with a note; ``report["onnxruntime"]["slower_warning"]`` says whether to
-    warn (below :data:`~taso_jax.checks.ONNXRUNTIME_WARN`). For the onnxruntime target
-    the end-to-end choice timed it already, and past the limit its figure stands in
-    (:attr:`~taso_jax.outcome.Outcome.speedup`).
-    """
-    from taso_jax.checks import ONNXRUNTIME_WARN, measure_onnxruntime
-
-    if not deadline.passed():
-        timing = measure_onnxruntime(reference, data, feeds, deadline=deadline.at)
-    elif not target.warns_in_onnxruntime:  # two sessions more, for the choice's figure
-        report["notes"].append("the report's own onnxruntime timing was left out: the time "
-                               "limit had passed (--time-limit); the speed-up is the "
-                               "end-to-end choice's")
-        return
-    else:
-        timing = measure_onnxruntime(reference, data, feeds, repeats=LATE_ONNXRUNTIME_ROUNDS)
-        report["notes"].append(f"the report's onnxruntime timing ran {LATE_ONNXRUNTIME_ROUNDS} "
-                               "rounds only: the time limit had passed (--time-limit)")
-    report["onnxruntime"] = {**timing, "slower_warning": bool(
-        target.warns_in_onnxruntime and timing["speedup"] < ONNXRUNTIME_WARN)}
 
 
 def _elapsed(deadline) -> float:
@@ -544,7 +491,8 @@ def _pass_through(args, name: str, error, external_data, deadline) -> int:
     """
     from taso_jax.checks import _session
     from taso_jax.frontends.onnx_io import ModelError
-    from taso_jax.outcome import Verdict, make_outcome
+    from taso_jax.outcome import Verdict
+    from taso_jax.pipeline import stopped_before
 
     try:
         _session(args.model)
@@ -556,7 +504,7 @@ def _pass_through(args, name: str, error, external_data, deadline) -> int:
               "kept_input_because": "its sizes follow input values"}
     _write_copy(args, args.model, external_data, report)
     report["wall_seconds"] = _elapsed(deadline)
-    _emit(args, make_outcome(Verdict.PASS_THROUGH, report, why="its sizes follow input values"))
+    _emit(args, stopped_before(Verdict.PASS_THROUGH, report, "its sizes follow input values"))
     return 0
 
 
@@ -612,13 +560,14 @@ def _import_cut(args, name: str, why: str, external_data, deadline) -> int:
     ImportTimeLimit` is raised only after it); it is neither searched nor run, and the
     report names the step at which the limit passed.
     """
-    from taso_jax.outcome import Verdict, make_outcome
+    from taso_jax.outcome import Verdict
+    from taso_jax.pipeline import stopped_before
 
     report = {"model": name, "imported": False, "time_limit": args.time_limit,
               "out_of_time_in": "import", "kept_input_because": why}
     _write_copy(args, args.model, external_data, report)
     report["wall_seconds"] = _elapsed(deadline)
-    _emit(args, make_outcome(Verdict.TIME_LIMIT, report, why=why))
+    _emit(args, stopped_before(Verdict.TIME_LIMIT, report, why))
     return 0
 
 
@@ -657,17 +606,24 @@ def _keep_sizes_open(data: bytes, general: bytes, original: str, graph, report: 
 
     The model was optimized at one binding of its symbolic sizes; written with them open,
     it is checked against the original at other sizes
-    (:func:`taso_jax.checks.check_other_sizes`). Where that fails (a rewritten Reshape holds
-    a fixed size), the model is written at the sizes it was optimized at if the user fixed
-    them (``--input-shape`` for every input with open sizes), or if the original itself
-    runs at none of the other sizes tried. Otherwise it returns ``None``: a model that
-    accepts fewer sizes than the input is no drop-in replacement, and the input is kept.
+    (:func:`taso_jax.checks.check_other_sizes`; where rounding is amplified, at the
+    amplifiers, :func:`~taso_jax.rounding_cuts.judge_at_cuts`). Where that fails (a
+    rewritten Reshape holds a fixed size), the model is written at the sizes it was
+    optimized at if the user fixed them (``--input-shape`` for every input with open
+    sizes), or if the original itself runs at none of the other sizes tried. Otherwise it
+    returns ``None``: a model that accepts fewer sizes than the input is no drop-in
+    replacement, and the input is kept.
     """
-    from taso_jax.checks import check_other_sizes
+    from taso_jax.checks import check_other_sizes, rounding_unit
+    from taso_jax.rounding_cuts import judge_at_cuts
+
+    def judge(check, original, optimized, runs):  # where the model amplifies rounding
+        judge_at_cuts(check, original, optimized, runs, args.rtol, args.atol,
+                      rounding_unit(graph))
 
     symbolic = graph.meta["symbolic_dims"]
     other = check_other_sizes(original, general, graph, symbolic, rtol=args.rtol,
-                              atol=args.atol)
+                              atol=args.atol, judge=judge)
     report["other_sizes"] = other
     if other["ok"]:
         shapes = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in other["shapes"].items())

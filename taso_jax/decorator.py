@@ -29,7 +29,8 @@ The call path is here: binding the arguments, the signature cache and its fast p
 running the staged graph, folding the weights, background mode, and the inspection and
 report methods. The first call of a signature runs the pipeline that
 :class:`~taso_jax.first_call.FirstCallPipeline` holds (which
-:class:`OptimizedFunction` inherits); what is kept per signature is
+:class:`OptimizedFunction` inherits: the delivery pipeline on a traced source); what is
+kept per signature is
 :mod:`taso_jax.frontends.signature_entry`'s ``_Entry``; background optimizations run on
 :mod:`taso_jax.frontends.background`'s worker thread.
 """
@@ -44,7 +45,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from taso_jax.first_call import FirstCallPipeline, _at_full_precision, past_limit
+from taso_jax.first_call import FirstCallPipeline
+from taso_jax.first_call_check import _at_full_precision
 from taso_jax.frontends.background import _UNTRACEABLE, MAX_PENDING, _background_worker
 from taso_jax.frontends.jaxpr_io import (
     _fn_name,
@@ -620,43 +622,21 @@ class OptimizedFunction(FirstCallPipeline):
     def outcome(self, time: bool = False, repeats: int = 30):
         """The :class:`~taso_jax.outcome.Outcome` of the last call's signature.
 
-        Its verdict: :attr:`~taso_jax.outcome.Verdict.REWRITTEN` where the optimized graph
-        runs, :attr:`~taso_jax.outcome.Verdict.UNCHANGED` where ``jax.jit`` of the original
-        runs because it is as fast, :attr:`~taso_jax.outcome.Verdict.TIME_LIMIT` where the
-        time limit passed during the import or the search,
-        :attr:`~taso_jax.outcome.Verdict.FALLBACK` where the pipeline failed. With
-        ``time=True`` the report's ``time`` is measured now (:meth:`measure`, ``repeats``
-        rounds).
+        The delivery pipeline made it on the signature's first call
+        (:func:`taso_jax.pipeline.deliver`). Its verdict:
+        :attr:`~taso_jax.outcome.Verdict.REWRITTEN` where the optimized graph runs,
+        :attr:`~taso_jax.outcome.Verdict.UNCHANGED` where ``jax.jit`` of the original runs
+        because it is as fast, :attr:`~taso_jax.outcome.Verdict.TIME_LIMIT` where the time
+        limit passed before the optimized function could be compiled, checked and timed,
+        :attr:`~taso_jax.outcome.Verdict.FALLBACK` where the pipeline failed. Its report
+        gains the first call's seconds per step (``first_call``) and, with ``time=True``,
+        ``time`` measured now (:meth:`measure`, ``repeats`` rounds).
         """
-        from taso_jax.outcome import first_call_verdict, make_outcome
-
         e = self._entry()
-        r = dict(e.report or {})
-        if r:
-            r["first_call"] = dict(e.first_call)
+        later = {"first_call": dict(e.first_call)} if e.report else {}
         if time and e.fallback is None and e.last_call is not None:
-            r["time"] = self.measure(repeats)
-        kept = e.original_kept
-        verdict, why = first_call_verdict(e.fallback, kept,
-                                          past_limit=past_limit(kept))
-        delivered = e.graph if verdict.delivers_input else (e.result.graph if e.result else None)
-        return make_outcome(verdict, r, delivered, why=why, phases=self._phases(e))
-
-    def _phases(self, e):
-        """Where the first call's time went (:class:`~taso_jax.records.PhaseTimes`).
-
-        The import is the trace and the jaxpr's import; the check, the compile of the
-        stages and the output check together; the search's phases and the cost model's
-        own figures come from the optimizer (:meth:`~taso_jax.optimizer.Optimizer.phases`).
-        """
-        from taso_jax.records import PhaseTimes
-
-        fc = e.first_call or {}
-        kw = {"import_s": fc.get("trace", 0.0) + fc.get("import", 0.0),
-              "check_s": fc.get("compile and check"), "total_s": fc.get("total")}
-        if e.result is None or self._optimizer_made is None:
-            return PhaseTimes(**kw)
-        return self._optimizer_made.phases(e.result, **kw)
+            later["time"] = self.measure(repeats)
+        return e.outcome.with_report(**later) if later else e.outcome
 
     def report(self, time: bool = True, repeats: int = 30) -> str:
         """The report for the last call's signature, as text (:meth:`outcome` rendered).

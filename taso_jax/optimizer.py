@@ -7,13 +7,14 @@ model and its end-to-end choice), and runs the one search pipeline
 :class:`~taso_jax.search.limits.Deadline`. The front doors only import or trace, run, then
 write or compile:
 
-* the command line (``taso-jax optimize``): ONNX import -> :meth:`Optimizer.search` ->
-  export, output check in onnxruntime -> :class:`~taso_jax.outcome.Outcome` -> written model
-  and report;
+* the command line (``taso-jax optimize``): ONNX import -> :meth:`Optimizer.run` on the
+  file as a :class:`~taso_jax.pipeline.Source` -> export, output check in onnxruntime ->
+  :class:`~taso_jax.outcome.Outcome` -> written model and report;
 * the Python API (``taso_jax.optimize(graph)``): :meth:`Optimizer.run` -> ``Outcome``, whose
   graph was checked against the input graph under ``jax.jit``;
-* the decorator (``@taso_jax.optimize``): trace -> :meth:`Optimizer.search` -> compile, check
-  against ``jax.jit`` of the function, time against it -> ``Outcome``.
+* the decorator (``@taso_jax.optimize``): trace -> :meth:`Optimizer.run` on a
+  :class:`~taso_jax.traced_source.TracedSource` -> compile, check against ``jax.jit`` of
+  the function, time against it -> ``Outcome``.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ class Optimizer:
             rtol: float = RTOL, atol: float | None = None) -> Outcome:
         """Optimize a graph or a front door's source, check and deliver: the one pipeline.
 
-        ``graph`` is a :class:`~taso_jax.pipeline.Source` (the command line's ONNX file), or
+        ``graph`` is a :class:`~taso_jax.pipeline.Source` (the command line's ONNX file, the
+        decorator's traced function; ``check``, ``rtol``, ``atol`` and ``name`` are its), or
         a graph (the Python API), which becomes a :class:`~taso_jax.pipeline.GraphSource`:
         a rewritten graph is compared with the input graph under ``jax.jit`` at the input
         scales of :data:`~taso_jax.checks.CHECK_SCALES` (tolerances ``rtol``/``atol``), and

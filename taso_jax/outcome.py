@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
 from taso_jax.ir.graph import Graph
 from taso_jax.records import Check, Choice, PhaseTimes
 from taso_jax.report import (
+    _check_line,
     end_to_end_line,
     format_not_searched,
     format_pass_through,
@@ -181,6 +182,13 @@ class Outcome:
         """
         return None if self.verdict.delivers_input else _measured(self.report)[1]
 
+    def with_report(self, **entries) -> Outcome:
+        """The same outcome with ``entries`` added to its report (measured after it was made).
+
+        The verdict, graph, ``why`` and phases stay; the delivered view is settled again.
+        """
+        return replace(self, report={**_thawed(self.report), **entries})
+
     def to_json(self) -> dict:
         """The ``--json`` report: a plain dump of the record as it was decided.
 
@@ -230,6 +238,8 @@ class Outcome:
             if found.get("end_to_end"):
                 lines.append("  how it was chosen among the graphs: "
                              + end_to_end_line(found["end_to_end"]))
+            if found.get("check", {}).get("ok") is False:  # why it was not delivered
+                lines.append("  its " + _check_line(found["check"]))
         return "\n".join(lines)
 
 

@@ -1,31 +1,48 @@
 """The delivery pipeline every front door runs: search, time, check, decide, deliver.
 
 :func:`deliver` takes an :class:`~taso_jax.optimizer.Optimizer` and a :class:`Source` (what
-a front door imported: an ONNX file, a built graph) and returns the one
+a front door imported: an ONNX file, a built graph, a traced function) and returns the one
 :class:`~taso_jax.outcome.Outcome`. The steps, in order:
 
-1. search (:meth:`Optimizer.search <taso_jax.optimizer.Optimizer.search>`), and the
-   report's own timing of the graphs (:meth:`Source.time_graphs`);
+1. search (:meth:`Optimizer.search <taso_jax.optimizer.Optimizer.search>`, or the source's
+   own :meth:`Source.search`: the decorator's graph cache), and the report's own figures
+   of the graphs (:meth:`Source.time_graphs`);
 2. a search that kept its input delivers it (:func:`~taso_jax.outcome.kept_input_verdict`),
-   unless the source checks an unchanged graph too (a built-in example written as ONNX);
-3. the weights it computes ahead of time are checked: one that overflows its element type
-   from finite weights (:func:`~taso_jax.ir.fold_check.fold_overflow`) delivers the input;
-4. the graph found is made deliverable (:meth:`Source.prepare`: an exported file); one that
-   cannot be made is not delivered (:attr:`~taso_jax.outcome.Verdict.FALLBACK`);
-5. the output check (:meth:`Source.check`; its policy and noise model are
-   :mod:`taso_jax.checks`'s); a mismatch delivers the input;
-6. the source may refuse the result for what it is (:meth:`Source.admit`: a file that holds
-   at the bound sizes only, one that imports back with opaque operators);
-7. delivery: the result (:meth:`Source.deliver`) or the input
+   unless the source checks an unchanged graph too (a built-in example written as ONNX, a
+   traced function whose weight-only work is folded);
+3. the source may deliver its input before any check (:meth:`Source.screen`: the
+   decorator's decision read from its graph cache, a time limit passed before the
+   end-to-end choice, nothing to gain);
+4. the weights it computes ahead of time are checked: one that overflows its element type
+   from finite weights (:func:`~taso_jax.ir.fold_check.fold_overflow`, on
+   :meth:`Source.fold_weights`) delivers the input;
+5. the graph found is made deliverable (:meth:`Source.prepare`: an exported file, jitted
+   stages); one that cannot be made is not delivered
+   (:attr:`~taso_jax.outcome.Verdict.FALLBACK`);
+6. the output check (:meth:`Source.check`; its policy and noise model are the source's,
+   with :mod:`taso_jax.checks`'s comparison); a mismatch delivers the input, saying why
+   (:meth:`Source.mismatch`);
+7. the source may refuse the result for what it is (:meth:`Source.admit`: a file that holds
+   at the bound sizes only, one that imports back with opaque operators, a function not
+   confirmed faster than ``jax.jit`` of the original);
+8. delivery: the result (:meth:`Source.deliver`) or the input
    (:meth:`Source.deliver_input`), and the outcome, built once, here.
 
-The front doors parse or trace, call :func:`deliver` and print; none decides a verdict.
+A front door that stops before the pipeline (a model not imported, an import cut by the
+time limit, a failure it falls back from) has its outcome made here too
+(:func:`stopped_before`): :func:`~taso_jax.outcome.make_outcome` is called in this module
+only.
+
+The front doors parse or trace, call :meth:`Optimizer.run
+<taso_jax.optimizer.Optimizer.run>` (which runs :func:`deliver`) and print or compile; none
+decides a verdict.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from taso_jax.ir.graph import Graph
@@ -33,7 +50,7 @@ from taso_jax.outcome import Verdict, kept_input_verdict, make_outcome
 from taso_jax.records import search_report
 from taso_jax.search.limits import Deadline
 
-__all__ = ["Source", "GraphSource", "NotDeliverable", "deliver"]
+__all__ = ["Source", "GraphSource", "NotDeliverable", "deliver", "stopped_before"]
 
 
 class NotDeliverable(Exception):
@@ -77,7 +94,13 @@ class Source(Protocol):
 
     def admit(self, prepared: Any, report: dict, unchanged: bool) -> tuple[Any, Verdict | None,
                                                                            str | None]:
-        """``(prepared, None, None)``, or why the input is delivered instead."""
+        """``(prepared, None, None)``, or ``(prepared, verdict, why)`` deciding otherwise.
+
+        The verdict says why the input is delivered instead, or is
+        :attr:`~taso_jax.outcome.Verdict.REWRITTEN` where ``prepared`` differs from the
+        input although the graph does not (the decorator's stages fold work the original
+        runs on every call).
+        """
 
     def deliver(self, prepared: Any, report: dict, unchanged: bool, deadline: Deadline) -> None:
         """Deliver ``prepared`` (write it), noting how in ``report``."""
@@ -85,6 +108,30 @@ class Source(Protocol):
     def deliver_input(self, report: dict, verdict: Verdict, why: str | None,
                       deadline: Deadline) -> None:
         """Deliver the input (write it back), noting how in ``report``."""
+
+    # Optional hooks: a source without one gets the default named in its docstring.
+
+    def search(self, optimizer, deadline: Deadline, progress) -> Any:
+        """The search's result for :attr:`graph`.
+
+        Default: :meth:`Optimizer.search <taso_jax.optimizer.Optimizer.search>`, reserving
+        :meth:`after_search_seconds`.
+        """
+
+    def screen(self, result, report: dict) -> tuple[Verdict, str] | None:
+        """``(verdict, why)`` where the input is delivered before any check (default: never)."""
+
+    def fold_weights(self, optimized: Graph) -> Mapping | None:
+        """The weight values the fold check runs on (default: ``optimized.weights``).
+
+        ``None``: no concrete values (a trace under a transformation): not checked.
+        """
+
+    def mismatch(self, check: dict, result) -> str:
+        """Why a graph whose output check failed is not delivered, in words.
+
+        Default: the pipeline's, naming the error and the substitutions applied.
+        """
 
 
 class GraphSource:
@@ -154,8 +201,12 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     started = time.perf_counter()
     deadline = deadline or Deadline.start(optimizer.options.time_limit)
     graph = source.graph
-    after = getattr(source, "after_search_seconds", None)
-    result = optimizer.search(graph, deadline, progress, reserve=after)
+    search = getattr(source, "search", None)
+    if search is not None:
+        result = search(optimizer, deadline, progress)
+    else:
+        result = optimizer.search(graph, deadline, progress,
+                                  reserve=getattr(source, "after_search_seconds", None))
     report = search_report(source.name, graph, result, optimizer.options, optimizer.rules,
                            source.notes)
     unchanged = result.graph.key == graph.key
@@ -178,10 +229,11 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     kept = kept_input_verdict(graph, result, report)
     if kept is not None and not source.checks_unchanged:
         return done(*kept)
+    screened = source.screen(result, report) if hasattr(source, "screen") else None
+    if screened is not None:
+        return done(*screened)
     if not unchanged:
-        from taso_jax.ir.fold_check import fold_overflow
-
-        overflow = fold_overflow(result.graph, graph)
+        overflow = _fold_overflow(source, result.graph, graph)
         if overflow is not None:
             report["fold_check"] = overflow.to_json()
             return done(Verdict.FALLBACK, str(overflow))
@@ -195,11 +247,35 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     if check is not None:
         report["check"] = check
         if not check["ok"]:
-            return done(Verdict.FALLBACK, _mismatch(check, result))
+            words = getattr(source, "mismatch", _mismatch)
+            return done(Verdict.FALLBACK, words(check, result))
     prepared, verdict, why = source.admit(prepared, report, unchanged)
     if verdict is not None:
-        return done(verdict, why)
+        return done(verdict, why, prepared)
     return done(Verdict.UNCHANGED if unchanged else Verdict.REWRITTEN, prepared=prepared)
+
+
+def stopped_before(verdict: Verdict, report: Mapping, why: str, *, graph: Graph | None = None,
+                   phases=None):
+    """The :class:`~taso_jax.outcome.Outcome` of a run that never reached :func:`deliver`.
+
+    A model not imported (its sizes follow input values:
+    :attr:`~taso_jax.outcome.Verdict.PASS_THROUGH`), an import the time limit cut
+    (:attr:`~taso_jax.outcome.Verdict.TIME_LIMIT`), a failure the front door falls back
+    from (:attr:`~taso_jax.outcome.Verdict.FALLBACK`): the input is delivered, and
+    ``why`` says why. ``report`` holds what the front door knew; ``graph``, the input graph
+    where one was imported.
+    """
+    return make_outcome(verdict, report, graph, why=why, phases=phases)
+
+
+def _fold_overflow(source, optimized: Graph, graph: Graph):
+    """:func:`~taso_jax.ir.fold_check.fold_overflow` of ``optimized`` on the source's weights."""
+    from taso_jax.ir.fold_check import fold_overflow
+
+    hook = getattr(source, "fold_weights", None)
+    weights = hook(optimized) if hook is not None else optimized.weights
+    return None if weights is None else fold_overflow(optimized, graph, weights)
 
 
 def _mismatch(check: dict, result) -> str:

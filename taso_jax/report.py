@@ -234,7 +234,8 @@ def _check_line(k: dict) -> str:
     ``k`` is a comparison (:func:`~taso_jax.checks.compare_outputs`) with the check's
     ``scales``, ``reference``, and where they apply ``failed_scale``, ``noise_floor``
     (the export's own noise), ``rounding_noise`` and ``noise_margin`` (the device's),
-    ``full_precision``, ``error``, ``range_scales`` and ``nonfinite``
+    ``full_precision``, ``error``, ``range_scales``, ``type_rtol`` (a float16 or bfloat16
+    model's own rounding), ``rounding_cuts`` (:mod:`taso_jax.rounding_cuts`) and ``nonfinite``
     (:func:`~taso_jax.checks.compare_nonfinite`).
     """
     scales = (f", inputs N(0,1) x {' and x '.join(f'{x:g}' for x in k['scales'])}"
@@ -242,8 +243,10 @@ def _check_line(k: dict) -> str:
     if k.get("range_scales"):
         scales += "; non-finite values at x" + " and x".join(f"{x:.2g}"
                                                             for x in k["range_scales"])
+    typed = (f" (at least {k['type_rtol']:.3g} of the value and of max|output|: the "
+             "model's narrower float type's rounding)" if k.get("type_rtol") else "")
     return (f"output check ({k.get('reference', 'onnxruntime')}, original vs optimized"
-            f"{scales}, rtol {k['rtol']}, atol {k['atol']}): "
+            f"{scales}, rtol {k['rtol']}, atol {k['atol']}{typed}): "
             f"{'ok' if k['ok'] else 'MISMATCH'}"
             + (f" at x{k['failed_scale']:g}" if k.get("failed_scale")
                and not k["ok"] else "")
@@ -259,6 +262,9 @@ def _check_line(k: dict) -> str:
                "float32 precision: at the device's default precision they differed "
                "from the original by more than that"
                if k.get("full_precision") else "")
+            + (f"; {k['rounding_cuts']['note']}" if k.get("rounding_cuts") else "")
+            + (f"; the outputs themselves differ by up to {k['outputs_max_abs_err']:.3g}"
+               if k.get("outputs_max_abs_err") is not None else "")
             + (f"; {k['error']}" if k.get("error") else "")
             + ("; " + ", ".join(f"{n} element(s) {what}" for what, n in k["nonfinite"].items())
                if k.get("nonfinite") else ""))

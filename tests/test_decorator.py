@@ -243,13 +243,13 @@ def test_failure_in_the_pipeline_falls_back_with_a_warning(monkeypatch):
 def test_wrong_rewrite_is_caught_by_the_check_and_falls_back(monkeypatch):
     from taso_jax.search.rules import PNode, Substitution
 
-    import taso_jax.first_call as first_call
+    import taso_jax.first_call_check as first_call_check
 
     # on CPU the default precision is full float32: nothing is compiled again to compare at
     # full precision
     again = []
-    monkeypatch.setattr(first_call, "_rounding_noise", lambda *a: again.append(1) or [0.0])
-    monkeypatch.setattr(first_call, "_at_full_precision", lambda f: again.append(1) or f)
+    monkeypatch.setattr(first_call_check, "_rounding_noise", lambda *a: again.append(1) or [0.0])
+    monkeypatch.setattr(first_call_check, "_at_full_precision", lambda f: again.append(1) or f)
 
     # relu(a) => a: wrong. Unproved, so it is left out unless allowed; allowed in, the
     # first-call check against jax.jit must catch it.
@@ -324,9 +324,9 @@ def test_the_check_allows_what_the_devices_default_precision_already_rounds(devi
                                                                             monkeypatch):
     from taso_jax.search.rules import PNode, Substitution
 
-    import taso_jax.first_call as first_call
+    import taso_jax.first_call_check as first_call_check
 
-    monkeypatch.setattr(first_call, "_default_precision_rounds", lambda: True)  # as on a GPU
+    monkeypatch.setattr(first_call_check, "_default_precision_rounds", lambda: True)  # as on a GPU
 
     # On GPUs, float32 products at the default precision round to TF32, so a regrouped graph
     # differs from jax.jit of the original by about that rounding. Simulated on CPU (which
@@ -363,21 +363,22 @@ def test_the_check_allows_what_the_devices_default_precision_already_rounds(devi
 @pytest.mark.slow
 def test_a_graph_the_default_precision_rounds_more_than_the_original_runs_at_full_precision(
         monkeypatch, tmp_path):
-    import taso_jax.first_call as first_call
+    import taso_jax.first_call_check as first_call_check
+    import taso_jax.traced_source as traced_source
 
     # On a GPU, cuBLAS may run the merged matmuls at TF32 where the original's smaller ones
     # ran in float32 (NasRNN on an H200: 1.3e-3 off, the original's own noise 0). Simulated
     # on CPU: the optimized stages are off by 1e-2 unless traced at full float32 precision;
     # the original is not.
-    class RoundingStages(first_call.StagedGraph):
+    class RoundingStages(traced_source.StagedGraph):
         def run(self, consts, *args):
             out = super().run(consts, *args)
             if jax.config.jax_default_matmul_precision != "highest":
                 out = tuple(o + 1e-2 for o in out)
             return out
 
-    monkeypatch.setattr(first_call, "StagedGraph", RoundingStages)
-    monkeypatch.setattr(first_call, "_default_precision_rounds", lambda: True)  # as on a GPU
+    monkeypatch.setattr(traced_source, "StagedGraph", RoundingStages)
+    monkeypatch.setattr(first_call_check, "_default_precision_rounds", lambda: True)  # as on a GPU
     monkeypatch.setenv("TASO_JAX_GRAPH_CACHE", str(tmp_path))
     fn, weights, inputs = jax_models.make_nasrnn(hidden=32, steps=1)
     ref = jax.jit(fn)(weights, *inputs)
@@ -462,11 +463,11 @@ def test_an_unchanged_function_runs_jax_jit_of_the_original():
 
 
 def test_the_optimized_function_must_beat_jax_jit_of_the_original_when_timed(monkeypatch):
-    import taso_jax.first_call as first_call
+    import taso_jax.first_call_timing as first_call_timing
 
     # with timing on, a function the search did change is still measured against jax.jit
     # of the original; here the optimized run is made to look slow, so the original runs
-    monkeypatch.setattr(first_call, "MIN_SPEEDUP", 1e9)
+    monkeypatch.setattr(first_call_timing, "MIN_SPEEDUP", 1e9)
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
     def cell(w, x):
@@ -483,9 +484,9 @@ def test_the_optimized_function_must_beat_jax_jit_of_the_original_when_timed(mon
 def test_a_kept_signature_dispatches_to_jax_jit_of_the_original(monkeypatch):
     """No staging on the fast path: later calls go straight to jax.jit of the function."""
     import taso_jax.decorator as decorator
-    import taso_jax.first_call as first_call
+    import taso_jax.first_call_timing as first_call_timing
 
-    monkeypatch.setattr(first_call, "MIN_SPEEDUP", 1e9)  # the original is always kept
+    monkeypatch.setattr(first_call_timing, "MIN_SPEEDUP", 1e9)  # the original is always kept
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
     def cell(w, x):
@@ -698,15 +699,15 @@ def test_background_mode_runs_the_original_until_the_checked_result_is_ready():
 
 @pytest.mark.slow
 def test_background_mode_never_swaps_in_a_wrong_result(monkeypatch):
-    import taso_jax.first_call as first_call
+    import taso_jax.first_call_check as first_call_check
 
-    real = first_call.compare_outputs
+    real = first_call_check.compare_outputs
 
     def always_differ(*a, **k):
         r = real(*a, **k)
         return {**r, "ok": False, "max_abs_err": 1.0}
 
-    monkeypatch.setattr(first_call, "compare_outputs", always_differ)
+    monkeypatch.setattr(first_call_check, "compare_outputs", always_differ)
     fn, weights, inputs = jax_models.make_nasrnn(hidden=32, steps=1)
     opt = taso_jax.optimize(fn, weight_argnums=0, mode="background", **OPTS)
     ref = jax.jit(fn)(weights, *inputs)
@@ -732,10 +733,10 @@ def test_lower_trace_and_jax_export_of_the_optimized_function():
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_donate_argnums_follows_jax_jit(monkeypatch, keep):
-    import taso_jax.first_call as first_call
+    import taso_jax.first_call_timing as first_call_timing
 
     if keep:
-        monkeypatch.setattr(first_call, "MIN_SPEEDUP", 1e9)  # the original runs (fast path)
+        monkeypatch.setattr(first_call_timing, "MIN_SPEEDUP", 1e9)  # the original runs (fast path)
 
     def f(w, x):
         return x @ w["s"] + x @ w["t"]  # same shape as x: its buffer can be reused
@@ -903,9 +904,10 @@ def test_the_fast_path_never_serves_the_original_for_an_optimized_signature(monk
     """Signatures alternate between one that runs the original and one that runs optimized:
     the optimized one is never answered by the fast path's jax.jit of the original."""
     import taso_jax.decorator as decorator
+    import taso_jax.traced_source as traced_source
 
-    monkeypatch.setattr(decorator.OptimizedFunction, "_keep_original",
-                        lambda self, entry, traced, result, args, static_pos, *deadline:
+    monkeypatch.setattr(traced_source, "keep_original",
+                        lambda host, entry, traced, result, args, static_pos, *deadline:
                         "kept for the test" if args[1].shape[0] == 3 else None)
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
@@ -929,7 +931,7 @@ def _count_confirmations(monkeypatch) -> list:
     """Patch ``confirm_faster`` where the choice and the first call use it; count its calls."""
     import taso_jax.search.choose as choose
 
-    import taso_jax.first_call as first_call
+    import taso_jax.first_call_timing as first_call_timing
 
     calls, real = [], choose.confirm_faster
 
@@ -938,7 +940,7 @@ def _count_confirmations(monkeypatch) -> list:
         return real(*args, **kwargs)
 
     monkeypatch.setattr(choose, "confirm_faster", counting)
-    monkeypatch.setattr(first_call, "confirm_faster", counting)
+    monkeypatch.setattr(first_call_timing, "confirm_faster", counting)
     return calls
 
 
@@ -1059,11 +1061,11 @@ def test_a_reserve_ends_the_search_before_the_callers_own_work():
 def test_the_first_call_compiles_the_original_once_in_the_background(monkeypatch):
     """The original is compiled and called while the search runs; its outputs are the
     check's reference and its call time sizes the comparison (no timing call of its own)."""
-    import taso_jax.first_call as first_call
+    import taso_jax.first_call_timing as first_call_timing
 
     timed = []
-    real = first_call.time_function
-    monkeypatch.setattr(first_call, "time_function",
+    real = first_call_timing.time_function
+    monkeypatch.setattr(first_call_timing, "time_function",
                         lambda *a, **k: timed.append(1) or real(*a, **k))
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
@@ -1082,9 +1084,9 @@ def test_the_first_call_compiles_the_original_once_in_the_background(monkeypatch
 def test_a_comparison_that_cannot_fit_the_limit_keeps_the_original_untimed(monkeypatch):
     """Where the least comparison with jax.jit would run past the limit by more than its
     slack, the original runs and the verdict is the time limit's, not a measured one."""
-    import taso_jax.first_call as first_call
+    import taso_jax.first_call_timing as first_call_timing
 
-    monkeypatch.setattr(first_call, "LIMIT_SLACK", -1e6)  # nothing ever fits
+    monkeypatch.setattr(first_call_timing, "LIMIT_SLACK", -1e6)  # nothing ever fits
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
     def cell(w, x):
@@ -1102,8 +1104,8 @@ def test_an_original_timed_slowly_beside_the_search_is_timed_again_alone(monkeyp
     """jax.jit's original is first called beside the search and the compiles, sharing the
     cores; where that one slow sample would leave the comparison untimed, the original is
     called once alone, and the comparison runs."""
-    import taso_jax.first_call as first_call
     import taso_jax.first_call_budget as first_call_budget
+    import taso_jax.first_call_timing as first_call_timing
 
     real = first_call_budget.OriginalRun._run
 
@@ -1114,7 +1116,7 @@ def test_an_original_timed_slowly_beside_the_search_is_timed_again_alone(monkeyp
 
     monkeypatch.setattr(first_call_budget.OriginalRun, "_run", shared)
     # about 10 s past the limit may be spent: 16 calls of 1 s do not fit, of 1 ms do
-    monkeypatch.setattr(first_call, "LIMIT_SLACK", -0.8)
+    monkeypatch.setattr(first_call_timing, "LIMIT_SLACK", -0.8)
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
     def cell(w, x):
@@ -1158,3 +1160,45 @@ def test_the_first_calls_reference_outputs_are_not_kept():
     cell(w, jnp.ones((8, 64)))
     run = cell._last.original_run
     assert run is not None and run.outputs is None
+
+
+def test_the_decorator_s_outcome_is_made_by_the_delivery_pipeline(monkeypatch, tmp_path):
+    """Issue 59: the decorator's first call runs ``pipeline.deliver`` like the other front
+    doors; its outcome, rewritten or fallen back, is the pipeline's, and its text and JSON
+    reports tell the same story."""
+    import taso_jax.first_call_check as first_call_check
+    import taso_jax.pipeline as pipeline
+
+    monkeypatch.setenv("TASO_JAX_GRAPH_CACHE", str(tmp_path))
+    made, real_make = [], pipeline.make_outcome
+    monkeypatch.setattr(pipeline, "make_outcome",
+                        lambda *a, **k: made.append(real_make(*a, **k)) or made[-1])
+
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.ones((16, 16)) / 16, "b": jnp.ones((16, 16)) / 8}
+    x = jnp.ones((4, 16))
+    merged = taso_jax.optimize(cell, weight_argnums=0, **OPTS)
+    _assert_close(merged(w, x), jax.jit(cell)(w, x))
+    assert len(made) == 1 and merged._last.outcome is made[0]
+    outcome = merged.outcome()
+    assert outcome.verdict == made[0].verdict == "rewritten" and outcome.result is not None
+    data, text = outcome.to_json(), merged.report(time=False)
+    assert data["outcome"]["delivered"] == "optimized" and data["phases"]["search_s"] >= 0
+    assert text.split(": ", 1)[1].startswith("result: rewritten")
+    assert all(name in text for name in data["applied"])
+
+    real = first_call_check.compare_outputs
+    monkeypatch.setattr(first_call_check, "compare_outputs",
+                        lambda *a, **k: {**real(*a, **k), "ok": False, "max_abs_err": 1.0})
+    wrong = taso_jax.optimize(lambda w, x: cell(w, x) * 2, weight_argnums=0,
+                              **{**OPTS, "budget": 21})  # not the first's graph cache entry
+    with pytest.warns(RuntimeWarning, match="falling back.*differ from the original"):
+        wrong(w, x)
+    assert len(made) == 2 and wrong._last.outcome is made[1]
+    outcome = wrong.outcome()
+    data, text = outcome.to_json(), wrong.report(time=False)
+    assert outcome.verdict == "fallback" and data["outcome"]["why"] == wrong.fallback_reason
+    assert data["outcome"]["delivered"] == "input" and wrong.fallback_reason in text
+    assert data["check"]["ok"] is False and data["kept_input_because"] == outcome.why

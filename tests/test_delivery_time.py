@@ -61,7 +61,7 @@ def test_a_built_graphs_check_is_kept_time_for_by_its_size():
 
 
 def test_the_reports_own_timing_leaves_delivery_its_time():
-    from taso_jax.cli_optimize import _time_graphs
+    from taso_jax.cli_timing import report_timing
 
     calls = []
     target = SimpleNamespace(times_graphs=True, runtime="jax.jit", timing_key="xla",
@@ -69,9 +69,9 @@ def test_the_reports_own_timing_leaves_delivery_its_time():
     args = SimpleNamespace(repeats=5)
     report = {"notes": []}
     deadline = Deadline.start(10.0)
-    _time_graphs(args, target, None, None, report, deadline, keep=20.0)  # more than is left
+    report_timing(args, target, None, None, report, deadline, keep=20.0)  # more than is left
     assert not calls and "left out" in report["notes"][0]
-    _time_graphs(args, target, None, None, report, deadline, keep=4.0)
+    report_timing(args, target, None, None, report, deadline, keep=4.0)
     assert calls and abs(calls[0] - (deadline.at - 4.0)) < 1e-9  # its rounds end there
 
 

@@ -25,12 +25,14 @@ LAYERS = {"taso_jax.ops": 0, "taso_jax._io": 0, "taso_jax._text": 0, "taso_jax._
           # the delivery pipeline: targets, checks, records, the outcome and its rendering
           "taso_jax.checks": 5, "taso_jax.records": 5, "taso_jax.targets": 5,
           "taso_jax.outcome": 5, "taso_jax.report": 5, "taso_jax.optimizer": 5,
-          "taso_jax.pipeline": 5,
+          "taso_jax.pipeline": 5, "taso_jax.rounding_cuts": 5,
           # the front doors
           "taso_jax.api": 6, "taso_jax.decorator": 6, "taso_jax.first_call": 6,
-          "taso_jax.first_call_budget": 6,
+          "taso_jax.first_call_budget": 6, "taso_jax.first_call_check": 6,
+          "taso_jax.first_call_timing": 6, "taso_jax.traced_source": 6,
           "taso_jax.examples": 6, "taso_jax.bench": 6,
-          "taso_jax.cli": 7, "taso_jax.cli_files": 7, "taso_jax.cli_optimize": 7,
+          "taso_jax.cli": 7, "taso_jax.cli_files": 7, "taso_jax.cli_timing": 7,
+          "taso_jax.cli_optimize": 7,
           "taso_jax": 8}
 FOLDERS = {"ops": "taso_jax.ops", "search": "taso_jax.search", "verify": "taso_jax.verify",
            "taso_jax": "taso_jax"}
@@ -126,5 +128,19 @@ def test_outcomes_are_made_in_one_module():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Outcome":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
+
+
+def test_outcomes_are_decided_in_the_pipeline():
+    """``make_outcome`` is called in ``taso_jax/pipeline.py`` only (issue 59): every front
+    door (the command line, the API, the decorator) gets its outcome from the pipeline."""
+    found = []
+    for path in sorted((ROOT / "taso_jax").rglob("*.py")):
+        if path.name in ("outcome.py", "pipeline.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and "make_outcome" in (
+                    getattr(node.func, "id", None), getattr(node.func, "attr", None)):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, found

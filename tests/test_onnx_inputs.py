@@ -181,3 +181,39 @@ def test_probe_gives_up_within_its_bound_with_exit_2_material():
     with pytest.raises(ModelError, match="runs at none of the default sizes"):
         load_onnx(_reshape_model(7))
     assert time.perf_counter() - start < MORE_PROBE_SECONDS + 5
+
+
+def test_an_input_with_an_initializer_stays_an_input_with_its_default(tmp_path):
+    """Issue 60: an initializer named among the inputs (IR 4+) is a default the caller may
+    override. It was read as a weight: ``(x @ (a + b)) @ s`` was reordered into ``x @ ((a +
+    b) @ s)`` and ``s`` left the written model's inputs. It stays an input, written with its
+    default, and the written model agrees with the original with and without it fed."""
+    from taso_jax.cli import main
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), n)
+             for n in ("s", "a", "b")]
+    nodes = [helper.make_node("MatMul", ["x", "a"], ["xa"]),
+             helper.make_node("MatMul", ["x", "b"], ["xb"]),
+             helper.make_node("Add", ["xa", "xb"], ["y0"]),
+             helper.make_node("MatMul", ["y0", "s"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
+                       helper.make_tensor_value_info("s", TensorProto.FLOAT, [4, 4])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], inits)
+    src, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(m, src)
+    graph = load_onnx(str(src))
+    assert [n.name for n in graph.inputs] == ["x", "s"] and "s" not in graph.weights
+    assert main(["optimize", str(src), "-o", str(out), "--cost-model", "analytic", "--budget",
+                 "5", "-q", "--no-time", "--end-to-end", "0"]) == 0
+    written = onnx.load(str(out))
+    assert [i.name for i in written.graph.input] == ["x", "s"]
+    assert "s" in {t.name for t in written.graph.initializer}
+    assert "MatMul" in {n.op_type for n in written.graph.node}
+    x = rng.standard_normal((1, 4)).astype(np.float32)
+    s = rng.standard_normal((4, 4)).astype(np.float32)
+    run = {p: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"])
+           for p in (src, out)}
+    for feeds in ({"x": x}, {"x": x, "s": s}):
+        want, got = (run[p].run(None, feeds)[0] for p in (src, out))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

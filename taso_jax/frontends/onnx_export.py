@@ -218,7 +218,7 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
         ValueError: an operator without an ONNX mapping, or an opaque JAX primitive (from
             :func:`taso_jax.from_jax`) that has none.
     """
-    from onnx import helper
+    from onnx import helper, numpy_helper
 
     opset = opset or max(int(graph.meta.get("opset", 17)), 13)
     ctx = _ExportContext(opset)
@@ -249,6 +249,10 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
         list(n.types[0].shape)) for n in graph.inputs]
     g = helper.make_graph(ctx.nodes, str(graph.meta.get("name", "graph")), inputs, outputs)
     _write_initializers(g, ctx.initializers, external)
+    named = {n.name for n in graph.inputs}
+    for name, value in (graph.meta.get("input_defaults") or {}).items():
+        if name in named:  # an input with a default value (ONNX IR 4+) keeps it
+            g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
     opsets = dict(graph.meta.get("opsets", ()))
     opsets[""] = opset
     opsets.pop("ai.onnx", None)

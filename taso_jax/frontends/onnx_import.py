@@ -168,6 +168,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     _check_deadline(deadline, "after shape inference")
     g = model.graph
     weights = _read_weights(g)
+    defaults = _overridable(model, weights)
     bounds = index_bounds(model, types)
     missing = [o for n in g.node for o in n.output if o and o not in types]
     if missing:
@@ -187,7 +188,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
                            deadline=None if deadline is None else deadline.share("open_sizes"))
     env: dict[str, Tensor] = {
         name: leaf_node("weight", name, TensorType(arr.shape, str(arr.dtype))).outputs[0]
-        for name, arr in weights.items()}
+        for name, arr in weights.items() if name not in defaults}
     inputs = _graph_inputs(g, env, types, where)
     opsets = tuple(sorted((o.domain, o.version) for o in model.opset_import))
     opaque: dict[str, int] = {}
@@ -202,6 +203,9 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
             "ir_version": model.ir_version, "opaque": dict(opaque),
             "name": g.name or "graph", "integer_input_bounds": bounds,
             "value_sized_hint": value_sized_hint(model), "onnx_nodes": len(g.node)}
+    if defaults:
+        meta["input_defaults"] = defaults
+    weights = {k: v for k, v in weights.items() if k not in defaults}
     return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,
                                       meta))
 
@@ -277,6 +281,20 @@ def _converted(model, src_opset: int, where: str):
     except Exception as e:
         raise ModelError(f"{where}: cannot convert opset {src_opset} to {_CONVERT_TO} "
                          f"({str(e).splitlines()[0]})") from e
+
+
+def _overridable(model, weights: dict) -> dict[str, np.ndarray]:
+    """The graph inputs that carry an initializer, a default a caller may override.
+
+    From IR version 4 on, an initializer named among the graph's inputs is that input's
+    default value (ONNX IR spec, "Graphs"; onnxruntime feeds what the caller gives): it
+    stays an input, never a weight that a rewrite may fold, and the export writes it back
+    as an input with its default (``meta["input_defaults"]``). Before IR 4 every
+    initializer was listed among the inputs, as a weight.
+    """
+    if model.ir_version < 4:
+        return {}
+    return {i.name: weights[i.name] for i in model.graph.input if i.name in weights}
 
 
 def _read_weights(g) -> dict[str, np.ndarray]:

@@ -58,6 +58,8 @@ class _Entry:
     original_run: object = None
     # seconds the search was to leave for the compile, check and comparison, when it began
     reserved_s: float | None = None
+    # the first call's Outcome (taso_jax.outcome), made by the delivery pipeline
+    outcome: object = None
 
 
 def _is_tracer(x) -> bool:

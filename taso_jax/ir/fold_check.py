@@ -72,7 +72,7 @@ def fold_overflow(graph: Graph, original: Graph | None = None,
         upstream); values beyond the element type's range come out as inf in JAX, so an
         overflowing cast is caught as such.
     """
-    from taso_jax.ir.executor import _is_float, device_constant, run_node
+    from taso_jax.ir.executor import _is_float, fold_values
 
     old = original.node_set if original is not None else frozenset()
     wo = graph.weight_only
@@ -86,25 +86,19 @@ def fold_overflow(graph: Graph, original: Graph | None = None,
         if n not in needed:
             needed.add(n)
             stack.extend(t.node for t in n.inputs)
-    values = graph.weights if weights is None else weights
-    env: dict[Tensor, object] = {}
+    ordered = [n for n in graph.nodes if n in needed]  # topological
+    env = fold_values([n for n in ordered if n.op == "weight"],
+                      [n for n in ordered if n.op != "weight"],
+                      graph.weights if weights is None else weights)
     finite: dict[Tensor, bool] = {}
 
     def is_finite(t: Tensor) -> bool:
         if t not in finite:
-            v = env[t]
-            finite[t] = not _is_float(t.dtype) or bool(np.asarray(_all_finite(v)))
+            finite[t] = not _is_float(t.dtype) or _all_finite(env[t])
         return finite[t]
 
-    for n in graph.nodes:  # topological order
-        if n not in needed:
-            continue
-        if n.op == "weight":
-            env[n.outputs[0]] = device_constant(values[n.name])
-            continue
-        outs = run_node(n, [env[t] for t in n.inputs])
-        env.update(zip(n.outputs, outs, strict=True))
-        if n in old or not all(is_finite(t) for t in n.inputs):
+    for n in ordered:
+        if n.op == "weight" or n in old or not all(is_finite(t) for t in n.inputs):
             continue
         for t in n.outputs:
             if not is_finite(t):
@@ -112,10 +106,13 @@ def fold_overflow(graph: Graph, original: Graph | None = None,
     return None
 
 
-def _all_finite(value):
-    import jax.numpy as jnp
+def _all_finite(value) -> bool:
+    """Whether every element of ``value`` is finite, counted on the host (NumPy).
 
-    return jnp.isfinite(value).all()
+    A reduction per tensor in JAX compiled one executable per shape: 2.3 s of a 3.4 s
+    check of a rewritten PP-OCRv4 recognizer's 95 folded tensors (2026-11-29, XLA:CPU).
+    """
+    return bool(np.isfinite(np.asarray(value)).all())
 
 
 def _what(value) -> str:
