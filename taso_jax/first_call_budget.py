@@ -90,9 +90,9 @@ class OriginalRun:
         self._cancelled.set()
         self._thread.join()
 
-    def join(self) -> OriginalRun:
-        """Wait for the thread; ``self``."""
-        self._thread.join()
+    def join(self, timeout: float | None = None) -> OriginalRun:
+        """Wait for the thread (at most ``timeout`` seconds); ``self``."""
+        self._thread.join(timeout)
         return self
 
     @property

@@ -1135,7 +1135,15 @@ def test_a_first_call_whose_comparison_cannot_fit_the_limit_says_so(monkeypatch)
     search gets no time and the reason names that need, not a search that overran."""
     import taso_jax.first_call_budget as first_call_budget
 
+    real = first_call_budget.OriginalRun._run
+
+    def slow(self, jitted, args):
+        real(self, jitted, args)
+        if self.call_seconds is not None:
+            self.call_seconds = 10.0  # each call of the original: 16 of them need 160 s
+
     monkeypatch.setattr(first_call_budget, "COMPILE_GUESS_S", 1e4)
+    monkeypatch.setattr(first_call_budget.OriginalRun, "_run", slow)
 
     @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2, "time_limit": 5.0})
     def cell(w, x):
@@ -1146,6 +1154,25 @@ def test_a_first_call_whose_comparison_cannot_fit_the_limit_says_so(monkeypatch)
     assert cell._last.reserved_s > 5.0
     assert "more than the time limit (5 s) holds" in cell.original_kept
     assert cell.outcome().verdict.value == "time_limit"
+
+
+def test_a_guess_that_leaves_the_search_nothing_waits_for_the_original_s_timing(monkeypatch):
+    """A guessed need past the whole limit (a cost model that overprices the original's
+    call) is not taken on trust: the search waits for the original's own timing, and a
+    fast original leaves it its time."""
+    import taso_jax.first_call_budget as first_call_budget
+
+    monkeypatch.setattr(first_call_budget, "COMPILE_GUESS_S", 1e4)
+
+    @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2, "time_limit": 30.0})
+    def cell(w, x):
+        return x @ w["a"] + x @ w["b"]
+
+    w = {"a": jnp.ones((64, 64)), "b": jnp.ones((64, 64))}
+    np.testing.assert_allclose(cell(w, jnp.ones((8, 64))), 128.0, rtol=1e-6)
+    assert cell._last.original_run.ok
+    assert cell._last.reserved_s < 30.0
+    assert not (cell.original_kept or "").startswith("not compiled, checked or timed")
 
 
 def test_the_first_calls_reference_outputs_are_not_kept():
