@@ -235,7 +235,8 @@ def usable_rules(subs: Sequence[Substitution], allow_unverified: bool,
 
 def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Substitution],
                         cost_model: CostModel, opts: OptimizeOptions,
-                        deadline: Deadline | None = None) -> None:
+                        deadline: Deadline | None = None,
+                        need: Callable[[], float | None] | None = None) -> None:
     """Add the candidates that second-guess the search's cost model to ``result``.
 
     The best graph of a search under the analytic cost model
@@ -246,20 +247,24 @@ def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Subst
     ``second_opinion`` share of the ``deadline``'s span (default: ``opts.time_limit`` from
     now) and to what the end-to-end choice's ``choice_reserve`` share leaves of the
     ``deadline`` (:func:`_second_opinion_seconds`): a search that ran past its share leaves
-    the time to the choice of the graphs it found, not to more candidates.
+    the time to the choice of the graphs it found, not to more candidates. ``need()``, once
+    it is known (not ``None``), is what one comparison of the choice needs
+    (:func:`~taso_jax.search.choose.choice_reserve`), kept too where it is more than that
+    share: a layout model whose calls took 1.5 s searched 17 s, then second opinions took
+    14 s of the 35 s left, and the 27.7 s comparison no longer fit.
     ``result.graph`` is not changed.
     """
     deadline = deadline or Deadline.start(opts.time_limit)
-    seconds = _second_opinion_seconds(deadline)
+    seconds = _second_opinion_seconds(deadline, need)
     if seconds is None:
         return
     add_analytic_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
                            budget=opts.budget, time_limit=seconds)
-    seconds = _second_opinion_seconds(deadline)
+    seconds = _second_opinion_seconds(deadline, need)
     if seconds is None:
         return
     add_near_tie_candidate(result, subs, cost_model, time_limit=seconds)
-    seconds = _second_opinion_seconds(deadline)
+    seconds = _second_opinion_seconds(deadline, need)
     if seconds is not None:
         add_ablation_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
                                budget=opts.budget, time_limit=seconds)
@@ -269,15 +274,19 @@ def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Subst
 SECOND_OPINION_LEAST = 0.25
 
 
-def _second_opinion_seconds(deadline: Deadline) -> float | None:
+def _second_opinion_seconds(deadline: Deadline,
+                            need: Callable[[], float | None] | None = None) -> float | None:
     """Seconds a second opinion started now may take, or ``None``: none is started.
 
     Its ``second_opinion`` share of ``deadline``'s span, less whatever would cut into the
-    ``choice_reserve`` share the end-to-end choice keeps; ``None`` where that is below
-    :data:`SECOND_OPINION_LEAST` of the share.
+    ``choice_reserve`` share the end-to-end choice keeps, or into ``need()`` seconds where
+    that is known and more; ``None`` where that is below :data:`SECOND_OPINION_LEAST` of
+    the share.
     """
     share = SHARES["second_opinion"] * deadline.seconds
-    seconds = min(share, deadline.left() - SHARES["choice_reserve"] * deadline.seconds)
+    kept = SHARES["choice_reserve"] * deadline.seconds
+    known = need() if need is not None else None
+    seconds = min(share, deadline.left() - max(kept, known or 0.0))
     return seconds if seconds >= SECOND_OPINION_LEAST * share else None
 
 
@@ -397,7 +406,8 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     best = compile_ahead(timed[1][1]) if len(timed) > 1 else None
     if second:
         t0 = time.perf_counter()
-        add_second_opinions(result, graph, subs, cost_model, opts, deadline)
+        add_second_opinions(result, graph, subs, cost_model, opts, deadline,
+                            need=lambda: choice_reserve(ahead, graph))
         result.second_opinion_seconds = time.perf_counter() - t0
         if deadline.passed() and not result.out_of_time_in:
             result.out_of_time_in = "second opinions"

@@ -892,6 +892,27 @@ def test_second_opinions_leave_the_end_to_end_choice_its_share(monkeypatch):
     assert all(0.25 * 1.0 <= t <= 0.6 for _, t in calls)
 
 
+def test_second_opinions_leave_the_choice_what_one_comparison_needs(monkeypatch):
+    """Where one comparison of the choice is known to need more than its share (calls of
+    1.5 s: 29 s of a 30 s remainder), no second opinion starts; an unknown need leaves
+    them their share."""
+    import time
+
+    from taso_jax.search import options
+    from taso_jax.search.limits import Deadline
+
+    calls = []
+    for name in ("add_analytic_candidate", "add_near_tie_candidate", "add_ablation_candidate"):
+        monkeypatch.setattr(options, name, lambda *a, time_limit, **k: calls.append(time_limit))
+    opts = options.OptimizeOptions(time_limit=60.0)
+    options.add_second_opinions(None, None, [], None, opts,
+                                Deadline(time.perf_counter() + 30.0, 60.0), need=lambda: 29.0)
+    assert calls == []
+    options.add_second_opinions(None, None, [], None, opts,
+                                Deadline(time.perf_counter() + 30.0, 60.0), need=lambda: None)
+    assert len(calls) == 3 and all(t <= 6.0 for t in calls)
+
+
 def test_the_input_is_compiled_ahead_for_the_choice(monkeypatch):
     """A graph of at least COMPILE_AHEAD_NODES nodes is compiled in a background thread, and
     the choice then finds it compiled; a smaller one is not."""
