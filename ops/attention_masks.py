@@ -300,20 +300,15 @@ _QKVM = {"q": ("...", "M", "K"), "kt": ("...", "K", "N"), "v": ("...", "N", "P")
 _BH = {"q": ("B", "H", "M", "K"), "kt": ("B", "H", "K", "N"), "v": ("B", "H", "N", "P"),
        "m": (1, 1, "M", "N")}
 _B = {"q": ("B", "M", "K"), "kt": ("B", "K", "N"), "v": ("B", "N", "P"), "m": (1, "M", "N")}
-_DEF = ("block_masked_attention(q, kt, v, m, plan=p) = "
-        "matmul(softmax(block_mask(matmul(q, kt), m, plan=p), axis=-1), v)")
-_SCALED = ("block_masked_attention(scalar_mul(q, scalar=s), kt, v, m, plan=p) = "
-           "matmul(softmax(block_mask(scalar_mul(matmul(q, kt), scalar=s), m, plan=p), "
-           "axis=-1), v)")
-_LOWER = ("block_masked_attention(q, kt, v, m, plan=p) = "
-          "block_masked_attention(q, kt, v, m, plan=p, impl=i, block=b)")
 _P = ("", "4:PS/FP")
 _LAWS = tuple(
     law for k, shapes in enumerate((_QKVM, _BH, _B)) for law in (
-        axiom(_DEF, shapes, derive="rtl", theorem=k > 0, p=_P),
-        axiom(_SCALED, shapes, derive="rtl", theorem=True, s=(0.125,), p=_P),
-        axiom(_LOWER, shapes, derive="ltr", theorem=k > 0, p=_P, i=("blocked",),
-              b=(128, 256, 512))))
+        axiom("block_masked_attention(q, kt, v, m, plan=p) = matmul(softmax(block_mask(matmul(q, kt), m, plan=p), axis=-1), v)",
+              shapes, derive="rtl", theorem=k > 0, p=_P),
+        axiom("block_masked_attention(scalar_mul(q, scalar=s), kt, v, m, plan=p) = matmul(softmax(block_mask(scalar_mul(matmul(q, kt), scalar=s), m, plan=p), axis=-1), v)",
+              shapes, derive="rtl", theorem=True, s=(0.125,), p=_P),
+        axiom("block_masked_attention(q, kt, v, m, plan=p) = block_masked_attention(q, kt, v, m, plan=p, impl=i, block=b)",
+              shapes, derive="ltr", theorem=k > 0, p=_P, i=("blocked",), b=(128, 256, 512))))
 
 declare(OpDef(
     name="block_masked_attention", ref=_masked_attention, shape=_masked_shape, arity=4,

@@ -435,11 +435,13 @@ def check_other_sizes(original, optimized, graph: Graph, symbolic: dict,
     rng = np.random.default_rng(seed)
     static = {n.name: n.types[0] for n in graph.inputs}
     bounds = graph.meta.get("integer_input_bounds") or {}
+    defaults = graph.meta.get("input_defaults") or {}
     for shapes in other_bindings(graph, symbolic):
         feeds = {}
         for name, t in static.items():
-            feeds[name] = random_array(shapes.get(name, t.shape), t.dtype, rng,
-                                       bounds.get(name))
+            feeds[name] = (np.array(defaults[name]) if name in defaults else
+                           random_array(shapes.get(name, t.shape), t.dtype, rng,
+                                        bounds.get(name)))
         try:
             reference = _outputs(_session(original), feeds)
         except Exception:

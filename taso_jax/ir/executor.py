@@ -486,11 +486,16 @@ def random_inputs(graph: Graph, seed: int = 0) -> list[np.ndarray]:
     rows, or a float one cast to indices) is drawn below that size, and a sequence length
     inside its ``range``
     (``graph.meta["integer_input_bounds"]``,
-    :func:`taso_jax.frontends.onnx_io.index_bounds`).
+    :func:`taso_jax.frontends.onnx_io.index_bounds`). An input that carries a default (an
+    ONNX initializer named among the graph's inputs, ``graph.meta["input_defaults"]``) is
+    given its default: what a caller who does not override it feeds (a sequence position
+    drawn at random indexed past the sequence).
     """
     rng = np.random.default_rng(seed)
     bounds = graph.meta.get("integer_input_bounds") or {}
-    return [random_array(n.types[0].shape, n.types[0].dtype, rng, bounds.get(n.name))
+    defaults = graph.meta.get("input_defaults") or {}
+    return [np.array(defaults[n.name]) if n.name in defaults
+            else random_array(n.types[0].shape, n.types[0].dtype, rng, bounds.get(n.name))
             for n in graph.inputs]
 
 
