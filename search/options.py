@@ -24,7 +24,13 @@ from taso_jax.search.choose import (
     guessed_make_seconds,
     measured_set,
 )
-from taso_jax.search.cost import COST_MODEL_NAMES, AnalyticCostModel, CostModel, get_cost_model
+from taso_jax.search.cost import (
+    COST_MODEL_NAMES,
+    AnalyticCostModel,
+    CostModel,
+    MeasuredCostModel,
+    get_cost_model,
+)
 from taso_jax.search.limits import SHARES, Deadline
 from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
 from taso_jax.search.second_opinions import (
@@ -401,8 +407,11 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     if late or deadline.passed():
         result.out_of_time_in = "import" if late else "search"
     # the search's cheapest graph, the choice's first candidate, compiles beside the
-    # second opinions (one core each on two)
-    timed = measured_set(result) if second and ahead is not None else []
+    # second opinions (one core each on two), unless they time every kernel: a compile
+    # beside a timing slows what is timed (a measured search of a depthwise convolution
+    # then kept a densified one over its taps, under load)
+    timed = (measured_set(result) if second and ahead is not None
+             and not isinstance(cost_model, MeasuredCostModel) else [])
     best = compile_ahead(timed[1][1]) if len(timed) > 1 else None
     if second:
         t0 = time.perf_counter()
