@@ -287,10 +287,9 @@ def _overridable(model, weights: dict) -> dict[str, np.ndarray]:
     """The graph inputs that carry an initializer, a default a caller may override.
 
     From IR version 4 on, an initializer named among the graph's inputs is that input's
-    default value (ONNX IR spec, "Graphs"; onnxruntime feeds what the caller gives): it
-    stays an input, never a weight that a rewrite may fold, and the export writes it back
-    as an input with its default (``meta["input_defaults"]``). Before IR 4 every
-    initializer was listed among the inputs, as a weight.
+    default (ONNX IR spec, "Graphs"; onnxruntime feeds what the caller gives): it stays an
+    input, never a weight a rewrite may fold, and is exported back as an input with its
+    default (``meta["input_defaults"]``). Before IR 4 every initializer was an input.
     """
     if model.ir_version < 4:
         return {}
