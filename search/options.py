@@ -185,17 +185,18 @@ class OptimizeOptions:
         cm = self.cost_model
         return cm if isinstance(cm, str) else getattr(cm, "name", type(cm).__name__)
 
-    def make_cost_model(self, **kw) -> CostModel:
+    def make_cost_model(self, layouts: bool = True, **kw) -> CostModel:
         """The cost model these options name (a given instance is returned as is).
 
         ``"measured"`` and ``"calibrated"`` on XLA:CPU with ``layout_candidates`` price
         convolutions in NHWC (``nhwc_convolutions=True``): the end-to-end choice times NHWC
         forms and on a CPU keeps them, so the search ranks graphs by what they will run.
-        ``kw`` goes to :func:`get_cost_model` where a name is given (``cache_path`` for the
-        measured model).
+        ``layouts``: whether the target runs those forms (``jax.jit`` does; onnxruntime runs
+        the file it is given, and its target passes ``False``). ``kw`` goes to
+        :func:`get_cost_model` where a name is given (``cache_path`` for the measured model).
         """
         cm = self.cost_model
-        if cm in ("measured", "calibrated") and self.target == "xla" and self.layout_candidates:
+        if cm in ("measured", "calibrated") and layouts and self.layout_candidates:
             import jax
 
             return get_cost_model(cm, nhwc_convolutions=jax.default_backend() == "cpu", **kw)

@@ -60,7 +60,7 @@ class OnnxRuntimeTarget(TargetSpeed):
                 and not isinstance(cm, OnnxRuntimeCostModel):
             return OnnxRuntimeCostModel(cache_path=None if self.cache else False,
                                         opset=self.opset)
-        return options.make_cost_model()
+        return options.make_cost_model(layouts=False)
 
     def chooser(self, options: OptimizeOptions):
         """The end-to-end choice: ``chooser(result, deadline=None) -> dict``."""
