@@ -170,6 +170,48 @@ def test_a_shared_fold_is_keyed_by_which_weight_holds_which_array():
     assert not _frozen(view) and _frozen(one)
 
 
+def test_weight_only_nodes_fold_in_one_call_as_they_do_one_at_a_time(monkeypatch):
+    """Four or more weight-only nodes are evaluated as one jax.jit call (run_nodes): the
+    same values as one operator at a time, and shared with the next graph that folds the
+    same nodes from the same arrays."""
+    import taso_jax.ir.executor as executor
+    from taso_jax.ir.executor import StagedGraph
+
+    rng = np.random.default_rng(2)
+    arrays = [rng.standard_normal((8, 8)).astype(np.float32) for _ in range(3)]
+    for a in arrays:
+        a.flags.writeable = False
+
+    def graph():
+        g = new_graph()
+        x = g.new_input((4, 8), name="x")
+        a, b, c = (g.new_weight(data=v, name=n) for v, n in zip(arrays, "abc", strict=True))
+        k = g.ewadd(g.ewmul(g.ewadd(a, b), c), g.ewmul(a, c))  # four weight-only nodes
+        g.mark_output(g.ewadd(g.matmul(x, k), g.reduce_sum(k, axes=(0,), keepdims=True)), "y")
+        return g.graph()
+
+    jitted = []
+    real_jit = executor.jax.jit
+    monkeypatch.setattr(executor.jax, "jit", lambda f, *a, **k: jitted.append(f) or
+                        real_jit(f, *a, **k))
+    staged = StagedGraph(graph())
+    first = staged.fold(staged.weights_of())  # held, as a compiled graph holds them
+    together = [np.asarray(v) for v in first]
+    assert len(jitted) == 1  # one call for the four nodes
+    monkeypatch.setattr(executor, "JIT_NODES", 10**9)  # one operator at a time
+    apart = StagedGraph(graph())
+    executor._SHARED._table.clear()
+    second = apart.fold(apart.weights_of())
+    alone = [np.asarray(v) for v in second]
+    assert len(jitted) == 1
+    for u, v in zip(together, alone, strict=True):
+        np.testing.assert_allclose(u, v, rtol=1e-6)
+    a, b, c = arrays
+    np.testing.assert_allclose(together[0], (a + b) * c + a * c, rtol=1e-5)
+    again = StagedGraph(graph())
+    assert again.fold(again.weights_of())[0] is second[0]  # shared with the graph before
+
+
 def test_forget_caches_drops_derived_properties_and_they_come_back_equal():
     b, x, w1, _ = _two_convs()
     b.mark_output(b.relu(b.conv2d(x, w1)), "y")
