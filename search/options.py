@@ -388,7 +388,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         what was timed when candidates were measured, ``result.unmeasurable`` the kernels
         the cost model could not time.
     """
-    # over 80 lines for its docstring (the contract); the body is 42 lines
+    # over 80 lines for its docstring (the contract); the body is 51 lines
     # import and rule loading took it all, or all but the caller's own reserve
     late = deadline is not None and (deadline.passed() or (
         reserve is not None and deadline.left() <= reserve()))
@@ -407,10 +407,8 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
                                  stop=_search_stop(ahead, graph, deadline, end, reserve))
     if late or deadline.passed():
         result.out_of_time_in = "import" if late else "search"
-    # the search's cheapest graph, the choice's first candidate, compiles beside the
-    # second opinions (one core each on two), unless they time every kernel: a compile
-    # beside a timing slows what is timed (a measured search of a depthwise convolution
-    # then kept a densified one over its taps, under load)
+    # the search's cheapest graph (the choice's first candidate) compiles beside the second
+    # opinions, unless they time every kernel (a compile beside a timing slows what is timed)
     timed = (measured_set(result) if second and ahead is not None
              and not isinstance(cost_model, MeasuredCostModel) else [])
     best = compile_ahead(timed[1][1]) if len(timed) > 1 else None

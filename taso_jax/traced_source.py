@@ -317,7 +317,7 @@ def _timed_when_it_stops(reserve: Callable[[], float], run: OriginalRun,
     left) is not taken on trust: the original's own timing, due within seconds, is waited
     for (at most until ``deadline``) and decides. The calibrated price of an S=2048 masked
     attention's softmax alone was 311 ms where the whole call took 360 ms, and the search
-    got 0.1 s; transformers' Flax Mistral, first in its process, got 0.2 s.
+    got 0.1 s. (The pipeline's shares are still sized from the need seen when it starts.)
     """
 
     def timed() -> float:
