@@ -1,7 +1,7 @@
 """Elementwise operators with NumPy broadcasting (ONNX multidirectional broadcasting).
 
 Sources: ONNX operator spec (Add, Sub, Mul, Div, Mod, Pow, Relu, Sigmoid, Tanh, Gelu, Erf,
-Sqrt, Exp, Sign, Clip, Where, IsNaN, And, Not, Equal, Cast, Identity, LeakyRelu, HardSigmoid,
+Sqrt, Exp, Sign, Clip, Max, Min, Where, IsNaN, And, Not, Equal, Cast, Identity, LeakyRelu, HardSigmoid,
 HardSwish); TASO (Jia et al.,
 SOSP 2019, Table 1) for ``ewadd``, ``ewmul``, ``scalar_mul`` and fused activations.
 """
@@ -160,6 +160,47 @@ def _import_mod(ctx, ins, fmod=0, **_):
 
 
 _binary("pow", _jnp("power"), "Pow", "a ** b, broadcasting (ONNX Pow)")
+
+
+_binary("ewmax", _jnp("maximum"), "Max", "the larger of a and b, broadcasting; NaN where either "
+        "is NaN (ONNX Max of two inputs; jax.lax.max)", True, numpy_ref=np.maximum,
+        to_onnx=_emit("Max"))
+_binary("ewmin", _jnp("minimum"), "Min", "the smaller of a and b, broadcasting; NaN where "
+        "either is NaN (ONNX Min of two inputs; jax.lax.min)", True, numpy_ref=np.minimum,
+        to_onnx=_emit("Min"))
+
+
+def _max_min_with_scalar(ctx, ins, take_max):
+    """``max(x, 0)`` as relu, ``max(x, c)`` and ``min(x, c)`` with a constant scalar ``c``
+    (a constant broadcast to ``x``'s shape counts) as clips; ``None`` for any other pair.
+    The output must have ``x``'s shape: a clip does not broadcast."""
+    for x, c in ((ins[0], ins[1]), (ins[1], ins[0])):
+        v = _scalar_const(ctx, c)
+        if v is None or ctx.type(x).shape != ctx.out_types[0].shape:
+            continue
+        if ctx.type(x).dtype != ctx.type(c).dtype:
+            continue
+        if take_max:
+            return ctx.op("relu", [x]) if v == 0.0 else ctx.op("clip", [x], min=v)
+        return ctx.op("clip", [x], max=v)
+    return None
+
+
+@onnx_importer("Max", "Min")
+def _import_max_min_onnx(ctx, ins, **_):
+    # ONNX Max/Min take 1 to many inputs with multidirectional broadcasting (opset 8 on);
+    # a pair with a constant scalar is a relu or a clip, anything else a chain of ewmax/ewmin
+    take_max = ctx.source_op == "Max"
+    if len(ins) == 1:
+        return [ins[0]]
+    if len(ins) == 2:
+        clip = _max_min_with_scalar(ctx, ins, take_max)
+        if clip is not None:
+            return [clip]
+    acc = ins[0]
+    for t in ins[1:]:
+        acc = ctx.op("ewmax" if take_max else "ewmin", [acc, t])
+    return [acc]
 
 
 @onnx_importer("Sum")
@@ -517,15 +558,13 @@ def _scalar_const(ctx, t):
 
 @jaxpr_importer("max", "min")
 def _import_max_min(ctx, ins, **_):
-    # max(x, 0) is relu; max(x, c) and min(x, c) with a constant c are clips.
-    for x, c in ((ins[0], ins[1]), (ins[1], ins[0])):
-        v = _scalar_const(ctx, c)
-        if v is None or ctx.type(x).shape != ctx.out_types[0].shape:
-            continue
-        if ctx.source_op == "max":
-            return [ctx.op("relu", [x]) if v == 0.0 else ctx.op("clip", [x], min=v)]
-        return [ctx.op("clip", [x], max=v)]
-    return None
+    # max(x, 0) is relu; max(x, c) and min(x, c) with a constant c are clips; any other
+    # pair (same element type: lax.max does not promote) is ewmax/ewmin
+    take_max = ctx.source_op == "max"
+    clip = _max_min_with_scalar(ctx, ins, take_max)
+    if clip is not None:
+        return [clip]
+    return [ctx.op("ewmax" if take_max else "ewmin", ins)]
 
 
 @jaxpr_importer("gt")

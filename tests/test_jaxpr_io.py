@@ -38,6 +38,8 @@ CASES = [
     ("weight_sub_div", lambda w, x: (x - w) / w, (W44 + 3.0, _x(2, 4, 4))),
     ("relu_clip", lambda x: jnp.maximum(x, 0.0) + jnp.minimum(x, 0.5) + jnp.maximum(x, -1.0),
      (_x(2, 5),)),
+    ("max_min_pair", lambda x, y: jnp.maximum(x, y) * jnp.minimum(x, y[:1]),
+     (_x(3, 4), _x(3, 4, seed=1))),
     ("unary", lambda x: jnp.tanh(x) + jax.nn.sigmoid(x) + lax.erf(x) + jnp.exp(-x)
      + jnp.sqrt(x * x + 1) + lax.rsqrt(x * x + 1), (_x(2, 5),)),
     ("integer_pow", lambda x: x ** 2 + x ** 3 + x ** 5 + jnp.square(x), (_x(2, 5),)),
@@ -208,3 +210,23 @@ def test_common_primitives_are_declared_and_export_to_onnx():
                                 providers=["CPUExecutionProvider"])
     got = sess.run(None, {n.name: v for n, v in zip(g.inputs, (x, w), strict=True)})[0]
     np.testing.assert_allclose(got, np.asarray(f(x, w)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_maximum_of_two_tensors_is_declared_and_exports_to_onnx():
+    """max/min of two tensors (no constant side) import as ewmax/ewmin, not opaque nodes, and
+    the exported ONNX Max/Min match JAX in onnxruntime."""
+    import onnxruntime as ort
+
+    from taso_jax.frontends.onnx_io import export_onnx
+
+    def f(x, y):
+        return jnp.maximum(x, y) - jnp.minimum(x, y[:1])
+
+    rng = np.random.default_rng(0)
+    x, y = (rng.standard_normal((3, 4)).astype(np.float32) for _ in range(2))
+    g = taso_jax.from_jax(f, x, y)
+    assert "opaque" not in g.op_counts() and {"ewmax", "ewmin"} <= set(g.op_counts())
+    sess = ort.InferenceSession(export_onnx(g).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    got = sess.run(None, {n.name: v for n, v in zip(g.inputs, (x, y), strict=True)})[0]
+    np.testing.assert_array_equal(got, np.asarray(f(x, y)))

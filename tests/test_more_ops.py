@@ -1,4 +1,4 @@
-"""The operators real ONNX models had kept opaque: LeakyRelu, HardSigmoid, HardSwish,
+"""The operators real ONNX models had kept opaque: Max, Min, LeakyRelu, HardSigmoid, HardSwish,
 ConvTranspose, Resize (and Upsample), QuantizeLinear, DequantizeLinear,
 DynamicQuantizeLinear and MatMulInteger (issue 46).
 
@@ -22,7 +22,7 @@ from onnx import numpy_helper
 
 import taso_jax
 
-_MODULES = ("leakyrelu", "hardsigmoid", "hardswish", "convtranspose", "resize", "upsample",
+_MODULES = ("max", "min", "leakyrelu", "hardsigmoid", "hardswish", "convtranspose", "resize", "upsample",
             "quantizelinear", "dequantizelinear", "dynamicquantizelinear", "matmulinteger")
 
 #: the case models' opset (they are written at the newest); every case reads the same at it
@@ -35,6 +35,10 @@ ONNXRUNTIME_DIFFERS = {"test_resize_downsample_scales_linear_align_corners"}
 
 # case -> (the operator it imports as, the inputs that are constants in real models)
 DECLARED = {
+    "test_max_example": ("ewmax", ()),  # three inputs
+    "test_max_two_inputs": ("ewmax", ()),
+    "test_min_example": ("ewmin", ()),
+    "test_min_two_inputs": ("ewmin", ()),
     "test_leakyrelu": ("leaky_relu", ()),
     "test_leakyrelu_default": ("leaky_relu", ()),
     "test_leakyrelu_example": ("leaky_relu", ()),
@@ -348,3 +352,34 @@ def _check_convolution(op_type, declared, x_shape, w_shape, attrs, out_channels,
         want = _onnxruntime(model, feeds)
         _assert_same(_ours(graph, feeds), want, exact=False)
         _assert_same(_onnxruntime(exported, feeds), want, exact=False)
+
+
+@pytest.mark.parametrize("op_type,scalar,declared", [
+    ("Max", 0.0, "relu"),  # magika's Max(0, x - y)
+    ("Max", -0.4, "clip"),  # openwakeword's Max(LeakyRelu(x), -0.4)
+    ("Min", 6.0, "clip"),
+])
+def test_max_and_min_with_a_constant_scalar_import_as_relu_or_clip(op_type, scalar, declared):
+    """A Max or Min of a tensor and a constant scalar (either order) is the activation it
+    computes, so rules about relu and clip reach it; it matches onnxruntime at two scales."""
+    from onnx import helper
+
+    for order in (["x", "c"], ["c", "x"]):
+        node = helper.make_node(op_type, order, ["y"])
+        model = _single_node_model(node, (2, 3, 5), {"c": np.full((1, 1, 1), scalar, np.float32)})
+        graph = taso_jax.load_onnx(model)
+        assert graph.op_counts() == {declared: 1}, graph.op_counts()
+        x = np.random.default_rng(0).standard_normal((2, 3, 5)).astype(np.float32)
+        for factor in (1.0, 100.0):
+            feeds = {"x": x * np.float32(factor)}
+            _assert_same(_ours(graph, feeds), _onnxruntime(model, feeds), exact=True)
+
+
+def test_a_single_input_max_is_its_input():
+    from onnx import helper
+
+    model = _single_node_model(helper.make_node("Max", ["x"], ["y"]), (2, 3), {})
+    graph = taso_jax.load_onnx(model)
+    assert "opaque" not in graph.op_counts()
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    _assert_same(_ours(graph, {"x": x}), _onnxruntime(model, {"x": x}), exact=True)
