@@ -171,9 +171,12 @@ _binary("ewmin", _jnp("minimum"), "Min", "the smaller of a and b, broadcasting; 
 
 
 def _max_min_with_scalar(ctx, ins, take_max):
-    """``max(x, 0)`` as relu, ``max(x, c)`` and ``min(x, c)`` with a constant scalar ``c``
-    (a constant broadcast to ``x``'s shape counts) as clips; ``None`` for any other pair.
-    The output must have ``x``'s shape: a clip does not broadcast."""
+    """A relu or clip computing ``max``/``min`` of ``ins`` (two tensors), or ``None``.
+
+    ``max(x, 0)`` is relu, ``max(x, c)`` and ``min(x, c)`` with a constant scalar ``c`` (a
+    constant broadcast to ``x``'s shape counts) are clips. The output must have ``x``'s
+    shape: a clip does not broadcast.
+    """
     for x, c in ((ins[0], ins[1]), (ins[1], ins[0])):
         v = _scalar_const(ctx, c)
         if v is None or ctx.type(x).shape != ctx.out_types[0].shape:

@@ -22,8 +22,9 @@ from onnx import numpy_helper
 
 import taso_jax
 
-_MODULES = ("max", "min", "leakyrelu", "hardsigmoid", "hardswish", "convtranspose", "resize", "upsample",
-            "quantizelinear", "dequantizelinear", "dynamicquantizelinear", "matmulinteger")
+_MODULES = ("max", "min", "leakyrelu", "hardsigmoid", "hardswish", "convtranspose", "resize",
+            "upsample", "quantizelinear", "dequantizelinear", "dynamicquantizelinear",
+            "matmulinteger")
 
 #: the case models' opset (they are written at the newest); every case reads the same at it
 _OPSET = 21

@@ -222,6 +222,60 @@ def test_symbolic_inference_is_given_up_past_its_deadline():
                               deadline=Deadline(at=0.0, seconds=1.0)) is None
 
 
+@pytest.mark.parametrize("start,end,step", [
+    (19, np.iinfo(np.int64).min, -1),  # x[::-1] as exporters write it
+    (19, -1000, -1), (-1, -21, -2), (15, 2, -3), (0, np.iinfo(np.int64).max, 2)])
+def test_symbolic_inference_sizes_a_reversing_slice_as_onnxruntime_runs_it(start, end, step):
+    """onnxruntime's symbolic shape inference (1.32) sizes a whole axis reversed one entry
+    short (19 of 20); its Slice rule is corrected here to the size a run gives, on a static
+    and on an open batch axis."""
+    from taso_jax.frontends.onnx_tensor_types import symbolic_inference
+
+    for batch in (1, "B"):
+        inits = [nh.from_array(np.array(v, np.int64), k) for k, v in
+                 {"s": [start], "e": [end], "a": [0], "t": [step]}.items()]
+        graph = h.make_graph(
+            [h.make_node("Relu", ["x0"], ["x"]),
+             h.make_node("Slice", ["x", "s", "e", "a", "t"], ["y"])], "g",
+            [h.make_tensor_value_info("x0", TensorProto.FLOAT, [20, batch, 7])],
+            [h.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+        model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+        inferred = symbolic_inference(model, auto_merge=True)
+        dims = inferred.graph.output[0].type.tensor_type.shape.dim
+        x = np.zeros((20, 1, 7), np.float32)
+        run = ort.InferenceSession(model.SerializeToString(), providers=[
+            "CPUExecutionProvider"]).run(None, {"x0": x})[0]
+        assert dims[0].dim_value == run.shape[0] == len(range(20)[start:end:step])
+
+
+def test_a_reversed_lstm_output_survives_export_and_import():
+    """A bidirectional LSTM's backward half reversed in time (``Slice`` with step -1 to
+    ``INT64_MIN``) behind an opaque region whose batch size ONNX's inference cannot follow:
+    exported and imported again, the slice stays a declared operator (captcha_crnn's
+    rewritten file fell back because it came back opaque)."""
+    x = h.make_tensor_value_info("x", TensorProto.FLOAT, [20, 1, 6])
+    nodes = [
+        h.make_node("Shape", ["x"], ["shp"]),  # an opaque size computation, as exporters write
+        h.make_node("ConstantOfShape", ["shp"], ["zeros"],
+                    value=nh.from_array(np.array([0.0], np.float32))),
+        h.make_node("Add", ["x", "zeros"], ["xz"]),
+        h.make_node("Slice", ["xz", "s", "e", "a", "t"], ["rev"]),
+        h.make_node("Concat", ["xz", "rev"], ["y"], axis=2)]
+    inits = [nh.from_array(np.array(v, np.int64), k) for k, v in
+             {"s": [19], "e": [np.iinfo(np.int64).min], "a": [0], "t": [-1]}.items()]
+    model = h.make_model(h.make_graph(nodes, "g", [x], [h.make_tensor_value_info(
+        "y", TensorProto.FLOAT, [20, 1, 12])], inits), opset_imports=[h.make_opsetid("", 17)])
+    from taso_jax.frontends import onnx_tensor_types
+
+    for graph in (load_onnx(model), load_onnx(export_onnx(load_onnx(model)))):
+        assert graph.op_counts().get("slice") == 1, graph.op_counts()
+    # the probe runs find the same sizes where the inference is asked first
+    names = ["zeros", "xz", "rev", "y"]
+    types: dict = {}
+    onnx_tensor_types._missing_types_by_inference(model, names, types)
+    assert types["rev"].shape == (20, 1, 6), types
+
+
 def test_strided_convolutions_and_upsamplings_import_with_open_sides():
     """Four stride-2 convolutions, then four Resizes by 2, each added to the skip tensor of its
     level (a detector's shape): the sides stay open expressions, and the written model runs at

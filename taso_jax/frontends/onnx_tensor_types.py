@@ -339,6 +339,8 @@ def symbolic_inference(model, auto_merge: bool = False, deadline=None):
         ssi = tool.SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)
         if "Resize" in ssi.dispatcher_:
             ssi.dispatcher_["Resize"] = _resize_rule(tool, ssi.dispatcher_["Resize"])
+        if "Slice" in ssi.dispatcher_:
+            ssi.dispatcher_["Slice"] = _slice_rule(ssi, ssi.dispatcher_["Slice"])
         if deadline is not None:
             ssi.dispatcher_ = {op: _until(rule, deadline)
                                for op, rule in ssi.dispatcher_.items()}
@@ -405,6 +407,48 @@ def _resize_rule(tool, rule):
             finally:
                 tool.sympy = real
     return resize
+
+
+def _slice_rule(ssi, rule):
+    """The tool's ``Slice`` rule, with the sizes of axes sliced by a negative step redone.
+
+    The tool (onnxruntime 1.32) takes an end at or below ``-INT64_MAX`` as 0 where the
+    start is positive, so a whole axis reversed (start ``d - 1``, end ``INT64_MIN``, step
+    -1, as exporters write ``x[::-1]``) comes out one entry short: 19 of 20 time steps of a
+    bidirectional LSTM's reversed output (captcha_crnn). ONNX Slice clamps such an end to
+    -1 (ONNX spec, Slice), as Python's ``slice.indices`` does; a negative-step axis is
+    recomputed that way where its size, start and end are known, and left open otherwise
+    (the probe runs then read it).
+    """
+    def sliced(node):
+        rule(node)
+        if len(node.input) < 5 or not node.input[4]:
+            return  # opset < 10 or no steps: every step is 1
+        try:
+            steps = [int(v) for v in np.asarray(ssi._try_get_value(node, 4)).reshape(-1)]
+        except (TypeError, ValueError):
+            return
+        if not any(st < 0 for st in steps):
+            return
+        values = [ssi._try_get_value(node, k) if k < len(node.input) and node.input[k]
+                  else None for k in (1, 2, 3)]
+        dims = ssi.known_vi_[node.output[0]].type.tensor_type.shape.dim
+        in_shape = ssi._get_shape(node, 0)
+        axes = (list(range(len(steps))) if values[2] is None else
+                [int(a) for a in np.asarray(values[2]).reshape(-1)])
+        for k, (axis, st) in enumerate(zip(axes, steps, strict=True)):
+            axis = axis + len(in_shape) if axis < 0 else axis
+            if st > 0 or axis >= len(dims):
+                continue
+            d = in_shape[axis] if axis < len(in_shape) else None
+            if isinstance(d, (int, np.integer)) and values[0] is not None \
+                    and values[1] is not None:
+                s, e = (int(np.asarray(v).reshape(-1)[k]) for v in values[:2])
+                dims[axis].Clear()
+                dims[axis].dim_value = len(range(*slice(s, e, st).indices(int(d))))
+            else:
+                dims[axis].Clear()  # open: left to the probe runs
+    return sliced
 
 
 def _missing_types_by_inference(model, names: list[str], types: dict[str, TensorType]):
