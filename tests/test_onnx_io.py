@@ -263,7 +263,7 @@ def _opaque_chain_model(n_chain: int, with_side_branch: bool = True) -> bytes:
     outs = [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [2, 8])]
     if with_side_branch:
         nodes += [helper.make_node("Relu", ["h0"], ["r"]),
-                  helper.make_node("Max", ["h0", "r"], ["m"]),
+                  helper.make_node("Mean", ["h0", "r"], ["m"]),
                   helper.make_node("Softsign", ["m"], ["s"])]
         outs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, [2, 8]))
     g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info(
@@ -281,11 +281,11 @@ def test_connected_opaque_nodes_run_as_one_region_and_regions_stay_acyclic():
     model = _opaque_chain_model(5)
     g = load_onnx(model)
     regions = [n for n in g.nodes if n.op == "opaque"]
-    # The chain is one region; Max reads h0 and Relu(h0), so it cannot join the chain's
+    # The chain is one region; Mean reads h0 and Relu(h0), so it cannot join the chain's
     # region (the region would both feed and follow the Relu), and starts one with Softsign.
     labels = sorted(n.attr("call").label for n in regions)
     assert labels == ["Elu+Elu+Elu+Elu+Elu",
-                      "Max+Softsign"], labels
+                      "Mean+Softsign"], labels
     assert g.meta["opaque_regions"] == 2
     chain = next(n for n in regions if n.attr("call").label.startswith("Elu"))
     assert chain.attr("call").out_names == ("h0", "h4")  # h0 is read outside the region
@@ -389,7 +389,7 @@ def test_regions_keep_every_name_a_tensor_has_and_subgraph_reads_and_stay_acycli
     # a and b are one tensor after hash-consing: the region must not lose the name b
     g = _regions_roundtrip(
         [helper.make_node("Neg", ["x"], ["a"]), helper.make_node("Neg", ["x"], ["b"]),
-         helper.make_node("Floor", ["a"], ["p"]), helper.make_node("Max", ["p", "b"], ["y"])],
+         helper.make_node("Floor", ["a"], ["p"]), helper.make_node("Mean", ["p", "b"], ["y"])],
         [vi("x")], [vi("y")], {"x": x})
     assert g.meta.get("opaque_regions", 0) == 0  # Max reads a's tensor as b: kept apart
     # a subgraph reads p, made inside the region
@@ -403,8 +403,8 @@ def test_regions_keep_every_name_a_tensor_has_and_subgraph_reads_and_stay_acycli
     # two regions that would read each other both ways are not merged
     g = _regions_roundtrip(
         [helper.make_node("Floor", ["x"], ["a1"]), helper.make_node("Ceil", ["z"], ["b1"]),
-         helper.make_node("Max", ["a1", "b1"], ["a2"]),
-         helper.make_node("Min", ["b1", "a1"], ["b2"])],
+         helper.make_node("Mean", ["a1", "b1"], ["a2"]),
+         helper.make_node("Mean", ["b1", "a1"], ["b2"])],
         [vi("x"), vi("z")], [vi("a2"), vi("b2")],
         {"x": x, "z": np.full((2, 3), -0.5, np.float32)})
     assert [n.op for n in g.nodes].count("opaque") == 4
@@ -640,20 +640,20 @@ def _run_graph(graph):
 
 def test_an_opaque_region_reads_one_tensor_under_both_its_names():
     """Two equal Relus are one tensor in the IR (hash-consing), read under two names by a
-    region of two opaque nodes (Softplus, Max): the region's session gets both names as
+    region of two opaque nodes (Softplus, Mean): the region's session gets both names as
     inputs (an int8 BiLSTM's initial h and c, equal slices, had lost one)."""
     from onnx import TensorProto, helper
 
     nodes = [helper.make_node("Relu", ["x"], ["s1"]),
              helper.make_node("Relu", ["x"], ["s2"]),
              helper.make_node("Softplus", ["x"], ["h"]),
-             helper.make_node("Max", ["h", "s1", "s2"], ["y"])]
+             helper.make_node("Mean", ["h", "s1", "s2"], ["y"])]
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])
     model = _model(nodes, [x], [y])
     graph = taso_jax.load_onnx(model)
     (region,) = [n for n in graph.nodes if n.op == "opaque"]
-    assert region.attr("call").label == "Softplus+Max"
+    assert region.attr("call").label == "Softplus+Mean"
     assert {"s1", "s2"} <= set(region.attr("call").in_names)
     (xv,), (got,) = _run_graph(graph)
     want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": xv})[0]
