@@ -481,20 +481,78 @@ declare(OpDef(
     doc="constant padding, pads = begins of every axis then ends (ONNX Pad, constant mode)"))
 
 
+_EDGE_MODES = ("reflect", "edge", "wrap")
+
+
+def _edge_pad(x, *, pads, mode):
+    r = x.ndim
+    return jnp.pad(x, [(pads[i], pads[i + r]) for i in range(r)], mode=mode)
+
+
+def _edge_pad_shape(ts, *, pads, mode):
+    (x,) = ts
+    if mode not in _EDGE_MODES:
+        raise ShapeError(f"edge_pad: mode must be one of {_EDGE_MODES}, got {mode!r}")
+    r = len(x.shape)
+    # reflect mirrors without repeating the edge: at most d - 1 entries each side (ONNX
+    # Pad, as onnxruntime runs it); wrap at most d; edge needs a non-empty axis
+    most = {"reflect": -1, "edge": None, "wrap": 0}[mode]
+    fits = len(pads) == 2 * r and all(p >= 0 for p in pads)
+    for i, d in enumerate(x.shape if fits else ()):
+        wide = max(pads[i], pads[i + r])
+        if wide and (int(d) == 0 or most is not None and wide > int(d) + most):
+            fits = False
+    if not fits:
+        raise ShapeError(f"edge_pad: pads {pads} do not fit {x.shape} in mode {mode!r}")
+    return [TensorType(tuple(d + pads[i] + pads[i + r] for i, d in enumerate(x.shape)), x.dtype)]
+
+
+declare(OpDef(
+    name="edge_pad", ref=_edge_pad, shape=_edge_pad_shape, arity=1,
+    attrs={"pads": (), "mode": "reflect"},
+    to_onnx=lambda ctx, ins, outs, *, pads, mode: ctx.node(
+        "Pad", [ins[0], ctx.const(_i64(pads))], outs, mode=mode),
+    flops=lambda i, o, **_: 0.0,
+    examples=(([TensorType((3, 4), _F32)], {"pads": (1, 2, 2, 0), "mode": "reflect"}),
+              ([TensorType((3, 4), _F32)], {"pads": (0, 3, 2, 1), "mode": "edge"}),
+              ([TensorType((3, 4), _F32)], {"pads": (2, 1, 0, 4), "mode": "wrap"})),
+    doc="padding by the tensor's own entries, pads = begins of every axis then ends: "
+        "mirrored without the edge (reflect), the edge repeated (edge), or wrapped around "
+        "(wrap) (ONNX Pad, reflect/edge/wrap modes; numpy.pad)"))
+
+
 @onnx_importer("Pad")
 def _import_pad(ctx, ins, *, mode="constant", pads=None, value=0.0):
     mode = mode.decode() if isinstance(mode, bytes) else mode
-    if mode != "constant":
+    if mode not in ("constant", *_EDGE_MODES) or (mode == "wrap" and ctx.opset < 19):
         return None
     if len(ins) > 1:
         p = ctx.const(ins[1])
         v = ctx.const(ins[2]) if len(ins) > 2 and ins[2] is not None else 0.0
-        if p is None or v is None or (len(ins) > 3 and ins[3] is not None):
+        if p is None or v is None:
             return None
         pads, value = np.asarray(p).tolist(), float(np.asarray(v).reshape(()))
+        if len(ins) > 3 and ins[3] is not None:  # opset 18: the pads of these axes only
+            axes = ctx.const(ins[3])
+            if axes is None:
+                return None
+            pads = _pads_on_axes(pads, np.asarray(axes).tolist(), len(ctx.type(ins[0]).shape))
     if any(p < 0 for p in pads):
         return None
-    return [ctx.op("pad", [ins[0]], pads=tuple(int(p) for p in pads), value=float(value))]
+    pads = tuple(int(p) for p in pads)
+    if mode != "constant":
+        return [ctx.op("edge_pad", [ins[0]], pads=pads, mode=mode)]
+    return [ctx.op("pad", [ins[0]], pads=pads, value=float(value))]
+
+
+def _pads_on_axes(pads: list, axes: list, rank: int) -> list:
+    """ONNX Pad's ``pads`` for the listed ``axes`` (opset 18; negative axes count from the
+    back) as pads of every axis, 0 elsewhere: begins of each axis, then ends."""
+    full = [0] * (2 * rank)
+    for k, a in enumerate(axes):
+        a = a + rank if a < 0 else a
+        full[a], full[a + rank] = int(pads[k]), int(pads[k + len(axes)])
+    return full
 
 
 def _gather(data, idx, *, axis):

@@ -1,4 +1,5 @@
-"""The operators real ONNX models had kept opaque: Max, Min, LeakyRelu, HardSigmoid, HardSwish,
+"""The operators real ONNX models had kept opaque: Max, Min, Pad in its reflect, edge and
+wrap modes (silero VAD, basic-pitch), LeakyRelu, HardSigmoid, HardSwish,
 ConvTranspose, Resize (and Upsample), QuantizeLinear, DequantizeLinear,
 DynamicQuantizeLinear and MatMulInteger (issue 46).
 
@@ -22,7 +23,7 @@ from onnx import numpy_helper
 
 import taso_jax
 
-_MODULES = ("max", "min", "leakyrelu", "hardsigmoid", "hardswish", "convtranspose", "resize",
+_MODULES = ("max", "min", "pad", "leakyrelu", "hardsigmoid", "hardswish", "convtranspose", "resize",
             "upsample", "quantizelinear", "dequantizelinear", "dynamicquantizelinear",
             "matmulinteger")
 
@@ -36,6 +37,12 @@ ONNXRUNTIME_DIFFERS = {"test_resize_downsample_scales_linear_align_corners"}
 
 # case -> (the operator it imports as, the inputs that are constants in real models)
 DECLARED = {
+    "test_constant_pad": ("pad", (1, 2)),
+    "test_constant_pad_axes": ("pad", (1, 2, 3)),  # opset 18: pads of the listed axes
+    "test_constant_pad_negative_axes": ("pad", (1, 2, 3)),
+    "test_reflect_pad": ("edge_pad", (1,)),
+    "test_edge_pad": ("edge_pad", (1,)),
+    "test_wrap_pad": ("edge_pad", (1,)),
     "test_max_example": ("ewmax", ()),  # three inputs
     "test_max_two_inputs": ("ewmax", ()),
     "test_min_example": ("ewmin", ()),
@@ -384,3 +391,17 @@ def test_a_single_input_max_is_its_input():
     assert "opaque" not in graph.op_counts()
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     _assert_same(_ours(graph, {"x": x}), _onnxruntime(model, {"x": x}), exact=True)
+
+
+def test_a_reflect_pad_wider_than_its_axis_stays_opaque():
+    """A reflection needs d - 1 entries to mirror: wider, the node stays onnxruntime's."""
+    from onnx import helper
+
+    node = helper.make_node("Pad", ["x", "p"], ["y"], mode="reflect")
+    wide = _single_node_model(node, (2, 3), {"p": np.array([0, 3, 0, 0], np.int64)})
+    assert taso_jax.load_onnx(wide).op_counts().get("opaque") == 1
+    fits = _single_node_model(node, (2, 3), {"p": np.array([1, 2, 1, 2], np.int64)})
+    graph = taso_jax.load_onnx(fits)
+    assert graph.op_counts() == {"edge_pad": 1}, graph.op_counts()
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    _assert_same(_ours(graph, {"x": x}), _onnxruntime(fits, {"x": x}), exact=True)
