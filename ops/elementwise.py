@@ -214,10 +214,11 @@ def _import_sum(ctx, ins, **_):
     return [acc]
 
 
-def _unary(name, fn, onnx_type, doc, laws=(), to_onnx=None):
+def _unary(name, fn, onnx_type, doc, laws=(), to_onnx=None, numpy_ref=None):
     declare(OpDef(name=name, ref=fn, shape=_same_shape, arity=1,
                   to_onnx=to_onnx or _emit(onnx_type), fusible=True, layout="elementwise",
-                  examples=(([TensorType(*_EX1[0][0])], {}),), axioms=laws, doc=doc))
+                  examples=(([TensorType(*_EX1[0][0])], {}),), axioms=laws, doc=doc,
+                  numpy_ref=numpy_ref))
     if onnx_type:
         onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
@@ -233,7 +234,15 @@ _unary("relu", _jnn("relu"), "Relu", "max(x, 0) (ONNX Relu)", _RELU_LAWS)
 _unary("sigmoid", _jnn("sigmoid"), "Sigmoid", "1 / (1 + exp(-x)) (ONNX Sigmoid)")
 _unary("tanh", _jnp("tanh"), "Tanh", "tanh(x) (ONNX Tanh)")
 _unary("erf", _lax("erf"), "Erf", "error function (ONNX Erf)")
-_unary("sqrt", _jnp("sqrt"), "Sqrt", "square root (ONNX Sqrt)")
+def _sqrt_numpy(x):
+    # IEEE square root is correctly rounded in NumPy and XLA alike; an integer goes to
+    # float32 first, as jnp.sqrt promotes it (64-bit types off), not to NumPy's float64
+    x = np.asarray(x)
+    with np.errstate(invalid="ignore"):  # NaN below 0, as XLA gives, without a warning
+        return np.sqrt(x if x.dtype.kind == "f" else x.astype(np.float32))
+
+
+_unary("sqrt", _jnp("sqrt"), "Sqrt", "square root (ONNX Sqrt)", numpy_ref=_sqrt_numpy)
 _unary("exp", _jnp("exp"), "Exp", "exponential (ONNX Exp)")
 _unary("neg", _jnp("negative"), "Neg", "-x (ONNX Neg)", _NEG_LAWS)
 _unary("sin", _jnp("sin"), "Sin", "sine (ONNX Sin)")
@@ -412,7 +421,7 @@ def _where_shape(ts, **_):
 
 
 declare(OpDef(name="where", ref=_where, shape=_where_shape, arity=3,
-              to_onnx=_emit("Where"), layout="elementwise",
+              to_onnx=_emit("Where"), layout="elementwise", numpy_ref=np.where,
               examples=(([TensorType((2, 3), "bool"), TensorType((2, 3), _F32),
                           TensorType((1, 3), _F32)], {}),),
               doc="elementwise select c ? a : b (ONNX Where)"))
@@ -423,23 +432,46 @@ def _pred_shape(ts, **_):
     return [TensorType(broadcast_shape(*(t.shape for t in ts)), "bool")]
 
 
-def _predicate(name, fn, onnx_type, arity, in_dtype, doc):
+def _predicate(name, fn, onnx_type, arity, in_dtype, doc, numpy_ref):
     ex = [TensorType((2, 3), in_dtype)] * arity
     declare(OpDef(name=name, ref=fn, shape=_pred_shape, arity=arity,
                   to_onnx=_emit(onnx_type), layout="elementwise",
-                  examples=((ex, {}),), doc=doc))
+                  examples=((ex, {}),), doc=doc, numpy_ref=numpy_ref))
     onnx_importer(onnx_type)(lambda ctx, ins, **_: [ctx.op(name, ins)])
 
 
-_predicate("isnan", _jnp("isnan"), "IsNaN", 1, _F32, "x != x (ONNX IsNaN)")
-_predicate("logical_and", _jnp("logical_and"), "And", 2, "bool", "a and b (ONNX And)")
-_predicate("logical_not", _jnp("logical_not"), "Not", 1, "bool", "not a (ONNX Not)")
-_predicate("equal", _jnp("equal"), "Equal", 2, _F32, "a == b (ONNX Equal)")
-_predicate("less", _jnp("less"), "Less", 2, _F32, "a < b (ONNX Less)")
+# Their NumPy forms are exact (a comparison or a logical operation rounds nothing): a mask
+# built from iota and comparisons folds at import without compiling an XLA executable per
+# operator and shape (0.5-1.9 s of a decorator's first call, first in a process).
+_predicate("isnan", _jnp("isnan"), "IsNaN", 1, _F32, "x != x (ONNX IsNaN)", np.isnan)
+_predicate("logical_and", _jnp("logical_and"), "And", 2, "bool", "a and b (ONNX And)",
+           np.logical_and)
+_predicate("logical_not", _jnp("logical_not"), "Not", 1, "bool", "not a (ONNX Not)",
+           np.logical_not)
+_predicate("equal", _jnp("equal"), "Equal", 2, _F32, "a == b (ONNX Equal)", np.equal)
+_predicate("less", _jnp("less"), "Less", 2, _F32, "a < b (ONNX Less)", np.less)
 
 
 def _cast(x, *, to="float32"):
     return x.astype(to)
+
+
+def _cast_numpy(x, *, to="float32"):
+    """``_cast`` in NumPy, where NumPy converts as XLA does.
+
+    That is between booleans, integers and IEEE floats, except floats to integers (their
+    out-of-range and NaN values differ); those and bfloat16/float8 go through the JAX
+    reference.
+    """
+    x = np.asarray(x)
+    try:
+        dst = np.dtype(to)
+    except TypeError:
+        dst = None
+    if dst is None or dst.kind not in "biuf" or x.dtype.kind not in "biuf" or (
+            x.dtype.kind == "f" and dst.kind in "biu"):
+        return np.asarray(_cast(jnp.asarray(x), to=to))
+    return x.astype(dst)
 
 
 def _cast_onnx(ctx, ins, outs, *, to):
@@ -452,7 +484,10 @@ declare(OpDef(name="cast", ref=_cast,
               shape=lambda ts, *, to: [TensorType(ts[0].shape, to)], arity=1,
               
               attrs={"to": "float32"}, to_onnx=_cast_onnx, layout="elementwise",
-              examples=(([TensorType((2, 3), "int64")], {"to": "float32"}),),
+              numpy_ref=_cast_numpy,
+              examples=(([TensorType((2, 3), "int64")], {"to": "float32"}),
+                        ([TensorType((2, 3), "float32")], {"to": "int32"}),
+                        ([TensorType((2, 3), "bool")], {"to": "float16"})),
               doc="convert element type (ONNX Cast)"))
 
 

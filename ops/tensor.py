@@ -382,6 +382,7 @@ def _slice_onnx(ctx, ins, outs, *, starts, ends, steps):
 declare(OpDef(
     name="slice", ref=_slice, shape=_slice_shape, arity=1,
     attrs={"starts": (), "ends": (), "steps": ()}, fusible=True,
+    numpy_ref=_slice,  # indexing, the same in NumPy
     to_onnx=_slice_onnx, flops=lambda i, o, **_: 0.0,
     examples=(([TensorType((5, 6), _F32)], {"starts": (1, 5), "ends": (4, -1),
                                             "steps": (2, -2)}),),
@@ -546,8 +547,11 @@ def _import_pad(ctx, ins, *, mode="constant", pads=None, value=0.0):
 
 
 def _pads_on_axes(pads: list, axes: list, rank: int) -> list:
-    """ONNX Pad's ``pads`` for the listed ``axes`` (opset 18; negative axes count from the
-    back) as pads of every axis, 0 elsewhere: begins of each axis, then ends."""
+    """ONNX Pad's ``pads`` of the listed ``axes`` as pads of every axis (0 elsewhere).
+
+    Opset 18's ``axes`` input; negative axes count from the back. Begins of each axis,
+    then ends, as ONNX orders them.
+    """
     full = [0] * (2 * rank)
     for k, a in enumerate(axes):
         a = a + rank if a < 0 else a
@@ -594,6 +598,7 @@ declare(OpDef(
     to_onnx=lambda ctx, ins, outs, *, shape: ctx.node(
         "Expand", [ins[0], ctx.ints(shape)], outs),
     flops=lambda i, o, **_: 0.0,
+    numpy_ref=lambda x, *, shape: np.broadcast_to(x, tuple(int(d) for d in shape)),
     examples=(([TensorType((3, 1), _F32)], {"shape": (2, 3, 4)}),),
     doc="broadcast to a static shape (ONNX Expand)"))
 onnx_importer("Expand")(lambda ctx, ins, **_: [ctx.op("expand", [ins[0]],
