@@ -15,12 +15,12 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
 from taso_jax._compile_cache import enable_persistent_cache
-from taso_jax.ir.graph import Graph, Node
+from taso_jax.ir.graph import Graph, Node, Tensor
 from taso_jax.ops import OPS
 from taso_jax.ops._lazy import LazyModule
 
@@ -196,14 +196,19 @@ def run_nodes(nodes: Sequence[Node], value: Callable) -> list[tuple]:
     return [tuple(o) for o in evaluate(args)]
 
 
-def fold_values(weights: Sequence[Node], nodes: Sequence[Node], values: Mapping) -> dict:
+def fold_values(weights: Sequence[Node], nodes: Sequence[Node], values: Mapping,
+                wanted: Collection[Tensor] | None = None) -> dict:
     """The values of weight-only ``nodes`` computed from ``values`` (weight name -> array).
 
     ``weights`` are the weight nodes read (each at least once by ``nodes`` or by the
     caller), ``nodes`` the operators on them, in topological order. Returns ``{tensor:
     value}`` for the weights (as given, not copied) and every output of ``nodes`` (JAX
-    arrays). A value computed from frozen weight arrays only (read-only NumPy arrays,
-    concrete JAX arrays) is shared with every other graph that folds the same node from the
+    arrays); with ``wanted``, only what those tensors need is computed: an intermediate
+    whose consumers' values are already shared is not computed again (a merged kernel's
+    padded halves, once the merge is held by another candidate).
+
+    A value computed from frozen weight arrays only (read-only NumPy arrays, concrete JAX
+    arrays) is shared with every other graph that folds the same node from the
     same arrays: the IR is hash-consed, so two candidates that fold one batchnorm into one
     kernel hold the same node. It is looked up by the node and which weight holds which
     array, and computed and held once (weakly: it lives while some graph holds it). What no
@@ -228,6 +233,8 @@ def fold_values(weights: Sequence[Node], nodes: Sequence[Node], values: Mapping)
             env.update(zip(n.outputs, got, strict=True))
         for t in n.outputs:
             cones[t] = cone
+    if missing and wanted is not None:
+        missing = _needed_for(missing, wanted, env)
     if missing:
         outs = run_nodes([n for n, _, _ in missing], lambda t: _on_device(t, env))
         for (n, key, arrays), got in zip(missing, outs, strict=True):
@@ -235,6 +242,22 @@ def fold_values(weights: Sequence[Node], nodes: Sequence[Node], values: Mapping)
                 _SHARED.put(key, arrays, got)
             env.update(zip(n.outputs, got, strict=True))
     return env
+
+
+def _needed_for(missing: list, wanted: Collection[Tensor], env: Mapping) -> list:
+    """The entries of ``missing`` that computing the ``wanted`` tensors needs.
+
+    ``missing`` holds ``(node, key, arrays)`` in topological order; ``env`` the values
+    already known (weights, and what other graphs computed and share).
+    """
+    needed: set[Node] = set()
+    stack = [t for t in wanted if t not in env]
+    while stack:
+        t = stack.pop()
+        if t.node not in needed:
+            needed.add(t.node)
+            stack.extend(x for x in t.node.inputs if x not in env)
+    return [m for m in missing if m[0] in needed]
 
 
 def _on_device(t, env: dict):
@@ -307,7 +330,7 @@ class StagedGraph:
         """
         by_name = dict(zip(self.weight_names, weights, strict=True))
         env = fold_values([n for n in self.graph.nodes if n.op == "weight"], self._fold_nodes,
-                          by_name)
+                          by_name, wanted=self.const_keys)
         return [env[t] if host_weights and t.node.op == "weight" else _on_device(t, env)
                 for t in self.const_keys]
 
