@@ -346,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     inputs = {p.resolve() for p in paths}
     import jax
     import onnxruntime
+    from _bytecode import byte_compile_package
+
+    byte_compile_package()  # each command then imports as from an installed wheel
 
     preamble = [
         f"date: {datetime.datetime.now():%Y-%m-%d %H:%M}; machine: {platform.platform()}, "

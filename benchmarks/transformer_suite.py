@@ -47,6 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import transformer_models  # noqa: E402
+from _bytecode import byte_compile_package  # noqa: E402
 
 import taso_jax  # noqa: E402
 from taso_jax._io import atomic_write  # noqa: E402
@@ -153,6 +154,7 @@ def main(argv=None) -> int:
                                  ("cost_model", a.cost_model)) if v is not None}
     if GRAPH_CACHE_ENV not in os.environ:  # cold first calls
         os.environ[GRAPH_CACHE_ENV] = tempfile.mkdtemp(prefix="taso_jax_graphs_")
+    byte_compile_package()  # as an installed wheel has it
     dev = jax.devices()[0]
     device = f"{dev.platform}:{getattr(dev, 'device_kind', '')}"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
