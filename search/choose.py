@@ -10,7 +10,6 @@ returns a graph that runs slower than its input by more than the noise of the me
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -40,7 +39,7 @@ from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
            "measured_set", "keep_fastest", "paired_speedup", "confirm_faster", "with_layouts",
            "halfway", "compiled_runs", "compiled_run", "screen_in_pairs", "screen_fastest",
-           "signed_rank_greater", "floor_us", "rounds_for", "guessed_make_seconds",
+           "signed_rank_greater", "floor_us", "rounds_for",
            "NHWC_LAYOUT"]
 
 #: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
@@ -116,8 +115,8 @@ def start_choice(result, graphs: list[tuple], deadline: float | None, make_base,
     one, guessed from the input's size), not even the input is made: making it cannot be
     interrupted (one XLA compilation of a 5,000-operator chain took 9 s of CPU).
     ``made_seconds``: what making the input took where it was made before (seconds,
-    :func:`compile_ahead`), taken for the making of a candidate when it is longer than
-    finding it made.
+    :func:`~taso_jax.search.compile_ahead.compile_ahead`), taken for the making of a candidate
+    when it is longer than finding it made.
     """
     if deadline is None or len(graphs) < 2:
         return make_base(), None
@@ -240,81 +239,6 @@ def compiled_run(graph: Graph, xs: Sequence):
     return lambda: fn(*xs)
 
 
-#: Nodes (weights included) from which :func:`compile_ahead` compiles the input in the
-#: background; a smaller graph compiles in well under a second.
-COMPILE_AHEAD_NODES = 200
-#: Seconds per node (weights included) that compiling and running a graph is taken to cost
-#: at most when it was measured beside the search (:func:`guessed_make_seconds`). NasNet-A's 676
-#: nodes compiled in 4.4-4.8 s alone, and in 43 s beside the search once (2026-11-29,
-#: 2 cores), which made the choice skip a 1.79x candidate ("one comparison needs 45.7 s").
-AHEAD_SECONDS_PER_NODE = 0.01
-
-
-def guessed_make_seconds(ahead: threading.Thread | None, graph: Graph) -> float:
-    """What making a candidate is taken to cost, from :func:`compile_ahead`'s thread.
-
-    Its ``seconds``, capped at :data:`AHEAD_SECONDS_PER_NODE` a node of ``graph``: the
-    compile ran beside the search and shared the cores (and Python's lock) with it, so its
-    wall time can be many times what a compile alone takes. 0.0 without a thread.
-    """
-    if ahead is None:
-        return 0.0
-    return min(ahead.seconds, AHEAD_SECONDS_PER_NODE * len(graph.nodes))
-
-
-def compile_ahead(graph: Graph) -> threading.Thread | None:
-    """Start compiling ``graph`` for the end-to-end choice in a background thread.
-
-    The choice begins by compiling and running the input (:func:`compiled_run`), which took
-    15 s of a 60 s limit for a 700-operator OCR detector on the loaded 2-core machine, after
-    the search; compiled while the search runs (XLA compiles without Python's lock), the
-    choice finds it in :func:`taso_jax.compile_graph`'s cache. ``None`` for a graph under
-    :data:`COMPILE_AHEAD_NODES` nodes. A failure is left for the choice to meet again.
-    Join the thread before the choice (it holds no lock the search needs); its ``seconds``
-    is then what compiling and running the input took (0.0 where it failed), the choice's
-    guess at what making a candidate takes (``choose_fastest(made_seconds=...)``), and its
-    ``call_seconds`` what one more call took (``None`` until then: :func:`choice_reserve`).
-    """
-    if len(graph.nodes) < COMPILE_AHEAD_NODES:
-        return None
-
-    def run():
-        started = time.perf_counter()
-        try:
-            call = compiled_run(graph, _inputs_for(graph))
-            made = time.perf_counter()
-            jax.block_until_ready(call())
-        except Exception:  # noqa: BLE001 - the choice compiles it again and reports why
-            return
-        thread.seconds = made - started
-        thread.call_seconds = time.perf_counter() - made
-
-    import jax
-
-    thread = threading.Thread(target=run, name="taso-jax-compile-ahead", daemon=True)
-    thread.seconds = 0.0
-    thread.call_seconds = None  # one call of the compiled input, seconds, once known
-    thread.start()
-    return thread
-
-
-def choice_reserve(ahead: threading.Thread | None, graph: Graph | None = None) -> float | None:
-    """Seconds the end-to-end choice needs for one comparison, or ``None``.
-
-    ``None`` until :func:`compile_ahead`'s thread has timed a call of the input. Making a
-    candidate is :func:`guessed_make_seconds` of the input ``graph`` where it is given. It is
-    what :func:`no_time_to_compare` asks for: making a candidate (taken as long as making
-    the input) and :data:`COMPARE_CALLS` calls. The search is cut short to leave it
-    (:func:`taso_jax.search.options.run_search`): a ResNet-18 at 224x224 whose calls took
-    685 ms on the loaded 2-core machine searched its full budget in 21 s and left the
-    choice 11 s of the 20 s it needed, so nothing was delivered.
-    """
-    if ahead is None or ahead.call_seconds is None:
-        return None
-    made = ahead.seconds if graph is None else guessed_make_seconds(ahead, graph)
-    return made + COMPARE_CALLS * ahead.call_seconds
-
-
 def _measured_set(result, sample: int) -> list[tuple]:
     """The input, the candidates, and up to ``sample`` visited graphs spread evenly by cost.
 
@@ -394,8 +318,9 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     the user's function), so that one comparison, not two, decides.
 
     ``made_seconds``: seconds that compiling the input took where it was compiled ahead
-    (:func:`compile_ahead`); the choice then finds it compiled, and takes that for the time
-    a candidate's compilation needs when it weighs whether one fits before ``deadline``.
+    (:func:`~taso_jax.search.compile_ahead.compile_ahead`); the choice then finds it
+    compiled, and takes that for the time a candidate's compilation needs when it weighs
+    whether one fits before ``deadline``.
 
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
     "rank_correlation", "device", "repeats", "paired", "floors_us"}``: medians in

@@ -17,13 +17,8 @@ from functools import partial
 from typing import Any
 
 from taso_jax.search.backtracking import SearchResult, backtracking_search
-from taso_jax.search.choose import (
-    choice_reserve,
-    choose_fastest,
-    compile_ahead,
-    guessed_make_seconds,
-    measured_set,
-)
+from taso_jax.search.choose import choose_fastest, measured_set
+from taso_jax.search.compile_ahead import choice_reserve, compile_ahead, guessed_make_seconds
 from taso_jax.search.cost import (
     COST_MODEL_NAMES,
     AnalyticCostModel,
@@ -256,7 +251,7 @@ def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Subst
     ``deadline`` (:func:`_second_opinion_seconds`): a search that ran past its share leaves
     the time to the choice of the graphs it found, not to more candidates. ``need()``, once
     it is known (not ``None``), is what one comparison of the choice needs
-    (:func:`~taso_jax.search.choose.choice_reserve`), kept too where it is more than that
+    (:func:`~taso_jax.search.compile_ahead.choice_reserve`), kept too where it is more than that
     share: a layout model whose calls took 1.5 s searched 17 s, then second opinions took
     14 s of the 35 s left, and the 27.7 s comparison no longer fit.
     ``result.graph`` is not changed.
@@ -322,7 +317,7 @@ def _search_stop(ahead, graph: Graph, deadline: Deadline, end: float,
     With the caller's ``reserve``, where less than it is left before ``end`` (it grows as
     the caller learns better). And, once the background compile ``ahead`` has timed a call
     of the input, where going on would leave the choice less than one comparison needs,
-    with room for its second opinions (:func:`~taso_jax.search.choose.choice_reserve`),
+    with room for its second opinions (:func:`~taso_jax.search.compile_ahead.choice_reserve`),
     before ``deadline`` or before the caller's reserve, whichever comes first.
     """
     if reserve is None and ahead is None:

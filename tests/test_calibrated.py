@@ -250,7 +250,8 @@ def test_the_search_leaves_the_choice_the_time_one_comparison_needs():
     import types
 
     from taso_jax.search import backtracking_search
-    from taso_jax.search.choose import COMPARE_CALLS, choice_reserve
+    from taso_jax.search.choose import COMPARE_CALLS
+    from taso_jax.search.compile_ahead import choice_reserve
     from taso_jax.search.limits import StopReason
     from taso_jax.search.options import usable_rules
     from taso_jax.search.rules import default_substitutions
@@ -274,7 +275,11 @@ def test_a_compile_timed_beside_the_search_is_capped_by_the_graphs_size():
     making a candidate costs past AHEAD_SECONDS_PER_NODE a node."""
     import types
 
-    from taso_jax.search.choose import AHEAD_SECONDS_PER_NODE, choice_reserve, guessed_make_seconds
+    from taso_jax.search.compile_ahead import (
+        AHEAD_SECONDS_PER_NODE,
+        choice_reserve,
+        guessed_make_seconds,
+    )
 
     g = _bert_like()
     cap = AHEAD_SECONDS_PER_NODE * len(g.nodes)

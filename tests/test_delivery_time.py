@@ -16,7 +16,7 @@ from taso_jax.pipeline import GraphSource, deliver
 
 
 def _ahead(call_seconds: float):
-    """A background compile of the input that has timed one call (choose.compile_ahead)."""
+    """A background compile of the input that has timed one call (compile_ahead.compile_ahead)."""
     return SimpleNamespace(seconds=0.0, call_seconds=call_seconds)
 
 

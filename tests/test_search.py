@@ -916,17 +916,17 @@ def test_second_opinions_leave_the_choice_what_one_comparison_needs(monkeypatch)
 def test_the_input_is_compiled_ahead_for_the_choice(monkeypatch):
     """A graph of at least COMPILE_AHEAD_NODES nodes is compiled in a background thread, and
     the choice then finds it compiled; a smaller one is not."""
-    from taso_jax.search import choose
+    from taso_jax.search import compile_ahead as ahead
 
     from taso_jax.ir import executor
     from taso_jax.ir.executor import compile_graph, forget_compiled
 
     graph = resnet_module()
     forget_compiled()
-    assert len(graph.nodes) < choose.COMPILE_AHEAD_NODES
-    assert choose.compile_ahead(graph) is None
-    monkeypatch.setattr(choose, "COMPILE_AHEAD_NODES", 1)
-    thread = choose.compile_ahead(graph)
+    assert len(graph.nodes) < ahead.COMPILE_AHEAD_NODES
+    assert ahead.compile_ahead(graph) is None
+    monkeypatch.setattr(ahead, "COMPILE_AHEAD_NODES", 1)
+    thread = ahead.compile_ahead(graph)
     thread.join(120)
     assert not thread.is_alive()
     made = []
