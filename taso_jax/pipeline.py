@@ -9,7 +9,8 @@ a front door imported: an ONNX file, a built graph, a traced function) and retur
    of the graphs (:meth:`Source.time_graphs`);
 2. a search that kept its input delivers it (:func:`~taso_jax.outcome.kept_input_verdict`),
    unless the source checks an unchanged graph too (a built-in example written as ONNX, a
-   traced function whose weight-only work is folded);
+   traced function whose weight-only work is folded) or delivering it cleans the input up
+   (:meth:`Source.cleans_up`: an ONNX file running nodes no output needs);
 3. the source may deliver its input before any check (:meth:`Source.screen`: the
    decorator's decision read from its graph cache, a time limit passed before the
    end-to-end choice, nothing to gain);
@@ -133,6 +134,15 @@ class Source(Protocol):
         Default: the pipeline's, naming the error and the substitutions applied.
         """
 
+    def cleans_up(self) -> bool:
+        """Whether the input graph, delivered, is simpler than the input (default: no).
+
+        An ONNX file that runs nodes no output needs (:mod:`taso_jax.frontends.
+        onnx_cleanup`) is where it is: a search that keeps its input graph then still has
+        it prepared, checked and admitted (:meth:`admit` decides whether it is at least as
+        fast as the file).
+        """
+
 
 class GraphSource:
     """A built graph (the Python API): checked under ``jax.jit``, delivered as a graph.
@@ -227,7 +237,9 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     if not (unchanged and not source.checks_unchanged):
         source.time_graphs(optimizer.target, result.graph, report, deadline)
     kept = kept_input_verdict(graph, result, report)
-    if kept is not None and not source.checks_unchanged:
+    cleaned = (kept is not None and kept[0] is Verdict.UNCHANGED
+               and getattr(source, "cleans_up", lambda: False)())
+    if kept is not None and not source.checks_unchanged and not cleaned:
         return done(*kept)
     screened = source.screen(result, report) if hasattr(source, "screen") else None
     if screened is not None:

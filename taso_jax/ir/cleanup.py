@@ -1,0 +1,115 @@
+"""The cleanup every imported graph gets: identity chains removed, sizes read where fixed.
+
+Two kinds of clean-up need no pass here, since the IR is built that way: a node whose
+outputs reach no graph output is not in the graph (:attr:`Graph.nodes` walks back from the
+outputs), and two nodes with the same operator, attributes and inputs are one node
+(hash-consing). :func:`simplify` removes what is left of the chains exporters write:
+
+* ``reshape(x, shape(x)) = x`` (sizes equal at every binding of the open sizes,
+  :func:`~taso_jax.ops.dims.same_size`);
+* ``reshape(reshape(x, s), t) = reshape(x, t)`` (a reshape reads elements in row-major
+  order, so only the last target counts; ONNX operator spec, Reshape);
+* ``cast(x, dtype(x)) = x`` (ONNX Cast to the input's own type is the identity);
+* ``transpose(x, (0, 1, ..., n-1)) = x`` and
+  ``transpose(transpose(x, p), q) = transpose(x, p[q])`` (ONNX Transpose: output axis
+  ``i`` is input axis ``perm[i]``).
+
+A graph output keeps its name, type and open sizes: only the tensor computing it changes,
+to one equal at every binding.
+
+Sizes that a model reads at run time (an ONNX ``Shape``, kept opaque) are another matter:
+the front door that knows what the opaque node is folds them
+(:func:`taso_jax.frontends.onnx_cleanup.fold_static_sizes`) before this pass.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, make_node
+from taso_jax.ops.dims import same_size
+
+__all__ = ["simplify", "rebuild"]
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _simpler(node: Node) -> tuple[Tensor, str] | None:
+    """An equal, simpler tensor for ``node``'s output and the law used, or ``None``."""
+    if node.op == "reshape":
+        (x,) = node.inputs
+        if _same_shape(x.shape, node.types[0].shape) and x.dtype == node.types[0].dtype:
+            return x, "reshape_to_own_shape"
+        if x.node.op == "reshape":  # only the last target counts
+            inner = x.node.inputs[0]
+            if _same_shape(inner.shape, node.types[0].shape):
+                return inner, "reshape_chain"
+            return make_node("reshape", [inner], node.attr_dict).outputs[0], "reshape_chain"
+    elif node.op == "cast":
+        (x,) = node.inputs
+        if x.dtype == node.types[0].dtype:
+            return x, "cast_to_own_type"
+    elif node.op == "transpose":
+        (x,) = node.inputs
+        perm = tuple(node.attr("perm"))
+        if x.node.op == "transpose":  # transpose(transpose(u, p), q) = transpose(u, p[q])
+            p = tuple(x.node.attr("perm"))
+            x, perm = x.node.inputs[0], tuple(p[i] for i in perm)
+            if perm != tuple(range(len(perm))):
+                return (make_node("transpose", [x], {"perm": perm}).outputs[0],
+                        "transpose_chain")
+            return x, "transpose_chain"
+        if perm == tuple(range(len(perm))):
+            return x, "transpose_identity"
+    return None
+
+
+def rebuild(graph: Graph, replace: Callable[[Node], tuple[Tensor, str] | None],
+            weights: dict | None = None) -> tuple[Graph, Counter]:
+    """``graph`` with each node rebuilt on its new inputs and offered to ``replace``.
+
+    One pass in topological order: a node whose inputs changed is rebuilt (hash-consing
+    merges it with an equal node), then ``replace(node)`` may give an equal tensor to use
+    instead and the name of the law used (counted). ``replace`` sees a node's inputs
+    already replaced, so chains collapse in one pass. ``weights`` are added to the graph's
+    (a ``replace`` that makes constants puts them there).
+
+    Returns:
+        ``(graph, counts)``: the new graph (the same object where nothing changed) and how
+        often each law was used.
+    """
+    counts: Counter = Counter()
+    new: dict[Tensor, Tensor] = {}
+    for n in graph.nodes:
+        if not n.inputs:
+            continue
+        ins = tuple(new.get(t, t) for t in n.inputs)
+        m = n if ins == n.inputs else intern_node(n.op, n.attrs, ins, n.types)
+        found = replace(m)
+        if found is not None:
+            tensor, law = found
+            counts[law] += 1
+            if len(m.types) == 1:
+                new[n.outputs[0]] = tensor
+                continue
+        if m is not n:
+            for t, u in zip(n.outputs, m.outputs, strict=True):
+                new[t] = u
+    if not new:
+        return graph, counts
+    outputs = tuple(new.get(t, t) for t in graph.outputs)
+    return Graph(graph.inputs, outputs, graph.output_names,
+                 {**graph.weights, **(weights or {})}, graph.meta), counts
+
+
+def simplify(graph: Graph) -> tuple[Graph, Counter]:
+    """``graph`` without identity reshapes, casts and transposes, chains composed.
+
+    The laws are the module's; each output keeps its name and its type (equal sizes at
+    every binding). Returns ``(graph, counts)``: counts by law, empty where nothing was
+    simplified (and then the graph is ``graph`` itself).
+    """
+    return rebuild(graph, _simpler)
