@@ -131,6 +131,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     except ImportTimeLimit as e:
         return _import_cut(args, args.model, str(e), external_data, deadline)
     optimizer = _make_optimizer(args, source, deadline)
+    source.deadline = deadline  # the cleanup's timing ends with the run (_admit_cleanup)
     from tqdm import tqdm
 
     bar = tqdm(total=args.budget, desc="search", unit="graph", disable=args.quiet,
@@ -238,6 +239,7 @@ class _OnnxFile:
         self.check_failed = False
         self.target = None  # set with the optimizer (_make_optimizer)
         self._optimized = None  # the graph prepare() exported
+        self.deadline = None  # set with the optimizer (_optimize_in)
         self.reference = original
 
     @classmethod
@@ -435,7 +437,8 @@ class _OnnxFile:
 
         It must hold at every size the input runs at (:func:`_keep_sizes_open`), and its
         median time in onnxruntime, interleaved with the input file's
-        (:func:`~taso_jax.checks.measure_onnxruntime`), must be at most the file's:
+        (:func:`~taso_jax.checks.measure_onnxruntime`, its rounds ending with the time
+        limit), must be at most the file's:
         otherwise the file is written back as it is (:attr:`Verdict.UNCHANGED`, saying why).
         """
         from taso_jax.checks import measure_onnxruntime
@@ -449,7 +452,8 @@ class _OnnxFile:
                 return None, Verdict.UNCHANGED, ("no faster equivalent graph was found, and "
                                                  "the cleaned-up graph holds at the sizes "
                                                  "it was imported at only")
-        timing = measure_onnxruntime(self.reference, data, self.references[0][1])
+        timing = measure_onnxruntime(self.reference, data, self.references[0][1],
+                                     deadline=self.deadline.at)
         leftovers = dict(self.graph.meta.get("file_leftovers") or {},
                          **(self.graph.meta.get("cleanup") or {}))
         report["cleanup"] = {**leftovers, "onnxruntime": timing}
