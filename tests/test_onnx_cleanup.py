@@ -167,3 +167,26 @@ def test_an_export_that_fails_the_full_check_is_not_an_exit_1(tmp_path, monkeypa
     outcome = json.loads(report.read_text())["outcome"]
     assert outcome["verdict"] == "fallback" and "fails ONNX's full check" in outcome["why"]
     assert out.read_bytes() == src.read_bytes()
+
+
+def test_a_slice_of_fixed_sizes_of_a_shape_is_a_constant_and_one_of_open_sizes_is_not():
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    from taso_jax.frontends.onnx_io import load_onnx
+
+    x = h.make_tensor_value_info("x", T.FLOAT, ["N", 16, 64])
+    outs = [h.make_tensor_value_info(n, T.INT64, [k]) for n, k in (("fixed", 2), ("open", 1))]
+    consts = [nh.from_array(np.array([v], np.int64), n)
+              for n, v in (("one", 1), ("three", 3), ("zero", 0))]
+    nodes = [h.make_node("Shape", ["x"], ["s"]),
+             h.make_node("Slice", ["s", "one", "three"], ["fixed"]),
+             h.make_node("Slice", ["s", "zero", "one"], ["open"])]
+    m = h.make_model(h.make_graph(nodes, "g", [x], outs, consts),
+                     opset_imports=[h.make_opsetid("", 17)])
+    g = load_onnx(m)
+    assert g.meta["cleanup"] == {"static_size_slice": 1}
+    fixed, opened = g.outputs
+    assert fixed.node.op == "weight" and g.weights[fixed.node.name].tolist() == [16, 64]
+    assert opened.node.op != "weight"  # N: read at run time

@@ -6,10 +6,10 @@ before any search, so the search sees the simple graph:
 * :func:`fold_static_sizes`: an ONNX ``Shape`` (ONNX operator spec, Shape: the input's
   sizes as a 1-D int64 tensor, from ``start`` to ``end``) is kept opaque, since it reads
   sizes, not values; where every size it reads is fixed (not open,
-  :func:`~taso_jax.ops.dims.is_open`) it becomes a constant, and a ``Gather`` of fixed
-  entries of a ``Shape`` whose other entries are open becomes one too. What follows
-  (``Cast``, ``Sqrt``, ``Div``: an attention scale) then reads weights only, and is
-  computed once, ahead of time. Where a size read is open the chain is kept, so the
+  :func:`~taso_jax.ops.dims.is_open`) it becomes a constant, and a ``Gather`` or
+  ``Slice`` of fixed entries of a ``Shape`` whose other entries are open becomes one too.
+  What follows (``Cast``, ``Sqrt``, ``Div``: an attention scale) then reads weights only,
+  and is computed once, ahead of time. Where a size read is open the chain is kept, so the
   written file still runs at every size.
 * :func:`~taso_jax.ir.cleanup.simplify`: identity reshapes, casts and transposes.
 
@@ -54,8 +54,8 @@ def _shape_range(node: Node) -> tuple[int, int] | None:
 def fold_static_sizes(graph: Graph) -> tuple[Graph, Counter]:
     """``graph`` with each ``Shape`` that reads fixed sizes only made a constant.
 
-    A ``gather`` of constant indices from a ``Shape`` with open sizes becomes a constant
-    where every entry it reads is fixed (``Shape(x)[2]`` of an ``x`` of sizes
+    A ``gather`` of constant indices or a ``slice`` from a ``Shape`` with open sizes
+    becomes a constant where every entry it reads is fixed (``Shape(x)[2]`` of an ``x`` of sizes
     ``[N, 16, 64]`` is 64 at every ``N``). Returns ``(graph, counts)`` as
     :func:`~taso_jax.ir.cleanup.rebuild`.
     """
@@ -77,6 +77,15 @@ def fold_static_sizes(graph: Graph) -> tuple[Graph, Counter]:
             read = sizes(node.outputs[0])
             if read is not None and not any(is_open(d) for d in read):
                 return constant(np.array([int(d) for d in read], np.int64)), "static_shape"
+        elif node.op == "slice":  # a 1-D slice of a shape: its bounds are plain integers
+            read = sizes(node.inputs[0])
+            if read is None:
+                return None
+            (s,), (e,), (st,) = (node.attr(k) for k in ("starts", "ends", "steps"))
+            picked = list(read)[slice(int(s), int(e) if int(e) >= 0 else None, int(st))]
+            if not any(is_open(d) for d in picked):
+                return (constant(np.array([int(d) for d in picked], np.int64)),
+                        "static_size_slice")
         elif node.op == "gather" and node.inputs[1].node.op == "weight":
             read = sizes(node.inputs[0])
             if read is None:
