@@ -190,3 +190,22 @@ def test_a_slice_of_fixed_sizes_of_a_shape_is_a_constant_and_one_of_open_sizes_i
     fixed, opened = g.outputs
     assert fixed.node.op == "weight" and g.weights[fixed.node.name].tolist() == [16, 64]
     assert opened.node.op != "weight"  # N: read at run time
+
+
+def test_a_reshape_equal_at_the_bound_sizes_only_is_kept():
+    """``x [N, 4] -> Reshape [1, 4]`` is the identity at N = 1 only: it stays."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    from taso_jax.frontends.onnx_io import load_onnx
+
+    x = h.make_tensor_value_info("x", T.FLOAT, ["N", 4])
+    y = h.make_tensor_value_info("y", T.FLOAT, [1, 4])
+    m = h.make_model(h.make_graph([h.make_node("Reshape", ["x", "t"], ["r"]),
+                                   h.make_node("Relu", ["r"], ["y"])], "g", [x], [y],
+                                  [nh.from_array(np.array([1, 4], np.int64), "t")]),
+                     opset_imports=[h.make_opsetid("", 17)])
+    g = load_onnx(m)
+    assert [n.op for n in g.nodes] == ["input", "reshape", "relu"]
+    assert "cleanup" not in g.meta
