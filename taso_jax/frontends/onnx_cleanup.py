@@ -3,6 +3,8 @@
 :func:`clean_imported` runs at the end of :func:`~taso_jax.frontends.onnx_io.load_onnx`,
 before any search, so the search sees the simple graph:
 
+* :func:`merge_duplicate_regions`: opaque ONNX nodes computing the same thing under two
+  names become one.
 * :func:`fold_static_sizes`: an ONNX ``Shape`` (ONNX operator spec, Shape: the input's
   sizes as a 1-D int64 tensor, from ``start`` to ``end``) is kept opaque, since it reads
   sizes, not values; where every size it reads is fixed (not open,
@@ -32,7 +34,7 @@ from taso_jax.ir.graph import Graph, Node, Tensor, leaf_node
 from taso_jax.ops import TensorType
 from taso_jax.ops.dims import is_open
 
-__all__ = ["clean_imported", "fold_static_sizes", "file_leftovers"]
+__all__ = ["clean_imported", "fold_static_sizes", "merge_duplicate_regions", "file_leftovers"]
 
 
 def _shape_range(node: Node) -> tuple[int, int] | None:
@@ -101,15 +103,49 @@ def fold_static_sizes(graph: Graph) -> tuple[Graph, Counter]:
     return rebuild(graph, replace, made)
 
 
-def clean_imported(graph: Graph) -> Graph:
-    """:func:`fold_static_sizes`, then :func:`~taso_jax.ir.cleanup.simplify`, of ``graph``.
+def merge_duplicate_regions(graph: Graph) -> tuple[Graph, Counter]:
+    """``graph`` with opaque ONNX nodes that compute the same thing made one.
 
-    What was done is counted in ``meta["cleanup"]`` (law -> times), beside what the file
-    ran for nothing (``meta["file_leftovers"]``, filled by the import).
+    Hash-consing merges equal declared nodes, but an opaque node's identity holds its
+    tensors' names (:class:`~taso_jax.frontends.onnx_opaque.OnnxNode`), so two ``Shape``
+    nodes of one tensor stay two. Single nodes with the same domain, type and attributes
+    reading the same tensors are one here (ONNX operators are functions of these;
+    ``Random*``, ``Multinomial`` and nodes with subgraphs are left alone). Returns
+    ``(graph, counts)`` as :func:`~taso_jax.ir.cleanup.rebuild`.
     """
+    from onnx import AttributeProto
+
+    seen: dict = {}
+
+    def replace(node: Node):
+        call = node.attr("call")
+        if node.op != "opaque" or len(getattr(call, "nodes", ())) != 1:
+            return None
+        (proto,) = call.protos()
+        if (proto.op_type.startswith("Random") or proto.op_type == "Multinomial"
+                or any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS)
+                       for a in proto.attribute)):
+            return None
+        key = (proto.domain, proto.op_type, node.inputs, node.types,
+               tuple(a.SerializeToString() for a in proto.attribute))
+        first = seen.setdefault(key, node)
+        return None if first is node else (first.outputs, "duplicate_opaque")
+
+    return rebuild(graph, replace)
+
+
+def clean_imported(graph: Graph) -> Graph:
+    """``graph`` merged, folded and simplified: what the import delivers to the search.
+
+    :func:`merge_duplicate_regions`, :func:`fold_static_sizes`, then
+    :func:`~taso_jax.ir.cleanup.simplify`. What was done is counted in
+    ``meta["cleanup"]`` (law -> times), beside what the file ran for nothing
+    (``meta["file_leftovers"]``, filled by the import).
+    """
+    graph, merged = merge_duplicate_regions(graph)
     graph, folded = fold_static_sizes(graph)
     graph, simpler = simplify(graph)
-    counts = dict(folded + simpler)
+    counts = dict(merged + folded + simpler)
     if not counts:
         return graph
     return Graph(graph.inputs, graph.outputs, graph.output_names, graph.weights,

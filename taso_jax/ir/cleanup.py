@@ -72,8 +72,9 @@ def rebuild(graph: Graph, replace: Callable[[Node], tuple[Tensor, str] | None],
     """``graph`` with each node rebuilt on its new inputs and offered to ``replace``.
 
     One pass in topological order: a node whose inputs changed is rebuilt (hash-consing
-    merges it with an equal node), then ``replace(node)`` may give an equal tensor to use
-    instead and the name of the law used (counted). ``replace`` sees a node's inputs
+    merges it with an equal node), then ``replace(node)`` may give an equal tensor (a
+    tuple of them, one per output, for a node of several) to use instead and the name of
+    the law used (counted). ``replace`` sees a node's inputs
     already replaced, so chains collapse in one pass. ``weights`` are added to the graph's
     (a ``replace`` that makes constants puts them there).
 
@@ -90,11 +91,12 @@ def rebuild(graph: Graph, replace: Callable[[Node], tuple[Tensor, str] | None],
         m = n if ins == n.inputs else intern_node(n.op, n.attrs, ins, n.types)
         found = replace(m)
         if found is not None:
-            tensor, law = found
+            value, law = found
             counts[law] += 1
-            if len(m.types) == 1:
-                new[n.outputs[0]] = tensor
-                continue
+            values = value if isinstance(value, tuple) and not isinstance(value, Tensor) \
+                else (value,)
+            new.update(zip(n.outputs, values, strict=True))
+            continue
         if m is not n:
             for t, u in zip(n.outputs, m.outputs, strict=True):
                 new[t] = u
