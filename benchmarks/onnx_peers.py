@@ -12,7 +12,8 @@ the command's own tolerance; inputs drawn as the command draws them,
 ``taso_jax.ir.executor.random_inputs`` at the sizes its import binds).
 
 The markdown table has one row per model (each tool's speed-up; ``≠`` marks unequal
-outputs, ``fails`` a tool that gave no file or a file that does not run) and a geometric
+outputs, ``(input)`` a file that is the input's bytes, so its figure is the noise alone,
+``fails`` a tool that gave no file or a file that does not run) and a geometric
 mean over the models, where a tool's failed or unequal file counts as 1.00x (the user keeps
 the original). The peers install with ``pip install -e '.[peers]'``; a peer that is not
 installed is left out.
@@ -116,7 +117,9 @@ def paired_speedup(original, candidate, feeds: dict, rounds: int) -> float:
 
 
 def measure_model(path: str, tools, workdir: str, time_limit: float, rounds: int) -> dict:
-    """One model's row: tool -> ``{"speedup", "equal"}`` or ``{"error"}``.
+    """One model's row: tool -> ``{"speedup", "equal", "same"}`` or ``{"error"}``.
+
+    ``same``: the tool's file is the input's bytes.
 
     Raises:
         Exception: the model itself does not import or run (the caller notes it).
@@ -136,7 +139,8 @@ def measure_model(path: str, tools, workdir: str, time_limit: float, rounds: int
             MAKERS[tool](path, dst, time_limit)
             equal = bool(compare_onnx(path, dst, feeds).get("ok"))
             row[tool] = {"speedup": paired_speedup(original, session(dst), feeds, rounds),
-                         "equal": equal}
+                         "equal": equal,
+                         "same": Path(dst).read_bytes() == Path(path).read_bytes()}
         except Exception as e:  # noqa: BLE001 - a tool's failure is a cell of the table
             row[tool] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
                          if str(e) else type(e).__name__}
@@ -148,7 +152,8 @@ def _cell(entry: dict | None) -> str:
         return "-"
     if "error" in entry:
         return "fails"
-    return f"{entry['speedup']:.2f}x" + ("" if entry["equal"] else " ≠")
+    return (f"{entry['speedup']:.2f}x" + ("" if entry["equal"] else " ≠")
+            + (" (input)" if entry.get("same") else ""))
 
 
 def geomean(rows: dict, tool: str) -> float:

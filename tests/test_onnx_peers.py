@@ -23,15 +23,15 @@ def _script():
 
 def test_the_table_marks_unequal_and_failed_files_and_counts_them_as_1x_in_the_geomean():
     peers = _script()
-    rows = {"a": {"onnxsim": {"speedup": 2.0, "equal": True},
+    rows = {"a": {"onnxsim": {"speedup": 2.0, "equal": True, "same": False},
                   "taso-jax": {"speedup": 4.0, "equal": False}},
-            "b": {"onnxsim": {"speedup": 0.5, "equal": True},
+            "b": {"onnxsim": {"speedup": 0.5, "equal": True, "same": True},
                   "taso-jax": {"error": "RuntimeError: exit 1"}},
             "c": {"error": "ModelError: not loaded"}}
     text = peers.table(rows, ["onnxsim", "taso-jax"])
     lines = text.splitlines()
     assert lines[0] == "| model | onnxsim | taso-jax |"
-    assert lines[2] == "| a | 2.00x | 4.00x ≠ |" and lines[3] == "| b | 0.50x | fails |"
+    assert lines[2] == "| a | 2.00x | 4.00x ≠ |" and lines[3] == "| b | 0.50x (input) | fails |"
     assert lines[4] == "| c | - | - |"
     assert lines[5] == "| **geomean** | 1.000x | 1.000x |"  # sqrt(2 * 0.5); 1 and 1
     assert "- b, taso-jax: RuntimeError: exit 1" in text and "- c: not measured" in text
@@ -54,6 +54,7 @@ def test_one_tool_is_measured_on_a_tiny_model(tmp_path):
     row = peers.measure_model(str(src), ["ort-offline"], str(tmp_path), 5.0, rounds=3)
     entry = row["ort-offline"]
     assert entry["equal"] is True and np.isfinite(entry["speedup"]) and entry["speedup"] > 0
+    assert entry["same"] is False  # onnxruntime's file drops the Identity
     assert peers.main([str(tmp_path / "missing.onnx")]) == 2
 
 
