@@ -237,8 +237,7 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     if not (unchanged and not source.checks_unchanged):
         source.time_graphs(optimizer.target, result.graph, report, deadline)
     kept = kept_input_verdict(graph, result, report)
-    cleaned = (kept is not None and kept[0] is Verdict.UNCHANGED
-               and getattr(source, "cleans_up", lambda: False)())
+    cleaned = kept is not None and getattr(source, "cleans_up", lambda: False)()
     if kept is not None and not source.checks_unchanged and not cleaned:
         return done(*kept)
     screened = source.screen(result, report) if hasattr(source, "screen") else None
@@ -263,6 +262,8 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
             return done(Verdict.FALLBACK, words(check, result))
     prepared, verdict, why = source.admit(prepared, report, unchanged)
     if verdict is not None:
+        if cleaned and verdict.delivers_input:  # the search's own verdict, and the cleanup's
+            verdict, why = kept[0], "; ".join(w for w in (kept[1], why) if w)
         return done(verdict, why, prepared)
     return done(Verdict.UNCHANGED if unchanged else Verdict.REWRITTEN, prepared=prepared)
 

@@ -209,3 +209,35 @@ def test_a_reshape_equal_at_the_bound_sizes_only_is_kept():
     g = load_onnx(m)
     assert [n.op for n in g.nodes] == ["input", "reshape", "relu"]
     assert "cleanup" not in g.meta
+
+
+def test_a_search_cut_by_the_time_limit_still_offers_the_cleanup_and_keeps_its_verdict(
+        tmp_path, monkeypatch):
+    """The search's verdict (time_limit) stands where the cleanup is not faster, and both
+    reasons are given; where it is faster, the cleaned-up file is written."""
+    import onnx
+
+    import taso_jax.checks as checks
+    import taso_jax.pipeline as pipeline
+    from taso_jax.outcome import Verdict
+
+    monkeypatch.setattr(pipeline, "kept_input_verdict", lambda graph, result, report: (
+        (Verdict.TIME_LIMIT, "the time limit passed during the end-to-end choice")
+        if result.graph.key == graph.key else None))
+    speedup = {"value": 0.9}
+    monkeypatch.setattr(checks, "measure_onnxruntime", lambda *a, **k: {
+        "before_us": 10.0, "after_us": 10 / speedup["value"], "speedup": speedup["value"],
+        "repeats": 20})
+    src, out, report = tmp_path / "m.onnx", tmp_path / "m.opt.onnx", tmp_path / "r.json"
+    onnx.save(_model(), src)
+    args = ["optimize", str(src), "-o", str(out), "--target", "onnxruntime", "--json",
+            str(report), *FAST]
+    assert main(args) == 0
+    outcome = json.loads(report.read_text())["outcome"]
+    assert outcome["verdict"] == "time_limit" and out.read_bytes() == src.read_bytes()
+    assert outcome["why"].startswith("the time limit passed during the end-to-end choice; "
+                                     "the cleaned-up file")
+    speedup["value"] = 1.2
+    assert main(args) == 0
+    assert json.loads(report.read_text())["outcome"]["verdict"] == "rewritten"
+    assert _dead_nodes(onnx.load(out)) == 0
