@@ -241,3 +241,32 @@ def test_a_search_cut_by_the_time_limit_still_offers_the_cleanup_and_keeps_its_v
     assert main(args) == 0
     assert json.loads(report.read_text())["outcome"]["verdict"] == "rewritten"
     assert _dead_nodes(onnx.load(out)) == 0
+
+
+def test_constant_of_shape_range_and_expand_over_fixed_sizes_read_weights_only():
+    """``ConstantOfShape``, ``Range`` and ``Expand`` over ``Shape(x)[1:3]`` and
+    ``Shape(x)[2]`` of an ``x [N, 16, 64]`` are computed ahead of time (weight-only: folded
+    by the executor, and by onnxruntime as the written file's session starts)."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    from taso_jax.frontends.onnx_io import load_onnx
+
+    x = h.make_tensor_value_info("x", T.FLOAT, ["N", 16, 64])
+    y = h.make_tensor_value_info("y", T.FLOAT, ["N", 16, 64])
+    consts = [nh.from_array(np.array(v, np.int64), n) for n, v in (
+        ("one", [1]), ("three", [3]), ("zero", 0), ("step", 1), ("two", 2))]
+    nodes = [h.make_node("Shape", ["x"], ["s"]),
+             h.make_node("Slice", ["s", "one", "three"], ["hw"]),
+             h.make_node("ConstantOfShape", ["hw"], ["c"],
+                         value=nh.from_array(np.array([2.0], np.float32))),
+             h.make_node("Gather", ["s", "two"], ["w"], axis=0),
+             h.make_node("Range", ["zero", "w", "step"], ["r"]),
+             h.make_node("Cast", ["r"], ["rf"], to=T.FLOAT),
+             h.make_node("Expand", ["rf", "hw"], ["e"]),
+             h.make_node("Mul", ["x", "c"], ["m"]),
+             h.make_node("Add", ["m", "e"], ["y"])]
+    g = load_onnx(h.make_model(h.make_graph(nodes, "g", [x], [y], consts),
+                               opset_imports=[h.make_opsetid("", 17)]))
+    assert {n.op for n in g.nodes if not n.weight_only} == {"input", "ewmul", "ewadd"}
