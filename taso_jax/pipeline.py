@@ -255,6 +255,9 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     t0 = time.perf_counter()
     check = source.check(prepared, report, unchanged)
     check_s = time.perf_counter() - t0 if check is not None else None
+    if check is not None and cleaned and not check["ok"]:  # an import or export fault
+        report["cleanup_check"] = check
+        return done(kept[0], "; ".join(w for w in (kept[1], _cleanup_mismatch(check)) if w))
     if check is not None:
         report["check"] = check
         if not check["ok"]:
@@ -289,6 +292,13 @@ def _fold_overflow(source, optimized: Graph, graph: Graph):
     hook = getattr(source, "fold_weights", None)
     weights = hook(optimized) if hook is not None else optimized.weights
     return None if weights is None else fold_overflow(optimized, graph, weights)
+
+
+def _cleanup_mismatch(check: dict) -> str:
+    """Why a cleaned-up input whose check failed is not delivered, in words."""
+    return (f"the cleaned-up file's outputs differ from the input's (max abs error "
+            f"{check['max_abs_err']:.3g}): a fault in taso_jax's import or export of this "
+            "model (please report it)")
 
 
 def _mismatch(check: dict, result) -> str:

@@ -270,3 +270,27 @@ def test_constant_of_shape_range_and_expand_over_fixed_sizes_read_weights_only()
     g = load_onnx(h.make_model(h.make_graph(nodes, "g", [x], [y], consts),
                                opset_imports=[h.make_opsetid("", 17)]))
     assert {n.op for n in g.nodes if not n.weight_only} == {"input", "ewmul", "ewadd"}
+
+
+def test_a_cleaned_up_file_whose_outputs_differ_is_not_written_nor_excused_as_noise(
+        tmp_path, monkeypatch, capsys):
+    """The cleaned-up export is the import's and export's own error: a mismatch is never
+    excused as that noise; the input is written back, unchanged, and the report says so."""
+    import onnx
+
+    import taso_jax.checks as checks
+
+    real = checks.check_onnx
+
+    def off(*args, **kwargs):
+        return {**real(*args, **kwargs), "ok": False, "max_abs_err": 0.5}
+
+    monkeypatch.setattr(checks, "check_onnx", off)
+    src, out, report = tmp_path / "m.onnx", tmp_path / "m.opt.onnx", tmp_path / "r.json"
+    onnx.save(_model(), src)
+    assert main(["optimize", str(src), "-o", str(out), "--target", "onnxruntime",
+                 "--json", str(report), *FAST]) == 0
+    data = json.loads(report.read_text())
+    assert data["outcome"]["verdict"] == "unchanged" and out.read_bytes() == src.read_bytes()
+    assert "the cleaned-up file's outputs differ" in data["outcome"]["why"]
+    assert data["cleanup_check"]["ok"] is False and "warning" not in capsys.readouterr().err
