@@ -192,23 +192,55 @@ def test_a_slice_of_fixed_sizes_of_a_shape_is_a_constant_and_one_of_open_sizes_i
     assert opened.node.op != "weight"  # N: read at run time
 
 
-def test_a_reshape_equal_at_the_bound_sizes_only_is_kept():
-    """``x [N, 4] -> Reshape [1, 4]`` is the identity at N = 1 only: it stays."""
+def _reshape_model(target: list[int], name: str):
+    """``name [N, 4] -> Reshape(target) -> Relu``.
+
+    Each model gets its own input name: the IR's nodes are interned by value, and a size
+    ``N`` bound at 1 equals 1 there, so the two models' reshapes would be one node.
+    """
     from onnx import TensorProto as T
     from onnx import helper as h
     from onnx import numpy_helper as nh
 
+    x = h.make_tensor_value_info(name, T.FLOAT, ["N", 4])
+    y = h.make_tensor_value_info("y", T.FLOAT, ["N", 4])
+    return h.make_model(h.make_graph([h.make_node("Reshape", [name, "t"], ["r"]),
+                                      h.make_node("Relu", ["r"], ["y"])], "g", [x], [y],
+                                     [nh.from_array(np.array(target, np.int64), "t")]),
+                        opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_a_reshape_equal_at_the_bound_sizes_only_is_kept_and_one_equal_at_all_goes():
+    """``x [N, 4] -> Reshape [1, 4]`` is the identity at N = 1 only: it stays;
+    ``Reshape [0, 4]`` (0: the input's size, ONNX Reshape) is the identity: it goes."""
     from taso_jax.frontends.onnx_io import load_onnx
 
+    fixed = load_onnx(_reshape_model([1, 4], "fixed"))
+    assert [n.op for n in fixed.nodes] == ["input", "reshape", "relu"]
+    assert "cleanup" not in fixed.meta
+    same = load_onnx(_reshape_model([0, 4], "same"))
+    assert [n.op for n in same.nodes] == ["input", "relu"]
+    assert same.meta["cleanup"] == {"reshape_to_own_shape": 1}
+
+
+def test_two_opaque_nodes_computing_the_same_thing_are_one():
+    """Two ``Shape`` of one open-sized ``x`` (kept opaque: they read N) merge, and the
+    written file computes it once."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    from taso_jax.frontends.onnx_io import export_onnx, load_onnx
+
     x = h.make_tensor_value_info("x", T.FLOAT, ["N", 4])
-    y = h.make_tensor_value_info("y", T.FLOAT, [1, 4])
-    m = h.make_model(h.make_graph([h.make_node("Reshape", ["x", "t"], ["r"]),
-                                   h.make_node("Relu", ["r"], ["y"])], "g", [x], [y],
-                                  [nh.from_array(np.array([1, 4], np.int64), "t")]),
+    y = h.make_tensor_value_info("y", T.INT64, [2])
+    m = h.make_model(h.make_graph([h.make_node("Shape", ["x"], ["s1"]),
+                                   h.make_node("Shape", ["x"], ["s2"]),
+                                   h.make_node("Add", ["s1", "s2"], ["y"])], "g", [x], [y]),
                      opset_imports=[h.make_opsetid("", 17)])
     g = load_onnx(m)
-    assert [n.op for n in g.nodes] == ["input", "reshape", "relu"]
-    assert "cleanup" not in g.meta
+    assert g.meta["cleanup"] == {"duplicate_opaque": 1}
+    assert sum(n.op == "opaque" for n in g.nodes) == 1
+    assert [n.op_type for n in export_onnx(g, fold=False).graph.node] == ["Shape", "Add"]
 
 
 def test_a_search_cut_by_the_time_limit_still_offers_the_cleanup_and_keeps_its_verdict(
