@@ -6,7 +6,8 @@ load_onnx`) and its reference outputs taken in onnxruntime, then the one deliver
 search under one :class:`~taso_jax.search.limits.Deadline`, export, output check in
 onnxruntime at two input scales, write. The :class:`~taso_jax.outcome.Outcome` is printed and
 written as JSON. Where nothing faster is delivered, the user's own file is written back
-byte for byte.
+byte for byte, unless its cleaned-up export checks equal and runs no slower in onnxruntime
+(:meth:`_OnnxFile.cleans_up`).
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ class _OnnxFile:
     The reference for the output check and the end-to-end choice is read from its path
     wherever it is needed rather than held as bytes (the size of its weights: 46 MB for a
     ResNet-18, at the memory peak of the end-to-end choice). A model left unchanged is
-    written back byte for byte (its symbolic sizes, names and metadata included).
+    written back byte for byte (its sizes, names and metadata included), or cleaned up.
     """
 
     def __init__(self, args, graph, name: str, original, references, external_data,
@@ -399,9 +400,8 @@ class _OnnxFile:
     def cleans_up(self) -> bool:
         """Whether the file runs nodes its import dropped or simplified.
 
-        Nodes no output needs, ``Identity`` nodes, duplicates
-        (``meta["file_leftovers"]``), or sizes read where fixed and identity chains
-        (``meta["cleanup"]``): :mod:`taso_jax.frontends.onnx_cleanup`.
+        Nodes no output needs, ``Identity`` nodes, duplicates (``meta["file_leftovers"]``),
+        sizes read where fixed, identity chains (``meta["cleanup"]``): :mod:`.onnx_cleanup`.
         """
         meta = self.graph.meta
         return self.original is not None and bool(meta.get("file_leftovers")
