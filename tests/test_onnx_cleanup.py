@@ -101,6 +101,31 @@ def test_simplify_removes_identity_chains_and_keeps_outputs():
     assert simplify(simple)[0] is simple
 
 
+def test_simplify_removes_neutral_elements_where_they_do_not_broadcast():
+    """``x * 1``, ``1 * x``, ``x / 1``, ``x + 0``, ``x - 0`` are ``x``; a ``1`` of a larger
+    shape (it broadcasts ``x``) and ``1 / x``, ``0 - x``, ``x * 2`` stay."""
+    from taso_jax.ir.cleanup import simplify
+    from taso_jax.ir.graph import new_graph
+
+    b = new_graph()
+    x = b.new_input((2, 3))
+    one, zero = b.new_weight(data=np.ones((3,), np.float32)), b.new_weight(
+        data=np.zeros((), np.float32))
+    wide, two = b.new_weight(data=np.ones((4, 2, 3), np.float32)), b.new_weight(
+        data=np.full((3,), 2.0, np.float32))
+    gone = b.ewsub(b.ewadd(b.ewdiv(b.ewmul(one, b.ewmul(x, one)), one), zero), zero)
+    b.mark_output(b.relu(gone), "gone")
+    b.mark_output(b.ewmul(x, wide), "broadcast")
+    b.mark_output(b.ewdiv(one, x), "reciprocal")
+    b.mark_output(b.ewsub(zero, x), "negated")
+    b.mark_output(b.ewmul(x, two), "doubled")
+    simple, counts = simplify(b.graph())
+    assert simple.outputs[0].node.inputs[0] == x
+    assert [t.node.op for t in simple.outputs[1:]] == ["ewmul", "ewdiv", "ewsub", "ewmul"]
+    assert counts == {"ewmul_neutral": 2, "ewdiv_neutral": 1, "ewadd_neutral": 1,
+                      "ewsub_neutral": 1}
+
+
 def _run(path, feeds):
     import onnxruntime as ort
 

@@ -12,7 +12,10 @@ outputs), and two nodes with the same operator, attributes and inputs are one no
 * ``cast(x, dtype(x)) = x`` (ONNX Cast to the input's own type is the identity);
 * ``transpose(x, (0, 1, ..., n-1)) = x`` and
   ``transpose(transpose(x, p), q) = transpose(x, p[q])`` (ONNX Transpose: output axis
-  ``i`` is input axis ``perm[i]``).
+  ``i`` is input axis ``perm[i]``);
+* ``x * 1 = x``, ``x / 1 = x``, ``x + 0 = x``, ``x - 0 = x`` where the constant's
+  broadcast leaves ``x``'s type as it is (a ``Mul`` by 1.0 that exporters leave, which
+  also keeps onnxruntime from fusing the convolution before it with what follows).
 
 A graph output keeps its name, type and open sizes: only the tensor computing it changes,
 to one equal at every binding.
@@ -27,6 +30,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+import numpy as np
+
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, make_node
 from taso_jax.ops.dims import same_size
 
@@ -37,8 +42,36 @@ def _same_shape(a, b) -> bool:
     return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _simpler(node: Node) -> tuple[Tensor, str] | None:
+#: ``op -> (neutral value, the operand positions it may take)``: ``x * 1 = x``, ``x / 1 =
+#: x``, ``x + 0 = x``, ``x - 0 = x`` (exact in IEEE arithmetic, but for the sign of a zero).
+_NEUTRAL = {"ewmul": (1, (0, 1)), "ewdiv": (1, (1,)), "ewadd": (0, (0, 1)), "ewsub": (0, (1,))}
+#: The largest constant looked at for a neutral element (elements).
+_NEUTRAL_MAX_SIZE = 1 << 16
+
+
+def _neutral_operand(node: Node, weights) -> tuple[Tensor, str] | None:
+    """``x`` for ``x * 1``, ``x / 1``, ``x + 0`` or ``x - 0``, else ``None``.
+
+    Only where the constant's broadcast leaves ``x``'s type as it is (sizes equal at every
+    binding, same element type).
+    """
+    value, places = _NEUTRAL[node.op]
+    for k in places:
+        c, x = node.inputs[k], node.inputs[1 - k]
+        if c.node.op != "weight" or c.node.name not in weights:
+            continue
+        array = weights[c.node.name]
+        if (array.size <= _NEUTRAL_MAX_SIZE and np.all(array == value)
+                and x.dtype == node.types[0].dtype
+                and _same_shape(x.shape, node.types[0].shape)):
+            return x, f"{node.op}_neutral"
+    return None
+
+
+def _simpler(node: Node, weights) -> tuple[Tensor, str] | None:
     """An equal, simpler tensor for ``node``'s output and the law used, or ``None``."""
+    if node.op in _NEUTRAL:
+        return _neutral_operand(node, weights)
     if node.op == "reshape":
         (x,) = node.inputs
         if _same_shape(x.shape, node.types[0].shape) and x.dtype == node.types[0].dtype:
@@ -108,10 +141,10 @@ def rebuild(graph: Graph, replace: Callable[[Node], tuple[Tensor, str] | None],
 
 
 def simplify(graph: Graph) -> tuple[Graph, Counter]:
-    """``graph`` without identity reshapes, casts and transposes, chains composed.
+    """``graph`` without identity reshapes, casts, transposes and neutral elements.
 
     The laws are the module's; each output keeps its name and its type (equal sizes at
     every binding). Returns ``(graph, counts)``: counts by law, empty where nothing was
     simplified (and then the graph is ``graph`` itself).
     """
-    return rebuild(graph, _simpler)
+    return rebuild(graph, lambda node: _simpler(node, graph.weights))
