@@ -6,7 +6,8 @@ load_onnx`) and its reference outputs taken in onnxruntime, then the one deliver
 search under one :class:`~taso_jax.search.limits.Deadline`, export, output check in
 onnxruntime at two input scales, write. The :class:`~taso_jax.outcome.Outcome` is printed and
 written as JSON. Where nothing faster is delivered, the user's own file is written back
-byte for byte.
+byte for byte, unless its cleaned-up export checks equal and runs no slower in onnxruntime
+(:meth:`_OnnxFile.cleans_up`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from taso_jax.cli_files import (
     check_output_path,
     check_tolerances,
 )
+from taso_jax.cli_sizes import _keep_sizes_open
 from taso_jax.cli_timing import onnxruntime_timing, report_timing
 
 __all__ = ["run_optimize"]
@@ -130,6 +132,7 @@ def _optimize_in(args, deadline, notes: list, scratch: str) -> int:
     except ImportTimeLimit as e:
         return _import_cut(args, args.model, str(e), external_data, deadline)
     optimizer = _make_optimizer(args, source, deadline)
+    source.deadline = deadline  # the cleanup's timing ends with the run (_admit_cleanup)
     from tqdm import tqdm
 
     bar = tqdm(total=args.budget, desc="search", unit="graph", disable=args.quiet,
@@ -223,7 +226,7 @@ class _OnnxFile:
     The reference for the output check and the end-to-end choice is read from its path
     wherever it is needed rather than held as bytes (the size of its weights: 46 MB for a
     ResNet-18, at the memory peak of the end-to-end choice). A model left unchanged is
-    written back byte for byte (its symbolic sizes, names and metadata included).
+    written back byte for byte (its sizes, names and metadata included), or cleaned up.
     """
 
     def __init__(self, args, graph, name: str, original, references, external_data,
@@ -237,6 +240,7 @@ class _OnnxFile:
         self.check_failed = False
         self.target = None  # set with the optimizer (_make_optimizer)
         self._optimized = None  # the graph prepare() exported
+        self.deadline = None  # set with the optimizer (_optimize_in)
         self.reference = original
 
     @classmethod
@@ -314,7 +318,8 @@ class _OnnxFile:
         limit, a file in scratch with its tensors beside it.
 
         Raises:
-            NotDeliverable: the graph found does not export.
+            NotDeliverable: the graph found does not export, or its export fails ONNX's
+                full check where the input passes it.
             ModelError: the input itself fails ONNX's full check.
         """
         import onnx
@@ -332,9 +337,10 @@ class _OnnxFile:
         try:
             proto = export_onnx(optimized, fold=self.target.export_fold())
         except Exception as e:
-            if unchanged or self.original is None:
+            if unchanged and self.original is None:  # an example's own graph: ours
                 raise
-            raise NotDeliverable(f"the optimized graph could not be exported to ONNX "
+            what = "cleaned-up" if unchanged else "optimized"
+            raise NotDeliverable(f"the {what} graph could not be exported to ONNX "
                                  f"({type(e).__name__}: {one_line(str(e), 160)})") from e
         data = serialize_onnx(proto, os.path.join(self.scratch, "optimized.onnx"))
         symbolic = self.graph.meta.get("symbolic_dims") if self.original is not None else None
@@ -350,7 +356,8 @@ class _OnnxFile:
                 except Exception as orig:
                     raise ModelError(f"{self.name}: the model fails ONNX's full check "
                                      f"({one_line(str(orig))})") from orig
-            raise e
+            raise NotDeliverable(f"the exported graph fails ONNX's full check "
+                                 f"({type(e).__name__}: {one_line(str(e), 160)})") from e
         return data, general
 
     def check(self, prepared, report: dict, unchanged: bool) -> dict:
@@ -375,7 +382,9 @@ class _OnnxFile:
             self.references = reference_runs(self.reference, graph)
         check = check_onnx(self.reference, prepared[0], graph, rtol=args.rtol, atol=args.atol,
                            references=self.references)
-        if not check["ok"]:
+        # the cleaned-up export of a file (unchanged, with an original) is that noise itself:
+        # nothing excuses it but the comparison at the rounding amplifiers below
+        if not check["ok"] and not (unchanged and self.original is not None):
             noise = check if unchanged else check_onnx(
                 self.reference, serialize_onnx(export_onnx(graph, fold=fold),
                                                os.path.join(self.scratch, "input.onnx")),
@@ -388,14 +397,28 @@ class _OnnxFile:
                           args.atol, rounding_unit(graph))
         return check
 
+    def cleans_up(self) -> bool:
+        """Whether the file runs nodes its import dropped or simplified.
+
+        Nodes no output needs, ``Identity`` nodes, duplicates (``meta["file_leftovers"]``),
+        sizes read where fixed, identity chains (``meta["cleanup"]``): :mod:`.onnx_cleanup`.
+        """
+        meta = self.graph.meta
+        return self.original is not None and bool(meta.get("file_leftovers")
+                                                  or meta.get("cleanup"))
+
     def admit(self, prepared, report: dict, unchanged: bool):
         """The file to write, or why the input is written instead.
 
         The input is written where the file holds at the bound sizes only, or (a target
-        that runs the file by importing it) imports back with operators kept opaque.
+        that runs the file by importing it) imports back with operators kept opaque. An
+        unchanged graph (:meth:`cleans_up`) is written where it holds at every size and is
+        at least as fast as the input in onnxruntime (:meth:`_admit_cleanup`).
         """
         from taso_jax.outcome import Verdict
 
+        if unchanged and self.original is not None:
+            return self._admit_cleanup(prepared, report)
         data, general = prepared
         if general is not None:
             data = _keep_sizes_open(data, general, self.original, self.graph, report,
@@ -410,6 +433,39 @@ class _OnnxFile:
                     f"the optimized model does not import back as it was optimized "
                     f"({lost}), so it would run slower under jax.jit")
         return data, None, None
+
+    def _admit_cleanup(self, prepared, report: dict):
+        """The cleaned-up export (the search found nothing) if it is no slower than the file.
+
+        It must hold at every size the input runs at (:func:`_keep_sizes_open`), and its
+        median time in onnxruntime, interleaved with the input file's
+        (:func:`~taso_jax.checks.measure_onnxruntime`, its rounds ending with the time
+        limit), must be at most the file's; otherwise the file is written back as it is
+        (:attr:`Verdict.UNCHANGED`, saying why).
+        """
+        from taso_jax.checks import measure_onnxruntime
+        from taso_jax.outcome import Verdict
+
+        data, general = prepared
+        if general is not None:
+            data = _keep_sizes_open(data, general, self.original, self.graph, report,
+                                    self.args)
+            if data is None:
+                return None, Verdict.UNCHANGED, ("the cleaned-up graph holds at the sizes "
+                                                 "it was imported at only")
+        timing = measure_onnxruntime(self.reference, data, self.references[0][1],
+                                     deadline=self.deadline and self.deadline.at)
+        leftovers = dict(self.graph.meta.get("file_leftovers") or {},
+                         **(self.graph.meta.get("cleanup") or {}))
+        report["cleanup"] = {**leftovers, "onnxruntime": timing}
+        if not timing["speedup"] >= 1.0:
+            return None, Verdict.UNCHANGED, (
+                f"the cleaned-up file ({_counted(leftovers)}) was not faster in "
+                f"onnxruntime ({timing['speedup']:.3f}x)")
+        report["onnxruntime"] = {**timing, "slower_warning": False}
+        report["notes"].append(f"written as cleaned up ({_counted(leftovers)}): "
+                               f"{timing['speedup']:.3f}x in onnxruntime")
+        return data, Verdict.REWRITTEN, None
 
     def deliver(self, data, report: dict, unchanged: bool, deadline) -> None:
         """Time the file in onnxruntime and write it to ``-o``.
@@ -464,6 +520,11 @@ class _OnnxFile:
 AFTER_SEARCH_PER_IMPORT = 3.0
 #: The most of the time limit kept for delivery after the search pipeline.
 AFTER_SEARCH_SHARE = 0.4
+
+
+def _counted(counts: dict) -> str:
+    """``{"dead": 3, "identity": 1}`` as ``"dead 3, identity 1"``."""
+    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(counts.items()))
 
 
 def _elapsed(deadline) -> float:
@@ -596,58 +657,6 @@ def _write_copy(args, original: str, external_data, report: dict) -> None:
         report["written_copy_of_input"] = True if original == args.model else "converted"
     if args.output:
         report["written"] = args.output
-
-
-def _keep_sizes_open(data: bytes, general: bytes, original: str, graph, report: dict, args):
-    """The serialized model to write: ``general``, ``data`` or ``None``.
-
-    ``general`` is the optimized model with the input's open sizes open again, ``data`` the
-    same at the sizes it was optimized at.
-
-    The model was optimized at one binding of its symbolic sizes; written with them open,
-    it is checked against the original at other sizes
-    (:func:`taso_jax.checks.check_other_sizes`; where rounding is amplified, at the
-    amplifiers, :func:`~taso_jax.rounding_cuts.judge_at_cuts`). Where that fails (a
-    rewritten Reshape holds a fixed size), the model is written at the sizes it was
-    optimized at if the user fixed them (``--input-shape`` for every input with open
-    sizes), or if the original itself runs at none of the other sizes tried. Otherwise it
-    returns ``None``: a model that accepts fewer sizes than the input is no drop-in
-    replacement, and the input is kept.
-    """
-    from taso_jax.checks import check_other_sizes, rounding_unit
-    from taso_jax.rounding_cuts import judge_at_cuts
-
-    def judge(check, original, optimized, runs):  # where the model amplifies rounding
-        judge_at_cuts(check, original, optimized, runs, args.rtol, args.atol,
-                      rounding_unit(graph))
-
-    symbolic = graph.meta["symbolic_dims"]
-    other = check_other_sizes(original, general, graph, symbolic, rtol=args.rtol,
-                              atol=args.atol, judge=judge)
-    report["other_sizes"] = other
-    if other["ok"]:
-        shapes = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in other["shapes"].items())
-        report["notes"].append(f"symbolic sizes kept open in the written model; it matches "
-                               f"the original at other sizes too ({shapes})")
-        return general
-    if other["ok"] is None:
-        why = "the original runs at none of the other sizes tried"
-    else:
-        shapes = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in other["shapes"].items())
-        why = (f"with them open it does not match the original at {shapes}"
-               + (f" ({one_line(other['error'], 240)})" if other.get("error") else ""))
-        given = _parse_shapes(args.input_shape)
-        if not all(name in given for name in symbolic
-                   if name in {n.name for n in graph.inputs}):
-            bound = ", ".join(f"{n.name}={','.join(map(str, n.types[0].shape))}"
-                              for n in graph.inputs if n.name in symbolic)
-            report["notes"].append(
-                f"kept the input: the optimized graph holds the sizes it was optimized at "
-                f"({bound}); {why}. To get it for fixed sizes, give them with --input-shape")
-            return None
-    report["notes"].append("written with the sizes it was optimized at, not symbolic: "
-                           + why)
-    return data
 
 
 def _opaque_after_reimport(data, optimized) -> str | None:

@@ -9,7 +9,8 @@ a front door imported: an ONNX file, a built graph, a traced function) and retur
    of the graphs (:meth:`Source.time_graphs`);
 2. a search that kept its input delivers it (:func:`~taso_jax.outcome.kept_input_verdict`),
    unless the source checks an unchanged graph too (a built-in example written as ONNX, a
-   traced function whose weight-only work is folded);
+   traced function whose weight-only work is folded) or delivering it cleans the input up
+   (:meth:`Source.cleans_up`: an ONNX file running nodes no output needs);
 3. the source may deliver its input before any check (:meth:`Source.screen`: the
    decorator's decision read from its graph cache, a time limit passed before the
    end-to-end choice, nothing to gain);
@@ -133,6 +134,15 @@ class Source(Protocol):
         Default: the pipeline's, naming the error and the substitutions applied.
         """
 
+    def cleans_up(self) -> bool:
+        """Whether the input graph, delivered, is simpler than the input (default: no).
+
+        An ONNX file that runs nodes no output needs (:mod:`taso_jax.frontends.
+        onnx_cleanup`) is where it is: a search that keeps its input graph then still has
+        it prepared, checked and admitted (:meth:`admit` decides whether it is at least as
+        fast as the file).
+        """
+
 
 class GraphSource:
     """A built graph (the Python API): checked under ``jax.jit``, delivered as a graph.
@@ -227,7 +237,8 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     if not (unchanged and not source.checks_unchanged):
         source.time_graphs(optimizer.target, result.graph, report, deadline)
     kept = kept_input_verdict(graph, result, report)
-    if kept is not None and not source.checks_unchanged:
+    cleaned = kept is not None and getattr(source, "cleans_up", lambda: False)()
+    if kept is not None and not source.checks_unchanged and not cleaned:
         return done(*kept)
     screened = source.screen(result, report) if hasattr(source, "screen") else None
     if screened is not None:
@@ -244,6 +255,9 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     t0 = time.perf_counter()
     check = source.check(prepared, report, unchanged)
     check_s = time.perf_counter() - t0 if check is not None else None
+    if check is not None and cleaned and not check["ok"]:  # an import or export fault
+        report["cleanup_check"] = check
+        return done(kept[0], "; ".join(w for w in (kept[1], _cleanup_mismatch(check)) if w))
     if check is not None:
         report["check"] = check
         if not check["ok"]:
@@ -251,6 +265,8 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
             return done(Verdict.FALLBACK, words(check, result))
     prepared, verdict, why = source.admit(prepared, report, unchanged)
     if verdict is not None:
+        if cleaned and verdict.delivers_input:  # the search's own verdict, and the cleanup's
+            verdict, why = kept[0], "; ".join(w for w in (kept[1], why) if w)
         return done(verdict, why, prepared)
     return done(Verdict.UNCHANGED if unchanged else Verdict.REWRITTEN, prepared=prepared)
 
@@ -276,6 +292,13 @@ def _fold_overflow(source, optimized: Graph, graph: Graph):
     hook = getattr(source, "fold_weights", None)
     weights = hook(optimized) if hook is not None else optimized.weights
     return None if weights is None else fold_overflow(optimized, graph, weights)
+
+
+def _cleanup_mismatch(check: dict) -> str:
+    """Why a cleaned-up input whose check failed is not delivered, in words."""
+    return (f"the cleaned-up file's outputs differ from the input's (max abs error "
+            f"{check['max_abs_err']:.3g}): a fault in taso_jax's import or export of this "
+            "model (please report it)")
 
 
 def _mismatch(check: dict, result) -> str:

@@ -305,7 +305,9 @@ def speedup_sources(r: dict) -> str:
     The sources: the substitutions applied (``r["applied"]``, the NHWC layout apart), the
     layout, and the work the delivered graph computes once rather than on every call
     (``r["folded"]``, :func:`~taso_jax.ir.folded_work.folded_work`: weights pre-folded,
-    constants such as masks and biases computed once).
+    constants such as masks and biases computed once), and the cleanup of an input file
+    that ran nodes no output needs (``r["cleanup"]``, :mod:`taso_jax.frontends.
+    onnx_cleanup`).
     """
     applied = {k: v for k, v in (r.get("applied") or {}).items() if k != NHWC_LAYOUT}
     parts = []
@@ -323,6 +325,10 @@ def speedup_sources(r: dict) -> str:
         if ops:
             parts.append(words.format(n=sum(ops.values()), ops=", ".join(
                 f"{op} x{c}" for op, c in sorted(ops.items()))))
+    cleanup = {k: v for k, v in (r.get("cleanup") or {}).items() if k != "onnxruntime"}
+    if cleanup:
+        parts.append("cleanup of the input file: " + ", ".join(
+            f"{k.replace('_', ' ')} x{v}" for k, v in sorted(cleanup.items())))
     return "; ".join(parts) if parts else (
         "no rewrite and no work moved ahead of the calls: the difference is the runtime's")
 

@@ -32,7 +32,7 @@ LAYERS = {"taso_jax.ops": 0, "taso_jax._io": 0, "taso_jax._text": 0, "taso_jax._
           "taso_jax.first_call_timing": 6, "taso_jax.traced_source": 6,
           "taso_jax.examples": 6, "taso_jax.bench": 6,
           "taso_jax.cli": 7, "taso_jax.cli_files": 7, "taso_jax.cli_timing": 7,
-          "taso_jax.cli_optimize": 7,
+          "taso_jax.cli_optimize": 7, "taso_jax.cli_sizes": 7,
           "taso_jax": 8}
 FOLDERS = {"ops": "taso_jax.ops", "search": "taso_jax.search", "verify": "taso_jax.verify",
            "taso_jax": "taso_jax"}

@@ -422,7 +422,10 @@ def test_shape_arithmetic_folds_at_import_without_jax(tmp_path):
     nodes = [helper.make_node("Mul", ["two", "three"], ["six"]),              # 6
              helper.make_node("Reshape", ["six", "one"], ["six1"]),           # [6]
              helper.make_node("Concat", ["one", "six1"], ["shape"], axis=0),  # [1, 6]
-             helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),
+             # twos, not the default zeros: x + 0 is x (ir/cleanup.py), which would leave
+             # nothing of the folded constant to look at
+             helper.make_node("ConstantOfShape", ["shape"], ["zeros"],
+                              value=numpy_helper.from_array(np.array([2.0], np.float32))),
              helper.make_node("Add", ["x", "zeros"], ["y"])]
     info = helper.make_tensor_value_info
     g = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, [1, 6])],

@@ -343,7 +343,7 @@ def test_reshapes_flattens_and_squeezes_carry_open_sizes_from_their_input():
     model = _reshapes_model()
     graph = load_onnx(model, input_shapes={"x": (1, 6, 1, 4)})
     reshapes = [n for n in graph.nodes if n.op == "reshape"]
-    assert len(reshapes) >= 4
+    assert len(reshapes) >= 3  # two in a row are one (ir/cleanup.py: reshape_chain)
     for n in reshapes:
         shape = n.attr("shape")
         assert sum(is_open(d) for d in shape) >= 1, (n.inputs[0].shape, shape)

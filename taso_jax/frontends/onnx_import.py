@@ -18,6 +18,7 @@ import numpy as np
 
 from taso_jax._text import one_line
 from taso_jax.frontends.context import ImportContext
+from taso_jax.frontends.onnx_cleanup import clean_imported, file_leftovers
 from taso_jax.frontends.onnx_model import (
     ImportTimeLimit,
     ModelError,
@@ -146,7 +147,6 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
             type than shape inference computes (another shape: the computed one, noted).
         ImportTimeLimit: ``deadline`` passed (the model had passed ONNX's checker).
     """
-    # over 80 lines for its docstring (the contract); the body is 57 lines
     import onnx
 
     where = str(source) if not isinstance(source, onnx.ModelProto) else "model"
@@ -202,12 +202,12 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
             "shape_notes": shape_notes, "symbolic_dims": symbolic,
             "ir_version": model.ir_version, "opaque": dict(opaque),
             "name": g.name or "graph", "integer_input_bounds": bounds,
-            "value_sized_hint": value_sized_hint(model), "onnx_nodes": len(g.node)}
-    if defaults:
-        meta["input_defaults"] = defaults
+            "value_sized_hint": value_sized_hint(model), "onnx_nodes": len(g.node),
+            "file_leftovers": file_leftovers(model), **({"input_defaults": defaults}
+                                                         if defaults else {})}
     weights = {k: v for k, v in weights.items() if k not in defaults}
-    return merge_opaque_regions(Graph(tuple(inputs), tuple(outputs), tuple(names), weights,
-                                      meta))
+    return merge_opaque_regions(clean_imported(Graph(tuple(inputs), tuple(outputs),
+                                                     tuple(names), weights, meta)))
 
 
 #: The most bytes a sparse initializer may take once dense (the IR holds weights dense);

@@ -1,0 +1,223 @@
+"""taso-jax beside the tools an ONNX user reaches for first, each file timed in onnxruntime.
+
+For each model file: the original; ``onnxsim.simplify``; ``onnxoptimizer.optimize`` (its
+default passes); onnxruntime's offline optimization (``SessionOptions.
+optimized_model_filepath`` at ``ORT_ENABLE_EXTENDED``, the level whose file is portable);
+and ``taso-jax optimize --target onnxruntime`` (a subprocess, ``--time-limit`` seconds).
+Each tool's file is timed in onnxruntime (CPU, 1 intra-op and 1 inter-op thread,
+``ORT_ENABLE_ALL``: what a deployment runs) against the original in the same loop, runs
+interleaved and their order alternating round by round; the speed-up is the ratio of the
+medians. Outputs are compared on the same random inputs (``taso_jax.checks.compare_onnx``,
+the command's own tolerance; inputs drawn as the command draws them,
+``taso_jax.ir.executor.random_inputs`` at the sizes its import binds).
+
+The markdown table has one row per model (each tool's speed-up; ``≠`` marks unequal
+outputs, ``(input)`` a file that is the input's bytes, so its figure is the noise alone,
+``fails`` a tool that gave no file or a file that does not run) and a geometric
+mean over the models, where a tool's failed or unequal file counts as 1.00x (the user keeps
+the original). The peers install with ``pip install -e '.[peers]'``; a peer that is not
+installed is left out.
+
+Usage: ``python benchmarks/onnx_peers.py MODEL.onnx... [--time-limit 20] [--rounds 20]
+[--out results.md]``. Exit 2 (one line) when a model file does not exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+#: The tools, in the table's column order.
+TOOLS = ("onnxsim", "onnxoptimizer", "ort-offline", "taso-jax")
+
+
+def _onnxsim(src: str, dst: str, time_limit: float) -> None:
+    import onnx
+    import onnxsim
+
+    model, ok = onnxsim.simplify(onnx.load(src))
+    if not ok:
+        raise RuntimeError("onnxsim's own check failed")
+    onnx.save(model, dst)
+
+
+def _onnxoptimizer(src: str, dst: str, time_limit: float) -> None:
+    import onnx
+    import onnxoptimizer
+
+    onnx.save(onnxoptimizer.optimize(onnx.load(src)), dst)
+
+
+def _ort_offline(src: str, dst: str, time_limit: float) -> None:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = dst
+    ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+
+def _taso_jax(src: str, dst: str, time_limit: float) -> None:
+    cli = ("import sys; from taso_jax.cli import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", cli, "optimize", src, "-o", dst, "-q",
+                           "--target", "onnxruntime", "--time-limit", str(time_limit)],
+                          capture_output=True, text=True, timeout=3 * time_limit + 120)
+    if done.returncode != 0:
+        raise RuntimeError(f"exit {done.returncode}: "
+                           f"{(done.stderr.strip().splitlines() or [''])[-1][:160]}")
+
+
+MAKERS = {"onnxsim": _onnxsim, "onnxoptimizer": _onnxoptimizer,
+          "ort-offline": _ort_offline, "taso-jax": _taso_jax}
+
+
+def available(tool: str) -> bool:
+    """Whether ``tool``'s package is installed (onnxruntime and taso-jax always are)."""
+    import importlib.util
+
+    return tool not in ("onnxsim", "onnxoptimizer") or importlib.util.find_spec(tool) is not None
+
+
+def session(path: str):
+    """An onnxruntime session as a deployment runs it: CPU, 1 thread, ``ORT_ENABLE_ALL``."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 4
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def paired_speedup(original, candidate, feeds: dict, rounds: int) -> float:
+    """``median(original) / median(candidate)`` of ``rounds`` interleaved runs each.
+
+    The two sessions run in the same loop, their order alternating each round, after one
+    warm-up run each; times are wall-clock seconds of ``session.run``.
+    """
+    for s in (original, candidate):
+        s.run(None, feeds)
+    times = ([], [])
+    for r in range(rounds):
+        order = (0, 1) if r % 2 == 0 else (1, 0)
+        for k in order:
+            s = (original, candidate)[k]
+            t0 = time.perf_counter()
+            s.run(None, feeds)
+            times[k].append(time.perf_counter() - t0)
+    return float(np.median(times[0]) / np.median(times[1]))
+
+
+def measure_model(path: str, tools, workdir: str, time_limit: float, rounds: int) -> dict:
+    """One model's row: tool -> ``{"speedup", "equal", "same"}`` or ``{"error"}``.
+
+    ``same``: the tool's file is the input's bytes.
+
+    Raises:
+        Exception: the model itself does not import or run (the caller notes it).
+    """
+    from taso_jax.checks import compare_onnx
+    from taso_jax.frontends.onnx_io import load_onnx
+    from taso_jax.ir.executor import random_inputs
+
+    graph = load_onnx(path)
+    feeds = dict(zip((n.name for n in graph.inputs), random_inputs(graph, seed=0),
+                     strict=True))
+    original = session(path)
+    row = {}
+    for tool in tools:
+        dst = os.path.join(workdir, f"{Path(path).stem}.{tool}.onnx")
+        try:
+            MAKERS[tool](path, dst, time_limit)
+            equal = bool(compare_onnx(path, dst, feeds).get("ok"))
+            row[tool] = {"speedup": paired_speedup(original, session(dst), feeds, rounds),
+                         "equal": equal,
+                         "same": Path(dst).read_bytes() == Path(path).read_bytes()}
+        except Exception as e:  # noqa: BLE001 - a tool's failure is a cell of the table
+            row[tool] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                         if str(e) else type(e).__name__}
+    return row
+
+
+def _cell(entry: dict | None) -> str:
+    if entry is None:
+        return "-"
+    if "error" in entry:
+        return "fails"
+    return (f"{entry['speedup']:.2f}x" + ("" if entry["equal"] else " ≠")
+            + (" (input)" if entry.get("same") else ""))
+
+
+def geomean(rows: dict, tool: str) -> float:
+    """Geometric mean of ``tool``'s speed-ups; failed or unequal files count as 1.0."""
+    values = [e["speedup"] if "speedup" in e and e["equal"] else 1.0
+              for e in (row.get(tool) for row in rows.values()) if e is not None]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def table(rows: dict, tools) -> str:
+    """The markdown table of ``rows`` (model -> :func:`measure_model`'s row or ``{"error"}``).
+
+    One column per tool of ``tools``, a geometric-mean row last, then each failure in words.
+    """
+    lines = ["| model | " + " | ".join(tools) + " |", "|---" * (len(tools) + 1) + "|"]
+    notes = []
+    for model, row in rows.items():
+        if "error" in row:
+            lines.append(f"| {model} | " + " | ".join("-" for _ in tools) + " |")
+            notes.append(f"- {model}: not measured ({row['error']})")
+            continue
+        lines.append(f"| {model} | " + " | ".join(_cell(row.get(t)) for t in tools) + " |")
+        notes += [f"- {model}, {t}: {row[t]['error']}" for t in tools
+                  if "error" in (row.get(t) or {})]
+    lines.append("| **geomean** | " + " | ".join(
+        f"{geomean({m: r for m, r in rows.items() if 'error' not in r}, t):.3f}x"
+        for t in tools) + " |")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def main(argv=None) -> int:
+    """Measure the models given, print the table (and write it to ``--out``): exit 0.
+
+    Exit 2 with one line when a model file does not exist.
+    """
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("models", nargs="+")
+    p.add_argument("--time-limit", type=float, default=20.0,
+                   help="taso-jax's --time-limit per model, seconds")
+    p.add_argument("--rounds", type=int, default=20, help="interleaved rounds per file")
+    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--out", help="also write the table here")
+    args = p.parse_args(argv)
+    missing = [m for m in args.models if not os.path.isfile(m)]
+    if missing:
+        print(f"onnx_peers: no such model file: {missing[0]}", file=sys.stderr)
+        return 2
+    tools = [t for t in args.tools.split(",") if t in MAKERS and available(t)]
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="onnx_peers_") as work:
+        for m in args.models:
+            name = Path(m).stem
+            try:
+                rows[name] = measure_model(m, tools, work, args.time_limit, args.rounds)
+            except Exception as e:  # noqa: BLE001 - a model that does not load is a row
+                rows[name] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+            print(f"{name}: " + ", ".join(f"{t} {_cell(rows[name].get(t))}" for t in tools),
+                  file=sys.stderr, flush=True)
+    text = table(rows, tools)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

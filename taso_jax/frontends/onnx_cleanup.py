@@ -1,0 +1,187 @@
+"""Clean-up of an imported ONNX model: sizes read where fixed, and what the file ran for nothing.
+
+:func:`clean_imported` runs at the end of :func:`~taso_jax.frontends.onnx_io.load_onnx`,
+before any search, so the search sees the simple graph:
+
+* :func:`merge_duplicate_regions`: opaque ONNX nodes computing the same thing under two
+  names become one.
+* :func:`fold_static_sizes`: an ONNX ``Shape`` (ONNX operator spec, Shape: the input's
+  sizes as a 1-D int64 tensor, from ``start`` to ``end``) is kept opaque, since it reads
+  sizes, not values; where every size it reads is fixed (not open,
+  :func:`~taso_jax.ops.dims.is_open`) it becomes a constant, and a ``Gather`` or
+  ``Slice`` of fixed entries of a ``Shape`` whose other entries are open becomes one too.
+  What follows (``Cast``, ``Sqrt``, ``Div``: an attention scale) then reads weights only,
+  and is computed once, ahead of time. Where a size read is open the chain is kept, so the
+  written file still runs at every size.
+* :func:`~taso_jax.ir.cleanup.simplify`: identity reshapes, casts and transposes.
+
+:func:`file_leftovers` counts what the file itself runs that the imported graph does not:
+nodes whose outputs reach no graph output, ``Identity`` nodes, nodes computing what
+another identical node computes. A model that has any is worth writing as exported even
+where the search finds nothing (the pipeline then times it against the file:
+:meth:`taso_jax.cli_optimize._OnnxFile.admit`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from taso_jax.frontends.onnx_opaque import _outer_names
+from taso_jax.ir.cleanup import rebuild, simplify
+from taso_jax.ir.graph import Graph, Node, Tensor, leaf_node
+from taso_jax.ops import TensorType
+from taso_jax.ops.dims import is_open
+
+__all__ = ["clean_imported", "fold_static_sizes", "merge_duplicate_regions", "file_leftovers"]
+
+
+def _shape_range(node: Node) -> tuple[int, int] | None:
+    """``(start, end)`` of an opaque node that is one ONNX ``Shape``, else ``None``."""
+    call = node.attr("call")
+    if node.op != "opaque" or getattr(call, "label", None) != "Shape" or len(call.nodes) != 1:
+        return None
+    from onnx import helper
+
+    (proto,) = call.protos()
+    attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
+    rank = len(node.inputs[0].shape)
+    start, end = int(attrs.get("start", 0)), int(attrs.get("end", rank))
+    start = min(max(start + rank if start < 0 else start, 0), rank)
+    end = min(max(end + rank if end < 0 else end, 0), rank)
+    return start, end
+
+
+def fold_static_sizes(graph: Graph) -> tuple[Graph, Counter]:
+    """``graph`` with each ``Shape`` that reads fixed sizes only made a constant.
+
+    A ``gather`` of constant indices or a ``slice`` from a ``Shape`` with open sizes
+    becomes a constant where every entry it reads is fixed (``Shape(x)[2]`` of an ``x`` of sizes
+    ``[N, 16, 64]`` is 64 at every ``N``). Returns ``(graph, counts)`` as
+    :func:`~taso_jax.ir.cleanup.rebuild`.
+    """
+    made: dict[str, np.ndarray] = {}
+
+    def constant(value: np.ndarray) -> Tensor:
+        name = f"static_size_{len(made)}"
+        while name in graph.weights:
+            name += "_"
+        made[name] = value
+        return leaf_node("weight", name, TensorType(value.shape, str(value.dtype))).outputs[0]
+
+    def sizes(t: Tensor) -> tuple | None:
+        span = _shape_range(t.node)
+        return None if span is None else t.node.inputs[0].shape[span[0]:span[1]]
+
+    def replace(node: Node):
+        if node.op == "opaque" and len(node.types) == 1:
+            read = sizes(node.outputs[0])
+            if read is not None and not any(is_open(d) for d in read):
+                return constant(np.array([int(d) for d in read], np.int64)), "static_shape"
+        elif node.op == "slice":  # a 1-D slice of a shape: its bounds are plain integers
+            read = sizes(node.inputs[0])
+            if read is None:
+                return None
+            (s,), (e,), (st,) = (node.attr(k) for k in ("starts", "ends", "steps"))
+            picked = list(read)[slice(int(s), int(e) if int(e) >= 0 else None, int(st))]
+            if not any(is_open(d) for d in picked):
+                return (constant(np.array([int(d) for d in picked], np.int64)),
+                        "static_size_slice")
+        elif node.op == "gather" and node.inputs[1].node.op == "weight":
+            read = sizes(node.inputs[0])
+            if read is None:
+                return None
+            idx = np.asarray(graph.weights.get(node.inputs[1].node.name, made.get(
+                node.inputs[1].node.name)))
+            picked = [read[int(i)] for i in np.ravel(idx)] if idx.size else []
+            if all(not is_open(d) for d in picked):
+                value = np.array([int(d) for d in picked], np.int64).reshape(idx.shape)
+                return constant(value), "static_size_gather"
+        return None
+
+    return rebuild(graph, replace, made)
+
+
+def merge_duplicate_regions(graph: Graph) -> tuple[Graph, Counter]:
+    """``graph`` with opaque ONNX nodes that compute the same thing made one.
+
+    Hash-consing merges equal declared nodes, but an opaque node's identity holds its
+    tensors' names (:class:`~taso_jax.frontends.onnx_opaque.OnnxNode`), so two ``Shape``
+    nodes of one tensor stay two. Single nodes with the same domain, type and attributes
+    reading the same tensors are one here (ONNX operators are functions of these;
+    ``Random*``, ``Multinomial`` and nodes with subgraphs are left alone). Returns
+    ``(graph, counts)`` as :func:`~taso_jax.ir.cleanup.rebuild`.
+    """
+    from onnx import AttributeProto
+
+    seen: dict = {}
+
+    def replace(node: Node):
+        call = node.attr("call")
+        if node.op != "opaque" or len(getattr(call, "nodes", ())) != 1:
+            return None
+        (proto,) = call.protos()
+        if (proto.op_type.startswith("Random") or proto.op_type == "Multinomial"
+                or any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS)
+                       for a in proto.attribute)):
+            return None
+        key = (proto.domain, proto.op_type, node.inputs, node.types,
+               tuple(a.SerializeToString() for a in proto.attribute))
+        first = seen.setdefault(key, node)
+        return None if first is node else (first.outputs, "duplicate_opaque")
+
+    return rebuild(graph, replace)
+
+
+def clean_imported(graph: Graph) -> Graph:
+    """``graph`` merged, folded and simplified: what the import delivers to the search.
+
+    :func:`merge_duplicate_regions`, :func:`fold_static_sizes`, then
+    :func:`~taso_jax.ir.cleanup.simplify`. What was done is counted in
+    ``meta["cleanup"]`` (law -> times), beside what the file ran for nothing
+    (``meta["file_leftovers"]``, filled by the import).
+    """
+    graph, merged = merge_duplicate_regions(graph)
+    graph, folded = fold_static_sizes(graph)
+    graph, simpler = simplify(graph)
+    counts = dict(merged + folded + simpler)
+    if not counts:
+        return graph
+    return Graph(graph.inputs, graph.outputs, graph.output_names, graph.weights,
+                 {**graph.meta, "cleanup": counts})
+
+
+def file_leftovers(model) -> dict[str, int]:
+    """What ``model`` (an ``onnx.ModelProto``) runs that no output needs: counts by kind.
+
+    ``dead``: nodes none of whose outputs reaches a graph output (through the nodes'
+    inputs and the names their subgraphs read); ``identity``: live ``Identity`` nodes;
+    ``duplicate``: live nodes equal to an earlier one (same domain, type, attributes and
+    inputs; ONNX operators are functions of these, ``Random*`` and ``Multinomial`` aside).
+    Kinds that do not occur are left out.
+    """
+    g = model.graph
+    producer = {o: i for i, n in enumerate(g.node) for o in n.output if o}
+    live, todo = set(), [producer[o.name] for o in g.output if o.name in producer]
+    while todo:
+        i = todo.pop()
+        if i in live:
+            continue
+        live.add(i)
+        n = g.node[i]
+        todo.extend(producer[x] for x in [*n.input, *_outer_names(n)] if x in producer)
+    seen, counts = set(), Counter()
+    counts["dead"] = len(g.node) - len(live)
+    for i in sorted(live):
+        n = g.node[i]
+        if n.op_type == "Identity" and not n.domain:
+            counts["identity"] += 1
+        if n.op_type.startswith("Random") or n.op_type == "Multinomial" or n.op_type == "Constant":
+            continue
+        key = (n.domain, n.op_type, tuple(n.input),
+               tuple(a.SerializeToString() for a in n.attribute))
+        if key in seen:
+            counts["duplicate"] += 1
+        seen.add(key)
+    return {k: v for k, v in counts.items() if v}

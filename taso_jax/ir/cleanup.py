@@ -1,0 +1,150 @@
+"""The cleanup every imported graph gets: identity chains removed, sizes read where fixed.
+
+Two kinds of clean-up need no pass here, since the IR is built that way: a node whose
+outputs reach no graph output is not in the graph (:attr:`Graph.nodes` walks back from the
+outputs), and two nodes with the same operator, attributes and inputs are one node
+(hash-consing). :func:`simplify` removes what is left of the chains exporters write:
+
+* ``reshape(x, shape(x)) = x`` (sizes equal at every binding of the open sizes,
+  :func:`~taso_jax.ops.dims.same_size`);
+* ``reshape(reshape(x, s), t) = reshape(x, t)`` (a reshape reads elements in row-major
+  order, so only the last target counts; ONNX operator spec, Reshape);
+* ``cast(x, dtype(x)) = x`` (ONNX Cast to the input's own type is the identity);
+* ``transpose(x, (0, 1, ..., n-1)) = x`` and
+  ``transpose(transpose(x, p), q) = transpose(x, p[q])`` (ONNX Transpose: output axis
+  ``i`` is input axis ``perm[i]``);
+* ``x * 1 = x``, ``x / 1 = x``, ``x + 0 = x``, ``x - 0 = x`` where the constant's
+  broadcast leaves ``x``'s type as it is (a ``Mul`` by 1.0 that exporters leave, which
+  also keeps onnxruntime from fusing the convolution before it with what follows).
+
+A graph output keeps its name, type and open sizes: only the tensor computing it changes,
+to one equal at every binding.
+
+Sizes that a model reads at run time (an ONNX ``Shape``, kept opaque) are another matter:
+the front door that knows what the opaque node is folds them
+(:func:`taso_jax.frontends.onnx_cleanup.fold_static_sizes`) before this pass.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, make_node
+from taso_jax.ops.dims import same_size
+
+__all__ = ["simplify", "rebuild"]
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b, strict=True))
+
+
+#: ``op -> (neutral value, the operand positions it may take)``: ``x * 1 = x``, ``x / 1 =
+#: x``, ``x + 0 = x``, ``x - 0 = x`` (exact in IEEE arithmetic, but for the sign of a zero).
+_NEUTRAL = {"ewmul": (1, (0, 1)), "ewdiv": (1, (1,)), "ewadd": (0, (0, 1)), "ewsub": (0, (1,))}
+#: The largest constant looked at for a neutral element (elements).
+_NEUTRAL_MAX_SIZE = 1 << 16
+
+
+def _neutral_operand(node: Node, weights) -> tuple[Tensor, str] | None:
+    """``x`` for ``x * 1``, ``x / 1``, ``x + 0`` or ``x - 0``, else ``None``.
+
+    Only where the constant's broadcast leaves ``x``'s type as it is (sizes equal at every
+    binding, same element type).
+    """
+    value, places = _NEUTRAL[node.op]
+    for k in places:
+        c, x = node.inputs[k], node.inputs[1 - k]
+        if c.node.op != "weight" or c.node.name not in weights:
+            continue
+        array = weights[c.node.name]
+        if (array.size <= _NEUTRAL_MAX_SIZE and np.all(array == value)
+                and x.dtype == node.types[0].dtype
+                and _same_shape(x.shape, node.types[0].shape)):
+            return x, f"{node.op}_neutral"
+    return None
+
+
+def _simpler(node: Node, weights) -> tuple[Tensor, str] | None:
+    """An equal, simpler tensor for ``node``'s output and the law used, or ``None``."""
+    if node.op in _NEUTRAL:
+        return _neutral_operand(node, weights)
+    if node.op == "reshape":
+        (x,) = node.inputs
+        if _same_shape(x.shape, node.types[0].shape) and x.dtype == node.types[0].dtype:
+            return x, "reshape_to_own_shape"
+        if x.node.op == "reshape":  # only the last target counts
+            inner = x.node.inputs[0]
+            if _same_shape(inner.shape, node.types[0].shape):
+                return inner, "reshape_chain"
+            return make_node("reshape", [inner], node.attr_dict).outputs[0], "reshape_chain"
+    elif node.op == "cast":
+        (x,) = node.inputs
+        if x.dtype == node.types[0].dtype:
+            return x, "cast_to_own_type"
+    elif node.op == "transpose":
+        (x,) = node.inputs
+        perm = tuple(node.attr("perm"))
+        if x.node.op == "transpose":  # transpose(transpose(u, p), q) = transpose(u, p[q])
+            p = tuple(x.node.attr("perm"))
+            x, perm = x.node.inputs[0], tuple(p[i] for i in perm)
+            if perm != tuple(range(len(perm))):
+                return (make_node("transpose", [x], {"perm": perm}).outputs[0],
+                        "transpose_chain")
+            return x, "transpose_chain"
+        if perm == tuple(range(len(perm))):
+            return x, "transpose_identity"
+    return None
+
+
+def rebuild(graph: Graph, replace: Callable[[Node], tuple[Tensor, str] | None],
+            weights: dict | None = None) -> tuple[Graph, Counter]:
+    """``graph`` with each node rebuilt on its new inputs and offered to ``replace``.
+
+    One pass in topological order: a node whose inputs changed is rebuilt (hash-consing
+    merges it with an equal node), then ``replace(node)`` may give an equal tensor (a
+    tuple of them, one per output, for a node of several) to use instead and the name of
+    the law used (counted). ``replace`` sees a node's inputs
+    already replaced, so chains collapse in one pass. ``weights`` are added to the graph's
+    (a ``replace`` that makes constants puts them there).
+
+    Returns:
+        ``(graph, counts)``: the new graph (the same object where nothing changed) and how
+        often each law was used.
+    """
+    counts: Counter = Counter()
+    new: dict[Tensor, Tensor] = {}
+    for n in graph.nodes:
+        if not n.inputs:
+            continue
+        ins = tuple(new.get(t, t) for t in n.inputs)
+        m = n if ins == n.inputs else intern_node(n.op, n.attrs, ins, n.types)
+        found = replace(m)
+        if found is not None:
+            value, law = found
+            counts[law] += 1
+            values = value if isinstance(value, tuple) and not isinstance(value, Tensor) \
+                else (value,)
+            new.update(zip(n.outputs, values, strict=True))
+            continue
+        if m is not n:
+            for t, u in zip(n.outputs, m.outputs, strict=True):
+                new[t] = u
+    if not new:
+        return graph, counts
+    outputs = tuple(new.get(t, t) for t in graph.outputs)
+    return Graph(graph.inputs, outputs, graph.output_names,
+                 {**graph.weights, **(weights or {})}, graph.meta), counts
+
+
+def simplify(graph: Graph) -> tuple[Graph, Counter]:
+    """``graph`` without identity reshapes, casts, transposes and neutral elements.
+
+    The laws are the module's; each output keeps its name and its type (equal sizes at
+    every binding). Returns ``(graph, counts)``: counts by law, empty where nothing was
+    simplified (and then the graph is ``graph`` itself).
+    """
+    return rebuild(graph, lambda node: _simpler(node, graph.weights))

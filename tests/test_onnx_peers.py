@@ -1,0 +1,67 @@
+"""``benchmarks/onnx_peers.py``: its table and its measurement of one tool on a tiny model.
+
+New with issue 62 (the script does not exist on main at ec707cb).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "onnx_peers.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("onnx_peers", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_table_marks_unequal_and_failed_files_and_counts_them_as_1x_in_the_geomean():
+    peers = _script()
+    rows = {"a": {"onnxsim": {"speedup": 2.0, "equal": True, "same": False},
+                  "taso-jax": {"speedup": 4.0, "equal": False}},
+            "b": {"onnxsim": {"speedup": 0.5, "equal": True, "same": True},
+                  "taso-jax": {"error": "RuntimeError: exit 1"}},
+            "c": {"error": "ModelError: not loaded"}}
+    text = peers.table(rows, ["onnxsim", "taso-jax"])
+    lines = text.splitlines()
+    assert lines[0] == "| model | onnxsim | taso-jax |"
+    assert lines[2] == "| a | 2.00x | 4.00x ≠ |" and lines[3] == "| b | 0.50x (input) | fails |"
+    assert lines[4] == "| c | - | - |"
+    assert lines[5] == "| **geomean** | 1.000x | 1.000x |"  # sqrt(2 * 0.5); 1 and 1
+    assert "- b, taso-jax: RuntimeError: exit 1" in text and "- c: not measured" in text
+
+
+def test_one_tool_is_measured_on_a_tiny_model(tmp_path):
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    peers = _script()
+    x = h.make_tensor_value_info("x", T.FLOAT, [4, 8])
+    y = h.make_tensor_value_info("y", T.FLOAT, [4, 8])
+    g = h.make_graph([h.make_node("Identity", ["x"], ["i"]), h.make_node("Relu", ["i"], ["y"])],
+                     "g", [x], [y])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    m.ir_version = 8
+    src = tmp_path / "tiny.onnx"
+    onnx.save(m, src)
+    row = peers.measure_model(str(src), ["ort-offline"], str(tmp_path), 5.0, rounds=3)
+    entry = row["ort-offline"]
+    assert entry["equal"] is True and np.isfinite(entry["speedup"]) and entry["speedup"] > 0
+    assert entry["same"] is False  # onnxruntime's file drops the Identity
+    assert peers.main([str(tmp_path / "missing.onnx")]) == 2
+
+
+@pytest.mark.parametrize("tool", ["onnxsim", "onnxoptimizer"])
+def test_a_peer_not_installed_is_left_out(tool, monkeypatch):
+    import importlib.util as util
+
+    peers = _script()
+    monkeypatch.setattr(util, "find_spec", lambda name: None)
+    assert not peers.available(tool) and peers.available("taso-jax")
