@@ -351,3 +351,22 @@ def test_a_cleaned_up_file_whose_outputs_differ_is_not_written_nor_excused_as_no
     assert data["outcome"]["verdict"] == "unchanged" and out.read_bytes() == src.read_bytes()
     assert "the cleaned-up file's outputs differ" in data["outcome"]["why"]
     assert data["cleanup_check"]["ok"] is False and "warning" not in capsys.readouterr().err
+
+
+def test_a_size_the_symbolic_inference_did_not_follow_is_not_folded(monkeypatch):
+    """With open sizes, a Shape of an intermediate value folds where onnxruntime's symbolic
+    inference of the opened model gives its size as a number; where the inference left it
+    unknown (here: failed), the import's integer may be the binding's, so the Shape stays
+    and the file still runs at every size."""
+    from taso_jax.frontends import onnx_symbolic
+    from taso_jax.frontends.onnx_io import load_onnx
+
+    model = _model()
+    shape = next(n for n in model.graph.node if n.op_type == "Shape")
+    shape.input[0] = "a"  # the MatMul's output, [N, 16, 64]: its last size is 64 at every N
+    followed = load_onnx(model)
+    assert followed.meta["cleanup"].get("static_size_gather") == 1
+    monkeypatch.setattr(onnx_symbolic, "_infer", lambda *a, **k: {})
+    lost = load_onnx(model)
+    assert "static_size_gather" not in lost.meta.get("cleanup", {})
+    assert any(n.op == "gather" for n in lost.nodes)

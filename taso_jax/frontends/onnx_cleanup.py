@@ -37,8 +37,8 @@ from taso_jax.ops.dims import is_open
 __all__ = ["clean_imported", "fold_static_sizes", "merge_duplicate_regions", "file_leftovers"]
 
 
-def _shape_range(node: Node) -> tuple[int, int] | None:
-    """``(start, end)`` of an opaque node that is one ONNX ``Shape``, else ``None``."""
+def _shape_range(node: Node) -> tuple[int, int, str] | None:
+    """``(start, end, input name)`` of an opaque node that is one ONNX ``Shape``, else None."""
     call = node.attr("call")
     if node.op != "opaque" or getattr(call, "label", None) != "Shape" or len(call.nodes) != 1:
         return None
@@ -50,16 +50,34 @@ def _shape_range(node: Node) -> tuple[int, int] | None:
     start, end = int(attrs.get("start", 0)), int(attrs.get("end", rank))
     start = min(max(start + rank if start < 0 else start, 0), rank)
     end = min(max(end + rank if end < 0 else end, 0), rank)
-    return start, end
+    return start, end, proto.input[0]
 
 
-def fold_static_sizes(graph: Graph) -> tuple[Graph, Counter]:
+class _Open:
+    """A size held as a plain integer that may vary with the model's open sizes.
+
+    The symbolic inference did not follow it (:func:`fold_static_sizes`): never folded.
+    """
+
+    def __init__(self, d):
+        self.d = d
+
+    def __int__(self):
+        return int(self.d)
+
+
+def fold_static_sizes(graph: Graph, static_axes: dict | None = None) -> tuple[Graph, Counter]:
     """``graph`` with each ``Shape`` that reads fixed sizes only made a constant.
 
     A ``gather`` of constant indices or a ``slice`` from a ``Shape`` with open sizes
     becomes a constant where every entry it reads is fixed (``Shape(x)[2]`` of an ``x`` of sizes
-    ``[N, 16, 64]`` is 64 at every ``N``). Returns ``(graph, counts)`` as
-    :func:`~taso_jax.ir.cleanup.rebuild`.
+    ``[N, 16, 64]`` is 64 at every ``N``). ``static_axes`` (ONNX value name -> one flag per
+    axis), where the model has open sizes, says which sizes the symbolic inference of the
+    open model found to be numbers
+    (:func:`~taso_jax.frontends.onnx_symbolic.open_types`): a size it left unknown may
+    still vary with the open ones though the import holds it as an integer, so only the
+    flagged ones fold (a name it did not infer folds nothing). ``None``: the model's sizes
+    are all fixed. Returns ``(graph, counts)`` as :func:`~taso_jax.ir.cleanup.rebuild`.
     """
     made: dict[str, np.ndarray] = {}
 
@@ -72,12 +90,22 @@ def fold_static_sizes(graph: Graph) -> tuple[Graph, Counter]:
 
     def sizes(t: Tensor) -> tuple | None:
         span = _shape_range(t.node)
-        return None if span is None else t.node.inputs[0].shape[span[0]:span[1]]
+        if span is None:
+            return None
+        read = t.node.inputs[0].shape[span[0]:span[1]]
+        if static_axes is None:
+            return read
+        flags = static_axes.get(span[2], ())[span[0]:span[1]]
+        return tuple(d if k < len(flags) and flags[k] else _Open(d)
+                     for k, d in enumerate(read))
+
+    def fixed(ds) -> bool:
+        return not any(is_open(d) or isinstance(d, _Open) for d in ds)
 
     def replace(node: Node):
         if node.op == "opaque" and len(node.types) == 1:
             read = sizes(node.outputs[0])
-            if read is not None and not any(is_open(d) for d in read):
+            if read is not None and fixed(read):
                 return constant(np.array([int(d) for d in read], np.int64)), "static_shape"
         elif node.op == "slice":  # a 1-D slice of a shape: its bounds are plain integers
             read = sizes(node.inputs[0])
@@ -85,7 +113,7 @@ def fold_static_sizes(graph: Graph) -> tuple[Graph, Counter]:
                 return None
             (s,), (e,), (st,) = (node.attr(k) for k in ("starts", "ends", "steps"))
             picked = list(read)[slice(int(s), int(e) if int(e) >= 0 else None, int(st))]
-            if not any(is_open(d) for d in picked):
+            if fixed(picked):
                 return (constant(np.array([int(d) for d in picked], np.int64)),
                         "static_size_slice")
         elif node.op == "gather" and node.inputs[1].node.op == "weight":
@@ -95,7 +123,7 @@ def fold_static_sizes(graph: Graph) -> tuple[Graph, Counter]:
             idx = np.asarray(graph.weights.get(node.inputs[1].node.name, made.get(
                 node.inputs[1].node.name)))
             picked = [read[int(i)] for i in np.ravel(idx)] if idx.size else []
-            if all(not is_open(d) for d in picked):
+            if fixed(picked):
                 value = np.array([int(d) for d in picked], np.int64).reshape(idx.shape)
                 return constant(value), "static_size_gather"
         return None
@@ -134,16 +162,16 @@ def merge_duplicate_regions(graph: Graph) -> tuple[Graph, Counter]:
     return rebuild(graph, replace)
 
 
-def clean_imported(graph: Graph) -> Graph:
+def clean_imported(graph: Graph, static_axes: dict | None = None) -> Graph:
     """``graph`` merged, folded and simplified: what the import delivers to the search.
 
-    :func:`merge_duplicate_regions`, :func:`fold_static_sizes`, then
-    :func:`~taso_jax.ir.cleanup.simplify`. What was done is counted in
+    :func:`merge_duplicate_regions`, :func:`fold_static_sizes` (with ``static_axes``),
+    then :func:`~taso_jax.ir.cleanup.simplify`. What was done is counted in
     ``meta["cleanup"]`` (law -> times), beside what the file ran for nothing
     (``meta["file_leftovers"]``, filled by the import).
     """
     graph, merged = merge_duplicate_regions(graph)
-    graph, folded = fold_static_sizes(graph)
+    graph, folded = fold_static_sizes(graph, static_axes)
     graph, simpler = simplify(graph)
     counts = dict(merged + folded + simpler)
     if not counts:

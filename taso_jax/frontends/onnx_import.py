@@ -170,8 +170,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     weights = _read_weights(g)
     defaults = _overridable(model, weights)
     bounds = index_bounds(model, types)
-    missing = [o for n in g.node for o in n.output if o and o not in types]
-    if missing:
+    if missing := [o for n in g.node for o in n.output if o and o not in types]:
         _check_deadline(deadline, "before onnxruntime runs it for the sizes left open")
         try:
             _missing_types_by_running(model, missing, types, weights, bounds)
@@ -182,9 +181,10 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
                        f"({one_line(str(e), 300)})" + (f"; {hint}" if hint else ""))
             raise model_refusal(message, hint) from e
 
+    static_axes = {} if symbolic else None  # None: every size is fixed
     if symbolic:  # the sizes that follow from the open ones, as expressions
         _check_deadline(deadline, "before the symbolic shape inference of the open sizes")
-        types = open_types(model, symbolic, types,
+        types = open_types(model, symbolic, types, static_axes=static_axes,
                            deadline=None if deadline is None else deadline.share("open_sizes"))
     env: dict[str, Tensor] = {
         name: leaf_node("weight", name, TensorType(arr.shape, str(arr.dtype))).outputs[0]
@@ -207,7 +207,7 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
                                                          if defaults else {})}
     weights = {k: v for k, v in weights.items() if k not in defaults}
     return merge_opaque_regions(clean_imported(Graph(tuple(inputs), tuple(outputs),
-                                                     tuple(names), weights, meta)))
+                                                     tuple(names), weights, meta), static_axes))
 
 
 #: The most bytes a sparse initializer may take once dense (the IR holds weights dense);

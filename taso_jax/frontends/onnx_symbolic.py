@@ -38,7 +38,8 @@ def _safe_symbols(symbolic: Mapping[str, Mapping[int, str]]) -> dict[tuple[str, 
 
 
 def open_types(model, symbolic: Mapping[str, Mapping[int, str]],
-               types: Mapping[str, TensorType], deadline=None) -> dict[str, TensorType]:
+               types: Mapping[str, TensorType], deadline=None,
+               static_axes: dict | None = None) -> dict[str, TensorType]:
     """``types`` with the sizes that follow from the model's open sizes as expressions.
 
     Args:
@@ -50,6 +51,10 @@ def open_types(model, symbolic: Mapping[str, Mapping[int, str]],
         types: value name -> its type at the binding (``_value_types`` and the probe runs).
         deadline: a :class:`~taso_jax.search.limits.Deadline` past which the inference is
             given up, as where it fails; ``None``: no limit.
+        static_axes: a dict filled with, per value name (inputs, initializers and what the
+            inference reached), one flag per axis: whether its size is a number with the
+            inputs opened again, the same at every binding. A size it leaves unknown, or a
+            value it did not reach, may vary though ``types`` holds an integer for it.
 
     Returns:
         The same mapping, where each size that onnxruntime's symbolic shape inference
@@ -84,6 +89,17 @@ def open_types(model, symbolic: Mapping[str, Mapping[int, str]],
                 shape[axis] = Dim(shape[axis], symbol(sym))
         out[name] = TensorType(tuple(shape), t.dtype)
     inferred = _infer(_light_model(model), names, deadline)
+    if static_axes is not None:
+        for name, t in types.items():
+            if name in inits:
+                static_axes[name] = (True,) * len(t.shape)
+            elif name in graph_inputs:
+                static_axes[name] = tuple(k not in open_inputs.get(name, {})
+                                          for k in range(len(t.shape)))
+        for name, dims in inferred.items():
+            if name not in graph_inputs and name not in inits:
+                static_axes[name] = tuple(isinstance(d, int) and not isinstance(d, bool)
+                                          for d in dims)
     if not inferred:
         return out
     known = frozenset(binding)
