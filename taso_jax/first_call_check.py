@@ -117,7 +117,7 @@ def _compile_stages(entry, full_precision: bool) -> None:
 def compare_with_original(host, entry, traced: TracedFunction, args, static_pos) -> dict:
     """The optimized stages' outputs against the original's, under the module's policy.
 
-    ``host`` is the decorated function (its ``_folded`` weights and ``_user_jit``). The
+    ``host`` is the decorated function (its ``_folded`` weights and ``_entry_jit``). The
     reference is the background run's outputs (:class:`~taso_jax.first_call_budget.
     OriginalRun`), else ``jax.jit`` of the function on the call's arguments, else of the
     traced function on random values for the tracers. The stages may be left compiled at
@@ -140,7 +140,7 @@ def compare_with_original(host, entry, traced: TracedFunction, args, static_pos)
     elif entry.all_arrays and not any(_is_tracer(x) for x in leaves):
         # jax.jit of the function itself, as the timing against it calls it: one
         # compile of the original serves both
-        ref = jax.tree_util.tree_leaves(host._user_jit(static_pos)(*args))
+        ref = jax.tree_util.tree_leaves(host._entry_jit(entry, static_pos)(*args))
         entry.original_warm = True
     else:
         ref = jax.tree_util.tree_leaves(entry.jit_original(*values))
