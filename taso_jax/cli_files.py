@@ -74,6 +74,8 @@ def check_output_path(path: str, option: str, protected: NamedFiles) -> None:
     Raises:
         UsageError: naming the option and the path.
     """
+    if not path:  # an unset variable (-o "$OUT"): never the default path in its place
+        raise UsageError(f"{option} '': the path is empty")
     what = protected.what(path)
     if what is not None:
         raise UsageError(f"{option} {path!r} is {what}; choose another path "
@@ -113,12 +115,14 @@ MAX_MODEL_BYTES = 2 ** 31
 MAX_RULE_FILE_BYTES = 2 ** 28
 
 
-def check_input_file(path: str, what: str, limit: int) -> None:
+def check_input_file(path: str, what: str, limit: int, must_exist: bool = True) -> None:
     """Refuse an input that is not a regular file of at most ``limit`` bytes, before reading.
 
     A device (``/dev/zero`` reads until memory runs out), a pipe (blocks forever) or a folder
-    is never opened: only ``os.stat`` looks at it. A path that does not exist passes, for
-    the reader to report in its own words.
+    is never opened: only ``os.stat`` looks at it. A path that does not exist (a typo, an
+    empty path, a symbolic link to nothing) is refused as such, unless ``must_exist`` is
+    false (a checkpoint that a run starts): read later, it would be blamed on the run
+    (``the input model was deleted or moved during the run``).
 
     Raises:
         UsageError: naming ``what`` (``"model"``, ``"--substitutions"``) and the path.
@@ -126,7 +130,12 @@ def check_input_file(path: str, what: str, limit: int) -> None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return
+        if not must_exist:
+            return
+        if os.path.islink(path):
+            raise UsageError(f"{what} {path!r} is a symbolic link to "
+                             f"{os.readlink(path)!r}, which does not exist") from None
+        raise UsageError(f"{what} {path!r} does not exist") from None
     except OSError as e:
         raise UsageError(f"{what} {path!r}: {e.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
@@ -155,7 +164,7 @@ def check_tolerances(args) -> None:
 
 
 def check_outputs(outputs, protected: NamedFiles) -> None:
-    """:func:`check_output_path` for each ``(path, option, what)``; ``None`` paths are skipped.
+    """:func:`check_output_path` for each ``(path, option, what)``; ``None`` (not given) is skipped.
 
     Each checked path joins ``protected`` as ``"<what> (<option>)"``, so that no two of a
     command's outputs are one file and none is one of its inputs.
@@ -164,7 +173,7 @@ def check_outputs(outputs, protected: NamedFiles) -> None:
         UsageError: naming the option and the path.
     """
     for path, option, what in outputs:
-        if path:
+        if path is not None:
             check_output_path(path, option, protected)
             protected.add(path, f"{what} ({option})")
 
