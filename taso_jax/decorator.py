@@ -458,7 +458,7 @@ class OptimizedFunction(FirstCallPipeline):
         first call drops it once decided (a signature that runs optimized never runs it
         again; one that runs the original runs :meth:`_kept_jit`), and an entry evicted
         from the cache takes it along. Compiled in :meth:`_user_jit`, it would stay as
-        long as the decorated function (issue 60: 40 shapes grew RSS 1.9x jax.jit's).
+        long as the decorated function, one executable per signature ever called.
         """
         if entry.user_jit is None:
             flat_fn = self._flat_fn

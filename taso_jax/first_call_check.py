@@ -101,7 +101,7 @@ def _stored_check(check: dict | None) -> dict | None:
 
 #: ``jax.jit`` of a weight stage by its nodes (``StagedGraph.fold_key``) and precision,
 #: held while some signature's entry holds it: the signatures of one function at other
-#: batch sizes fold the same weights alike, and compiled one weight stage each (issue 60).
+#: batch sizes fold the same weights alike, and need not compile one weight stage each.
 _FOLD_JITS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
