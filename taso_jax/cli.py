@@ -29,6 +29,7 @@ from taso_jax._text import one_line
 from taso_jax.cli_files import (
     MAX_RULE_FILE_BYTES,
     UsageError,
+    check_checkpoint_text,
     check_input_file,
     check_output_folder,
     check_outputs,
@@ -62,6 +63,7 @@ def _check_proof_files(args) -> None:
     if args.checkpoint:
         check_input_file(args.checkpoint, "--checkpoint", MAX_RULE_FILE_BYTES,
                          must_exist=False)
+        check_checkpoint_text(args.checkpoint)
     check_outputs([(args.checkpoint, "--checkpoint", "the checkpoint"),
                    (args.output, "-o", "the output file"),
                    (args.report, "--report", "the report file")], protected)

@@ -12,7 +12,8 @@ import stat
 
 from taso_jax._io import NamedFiles
 
-__all__ = ["UsageError", "check_output_path", "check_input_file", "check_tolerances",
+__all__ = ["UsageError", "check_output_path", "check_input_file", "check_checkpoint_text",
+           "check_tolerances",
            "check_outputs", "check_output_folder", "MAX_MODEL_BYTES", "MAX_RULE_FILE_BYTES"]
 
 
@@ -144,6 +145,27 @@ def check_input_file(path: str, what: str, limit: int, must_exist: bool = True) 
     if st.st_size > limit:
         raise UsageError(f"{what} {path!r} is {st.st_size:,} bytes, more than the "
                          f"{limit:,} read at most")
+
+
+def check_checkpoint_text(path: str, option: str = "--checkpoint") -> None:
+    """Refuse an existing checkpoint that is not UTF-8 text, before any work.
+
+    A checkpoint is appended to: a binary file named by mistake (a model, an archive)
+    would get JSON lines written into it, and reading it failed as an internal error.
+
+    Raises:
+        UsageError: naming the option and the path.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{option} {path!r} is not a checkpoint file (not UTF-8 text, byte "
+                         f"{e.start}); it would be appended to: name a new file") from None
 
 
 def check_tolerances(args) -> None:

@@ -297,3 +297,29 @@ def test_an_output_repeated_and_a_donated_input_returned_as_is():
         got = g(jnp.ones((2, 8)), w)
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-5)
+
+
+def _one_rule_file(path) -> None:
+    """A rule file of the shipped set's first rule."""
+    import json
+    from importlib.resources import files
+
+    data = json.loads(files("taso_jax").joinpath("data/substitutions.json").read_text())
+    key = next(k for k, v in data.items() if isinstance(v, list))
+    data[key] = data[key][:1]
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("what", ["random_bytes", "an_onnx_model"])
+def test_a_binary_checkpoint_is_refused_before_it_is_appended_to(tmp_path, capsys, what):
+    """``verify --checkpoint`` appends to its file: a binary file named by mistake would be
+    damaged. Before: "internal error: UnicodeDecodeError", exit 1."""
+    rules, cp = tmp_path / "rules.json", tmp_path / "cp.jsonl"
+    _one_rule_file(rules)
+    if what == "random_bytes":
+        cp.write_bytes(bytes(range(128, 256)) * 20)
+    else:
+        onnx.save(_two_matmuls(), cp)
+    before = _digests(tmp_path)
+    _refused(capsys, ["verify", str(rules), "--checkpoint", str(cp)], "not a checkpoint file")
+    assert _digests(tmp_path) == before
