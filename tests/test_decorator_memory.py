@@ -77,9 +77,8 @@ def test_dropped_signatures_release_their_graphs_stages_and_folded_weights(monke
     assert alive == [], alive
     # the two kept signatures still hold theirs
     assert all(r() is not None for r in held[-1].values())
-    if mode == "background":
-        return
-    # and once no signature holds the weight stage, it goes too
+    # and once no signature holds the weight stage, it goes too (in background mode the
+    # worker thread, idle, must not hold the last signature it built)
     mlp._cache.clear()
     mlp._last = mlp._fast = mlp._opt_fast = None
     del shared, out
