@@ -29,6 +29,7 @@ from taso_jax._text import one_line
 from taso_jax.cli_files import (
     MAX_RULE_FILE_BYTES,
     UsageError,
+    check_checkpoint_text,
     check_input_file,
     check_output_folder,
     check_outputs,
@@ -56,11 +57,13 @@ def _check_proof_files(args) -> None:
     protected.add(str(files("taso_jax").joinpath("data/substitutions.json")),
                   "the shipped rule set")
     rule_file = getattr(args, "file", None)
-    if rule_file:
+    if rule_file is not None:
         check_input_file(rule_file, "rule file", MAX_RULE_FILE_BYTES)
         protected.add(rule_file, "the input rule file")
     if args.checkpoint:
-        check_input_file(args.checkpoint, "--checkpoint", MAX_RULE_FILE_BYTES)
+        check_input_file(args.checkpoint, "--checkpoint", MAX_RULE_FILE_BYTES,
+                         must_exist=False)
+        check_checkpoint_text(args.checkpoint)
     check_outputs([(args.checkpoint, "--checkpoint", "the checkpoint"),
                    (args.output, "-o", "the output file"),
                    (args.report, "--report", "the report file")], protected)

@@ -12,7 +12,8 @@ import stat
 
 from taso_jax._io import NamedFiles
 
-__all__ = ["UsageError", "check_output_path", "check_input_file", "check_tolerances",
+__all__ = ["UsageError", "check_output_path", "check_input_file", "check_checkpoint_text",
+           "check_tolerances",
            "check_outputs", "check_output_folder", "MAX_MODEL_BYTES", "MAX_RULE_FILE_BYTES"]
 
 
@@ -74,6 +75,8 @@ def check_output_path(path: str, option: str, protected: NamedFiles) -> None:
     Raises:
         UsageError: naming the option and the path.
     """
+    if not path:  # an unset variable (-o "$OUT"): never the default path in its place
+        raise UsageError(f"{option} '': the path is empty")
     what = protected.what(path)
     if what is not None:
         raise UsageError(f"{option} {path!r} is {what}; choose another path "
@@ -113,12 +116,14 @@ MAX_MODEL_BYTES = 2 ** 31
 MAX_RULE_FILE_BYTES = 2 ** 28
 
 
-def check_input_file(path: str, what: str, limit: int) -> None:
+def check_input_file(path: str, what: str, limit: int, must_exist: bool = True) -> None:
     """Refuse an input that is not a regular file of at most ``limit`` bytes, before reading.
 
     A device (``/dev/zero`` reads until memory runs out), a pipe (blocks forever) or a folder
-    is never opened: only ``os.stat`` looks at it. A path that does not exist passes, for
-    the reader to report in its own words.
+    is never opened: only ``os.stat`` looks at it. A path that does not exist (a typo, an
+    empty path, a symbolic link to nothing) is refused as such, unless ``must_exist`` is
+    false (a checkpoint that a run starts): read later, it would be blamed on the run
+    (``the input model was deleted or moved during the run``).
 
     Raises:
         UsageError: naming ``what`` (``"model"``, ``"--substitutions"``) and the path.
@@ -126,7 +131,12 @@ def check_input_file(path: str, what: str, limit: int) -> None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return
+        if not must_exist:
+            return
+        if os.path.islink(path):
+            raise UsageError(f"{what} {path!r} is a symbolic link to "
+                             f"{os.readlink(path)!r}, which does not exist") from None
+        raise UsageError(f"{what} {path!r} does not exist") from None
     except OSError as e:
         raise UsageError(f"{what} {path!r}: {e.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
@@ -135,6 +145,27 @@ def check_input_file(path: str, what: str, limit: int) -> None:
     if st.st_size > limit:
         raise UsageError(f"{what} {path!r} is {st.st_size:,} bytes, more than the "
                          f"{limit:,} read at most")
+
+
+def check_checkpoint_text(path: str, option: str = "--checkpoint") -> None:
+    """Refuse an existing checkpoint that is not UTF-8 text, before any work.
+
+    A checkpoint is appended to: a binary file named by mistake (a model, an archive)
+    would get JSON lines written into it, and reading it failed as an internal error.
+
+    Raises:
+        UsageError: naming the option and the path.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{option} {path!r} is not a checkpoint file (not UTF-8 text, byte "
+                         f"{e.start}); it would be appended to: name a new file") from None
 
 
 def check_tolerances(args) -> None:
@@ -155,7 +186,7 @@ def check_tolerances(args) -> None:
 
 
 def check_outputs(outputs, protected: NamedFiles) -> None:
-    """:func:`check_output_path` for each ``(path, option, what)``; ``None`` paths are skipped.
+    """:func:`check_output_path` for each ``(path, option, what)``; ``None`` (not given) is skipped.
 
     Each checked path joins ``protected`` as ``"<what> (<option>)"``, so that no two of a
     command's outputs are one file and none is one of its inputs.
@@ -164,7 +195,7 @@ def check_outputs(outputs, protected: NamedFiles) -> None:
         UsageError: naming the option and the path.
     """
     for path, option, what in outputs:
-        if path:
+        if path is not None:
             check_output_path(path, option, protected)
             protected.add(path, f"{what} ({option})")
 

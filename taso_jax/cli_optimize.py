@@ -171,10 +171,10 @@ def _protected_paths(args) -> tuple[NamedFiles, set]:
         external_data = _external_data_files(args.model)
         for p in external_data:
             protected.add(p, "an external-data file of the input model")
-    if args.output:
+    if args.output is not None:
         check_output_path(args.output, "-o", protected)
         protected.add(args.output, "the output model (-o)")
-    if args.json:
+    if args.json is not None:
         check_output_path(args.json, "--json", protected)
     return protected, external_data
 

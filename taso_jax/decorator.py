@@ -450,6 +450,26 @@ class OptimizedFunction(FirstCallPipeline):
         """``jax.jit`` of the original function with these static and donated positions."""
         return self._jit_original(self._user_jits, self._flat_fn, static_pos, donate_pos)
 
+    def _entry_jit(self, entry: _Entry, static_pos) -> Callable:
+        """``jax.jit`` of the original for one signature's first call, held by its entry.
+
+        The output check, the timing against the original and :meth:`measure` call it. It
+        wraps its own function object, so its compiled signature goes with the entry: the
+        first call drops it once decided (a signature that runs optimized never runs it
+        again; one that runs the original runs :meth:`_kept_jit`), and an entry evicted
+        from the cache takes it along. Compiled in :meth:`_user_jit`, it would stay as
+        long as the decorated function, one executable per signature ever called.
+        """
+        if entry.user_jit is None:
+            flat_fn = self._flat_fn
+
+            def original(*args):
+                return flat_fn(*args)
+
+            original.__name__ = original.__qualname__ = _fn_name(self.fn)
+            entry.user_jit = jax.jit(original, static_argnums=tuple(sorted(static_pos)))
+        return entry.user_jit
+
     def _kept_jit(self, static_pos, donate_pos) -> Callable:
         """``jax.jit`` of the original for the fast path.
 
@@ -609,7 +629,7 @@ class OptimizedFunction(FirstCallPipeline):
         # call on an equinox module), as in the end-to-end choice; with non-array leaves,
         # which we treat as static, jax.jit of the flattened function.
         if e.all_arrays:
-            orig_jit = self._user_jit(self._positions[len(args)][1])
+            orig_jit = self._entry_jit(e, self._positions[len(args)][1])
             orig = lambda: orig_jit(*args)  # noqa: E731
         else:
             orig = lambda: e.jit_original(*leaves)  # noqa: E731

@@ -98,7 +98,7 @@ class FirstCallPipeline:
     A mixin: it reads the host's ``fn``, ``_flat_fn``, ``options``, ``check``,
     ``_positions`` and ``_optimizer_made``, and its source
     (:class:`~taso_jax.traced_source.TracedSource`) calls the host's ``_execute``,
-    ``_folded`` and ``_user_jit``.
+    ``_folded`` and ``_entry_jit``.
     """
 
     def _build(self, args, weight_pos, static_pos) -> _Entry:
@@ -150,6 +150,7 @@ class FirstCallPipeline:
                           RuntimeWarning, stacklevel=3)
         if entry.original_run is not None:  # whatever the outcome, the reference goes
             entry.original_run.release()
+        entry.user_jit = None  # and the original compiled for the check and the timing
         entry.optimize_seconds = time.perf_counter() - t0
         entry.first_call["total"] = trace_s + entry.optimize_seconds
         return entry
@@ -241,5 +242,5 @@ class FirstCallPipeline:
         if any(_is_tracer(x) for x in traced.leaves):
             return None
         if entry.all_arrays:
-            return self._user_jit(static_pos), tuple(args)
+            return self._entry_jit(entry, static_pos), tuple(args)
         return entry.jit_original, tuple(traced.leaves)

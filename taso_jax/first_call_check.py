@@ -13,6 +13,7 @@ its check.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -98,17 +99,34 @@ def _stored_check(check: dict | None) -> dict | None:
             and isinstance(v, bool | int | float | str | type(None))}
 
 
+#: ``jax.jit`` of a weight stage by its nodes (``StagedGraph.fold_key``) and precision,
+#: held while some signature's entry holds it: the signatures of one function at other
+#: batch sizes fold the same weights alike, and need not compile one weight stage each.
+_FOLD_JITS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _shared_fold(staged, full_precision: bool) -> Callable:
+    """``jax.jit`` of ``staged``'s weight stage, shared with equal weight stages."""
+    key = (staged.fold_key(), full_precision)
+    jitted = _FOLD_JITS.get(key)
+    if jitted is None:
+        fold = staged.fold_function()
+        jitted = jax.jit(_at_full_precision(fold) if full_precision else fold)
+        _FOLD_JITS[key] = jitted
+    return jitted
+
+
 def _compile_stages(entry, full_precision: bool) -> None:
     """``jax.jit`` of ``entry``'s staged graph, its products at full precision if asked.
 
     The user's calls donate the inputs they donate (``entry.donated``); the check and the
     timing must not, so a donating runner is compiled beside the plain one.
     """
-    fold, run = entry.staged.fold, entry.staged.run
+    run = entry.staged.run
     if full_precision:
-        fold, run = _at_full_precision(fold), _at_full_precision(run)
+        run = _at_full_precision(run)
     entry.full_precision = full_precision
-    entry.fold, entry.run = jax.jit(fold), jax.jit(run)
+    entry.fold, entry.run = _shared_fold(entry.staged, full_precision), jax.jit(run)
     entry.folded_for = ()
     if entry.donated:
         entry.run_donating = jax.jit(run, donate_argnums=entry.donated)
@@ -117,7 +135,7 @@ def _compile_stages(entry, full_precision: bool) -> None:
 def compare_with_original(host, entry, traced: TracedFunction, args, static_pos) -> dict:
     """The optimized stages' outputs against the original's, under the module's policy.
 
-    ``host`` is the decorated function (its ``_folded`` weights and ``_user_jit``). The
+    ``host`` is the decorated function (its ``_folded`` weights and ``_entry_jit``). The
     reference is the background run's outputs (:class:`~taso_jax.first_call_budget.
     OriginalRun`), else ``jax.jit`` of the function on the call's arguments, else of the
     traced function on random values for the tracers. The stages may be left compiled at
@@ -140,7 +158,7 @@ def compare_with_original(host, entry, traced: TracedFunction, args, static_pos)
     elif entry.all_arrays and not any(_is_tracer(x) for x in leaves):
         # jax.jit of the function itself, as the timing against it calls it: one
         # compile of the original serves both
-        ref = jax.tree_util.tree_leaves(host._user_jit(static_pos)(*args))
+        ref = jax.tree_util.tree_leaves(host._entry_jit(entry, static_pos)(*args))
         entry.original_warm = True
     else:
         ref = jax.tree_util.tree_leaves(entry.jit_original(*values))

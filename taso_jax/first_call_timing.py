@@ -104,7 +104,7 @@ def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, sta
                   deadline: Deadline | None = None) -> str | None:
     """Why ``jax.jit`` of the original function should run instead, or ``None``.
 
-    ``host`` is the decorated function (its options, ``_user_jit`` and ``_execute``).
+    ``host`` is the decorated function (its options, ``_entry_jit`` and ``_execute``).
     The baseline is what the user would run: ``jax.jit(fn)(*args)``. With
     ``end_to_end > 0`` it and the optimized function, with this wrapper's own per-call
     work (flattening the arguments, recognizing the weights), are timed in one loop,
@@ -135,7 +135,7 @@ def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, sta
     kinds = traced.kinds
     dyn = tuple(None if i in static_pos else a for i, a in enumerate(args))
     if entry.all_arrays:  # what the user would run: jax.jit of the function itself
-        user_jit = host._user_jit(static_pos)
+        user_jit = host._entry_jit(entry, static_pos)
 
         def original():
             return user_jit(*args)

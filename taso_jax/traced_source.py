@@ -77,7 +77,7 @@ class TracedSource:
 
     Args:
         host: the :class:`~taso_jax.decorator.OptimizedFunction` (its ``options``,
-            ``check``, ``_original_call``, ``_donated_inputs``, ``_folded``, ``_user_jit``
+            ``check``, ``_original_call``, ``_donated_inputs``, ``_folded``, ``_entry_jit``
             and ``_execute``).
         entry: the signature's ``_Entry``, filled as the pipeline goes.
         traced: the traced function; ``args``, ``static_pos``: the call's arguments.

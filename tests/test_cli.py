@@ -120,7 +120,7 @@ def test_bad_input_exit_code_2(tmp_path, case):
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("taso-jax: error:"), r.stderr
-    expected = {"missing": "file not found", "not_onnx": "not a valid ONNX model",
+    expected = {"missing": "does not exist", "not_onnx": "not a valid ONNX model",
                 "truncated": "not a valid ONNX model", "same_output": "is the input model",
                 "json_is_input": "--json", "json_is_output": "is the output model (-o)",
                 "output_is_device": "is not a regular file", "no_folder": "does not exist",

@@ -189,6 +189,8 @@ def _read_checkpoint(path, limits: dict, axioms: str) -> dict[str, dict]:
                     done[rec["id"]] = rec["result"]
     except FileNotFoundError:
         pass
+    except UnicodeDecodeError:  # a binary file: appending proofs to it would damage it
+        raise ValueError(f"{path}: not a checkpoint file (not UTF-8 text)") from None
     return done
 
 

@@ -41,6 +41,9 @@ class _BackgroundWorker:
 
     def _run(self) -> None:
         while True:
+            # bound while get() waits, the last job would keep its signature's entry (the
+            # compiled stages) and the call's argument copies alive after it is dropped
+            job = future = fn = args = None
             job = self._jobs.get()
             if job is None:
                 return

@@ -27,6 +27,7 @@ class _Entry:
 
     out_tree: object
     jit_original: Callable
+    user_jit: Callable | None = None  # jax.jit of the function, for the first call's checks
     graph: Graph | None = None
     result: object = None
     staged: object = None

@@ -334,6 +334,29 @@ class StagedGraph:
         return [env[t] if host_weights and t.node.op == "weight" else _on_device(t, env)
                 for t in self.const_keys]
 
+    def fold_key(self) -> tuple:
+        """What :meth:`fold` computes, as hashable nodes: equal keys fold equal values.
+
+        The IR is hash-consed, so the weight stages of two graphs that differ only in their
+        runtime part (one function called at two batch sizes) have equal keys.
+        """
+        return (tuple(self.weight_names), tuple(self._fold_nodes), tuple(self.const_keys),
+                tuple(n for n in self.graph.nodes if n.op == "weight"))
+
+    def fold_function(self) -> Callable[[Sequence], list]:
+        """:meth:`fold` as a function that holds the weight stage's nodes, not the graph.
+
+        A compiled weight stage can then be shared by graphs of equal :meth:`fold_key`
+        without keeping any one of them alive.
+        """
+        names, fold_nodes, const_keys, weights = self.fold_key()
+
+        def fold(values: Sequence) -> list:
+            env = fold_values(weights, fold_nodes, dict(zip(names, values, strict=True)))
+            return [_on_device(t, env) for t in const_keys]
+
+        return fold
+
     def run(self, consts: Sequence, *args) -> tuple:
         """Graph outputs from folded constants and runtime inputs."""
         env = dict(zip(self.const_keys, consts, strict=True))
