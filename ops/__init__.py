@@ -347,6 +347,7 @@ from taso_jax.ops import (  # noqa: E402,F401
     attention_masks,
     conv,
     elementwise,
+    elementwise_jaxpr,
     im2col,
     matmul,
     nn,

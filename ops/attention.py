@@ -132,13 +132,13 @@ def causal_scores(ctx, x):
     exactly zero in float32 (and bfloat16, float16 below ``-fill - 17``) and the rows' maxima
     are those of the kept scores. That bound is the one the blocked lowering already relies
     on (:data:`SKIP_FILL`); it holds for any finite float32 scores with ``fill = finfo.min``.
-    With ``fill = -inf`` the add itself is the mask (``elementwise._causal_additive``).
+    With ``fill = -inf`` the add itself is the mask (``elementwise_jaxpr._causal_additive``).
 
     An import-time canonicalization, not a rule: the search never sees ``s + m``, so the
     attention laws (stated on ``causal_mask``) apply to it. Call it only for a softmax over
     the last axis of ``x``.
     """
-    from taso_jax.ops.elementwise import _unbroadcast
+    from taso_jax.ops.elementwise_jaxpr import _unbroadcast
 
     if x.node.op != "ewadd" or len(x.shape) < 2 \
             or not np.issubdtype(np.dtype(x.dtype), np.floating):

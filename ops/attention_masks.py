@@ -334,7 +334,8 @@ def _additive(ctx, x):
     The mask is a constant equal over the leading axes; ``mask`` is its additive ``[Sq, Sk]``
     value, ``m`` the additive mask tensor (``None`` for a ``where``).
     """
-    from taso_jax.ops.elementwise import _scalar_const, _unbroadcast
+    from taso_jax.ops.elementwise import _scalar_const
+    from taso_jax.ops.elementwise_jaxpr import _unbroadcast
 
     node = x.node
     if node.op == "ewadd":
