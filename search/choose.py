@@ -317,10 +317,9 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     confirms the graph picked against its own baseline (the decorator against ``jax.jit`` of
     the user's function), so that one comparison, not two, decides.
 
-    ``made_seconds``: seconds that compiling the input took where it was compiled ahead
-    (:func:`~taso_jax.search.compile_ahead.compile_ahead`); the choice then finds it
-    compiled, and takes that for the time a candidate's compilation needs when it weighs
-    whether one fits before ``deadline``.
+    ``made_seconds``: seconds compiling the input took where it was compiled ahead
+    (:mod:`~taso_jax.search.compile_ahead`), taken for a candidate's compile when the
+    choice weighs whether one fits before ``deadline``.
 
     Returns ``{"measured", "original_kept", "chosen", "times_us", "estimates_us",
     "rank_correlation", "device", "repeats", "paired", "floors_us"}``: medians in
