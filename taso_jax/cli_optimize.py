@@ -457,7 +457,7 @@ class _OnnxFile:
                                      deadline=self.deadline and self.deadline.at)
         leftovers = dict(self.graph.meta.get("file_leftovers") or {},
                          **(self.graph.meta.get("cleanup") or {}))
-        report["cleanup"] = {**leftovers, "onnxruntime": timing}
+        report["cleanup"] = {**leftovers, "timing": timing}
         if not timing["speedup"] >= 1.0:
             return None, Verdict.UNCHANGED, (
                 f"the cleaned-up file ({_counted(leftovers)}) was not faster in "

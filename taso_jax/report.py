@@ -325,7 +325,7 @@ def speedup_sources(r: dict) -> str:
         if ops:
             parts.append(words.format(n=sum(ops.values()), ops=", ".join(
                 f"{op} x{c}" for op, c in sorted(ops.items()))))
-    cleanup = {k: v for k, v in (r.get("cleanup") or {}).items() if k != "onnxruntime"}
+    cleanup = {k: v for k, v in (r.get("cleanup") or {}).items() if k != "timing"}
     if cleanup:
         parts.append("cleanup of the input file: " + ", ".join(
             f"{k.replace('_', ' ')} x{v}" for k, v in sorted(cleanup.items())))
