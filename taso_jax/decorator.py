@@ -470,6 +470,23 @@ class OptimizedFunction(FirstCallPipeline):
             entry.user_jit = jax.jit(original, static_argnums=tuple(sorted(static_pos)))
         return entry.user_jit
 
+    def _hand_over_original(self, entry: _Entry, static_pos, n_args: int) -> None:
+        """Drop ``entry``'s compiled original once its first call has decided.
+
+        Where the signature runs the original (kept, or a fallback) without donated inputs,
+        and the fast path's :meth:`_kept_jit` for its positions is not made yet, that
+        ``jax.jit`` becomes it instead: its cache holds this one signature, which runs the
+        original, so the fast path's cache-size test holds, and the original is compiled
+        once, not once for the check and the timing and again for the calls (4-9 s of a
+        first call of transformers' Flax models under load).
+        """
+        jitted, entry.user_jit = entry.user_jit, None
+        donate_pos = self._positions.get(n_args, (set(), set(), set()))[2]
+        key = (tuple(sorted(static_pos)), ())
+        if (jitted is not None and not donate_pos and entry.all_arrays
+                and (entry.fallback is not None or entry.original_kept is not None)):
+            self._kept_jits.setdefault(key, jitted)
+
     def _kept_jit(self, static_pos, donate_pos) -> Callable:
         """``jax.jit`` of the original for the fast path.
 

@@ -150,7 +150,7 @@ class FirstCallPipeline:
                           RuntimeWarning, stacklevel=3)
         if entry.original_run is not None:  # whatever the outcome, the reference goes
             entry.original_run.release()
-        entry.user_jit = None  # and the original compiled for the check and the timing
+        self._hand_over_original(entry, static_pos, len(args))  # or drop it
         entry.optimize_seconds = time.perf_counter() - t0
         entry.first_call["total"] = trace_s + entry.optimize_seconds
         return entry

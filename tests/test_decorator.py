@@ -524,6 +524,42 @@ def test_a_kept_signature_dispatches_to_jax_jit_of_the_original(monkeypatch):
     assert cell._kept_fast is not None  # a traced call leaves the fast path as it was
 
 
+def test_a_kept_signature_compiles_the_original_once(monkeypatch):
+    """The original compiled for the first call's check and timing is the one the kept
+    signature's later calls run: jax.jit compiles it once, not twice."""
+    import logging
+
+    import taso_jax.first_call_timing as first_call_timing
+
+    monkeypatch.setattr(first_call_timing, "MIN_SPEEDUP", 1e9)  # the original is always kept
+    compiles = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            if "Finished XLA compilation of jit(" in text and "kept_cell" in text:
+                compiles.append(1)
+
+    handler = Count()
+    logging.getLogger("jax").addHandler(handler)
+    logged = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    try:
+        @taso_jax.optimize(weight_argnums=0, **{**OPTS, "end_to_end": 2})
+        def kept_cell(w, x):
+            return x @ w["a"] + x @ w["b"]
+
+        w = {"a": jnp.ones((4, 5)), "b": jnp.ones((4, 5))}
+        x = jnp.ones((3, 4))
+        for k in range(3):
+            np.testing.assert_allclose(kept_cell(w, x + k), (8.0 + 8 * k) * np.ones((3, 5)))
+        assert kept_cell.original_kept and kept_cell._kept_fast is not None
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+        jax.config.update("jax_log_compiles", logged)
+    assert len(compiles) == 1, compiles
+
+
 @pytest.mark.slow
 def test_nasrnn_on_one_dimensional_vectors_merges_its_matmuls():
     """x @ W with x of shape (hidden,) imports as a (1, hidden) row, so the merges apply."""
