@@ -214,8 +214,10 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
     text = table(rows, tools)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    if args.out:  # never a half-written table over an older one
+        from taso_jax._io import atomic_write
+
+        atomic_write(args.out, lambda tmp: Path(tmp).write_text(text))
     return 0
 
 
