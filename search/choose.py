@@ -17,8 +17,10 @@ from collections.abc import Sequence
 import numpy as np
 from taso_jax.ops import OPS
 from taso_jax.search.paired_test import (  # re-exported: the choice's tests and callers
+    LOOP_LEAST_ROUNDS,
     confirm_faster,
     halfway,
+    loops_fit,
     paired_speedup,
     rank_correlation,
     rounds_for,
@@ -73,7 +75,7 @@ COMPILE_SECONDS_PER_NODE = 2e-3
 PAST_DEADLINE = "the time limit had passed when the choice began (--time-limit)"
 #: Calls one comparison of a candidate with the input makes at the least: two warm-up
 #: rounds and the five rounds below which a loop is cut short, each calling both.
-COMPARE_CALLS = 2 * (2 + 5)
+COMPARE_CALLS = 2 * (2 + LOOP_LEAST_ROUNDS)
 
 
 def no_time_to_compare(make_seconds: float, call_seconds: float,
@@ -352,8 +354,13 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     def loop(a, b):  # short calls: more rounds, the loop lasting SCREEN_SECONDS at least
         return time_interleaved([a, b], screen, 2, deadline, min_seconds=SCREEN_SECONDS)
 
+    made = [made_seconds]  # seconds each making took: the input's, then the candidates'
+
     def make(g):
-        return compiled_run(g, xs)
+        t0 = time.perf_counter()
+        run = compiled_run(g, xs)
+        made.append(time.perf_counter() - t0)
+        return run
 
     def nhwc_of_best(chosen):  # the layout of whichever graph screened fastest
         if not layouts or NHWC_LAYOUT in chosen[2] or not has_nchw_convolutions(chosen[1]):
@@ -377,14 +384,29 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
         return [held[j] for j in keep]
 
     # Each loop of a confirmation or duel stops halfway to the deadline at the latest, so
-    # that the loop checking a "faster" verdict has time left (:func:`halfway`).
+    # that the loop checking a "faster" verdict has time left (:func:`halfway`); a loop
+    # whose least rounds, and its check loop's, cannot end before the deadline is not
+    # begun (:func:`loops_fit`): it would be cut short, and overrun the time limit.
+    calls_us = [float(np.median(t)) for t in times]
+    begun: set = set()
+
+    def fits(*keep) -> bool:
+        loops = 1 if keep in begun else 2  # a first loop, and the loop checking it
+        begun.add(keep)
+        make_s = max(made) * sum(1 for j in keep if j not in held)
+        return loops_fit([calls_us[j] for j in keep], loops, deadline, make_s)
+
     def confirm(i):  # keep_fastest confirms ``best``, then maybe a runner-up
+        if not fits(0, i):
+            return [], []
         return time_interleaved([base, *hold(i)], repeats, 1, halfway(deadline),
-                                min_seconds=SCREEN_SECONDS)
+                                min_seconds=SCREEN_SECONDS, least=LOOP_LEAST_ROUNDS)
 
     def duel(i, j):  # the confirmed candidate ``i`` against a near tie ``j``
+        if not fits(i, j):
+            return [], []
         return time_interleaved(hold(i, j), repeats, 1, halfway(deadline),
-                                min_seconds=SCREEN_SECONDS)
+                                min_seconds=SCREEN_SECONDS, least=LOOP_LEAST_ROUNDS)
 
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]), device_name(),
                         confirm=confirm, best=best, duel=duel)
@@ -623,7 +645,7 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
     order = ([best] if best and floors[best] < floors[0] else []) + runners
     for i in order[:CONFIRM_TRIES if confirm is not None else 1]:
         first = confirm(i) if confirm is not None else None
-        if first is None or len(first[0]) < 5:  # no loop, or one cut short by the deadline
+        if first is None or len(first[0]) < LOOP_LEAST_ROUNDS:  # none, or cut short
             test = paired_speedup(times[0], times[i])
         else:
             test = confirm_faster(lambda i=i: confirm(i), first)[0]
@@ -643,7 +665,7 @@ def keep_fastest(result, graphs: list[tuple], times: list[Sequence[float]], repe
             reason = "median"
         if rival is not None:
             first = duel(chosen, rival)
-            if len(first[0]) >= 5:  # not cut short by the deadline
+            if len(first[0]) >= LOOP_LEAST_ROUNDS:  # not cut short by the deadline
                 contest = confirm_faster(lambda: duel(chosen, rival), first)[0]
                 contest["candidate"], contest["against"] = rival, chosen
                 contest["reason"] = reason

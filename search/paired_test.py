@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = ["paired_speedup", "signed_rank_greater", "confirm_faster", "halfway", "rounds_for",
-           "rank_correlation",
+           "rank_correlation", "loops_fit", "LOOP_LEAST_ROUNDS",
            "TEST_LEVEL", "MIN_SPEEDUP", "CONFIRM_MAX_ROUNDS", "CONFIRM_MAX_SECONDS",
            "LOOK_AGAIN_FROM"]
 
@@ -220,3 +220,27 @@ def rank_correlation(x, y) -> float:
     if rx.std() == 0 or ry.std() == 0:
         return float("nan")
     return float(np.corrcoef(rx, ry)[0, 1])
+
+
+#: Rounds below which a timing loop is cut short: its rounds are not tested
+#: (:func:`~taso_jax.search.choose.keep_fastest`, :func:`confirm_faster`).
+LOOP_LEAST_ROUNDS = 5
+
+
+def loops_fit(calls_us: Sequence[float], loops: int, deadline: float | None,
+              make_seconds: float = 0.0) -> bool:
+    """Whether ``loops`` timing loops of the functions ``calls_us`` end before ``deadline``.
+
+    ``calls_us``: microseconds one call of each function takes (their screened medians).
+    A loop takes at least one warm-up round, one sizing round and
+    :data:`LOOP_LEAST_ROUNDS` rounds, each calling every function once
+    (:func:`~taso_jax.ir.executor.time_interleaved`); ``make_seconds`` is spent first, making
+    what is not made yet. ``deadline``: a ``time.perf_counter()`` value, ``None`` for no
+    limit. A loop that cannot reach its least rounds before the deadline is cut short and
+    its rounds say nothing; begun anyway, it ran a 1.1 s-a-call layout model's choice 5 s
+    past a 60 s time limit (issue 60, item 7).
+    """
+    if deadline is None:
+        return True
+    need = make_seconds + loops * (2 + LOOP_LEAST_ROUNDS) * sum(calls_us) * 1e-6
+    return time.perf_counter() + need <= deadline

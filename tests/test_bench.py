@@ -567,7 +567,7 @@ def test_the_nhwc_form_is_a_candidate_timed_like_any_other(monkeypatch, layouts)
         call.graph = graph
         return call
 
-    def fake(runs, repeats=20, warmup=2, deadline=None, min_seconds=0.0):
+    def fake(runs, repeats=20, warmup=2, deadline=None, min_seconds=0.0, least=None):
         # every graph but the NHWC forms takes 100 us, those 50 us
         return [[50.0 if "conv2d_nhwc" in r.graph.op_counts() else 100.0] * repeats
                 for r in runs]

@@ -20,7 +20,13 @@ import numpy as np
 
 from taso_jax._machine import usable_cores
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
-from taso_jax.search.choose import keep_fastest, measured_set, screen_in_pairs, start_choice
+from taso_jax.search.choose import (
+    keep_fastest,
+    loops_fit,
+    measured_set,
+    screen_in_pairs,
+    start_choice,
+)
 from taso_jax.search.cost import AnalyticCostModel, MeasuredCostModel, cpu_peak_gflops
 
 __all__ = ["OnnxRuntimeCostModel", "ort_session", "graph_session", "onnxruntime_folded_values",
@@ -324,8 +330,14 @@ def choose_fastest_onnxruntime(result, original, inputs: dict, repeats: int = 20
     times, best, _ = screen_in_pairs(graphs, base, make, loop, deadline, hold_best=False)
 
     held: dict = {}  # the session being confirmed (one at a time)
+    calls_us = [float(np.median(t)) for t in times]
+    begun: set = set()
 
     def confirm(i):  # keep_fastest confirms ``best``, then maybe a runner-up
+        loops = 1 if i in begun else 2  # a first loop, and the loop checking it
+        begun.add(i)
+        if not loops_fit([calls_us[0], calls_us[i]], loops, deadline):
+            return [], []  # it would be cut short, past the time limit
         if i not in held:
             held.clear()
             held[i] = make(graphs[i][1])

@@ -572,7 +572,8 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
                      warmup: int = 2, deadline: float | None = None,
                      min_sample_us: float | None = None,
                      min_seconds: float = 0.0,
-                     call_us: float | None = None) -> list[list[float]]:
+                     call_us: float | None = None,
+                     least: int | None = None) -> list[list[float]]:
     """Microseconds per call of each ``fn()``, sampled round robin ``repeats`` times.
 
     Each is warmed up first; interleaving makes machine noise hit all of them alike, so
@@ -583,11 +584,11 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
     lasts ``min_sample_us`` (default :data:`MIN_SAMPLE_US`): one call of a 2 ms function
     on 2 shared cores varies by +-50% from call to call, and a round's verdict then says
     little. With a ``deadline`` (a ``time.perf_counter()`` value) the rounds stop once it
-    has passed and at least :data:`MIN_ROUNDS` were run. With ``min_seconds``, rounds go on
-    past ``repeats`` until the loop has lasted that long, up to ``5 * repeats`` rounds:
-    short calls get more rounds, long ones no more. ``call_us``: microseconds the fastest
-    call is known to take (the decorator has timed the original), which spares the one call
-    of each that otherwise sizes the samples.
+    has passed and at least ``least`` (default :data:`MIN_ROUNDS`) were run. With
+    ``min_seconds``, rounds go on past ``repeats`` until the loop has lasted that long, up
+    to ``5 * repeats`` rounds: short calls get more rounds, long ones no more. ``call_us``:
+    microseconds the fastest call is known to take (the decorator has timed the original),
+    which spares the one call of each that otherwise sizes the samples.
     """
     block = _blocker()
     for _ in range(warmup):
@@ -605,7 +606,8 @@ def time_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 20,
         orders += [back[k:] + back[:k] for k in range(len(back))]
     started = time.perf_counter()
     for r in range(5 * repeats if min_seconds > 0 else repeats):
-        if deadline is not None and r >= MIN_ROUNDS and time.perf_counter() > deadline:
+        if (deadline is not None and r >= (MIN_ROUNDS if least is None else least)
+                and time.perf_counter() > deadline):
             break
         if r >= repeats and time.perf_counter() - started >= min_seconds:
             break
