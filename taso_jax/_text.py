@@ -20,3 +20,8 @@ def one_line(message: str, width: int = 300) -> str:
         return text
     cut = text[:width - 3]
     return (cut.rsplit(" ", 1)[0] if " " in cut[width // 2:] else cut) + "..."
+
+
+def counted(counts: dict) -> str:
+    """``{"dead": 3, "identity": 1}`` as ``"dead 3, identity 1"``: counts by name, in text."""
+    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(counts.items()))

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from taso_jax._io import NamedFiles
-from taso_jax._text import one_line
+from taso_jax._text import counted, one_line
 from taso_jax.cli_files import (
     MAX_MODEL_BYTES,
     MAX_RULE_FILE_BYTES,
@@ -440,8 +440,9 @@ class _OnnxFile:
         It must hold at every size the input runs at (:func:`_keep_sizes_open`), and its
         median time in onnxruntime, interleaved with the input file's
         (:func:`~taso_jax.checks.measure_onnxruntime`, its rounds ending with the time
-        limit), must be at most the file's; otherwise the file is written back as it is
-        (:attr:`Verdict.UNCHANGED`, saying why).
+        limit), must be at most the file's; otherwise, or with the time limit passed before
+        the timing could begin, the file is written back as it is (:attr:`Verdict.UNCHANGED`,
+        saying why).
         """
         from taso_jax.checks import measure_onnxruntime
         from taso_jax.outcome import Verdict
@@ -453,6 +454,9 @@ class _OnnxFile:
             if data is None:
                 return None, Verdict.UNCHANGED, ("the cleaned-up graph holds at the sizes "
                                                  "it was imported at only")
+        if self.deadline is not None and self.deadline.left() <= 0:  # timing would overrun
+            return None, Verdict.UNCHANGED, ("no time was left to time the cleaned-up file in "
+                                             "onnxruntime (--time-limit)")
         timing = measure_onnxruntime(self.reference, data, self.references[0][1],
                                      deadline=self.deadline and self.deadline.at)
         leftovers = dict(self.graph.meta.get("file_leftovers") or {},
@@ -460,10 +464,10 @@ class _OnnxFile:
         report["cleanup"] = {**leftovers, "timing": timing}
         if not timing["speedup"] >= 1.0:
             return None, Verdict.UNCHANGED, (
-                f"the cleaned-up file ({_counted(leftovers)}) was not faster in "
+                f"the cleaned-up file ({counted(leftovers)}) was not faster in "
                 f"onnxruntime ({timing['speedup']:.3f}x)")
         report["onnxruntime"] = {**timing, "slower_warning": False}
-        report["notes"].append(f"written as cleaned up ({_counted(leftovers)}): "
+        report["notes"].append(f"written as cleaned up ({counted(leftovers)}): "
                                f"{timing['speedup']:.3f}x in onnxruntime")
         return data, Verdict.REWRITTEN, None
 
@@ -520,11 +524,6 @@ class _OnnxFile:
 AFTER_SEARCH_PER_IMPORT = 3.0
 #: The most of the time limit kept for delivery after the search pipeline.
 AFTER_SEARCH_SHARE = 0.4
-
-
-def _counted(counts: dict) -> str:
-    """``{"dead": 3, "identity": 1}`` as ``"dead 3, identity 1"``."""
-    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(counts.items()))
 
 
 def _elapsed(deadline) -> float:

@@ -172,6 +172,37 @@ def test_a_cleanup_that_is_not_faster_writes_the_input_back(tmp_path, monkeypatc
     assert out.read_bytes() == src.read_bytes()
 
 
+def test_a_cleanup_with_no_time_left_to_time_it_writes_the_input_back(tmp_path, monkeypatch):
+    """The time limit passed during the output check: the cleaned-up file is not timed in
+    onnxruntime (its rounds would run past the limit), and the input is written back."""
+    import onnx
+    from taso_jax.search.limits import Deadline
+
+    import taso_jax.checks as checks
+
+    checked, check_onnx = [], checks.check_onnx
+
+    def check_then_late(*a, **k):
+        checked.append(1)
+        return check_onnx(*a, **k)
+
+    def timed(*a, **k):
+        raise AssertionError("timed with no time left")
+
+    monkeypatch.setattr(checks, "check_onnx", check_then_late)
+    monkeypatch.setattr(checks, "measure_onnxruntime", timed)
+    left = Deadline.left
+    monkeypatch.setattr(Deadline, "left", lambda self: 0.0 if checked else left(self))
+    src, out, report = tmp_path / "m.onnx", tmp_path / "m.opt.onnx", tmp_path / "r.json"
+    onnx.save(_model(dead_width=4096), src)
+    assert main(["optimize", str(src), "-o", str(out), "--target", "onnxruntime",
+                 "--json", str(report), *FAST]) == 0
+    data = json.loads(report.read_text())
+    assert checked and data["outcome"]["verdict"] == "unchanged"
+    assert "no time was left to time the cleaned-up file" in data["outcome"]["why"]
+    assert out.read_bytes() == src.read_bytes()
+
+
 def test_an_export_that_fails_the_full_check_is_not_an_exit_1(tmp_path, monkeypatch):
     """Issue 62 (4): a written graph refused by ONNX's full check, where the input passes
     it, is not delivered (the input is written back, byte for byte); on main it raised."""
