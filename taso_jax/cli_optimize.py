@@ -198,8 +198,9 @@ def _make_optimizer(args, source, deadline):
                                   time_limit=args.time_limit, cost_model=args.cost_model,
                                   allow_unverified=args.allow_unverified,
                                   end_to_end=args.end_to_end, target=args.target,
-                                  # the written ONNX file is NCHW whatever the choice
-                                  layout_candidates=False)
+                                  # NHWC forms are written as transposed convolutions,
+                                  # which the import reads back as NHWC (onnx_layout)
+                                  layout_candidates=args.target == "xla")
     except ValueError as e:
         raise UsageError("--" + str(e).replace("_", "-")) from e
     graph, original = source.graph, source.original

@@ -187,3 +187,8 @@ def test_with_layouts_adds_the_nhwc_forms_of_the_input_the_cheapest_and_a_judged
     out = with_layouts(graphs, frozenset({g.key}))
     assert len(out) == 4 and out[3][2] == ("r", NHWC_LAYOUT) and out[3][0] == 10.0
     assert out[3][1].op_counts()["conv2d_nhwc"] == 3
+    # the NHWC forms of the input and the cheapest come right after the cheapest, before
+    # the other candidates: a choice cut short by its deadline screens them first
+    g2 = from_jax(lambda *a: jnp.tanh(_nchw_block(*a)), *args, weight_argnums=(1, 2, 3, 4, 5))
+    out = with_layouts([(10.0, g, ()), (5.0, g2, ("a",)), (7.0, dense, ("b",))])
+    assert [p for _, _, p in out] == [(), ("a",), (NHWC_LAYOUT,), ("a", NHWC_LAYOUT), ("b",)]

@@ -19,6 +19,7 @@ import numpy as np
 from taso_jax._text import one_line
 from taso_jax.frontends.context import ImportContext
 from taso_jax.frontends.onnx_cleanup import clean_imported, file_leftovers
+from taso_jax.frontends.onnx_layout import in_layout, runs_channels_last, topological_order
 from taso_jax.frontends.onnx_model import (
     ImportTimeLimit,
     ModelError,
@@ -116,7 +117,7 @@ def _check_deadline(deadline, step: str) -> None:
 # Over 80 lines: the import's steps in order, each a call or two, with the deadline looked
 # at between them; half of its length is the documented contract.
 def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None, *,
-              deadline=None) -> Graph:
+              deadline=None, layout: str = "file") -> Graph:
     """Import an ONNX model (path or ``ModelProto``) into a :class:`~taso_jax.ir.graph.Graph`.
 
     Args:
@@ -129,6 +130,10 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
         deadline: a :class:`~taso_jax.search.limits.Deadline`, or ``None`` (no limit): the
             import looks at it once ONNX's checker has accepted the model, after each
             step, and every few hundred operators.
+        layout: ``"file"``: convolutions in the layout the file runs them in, NHWC
+            (``conv2d_nhwc``) where every one is fed through a transpose from NHWC
+            (:func:`~taso_jax.frontends.onnx_layout.runs_channels_last`); ``"nchw"``: NCHW
+            ``conv2d`` always, the form the rules are stated on (the search's import).
 
     Returns:
         The graph, with ``meta`` holding ``opset`` (after conversion), ``source_opset``,
@@ -206,8 +211,10 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
             "file_leftovers": file_leftovers(model), **({"input_defaults": defaults}
                                                          if defaults else {})}
     weights = {k: v for k, v in weights.items() if k not in defaults}
-    return merge_opaque_regions(clean_imported(Graph(tuple(inputs), tuple(outputs),
-                                                     tuple(names), weights, meta), static_axes))
+    meta["channels_last"] = runs_channels_last(model)
+    graph = merge_opaque_regions(clean_imported(Graph(tuple(inputs), tuple(outputs),
+                                                      tuple(names), weights, meta), static_axes))
+    return in_layout(graph, layout)
 
 
 #: The most bytes a sparse initializer may take once dense (the IR holds weights dense);
@@ -233,7 +240,7 @@ def _checked_model(source, where: str):
         raise ModelError(f"{where}: unsupported opset {src_opset} (supported: "
                          f"{MIN_OPSET} to {max_opset()}, the newest this onnx "
                          "package knows)")
-    order = _topological_order(model.graph)
+    order = topological_order(model.graph)
     reordered = order is not None and order != list(range(len(model.graph.node)))
     if reordered:  # onnxruntime runs such files; ONNX's checker refuses them
         if model is source:
@@ -627,45 +634,6 @@ def _import_group(members: list, env, types, opsets, ir_version, opaque, graph_o
     node = intern_node("opaque", (("call", call),), tuple(env[x] for x in in_names),
                        tuple(types[o] for o in out_names))
     return dict(zip(out_names, node.outputs, strict=True))
-
-
-def _topological_order(graph) -> list[int] | None:
-    """Node indices of ``graph`` in an order where every node follows its inputs' producers.
-
-    The file's own order where it already is one (Kahn's algorithm, lowest index first);
-    ``None`` where no order exists (a cycle, or an input no node, graph input or
-    initializer defines): the checker then says what is wrong. Names read by subgraphs
-    count as inputs of the node that holds them.
-    """
-    import heapq
-
-    defined = ({i.name for i in graph.input} | {i.name for i in graph.initializer}
-               | {i.values.name for i in graph.sparse_initializer} | {""})
-    producer = {o: k for k, n in enumerate(graph.node) for o in n.output if o}
-    needs: list[set] = []
-    users: dict[int, list[int]] = {}
-    for k, n in enumerate(graph.node):
-        deps = set()
-        for x in [*n.input, *_outer_names(n)]:
-            if x in producer:
-                deps.add(producer[x])
-            elif x not in defined:
-                return None
-        deps.discard(k)
-        needs.append(deps)
-        for d in deps:
-            users.setdefault(d, []).append(k)
-    ready = [k for k, d in enumerate(needs) if not d]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        k = heapq.heappop(ready)
-        order.append(k)
-        for u in users.get(k, ()):
-            needs[u].discard(k)
-            if not needs[u]:
-                heapq.heappush(ready, u)
-    return order if len(order) == len(graph.node) else None
 
 
 def _absent_if_empty(node, env, opset: int):
