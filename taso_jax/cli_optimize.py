@@ -198,8 +198,7 @@ def _make_optimizer(args, source, deadline):
                                   time_limit=args.time_limit, cost_model=args.cost_model,
                                   allow_unverified=args.allow_unverified,
                                   end_to_end=args.end_to_end, target=args.target,
-                                  # NHWC forms are written as transposed convolutions,
-                                  # which the import reads back as NHWC (onnx_layout)
+                                  # written transposed, read back NHWC (onnx_layout)
                                   layout_candidates=args.target == "xla")
     except ValueError as e:
         raise UsageError("--" + str(e).replace("_", "-")) from e
@@ -262,7 +261,8 @@ class _OnnxFile:
 
             graph, name = example(args.example)
             return cls(args, graph, name, None, None, set(), protected, notes, scratch)
-        graph = load_onnx(args.model, _parse_shapes(args.input_shape), deadline=deadline)
+        graph = load_onnx(args.model, _parse_shapes(args.input_shape), deadline=deadline,
+                          layout="file" if args.target == "xla" else "nchw")
         original = args.model
         notes += graph.meta.get("shape_notes", [])
         if graph.meta.get("source_opset") != graph.meta.get("opset"):
