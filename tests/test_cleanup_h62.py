@@ -6,6 +6,8 @@ onnxruntime's CPU kernels a microcode assist per multiply-add (one 480x480 convo
 54 ms instead of 0.9 ms). onnxsim, folding a scalar ``Mul`` into that kernel, scaled part of
 them out of the subnormal range by accident. The models here are small ONNX graphs with such
 kernels; every test fails at 5d44d0c (no :func:`~taso_jax.ir.cleanup.flush_negligible_weights`).
+The last tests are issue 62's "reduce through transpose" (a law of
+:func:`~taso_jax.ir.cleanup.simplify`), on ``ReduceMean`` of a ``Transpose``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 #: float32's smallest normal number, 2**-126: anything non-zero below it is subnormal.
 TINY = float(np.finfo(np.float32).tiny)
@@ -160,3 +163,61 @@ def test_the_written_file_is_faster_in_onnxruntime_and_equal_at_open_sizes(tmp_p
     for size in [(1, 64, 24, 40), (3, 64, 5, 9)]:
         x = np.random.default_rng(3).standard_normal(size).astype(np.float32)
         np.testing.assert_allclose(_run(written, x)[0], _run(original, x)[0], rtol=1e-6)
+
+
+# ---- reduce(transpose(x, p), axes) = reduce(x, p[axes]), put back in order --------------------
+
+
+def _reduce_model(perm, axes, keepdims: int, also_transposed: bool = False):
+    """``ReduceMean(Transpose(x, perm), axes, keepdims)`` over ``x`` of sizes ``[N, 4, 6, 8]``.
+
+    ``also_transposed``: the transposed tensor is a graph output as well.
+    """
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    x = h.make_tensor_value_info("x", T.FLOAT, ["N", 4, 6, 8])
+    nodes = [h.make_node("Transpose", ["x"], ["t"], perm=list(perm)),
+             h.make_node("ReduceMean", ["t"], ["y"], axes=list(axes), keepdims=keepdims)]
+    outs = [h.make_tensor_value_info("y", T.FLOAT, None)]
+    if also_transposed:
+        outs.append(h.make_tensor_value_info("t", T.FLOAT, None))
+    m = h.make_model(h.make_graph(nodes, "g", [x], outs),
+                     opset_imports=[h.make_opsetid("", 17)])
+    m.ir_version = 8
+    m = onnx.shape_inference.infer_shapes(m)
+    onnx.checker.check_model(m)
+    return m
+
+
+@pytest.mark.parametrize(("perm", "axes", "keepdims", "written"), [
+    ((0, 2, 3, 1), (1, 2), 0, ["ReduceMean"]),  # the axes left (N, 4) keep their order
+    ((0, 2, 3, 1), (1, 2), 1, ["ReduceMean", "Reshape"]),  # only axes of size 1 move
+    ((0, 3, 1, 2), (3,), 0, ["ReduceMean", "Transpose"]),  # [N, 4, 8] -> [N, 8, 4]
+    ((0, 3, 1, 2), (2,), 1, ["ReduceMean", "Transpose"]),  # x axes 0, 3, 2 are left
+])
+def test_a_reduction_of_a_transpose_reads_the_tensor_itself(perm, axes, keepdims, written):
+    from taso_jax.frontends.onnx_io import export_onnx, load_onnx
+
+    model = _reduce_model(perm, axes, keepdims)
+    g = load_onnx(model, {"x": (3, 4, 6, 8)})
+    assert g.meta["cleanup"] == {"reduce_of_transpose": 1}
+    out = export_onnx(g, fold=False)
+    assert [n.op_type for n in out.graph.node if n.op_type != "Constant"] == written
+    x = np.random.default_rng(4).standard_normal((3, 4, 6, 8)).astype(np.float32)
+    np.testing.assert_allclose(_run(out, x)[0], _run(model, x)[0], rtol=1e-6, atol=1e-7)
+
+
+def test_a_transpose_read_elsewhere_stays_unless_the_reduction_needs_none_after():
+    from taso_jax.frontends.onnx_io import load_onnx
+
+    shared = load_onnx(_reduce_model((0, 3, 1, 2), (3,), 0, also_transposed=True),
+                       {"x": (3, 4, 6, 8)})
+    assert "reduce_of_transpose" not in shared.meta.get("cleanup", {})
+    in_order = load_onnx(_reduce_model((0, 2, 3, 1), (1, 2), 0, also_transposed=True),
+                         {"x": (3, 4, 6, 8)})
+    assert in_order.meta["cleanup"] == {"reduce_of_transpose": 1}
+    (reduce,) = [n for n in in_order.nodes if n.op == "reduce_mean"]
+    assert reduce.inputs[0].node.op == "input" and reduce.attr("axes") == (2, 3)
+

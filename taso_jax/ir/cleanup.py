@@ -13,6 +13,15 @@ outputs), and two nodes with the same operator, attributes and inputs are one no
 * ``transpose(x, (0, 1, ..., n-1)) = x`` and
   ``transpose(transpose(x, p), q) = transpose(x, p[q])`` (ONNX Transpose: output axis
   ``i`` is input axis ``perm[i]``);
+* ``reduce(transpose(x, p), axes) = transpose(reduce(x, p[axes]), q)`` for an operator
+  declared ``layout="reduce"`` (``ReduceMean``, ``ReduceSum``, ...): the reduction reads the
+  same elements; ``q`` puts the axes left in the order the transposed tensor had them,
+  and is no transpose at all where they keep their order (``keepdims=0``), or a reshape
+  that only moves axes of size 1 (``keepdims=1``). Taken where no transpose is left after
+  it, or where the reduction was the transpose's only reader (the transpose left is of the
+  smaller, reduced tensor). onnxruntime's transpose optimizer does the same on its own (a
+  ``Transpose`` then ``ReduceMean`` ran as one ``ReduceMean``); the search and the cost
+  model see the simpler graph.
 * ``x * 1 = x``, ``x / 1 = x``, ``x + 0 = x``, ``x - 0 = x`` where the constant's
   broadcast leaves ``x``'s type as it is (a ``Mul`` by 1.0 that exporters leave, which
   also keeps onnxruntime from fusing the convolution before it with what follows).
@@ -37,7 +46,7 @@ from collections.abc import Callable
 import numpy as np
 
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node, make_node
-from taso_jax.ops import get_op
+from taso_jax.ops import OPS, get_op
 from taso_jax.ops.dims import same_size
 
 __all__ = ["simplify", "rebuild", "flush_negligible_weights", "negligible_limit"]
@@ -73,10 +82,44 @@ def _neutral_operand(node: Node, weights) -> tuple[Tensor, str] | None:
     return None
 
 
-def _simpler(node: Node, weights) -> tuple[Tensor, str] | None:
+def _reduce_of_transpose(node: Node, readers: Counter) -> tuple[Tensor, str] | None:
+    """``reduce(x, p[axes])`` for ``reduce(transpose(x, p), axes)``, put back in order.
+
+    ``None`` where a transpose would be left after the reduction and the transpose before
+    it has readers besides ``node`` (``readers``: tensor -> how many nodes and graph
+    outputs read it; a tensor not counted there counts as read elsewhere).
+    """
+    t = node.inputs[0]
+    axes = node.attr("axes")
+    if t.node.op != "transpose" or not axes:  # no axes: no reduction (the IR's convention)
+        return None
+    x, perm = t.node.inputs[0], tuple(t.node.attr("perm"))
+    rank = len(perm)
+    reduced = {a % rank for a in axes}
+    inner = tuple(sorted(perm[a] for a in reduced))
+    left = [d for d in range(rank) if d not in inner]  # the axes of x the output keeps
+    order = tuple(left.index(perm[i]) for i in range(rank) if i not in reduced)
+    y = make_node(node.op, [x], {**node.attr_dict, "axes": inner}).outputs[0]
+    out = node.types[0].shape
+    if order == tuple(range(len(order))):  # the axes left keep their order
+        if _same_shape(y.shape, out):
+            return y, "reduce_of_transpose"
+        # keepdims: only axes of size 1 move, which keeps the row-major order
+        return make_node("reshape", [y], {"shape": tuple(out)}).outputs[0], \
+            "reduce_of_transpose"
+    if readers.get(t, 2) > 1:
+        return None
+    if node.attr("keepdims"):
+        return make_node("transpose", [y], {"perm": perm}).outputs[0], "reduce_of_transpose"
+    return make_node("transpose", [y], {"perm": order}).outputs[0], "reduce_of_transpose"
+
+
+def _simpler(node: Node, weights, readers: Counter) -> tuple[Tensor, str] | None:
     """An equal, simpler tensor for ``node``'s output and the law used, or ``None``."""
     if node.op in _NEUTRAL:
         return _neutral_operand(node, weights)
+    if node.op in OPS and OPS[node.op].layout == "reduce":
+        return _reduce_of_transpose(node, readers)
     if node.op == "reshape":
         (x,) = node.inputs
         if _same_shape(x.shape, node.types[0].shape) and x.dtype == node.types[0].dtype:
@@ -148,11 +191,15 @@ def rebuild(graph: Graph, replace: Callable[[Node], tuple[Tensor, str] | None],
 def simplify(graph: Graph) -> tuple[Graph, Counter]:
     """``graph`` without identity reshapes, casts, transposes and neutral elements.
 
+    Reductions of a transposed tensor read the tensor itself (the module's law).
+
     The laws are the module's; each output keeps its name and its type (equal sizes at
     every binding). Returns ``(graph, counts)``: counts by law, empty where nothing was
     simplified (and then the graph is ``graph`` itself).
     """
-    return rebuild(graph, lambda node: _simpler(node, graph.weights))
+    readers = Counter(t for n in graph.nodes for t in n.inputs)
+    readers.update(graph.outputs)
+    return rebuild(graph, lambda node: _simpler(node, graph.weights, readers))
 
 
 def negligible_limit(array: np.ndarray) -> float:
