@@ -94,6 +94,7 @@ def test_a_kernel_with_subnormal_elements_is_zeroed_there_and_nowhere_else():
     model = _conv_model(w)
     g = load_onnx(model, {"x": (2, 8, 5, 7)})
     assert g.meta["cleanup"] == {"negligible_weight_zeroed": 1}
+    assert "W" not in g.weights and "W_flushed" in g.weights  # no copy of it is kept
     written = export_onnx(g, fold=False)
     (kernel,) = [a for a in _initializers(written).values() if a.shape == w.shape]
     small = np.abs(w) < 2.0 ** -100
@@ -111,6 +112,7 @@ def test_a_kernel_read_by_a_non_product_keeps_its_values_there():
     w = _kernel(4, 4, seed=2)
     g = load_onnx(_conv_model(w, shared_add=True), {"x": (1, 4, 1, 1)})
     assert g.meta["cleanup"].get("negligible_weight_zeroed") == 1
+    assert {"W", "W_flushed"} <= set(g.weights)  # the Add still reads W
     inits = _initializers(export_onnx(g, fold=False))
     kept = [a for a in inits.values() if a.size == w.size and np.array_equal(
         a.ravel(), w.ravel())]

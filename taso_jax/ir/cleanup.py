@@ -230,9 +230,10 @@ def flush_negligible_weights(graph: Graph) -> tuple[Graph, Counter]:
     the term dropped, ``|w * x| < 2**-100 * |x|``, changes no output whose magnitude is over
     ``2**-76 * |x|`` (float32 resolves ``2**-24``). A tensor whose elements are all tiny
     keeps them (the limit is also ``eps**2`` of its largest element). The weight becomes a
-    new one (``<name>_flushed``), so other readers of it keep its values; a weight with no
-    such element is left as it is. Returns ``(graph, counts)`` as :func:`rebuild`, counted
-    once per dot product changed (``negligible_weight_zeroed``).
+    new one (``<name>_flushed``), so other readers of it keep its values (a weight no other
+    node reads leaves the graph's weights); a weight with no such element is left as it
+    is. Returns ``(graph, counts)`` as :func:`rebuild`, counted once per dot product
+    changed (``negligible_weight_zeroed``).
     """
     made: dict[str, np.ndarray] = {}
     flushed: dict[str, Tensor | None] = {}
@@ -263,7 +264,13 @@ def flush_negligible_weights(graph: Graph) -> tuple[Graph, Counter]:
         outs = intern_node(node.op, node.attrs, tuple(ins), node.types).outputs
         return (outs if len(outs) > 1 else outs[0]), "negligible_weight_zeroed"
 
-    return rebuild(graph, replace, made)
+    new, counts = rebuild(graph, replace, made)
+    live = {n.name for n in new.nodes if n.op == "weight"}
+    gone = [k for k, v in flushed.items() if v is not None and k not in live]
+    if not gone:  # no weight was read by its dot products only
+        return new, counts
+    weights = {k: v for k, v in new.weights.items() if k not in gone}
+    return Graph(new.inputs, new.outputs, new.output_names, weights, new.meta), counts
 
 
 def _dot_operands(op: str) -> tuple[int, ...]:
