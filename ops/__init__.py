@@ -137,6 +137,11 @@ class OpDef:
             on when the calibrated cost model has few samples of its own
             (:mod:`taso_jax.search.calibrated`); by default the name of the ``ops``
             module that declares it (``conv``, ``im2col``, ``attention``, ``tensor``).
+        dot_operands: the input positions whose elements reach each output element only as
+            one factor of a product summed with others (a dot product's operands: both
+            inputs of ``matmul`` and of a convolution). An element of such an input too small
+            to change a sum in floating point is zeroed in a weight
+            (:func:`taso_jax.ir.cleanup.flush_negligible_weights`).
     """
 
     name: str
@@ -161,6 +166,7 @@ class OpDef:
     lowering: bool = False
     composition: Callable[[Any], list | None] | None = None
     family: str = ""
+    dot_operands: tuple[int, ...] = ()
 
     def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """Fill defaults, reject unknown names, and freeze values into a sorted tuple.

@@ -213,7 +213,7 @@ declare(OpDef(
         ([TensorType((1, 8, 6, 6), _F32), TensorType((8, 1, 3, 3), _F32)], {"groups": 8}),
     ),
     axioms=_CONV2D_LAWS,
-    grouped_kernel_axis=1,
+    grouped_kernel_axis=1, dot_operands=(0, 1),
     doc="2-D convolution, NCHW x OIHW -> NCHW, with groups and fused activation (ONNX Conv)"))
 
 
@@ -285,7 +285,7 @@ declare(OpDef(
         ([TensorType((1, 9, 9, 4), _F32), TensorType((3, 1, 4, 4), _F32)],
          {"padding": (1, 0, 2, 1), "dilations": (2, 1), "activation": "tanh"}),
     ),
-    grouped_kernel_axis=2,
+    grouped_kernel_axis=2, dot_operands=(0, 1),
     doc="2-D convolution, NHWC x HWIO -> NHWC, with groups and fused activation; conv2d in "
         "the layouts XLA:CPU prefers (exported to ONNX as Transpose, Conv, Transpose)"))
 
@@ -449,7 +449,7 @@ declare(OpDef(
     name="conv_transpose", ref=_conv_transpose, shape=_conv_transpose_shape, arity=2,
     attrs={"strides": (1, 1), "pads": (0, 0, 0, 0), "dilations": (1, 1), "groups": 1,
            "output_padding": (0, 0)},
-    to_onnx=_conv_transpose_onnx, flops=_conv_transpose_flops,
+    to_onnx=_conv_transpose_onnx, flops=_conv_transpose_flops, dot_operands=(0, 1),
     examples=(
         ([TensorType((1, 4, 5, 5), _F32), TensorType((4, 3, 2, 2), _F32)], {"strides": (2, 2)}),
         ([TensorType((2, 4, 5, 6), _F32), TensorType((4, 3, 3, 3), _F32)],

@@ -14,6 +14,8 @@ before any search, so the search sees the simple graph:
   and is computed once, ahead of time. Where a size read is open the chain is kept, so the
   written file still runs at every size.
 * :func:`~taso_jax.ir.cleanup.simplify`: identity reshapes, casts and transposes.
+* :func:`~taso_jax.ir.cleanup.flush_negligible_weights`: kernel elements too small to
+  change a sum (under ``2**-100`` in float32) but slow on a CPU, zeroed.
 
 :func:`file_leftovers` counts what the file itself runs that the imported graph does not:
 nodes whose outputs reach no graph output, ``Identity`` nodes, nodes computing what
@@ -29,7 +31,7 @@ from collections import Counter
 import numpy as np
 
 from taso_jax.frontends.onnx_opaque import _outer_names
-from taso_jax.ir.cleanup import rebuild, simplify
+from taso_jax.ir.cleanup import flush_negligible_weights, rebuild, simplify
 from taso_jax.ir.graph import Graph, Node, Tensor, leaf_node
 from taso_jax.ops import TensorType
 from taso_jax.ops.dims import is_open
@@ -166,14 +168,16 @@ def clean_imported(graph: Graph, static_axes: dict | None = None) -> Graph:
     """``graph`` merged, folded and simplified: what the import delivers to the search.
 
     :func:`merge_duplicate_regions`, :func:`fold_static_sizes` (with ``static_axes``),
-    then :func:`~taso_jax.ir.cleanup.simplify`. What was done is counted in
+    :func:`~taso_jax.ir.cleanup.simplify`, then
+    :func:`~taso_jax.ir.cleanup.flush_negligible_weights`. What was done is counted in
     ``meta["cleanup"]`` (law -> times), beside what the file ran for nothing
     (``meta["file_leftovers"]``, filled by the import).
     """
     graph, merged = merge_duplicate_regions(graph)
     graph, folded = fold_static_sizes(graph, static_axes)
     graph, simpler = simplify(graph)
-    counts = dict(merged + folded + simpler)
+    graph, flushed = flush_negligible_weights(graph)
+    counts = dict(merged + folded + simpler + flushed)
     if not counts:
         return graph
     return Graph(graph.inputs, graph.outputs, graph.output_names, graph.weights,
