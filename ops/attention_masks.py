@@ -373,10 +373,12 @@ def _read(ctx, t, scores: tuple[int, ...]) -> np.ndarray | None:
 
     ``scores`` is ``[..., Sq, Sk]``. ``[Sq, Sk]`` where ``t`` is equal over its leading axes
     (read before the reshapes and expands that kept its last two axes); else the value of
-    ``t`` itself, left-padded with 1s to the rank of ``scores``, where that broadcasts into
-    them without enlarging them (a per-head bias ``[1, H, Sq, Sk]``, ALiBi's). ``t`` itself,
-    not its source: a reshape may have moved a batch axis to the heads. ``None`` where ``t``
-    is not a constant or does not fit.
+    ``t`` itself, left-padded with 1s to the rank of ``scores``, where its leading axes are
+    the scores' (a per-head bias ``[1, H, Sq, Sk]`` at batch 1, ALiBi's): the rules that
+    bring ``block_mask`` into attention bind a mask's leading axes to the scores' or to 1s,
+    so a per-head mask under a batch of 2 stays an add (``masked_attention``'s rules take
+    it). ``t`` itself, not its source: a reshape may have moved a batch axis to the heads.
+    ``None`` where ``t`` is not a constant or does not fit.
     """
     from taso_jax.ops.elementwise_jaxpr import _unbroadcast
 
@@ -390,9 +392,7 @@ def _read(ctx, t, scores: tuple[int, ...]) -> np.ndarray | None:
     if value is None or np.ndim(value) > len(scores):
         return None
     value = np.asarray(value).reshape((1,) * (len(scores) - np.ndim(value)) + np.shape(value))
-    if any(d not in (1, n) for d, n in zip(value.shape, scores, strict=True)):
-        return None
-    return value
+    return value if value.shape == tuple(scores) else None
 
 
 def _additive(ctx, x):

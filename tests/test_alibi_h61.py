@@ -197,3 +197,33 @@ def test_the_blocked_form_is_priced_by_the_scores_it_computes():
                 price[heads, impl] = model.node_cost(node)
         assert price[h, "blocked"] == pytest.approx(price[1, "blocked"], rel=1e-6)
         assert price[h, "blocked"] < 0.8 * price[h, "naive"]
+
+
+def test_a_mask_that_differs_over_the_batch_is_read_with_the_scores_leading_axes():
+    """A constant mask ``[2, S, S]`` reshaped to ``[2, 1, S, S]`` (one per sequence of the
+    batch) is read with its batch axis under scores ``[2, 1, S, S]``, and lowered; under
+    scores ``[2, 2, S, S]`` (two heads) it stays an add, which no rule bringing
+    ``block_mask`` into attention would take. Both compute the function at N(0,1) and
+    x10."""
+    n = 4 * PLAN_GRAIN
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    per_batch = np.stack([np.where(j <= i, 0.0, -np.inf),
+                          np.where((j <= i) & (j > i - PLAN_GRAIN // 2), 0.0, -np.inf)])
+
+    def f(q, k, v):
+        mask = jnp.asarray(per_batch, q.dtype).reshape(2, 1, n, n)
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5 + mask
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+    for heads in (1, 2):
+        inputs = [jax.random.normal(jax.random.key(s), (2, heads, n, 16)) for s in range(3)]
+        g, out, run = _search(f, inputs)
+        if heads == 1:
+            assert _plan_and_mask(g)[1].shape == (2, 1, n, n)
+            assert any(x.op == "block_masked_attention" for x in out.nodes)
+        else:
+            assert not any(x.op == "block_mask" for x in g.nodes)
+        for scale in (1.0, 10.0):
+            args = [inputs[0] * scale, *inputs[1:]]
+            np.testing.assert_allclose(np.asarray(run(*args)), np.asarray(jax.jit(f)(*args)),
+                                       rtol=1e-4, atol=1e-5)
