@@ -284,20 +284,28 @@ def _masked_flops(ins, outs, *, plan, impl, block):
 
 
 def _masked_composition(node):
-    """Naive: the definition; blocked: the definition on each query block's key span.
-
-    The blocked form's steps are its pieces, sliced from the inputs and joined; they price
-    it (its values are :func:`_masked_blocked`'s; the mask's add, fused, prices alike with
-    the plan imposed or not). So both forms are priced by the kernels of the same
-    arithmetic (matmuls, a softmax), the blocked one on the scores it computes only. Priced
-    as one kernel by the attention family's curve, the blocked form under a causal plan
-    (ALiBi's, S=1024, 12 heads) cost 1.2x its naive form where it ran 1.4-1.5x faster, a
-    close call that only timing could settle and the decorator's 10 s left no time for.
-    """
+    """The naive lowering runs as its definition; the blocked one is a kernel of its own."""
+    if node.attr("impl") == "blocked":
+        return None
     q, kt, v, m = node.inputs
+    return [("matmul", [q, kt], {}), ("block_mask", [0, m], {"plan": node.attr("plan")}),
+            ("softmax", [1], {"axis": -1}), ("matmul", [2, v], {})]
+
+
+def _masked_priced_as(node):
+    """The blocked lowering as the calibrated cost model estimates it (``OpDef.priced_as``).
+
+    The definition on each query block's key span, its pieces sliced from the inputs and
+    joined. So both forms are priced by the kernels of the same arithmetic (matmuls, a
+    softmax), the blocked one on the scores it computes only (the mask's add, fused, prices
+    alike with the plan imposed or not). Priced as one kernel by the attention family's
+    curve, the blocked form under a causal plan (ALiBi's, S=1024, 12 heads) cost 1.2x its
+    naive form where it ran 1.4-1.5x faster, a close call that only timing could settle and
+    the decorator's 10 s left no time for. The measured cost model times the kernel itself.
+    """
     if node.attr("impl") != "blocked":
-        return [("matmul", [q, kt], {}), ("block_mask", [0, m], {"plan": node.attr("plan")}),
-                ("softmax", [1], {"axis": -1}), ("matmul", [2, v], {})]
+        return None
+    q, kt, v, m = node.inputs
     steps: list = []
 
     def piece(op, ins, **attrs):
@@ -354,7 +362,7 @@ declare(OpDef(
     name="block_masked_attention", ref=_masked_attention, shape=_masked_shape, arity=4,
     attrs={"plan": "", "impl": "naive", "block": 128}, family="attention",
     to_onnx=_masked_onnx, flops=_masked_flops, axioms=_LAWS,
-    composition=_masked_composition,
+    composition=_masked_composition, priced_as=_masked_priced_as,
     examples=(([TensorType((2, 8, 4), _F32), TensorType((2, 4, 8), _F32),
                 TensorType((2, 8, 3), _F32), TensorType((2, 8, 8), _F32)],
                {"plan": "4:PS/FP"}),

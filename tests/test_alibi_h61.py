@@ -14,7 +14,7 @@ from taso_jax.search.calibrated import CalibratedCostModel
 from taso_jax.search.cost import AnalyticCostModel
 
 import taso_jax
-from taso_jax.ir.graph import leaf_node, make_node
+from taso_jax.ir.graph import composition_nodes, leaf_node, make_node
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import transformer_models  # noqa: E402
@@ -175,11 +175,12 @@ def test_a_bias_read_at_run_time_is_not_taken_as_constant():
 
 
 def test_the_blocked_form_is_priced_by_the_scores_it_computes():
-    """At S=1024, 12 heads, the blocked lowering under ALiBi's bias is priced as the
-    matmuls and softmax of its key spans: below the naive form (which computes every score)
-    in the calibrated and the analytic model, and the same under the per-head bias as under
-    a mask shared by the heads. Priced as one kernel by the attention family's curve, it
-    cost 1.2x the naive form (6x with the bias's 48 MB counted), where it ran 1.4x faster."""
+    """At S=1024, 12 heads, the calibrated model prices the blocked lowering under ALiBi's
+    bias as the matmuls and softmax of its key spans (``OpDef.priced_as``): below the naive
+    form (which computes every score), as in the analytic model, and the same under the
+    per-head bias as under a mask shared by the heads. Priced as one kernel by the attention
+    family's curve, it cost 6x the naive form under the per-head bias (its 48 MB counted as
+    bytes moved) and 1.6x under a shared mask, where it ran 1.4-1.5x faster."""
     s, h = 1024, 12
 
     def t(name, shape):
@@ -197,6 +198,9 @@ def test_the_blocked_form_is_priced_by_the_scores_it_computes():
                 price[heads, impl] = model.node_cost(node)
         assert price[h, "blocked"] == pytest.approx(price[1, "blocked"], rel=1e-6)
         assert price[h, "blocked"] < 0.8 * price[h, "naive"]
+    # the measured model times the blocked kernel itself, not its 8 spans' pieces
+    assert composition_nodes(node) is None
+    assert [p.op for p in composition_nodes(node, priced=True)].count("softmax") == 8
 
 
 def test_a_mask_that_differs_over_the_batch_is_read_with_the_scores_leading_axes():
