@@ -14,10 +14,10 @@ A plan is a string, ``"<grain>:<row>/<row>/..."``, one letter per key cell in ea
 cells (``"64:PS/FP"``); ``""`` marks every cell partial.
 
 Two operators carry it. ``block_mask(s, m, plan)`` is ``s + m`` with the plan imposed: its
-``S`` cells read ``-inf`` and its ``F`` cells 0, whatever ``m`` holds there (but NaN: the
-*effective mask*, :func:`effective_mask`); elsewhere ``m``. ``block_masked_attention(q, kt, v, m, plan,
-impl, block)`` is ``softmax(block_mask(q @ kt, m, plan)) @ v``, keys transposed, with two
-lowerings that compute it alike:
+``S`` cells read ``-inf`` and its ``F`` cells 0, whatever ``m`` holds there but NaN (the
+*effective mask*, :func:`effective_mask`); elsewhere ``m``.
+``block_masked_attention(q, kt, v, m, plan, impl, block)`` is ``softmax(block_mask(q @ kt, m,
+plan)) @ v``, keys transposed, with two lowerings that compute it alike:
 
 * ``naive``: the composition itself;
 * ``blocked``: queries in blocks of ``block`` rows (a multiple of the grain), each against
@@ -50,10 +50,11 @@ nothing, a fill above the bound) is left as it was. Online normalization rounds
 differently from ``jax.nn.softmax``; the end-to-end output check compares within the
 element type's tolerance.
 
-Sources: Press et al., "Train short, test long" (ICLR 2022) for ALiBi; Child et al., "Generating long sequences with sparse transformers" (2019) and
-Beltagy et al., "Longformer" (2020) for local and block-sparse attention; Dong et al.,
-"UniLM" (2019) for the prefix-LM mask; FlashAttention (Dao et al., 2022) for skipping
-masked key blocks; PET (Wang et al., OSDI 2021) for partially equivalent transformations.
+Sources: Press et al., "Train short, test long" (ICLR 2022) for ALiBi; Child et al.,
+"Generating long sequences with sparse transformers" (2019) and Beltagy et al.,
+"Longformer" (2020) for local and block-sparse attention; Dong et al., "UniLM" (2019) for
+the prefix-LM mask; FlashAttention (Dao et al., 2022) for skipping masked key blocks; PET
+(Wang et al., OSDI 2021) for partially equivalent transformations.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def effective_mask(m, plan: str, sq: int, sk: int, rows=slice(None), cols=slice(
     ``minimum(m, c)``, ``c`` a constant of ``-inf`` there and ``+inf`` elsewhere: the same
     values as a ``where`` but for a NaN in a skipped cell, which stays NaN, and XLA:CPU fuses
     it into the scores' add where a ``where`` on a per-head mask ``[1, 12, 1024, 1024]``
-    took a fifth more time (85 against 106 ms for the attention, 2026-11-29).
+    took a fifth more time (85 against 108 ms for the attention, 2026-11-29).
     """
     grain, codes = parse_plan(plan, sq, sk)
     skip, full = (_cells(codes, grain, sq, sk, c)[rows, cols] for c in "SF")
@@ -384,9 +385,10 @@ def _read(ctx, t, scores: tuple[int, ...]) -> np.ndarray | None:
     ``t`` itself, left-padded with 1s to the rank of ``scores``, where its leading axes are
     the scores' (a per-head bias ``[1, H, Sq, Sk]`` at batch 1, ALiBi's): the rules that
     bring ``block_mask`` into attention bind a mask's leading axes to the scores' or to 1s,
-    so a per-head mask under a batch of 2 stays an add (``masked_attention``'s rules take
-    it). ``t`` itself, not its source: a reshape may have moved a batch axis to the heads.
-    ``None`` where ``t`` is not a constant or does not fit.
+    so a per-head mask under a batch of 2 stays an add, as before (and a per-batch one
+    ``[B, 1, Sq, Sk]`` under heads, which ``masked_attention``'s rules take). ``t`` itself,
+    not its source: a reshape may have moved a batch axis to the heads. ``None`` where ``t``
+    is not a constant or does not fit.
     """
     from taso_jax.ops.elementwise_jaxpr import _unbroadcast
 
@@ -442,12 +444,12 @@ def block_scores(ctx, x):
     ``x`` is ``s + m`` (an additive mask: 0, biases, and fills ``<= ADDITIVE_FILL``) or
     ``where(keep, s, fill)`` (a boolean mask, ``fill <= ADDITIVE_FILL``), the mask computed
     from constants only (``ctx.const``: in a traced function, not from the weights a later
-    call may change) and
-    broadcast into the scores ``s`` ``[..., Sq, Sk]``: ``[Sq, Sk]`` where it is equal over
-    the leading axes, else with them (a per-head bias). Its plan (:func:`block_plan`) is derived from, and checked against,
-    every entry; where it skips no cell, or a row keeps no entry ``>= 0``, ``x`` is left as
-    it was. The softmax reads the same either way (module docstring: the import's step). Call
-    it only for a softmax over the last axis of ``x``, after ``attention.causal_scores``.
+    call may change) and broadcast into the scores ``s`` ``[..., Sq, Sk]``: ``[Sq, Sk]``
+    where it is equal over the leading axes, else with them (a per-head bias, :func:`_read`).
+    Its plan (:func:`block_plan`) is derived from, and checked against, every entry; where it
+    skips no cell, or a row keeps no entry ``>= 0``, ``x`` is left as it was. The softmax
+    reads the same either way (module docstring: the import's step). Call it only for a
+    softmax over the last axis of ``x``, after ``attention.causal_scores``.
     """
     if len(x.shape) < 2 or not np.issubdtype(np.dtype(x.dtype), np.floating):
         return x
