@@ -6,7 +6,9 @@
   gain, Q/K/V projections, RoPE, grouped-query attention with K/V heads repeated by
   ``jnp.repeat``, causal mask, output projection, residuals, SwiGLU MLP), as a prefill over
   ``S`` tokens and as one decode step against a KV cache of ``S`` positions; a two-layer MLP
-  whose linears carry LoRA adapters, ``x @ W + s * (x @ A) @ B``;
+  whose linears carry LoRA adapters, ``x @ W + s * (x @ A) @ B``; attention under constant
+  masks built from ``jnp.arange`` (sliding window, prefix-LM, packed documents) and under
+  ALiBi's per-head causal bias;
 * library modules: flax NNX ``MultiHeadAttention`` with ``nnx.make_causal_mask``, equinox
   ``MultiheadAttention`` with a causal mask, and transformers' Flax BERT-base
   (``FlaxBertModel``) and GPT-2 small (``FlaxGPT2LMHeadModel``), built from their default
@@ -290,6 +292,28 @@ def make_packed_documents_attention(seq: int = 2048, dtype: str = "float32", bat
     return fn, {}, cast(_qkv(seq, batch, heads, head_dim, "bhsd"), dtype)
 
 
+def make_alibi_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
+                         heads: int = 12, head_dim: int = 64):
+    """Causal attention with ALiBi biases (Press et al., "Train short, test long", ICLR 2022):
+    head ``h`` of ``H`` (from 1) has the slope ``m_h = 2^(-8h/H)``; query ``i`` sees keys
+    ``j <= i`` with the bias ``-m_h (i - j)`` added to its scaled scores, and ``-inf`` above
+    the diagonal. The bias ``[1, heads, seq, seq]`` is built from ``jnp.arange`` in the
+    traced function and added to the scores, as BLOOM's and MPT's attention code does;
+    ``q, k, v [batch, heads, seq, head_dim]``."""
+
+    def fn(w, q, k, v):
+        n, h = q.shape[2], q.shape[1]
+        slopes = 2.0 ** (-8.0 * jnp.arange(1, h + 1, dtype=q.dtype) / h)
+        i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+        distance = (i - j).astype(q.dtype)
+        bias = jnp.where(j <= i, -slopes[:, None, None] * distance,
+                         jnp.asarray(-jnp.inf, q.dtype))[None]
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5 + bias
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+    return fn, {}, cast(_qkv(seq, batch, heads, head_dim, "bhsd"), dtype)
+
+
 def make_masked_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
                           heads: int = 12, head_dim: int = 64):
     """Attention with an additive padding mask read at run time, ``[batch, 1, seq, seq]`` of
@@ -478,6 +502,7 @@ MODELS = {"causal_attention": make_causal_attention,
           "sliding_window_attention": make_sliding_window_attention,
           "prefix_lm_attention": make_prefix_lm_attention,
           "packed_documents_attention": make_packed_documents_attention,
+          "alibi_attention": make_alibi_attention,
           "gqa_causal_attention": make_gqa_causal_attention,
           "gqa_causal_attention_dpa": make_gqa_causal_attention_dpa,
           "linen_attention": make_linen_attention,
@@ -494,6 +519,7 @@ TINY = {"causal_attention": {"heads": 2, "head_dim": 8},
         "sliding_window_attention": {"heads": 2, "head_dim": 8, "window": 4},
         "prefix_lm_attention": {"heads": 2, "head_dim": 8, "prefix": 4},
         "packed_documents_attention": {"heads": 2, "head_dim": 8},
+        "alibi_attention": {"heads": 2, "head_dim": 8},
         "gqa_causal_attention": {"heads": 4, "kv_heads": 2, "head_dim": 8},
         "gqa_causal_attention_dpa": {"heads": 4, "kv_heads": 2, "head_dim": 8},
         "linen_attention": {"heads": 2, "head_dim": 8},

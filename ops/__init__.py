@@ -133,6 +133,11 @@ class OpDef:
             prices such a node as the sum of those nodes: timed as one kernel it would look
             cheaper than the same arithmetic timed piece by piece, though XLA compiles the
             two alike (``masked_attention``, ``attention`` in its naive lowering).
+        priced_as: for an operator whose node runs as a kernel of its own (no
+            ``composition`` for its attributes) that the calibrated cost model has no curve
+            for, ``priced_as(node)`` gives steps (as ``composition``'s) whose kernels
+            estimate it instead (``block_masked_attention`` in query blocks: the matmuls and
+            softmax of its key spans); the measured cost model times the node itself.
         family: the operator family whose cost curve a kernel of this operator falls back
             on when the calibrated cost model has few samples of its own
             (:mod:`taso_jax.search.calibrated`); by default the name of the ``ops``
@@ -165,6 +170,7 @@ class OpDef:
     trailing: int | None = None
     lowering: bool = False
     composition: Callable[[Any], list | None] | None = None
+    priced_as: Callable[[Any], list | None] | None = None
     family: str = ""
     dot_operands: tuple[int, ...] = ()
 

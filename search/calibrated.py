@@ -426,11 +426,12 @@ class CalibratedCostModel(CostModel):
         """The kernels ``node`` is priced as.
 
         None for opaque and fusible operators, its composition's kernels for a fused
-        operator that runs as one, else its own timed form.
+        operator that runs as one (or those of the steps that estimate a kernel of its own,
+        ``OpDef.priced_as``), else its own timed form.
         """
         if node.op == "opaque" or OPS[node.op].fusible:
             return []
-        parts = composition_nodes(node)
+        parts = composition_nodes(node, priced=True)
         if parts is not None:
             return [k for p in parts for k in self.kernels(p)]
         return [self._timed_form(node)]
@@ -439,7 +440,8 @@ class CalibratedCostModel(CostModel):
         t0 = time.perf_counter()
         try:
             return priced_by_kernels(
-                node, self._analytic, lambda k: self._kernel_price(self._timed_form(k))[0])
+                node, self._analytic, lambda k: self._kernel_price(self._timed_form(k))[0],
+                estimate=True)
         finally:
             self._stats.pricing_seconds += time.perf_counter() - t0
             self._stats.priced += 1

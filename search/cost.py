@@ -193,7 +193,8 @@ class AnalyticCostModel(CostModel):
         return scale * roofline + self.launch_us
 
 
-def priced_by_kernels(node: Node, analytic: AnalyticCostModel, kernel_price) -> float:
+def priced_by_kernels(node: Node, analytic: AnalyticCostModel, kernel_price,
+                      estimate: bool = False) -> float:
     """A node's price in microseconds, by what it runs as under ``jax.jit``.
 
     An opaque node at ``analytic``'s price; a fusible one by its arithmetic alone (timed
@@ -201,15 +202,17 @@ def priced_by_kernels(node: Node, analytic: AnalyticCostModel, kernel_price) -> 
     a fused operator that runs as its composition as the sum of that composition's prices
     (timed as one kernel it would look cheaper than the same kernels one by one, though XLA
     compiles both alike: GPT-2 small's twelve masked attentions, so introduced, ran 0.92x);
-    any other by ``kernel_price(node)``. The measured and calibrated models share it.
+    any other by ``kernel_price(node)``; with ``estimate`` (a model that prices kernels
+    without timing them), one that runs as a kernel of its own by the steps of its
+    ``OpDef.priced_as`` where it declares them. The measured and calibrated models share it.
     """
     if node.op == "opaque":
         return analytic.node_cost(node)
     if OPS[node.op].fusible:
         return fused_cost(node, analytic.gflops)
-    parts = composition_nodes(node)
+    parts = composition_nodes(node, priced=estimate)
     if parts is not None:
-        return sum(priced_by_kernels(p, analytic, kernel_price) for p in parts)
+        return sum(priced_by_kernels(p, analytic, kernel_price, estimate) for p in parts)
     return kernel_price(node)
 
 

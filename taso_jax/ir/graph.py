@@ -156,15 +156,19 @@ def make_node(op: str, inputs: Iterable[Tensor], attrs: Mapping[str, Any] | None
     return intern_node(op, norm, inputs, tuple(types))
 
 
-def composition_nodes(node: Node) -> list[Node] | None:
+def composition_nodes(node: Node, priced: bool = False) -> list[Node] | None:
     """The nodes of ``node``'s ``OpDef.composition``, built on its inputs, else ``None``.
 
     ``None`` also where the operator declares none, or where ``node``'s attributes select
     another implementation (``attention`` lowered in query blocks). The measured cost model prices
-    such a node as these nodes.
+    such a node as these nodes. ``priced``: where there is no composition, the steps of
+    ``OpDef.priced_as`` that estimate the node's own kernel (the calibrated cost model).
     """
-    composition = OPS[node.op].composition if node.op in OPS else None
+    opdef = OPS.get(node.op)
+    composition = opdef.composition if opdef is not None else None
     steps = composition(node) if composition is not None else None
+    if steps is None and priced and opdef is not None and opdef.priced_as is not None:
+        steps = opdef.priced_as(node)
     if steps is None:
         return None
     nodes: list[Node] = []
