@@ -73,6 +73,14 @@ def test_the_reports_own_timing_leaves_delivery_its_time():
     assert not calls and "left out" in report["notes"][0]
     report_timing(args, target, None, None, report, deadline, keep=4.0)
     assert calls and abs(calls[0] - (deadline.at - 4.0)) < 1e-9  # its rounds end there
+    # calls of 0.6 s and 0.5 s as the choice timed them: its least rounds (7 of 1.1 s)
+    # would not end before the 6 s left to it: left out, the choice's figure stands
+    slow = {"notes": [], "end_to_end": {"times_us": [6e5, 9e5, 5e5], "chosen": 2}}
+    report_timing(args, target, None, None, slow, deadline, keep=4.0)
+    assert len(calls) == 1 and "left out" in slow["notes"][0]
+    fast = {"notes": [], "end_to_end": {"times_us": [4e4, 9e4, 3e4], "chosen": 2}}
+    report_timing(args, target, None, None, fast, deadline, keep=4.0)
+    assert len(calls) == 2 and not fast["notes"]
 
 
 def test_a_reserve_larger_than_what_the_import_left_blames_the_import():
