@@ -74,6 +74,10 @@ class Deadline:
         """Seconds until the deadline, never below 0."""
         return max(0.0, self.at - time.perf_counter())
 
+    def elapsed(self) -> float:
+        """Seconds since the deadline was started (:meth:`start`)."""
+        return self.seconds - (self.at - time.perf_counter())
+
     def passed(self) -> bool:
         """Whether the deadline has passed."""
         return time.perf_counter() > self.at

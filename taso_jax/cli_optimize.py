@@ -191,7 +191,7 @@ def _make_optimizer(args, source, deadline):
     from taso_jax.optimizer import Optimizer
     from taso_jax.search.options import OptimizeOptions
     from taso_jax.search.rules import RuleFileError
-    from taso_jax.targets import make_target
+    from taso_jax.targets import describe, make_target
 
     try:
         options = OptimizeOptions(alpha=args.alpha, budget=args.budget,
@@ -199,7 +199,7 @@ def _make_optimizer(args, source, deadline):
                                   allow_unverified=args.allow_unverified,
                                   end_to_end=args.end_to_end, target=args.target,
                                   # written transposed, read back NHWC (onnx_layout)
-                                  layout_candidates=args.target == "xla")
+                                  layout_candidates=describe(args.target).runs_imported_file)
     except ValueError as e:
         raise UsageError("--" + str(e).replace("_", "-")) from e
     graph, original = source.graph, source.original
@@ -254,6 +254,7 @@ class _OnnxFile:
         """
         from taso_jax.checks import reference_runs
         from taso_jax.frontends.onnx_io import ModelError, load_onnx
+        from taso_jax.targets import describe
 
         started = time.perf_counter()
         if args.model is None:
@@ -261,8 +262,9 @@ class _OnnxFile:
 
             graph, name = example(args.example)
             return cls(args, graph, name, None, None, set(), protected, notes, scratch)
+        imported = describe(args.target).runs_imported_file  # jax.jit runs the file's layout
         graph = load_onnx(args.model, _parse_shapes(args.input_shape), deadline=deadline,
-                          layout="file" if args.target == "xla" else "nchw")
+                          layout="file" if imported else "nchw")
         original = args.model
         notes += graph.meta.get("shape_notes", [])
         if graph.meta.get("source_opset") != graph.meta.get("opset"):
@@ -515,21 +517,15 @@ class _OnnxFile:
 
     def _finish(self, report: dict, deadline) -> None:
         report["time_limit"] = self.args.time_limit
-        report["wall_seconds"] = _elapsed(deadline)
+        report["wall_seconds"] = deadline.elapsed()
 
 
-#: Seconds of delivery after the search pipeline, per second the import took: the export,
-#: check, check at other sizes, re-import and onnxruntime timing took 11.5 s after a 2.1 s
-#: import (a 464-operator OCR detector with open sizes), 10.9 s after 1.8 s (a 717-operator
-#: layout model), on the 2-core CPU (2026-11-29; the import had got faster).
+#: Seconds of delivery after the search pipeline per second of import: export, checks,
+#: re-import and onnxruntime timing took 11.5 s after a 2.1 s import (an OCR detector with
+#: open sizes), 10.9 s after 1.8 s (a 717-operator layout model), 2 cores, 2026-11-29.
 AFTER_SEARCH_PER_IMPORT = 5.5
 #: The most of the time limit kept for delivery after the search pipeline.
 AFTER_SEARCH_SHARE = 0.4
-
-
-def _elapsed(deadline) -> float:
-    """Seconds since ``deadline`` was started."""
-    return deadline.seconds - (deadline.at - time.perf_counter())
 
 
 def _emit(args, outcome) -> None:
@@ -564,7 +560,7 @@ def _pass_through(args, name: str, error, external_data, deadline) -> int:
               "not_optimized_because": error.hint,
               "kept_input_because": "its sizes follow input values"}
     _write_copy(args, args.model, external_data, report)
-    report["wall_seconds"] = _elapsed(deadline)
+    report["wall_seconds"] = deadline.elapsed()
     _emit(args, stopped_before(Verdict.PASS_THROUGH, report, "its sizes follow input values"))
     return 0
 
@@ -627,7 +623,7 @@ def _import_cut(args, name: str, why: str, external_data, deadline) -> int:
     report = {"model": name, "imported": False, "time_limit": args.time_limit,
               "out_of_time_in": "import", "kept_input_because": why}
     _write_copy(args, args.model, external_data, report)
-    report["wall_seconds"] = _elapsed(deadline)
+    report["wall_seconds"] = deadline.elapsed()
     _emit(args, stopped_before(Verdict.TIME_LIMIT, report, why))
     return 0
 
