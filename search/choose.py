@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from taso_jax.ops import OPS
+from taso_jax.search.head_to_head import HeadToHead
 from taso_jax.search.paired_test import (  # re-exported: the choice's tests and callers
     LOOP_LEAST_ROUNDS,
     confirm_faster,
@@ -41,7 +42,7 @@ from taso_jax.ir.layout import has_nchw_convolutions, to_nhwc
 __all__ = ["device_name", "time_graphs", "rank_correlation", "choose_fastest",
            "measured_set", "keep_fastest", "paired_speedup", "confirm_faster", "with_layouts",
            "halfway", "compiled_runs", "compiled_run", "screen_in_pairs", "screen_fastest",
-           "signed_rank_greater", "floor_us", "rounds_for",
+           "signed_rank_greater", "floor_us", "rounds_for", "loops_fit",
            "NHWC_LAYOUT"]
 
 #: The name a graph's NHWC form carries in ``applied`` (see :func:`with_layouts`).
@@ -381,44 +382,10 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
     times, best, best_run = screen_in_pairs(graphs, base, make, loop, deadline,
                                             discard=discard_compiled, then=nhwc_of_best)
 
-    held = {best: best_run}  # the compiled graph being confirmed (one at a time)
-
-    def hold(*keep):  # the compiled candidates ``keep``, made if not held, and no others
-        for j in [j for j in held if j not in keep]:
-            discard_compiled(graphs[j][1])
-            del held[j]
-        for j in keep:
-            if j not in held:
-                held[j] = make(graphs[j][1])
-        return [held[j] for j in keep]
-
-    # Each loop of a confirmation or duel stops halfway to the deadline at the latest, so
-    # that the loop checking a "faster" verdict has time left (:func:`halfway`); a loop
-    # whose least rounds, and its check loop's, cannot end before the deadline is not
-    # begun (:func:`loops_fit`): it would be cut short, and overrun the time limit.
-    calls_us = [float(np.median(t)) for t in times]
-    begun: set = set()
-
-    def fits(*keep) -> bool:
-        loops = 1 if keep in begun else 2  # a first loop, and the loop checking it
-        begun.add(keep)
-        make_s = max(made) * sum(1 for j in keep if j not in held)
-        return loops_fit([calls_us[j] for j in keep], loops, deadline, make_s)
-
-    def confirm(i):  # keep_fastest confirms ``best``, then maybe a runner-up
-        if not fits(0, i):
-            return [], []
-        return time_interleaved([base, *hold(i)], repeats, 1, halfway(deadline),
-                                min_seconds=SCREEN_SECONDS, least=LOOP_LEAST_ROUNDS)
-
-    def duel(i, j):  # the confirmed candidate ``i`` against a near tie ``j``
-        if not fits(i, j):
-            return [], []
-        return time_interleaved(hold(i, j), repeats, 1, halfway(deadline),
-                                min_seconds=SCREEN_SECONDS, least=LOOP_LEAST_ROUNDS)
-
+    loops = HeadToHead(graphs, times, base, best, best_run, make, made, repeats, deadline,
+                       min_seconds=SCREEN_SECONDS)
     return keep_fastest(result, graphs[:len(times)], times, len(times[0]), device_name(),
-                        confirm=confirm, best=best, duel=duel)
+                        confirm=loops.confirm, best=best, duel=loops.duel)
 
 
 #: Why a screen-only choice picked its graph by estimate (:func:`screen_fastest`).

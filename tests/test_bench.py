@@ -557,6 +557,7 @@ def _conv_chain():
 @pytest.mark.parametrize("layouts", [True, False])
 def test_the_nhwc_form_is_a_candidate_timed_like_any_other(monkeypatch, layouts):
     import taso_jax.search.choose as choose
+    import taso_jax.search.head_to_head as head_to_head
     from taso_jax.search.choose import NHWC_LAYOUT
 
     timed = []
@@ -574,6 +575,7 @@ def test_the_nhwc_form_is_a_candidate_timed_like_any_other(monkeypatch, layouts)
 
     monkeypatch.setattr(choose, "compiled_run", run)
     monkeypatch.setattr(choose, "time_interleaved", fake)
+    monkeypatch.setattr(head_to_head, "time_interleaved", fake)  # the confirmation's loops
     g = _conv_chain()
     r = taso_jax.search_graph(g, cost_model="analytic", budget=3, end_to_end=2,
                               layout_candidates=layouts)

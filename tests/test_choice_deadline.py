@@ -56,6 +56,7 @@ def _graphs():
 
 def test_a_confirmation_that_cannot_end_before_the_deadline_is_not_begun(monkeypatch):
     import taso_jax.search.choose as choose
+    import taso_jax.search.head_to_head as head_to_head
 
     asked = []
 
@@ -63,7 +64,7 @@ def test_a_confirmation_that_cannot_end_before_the_deadline_is_not_begun(monkeyp
         asked.append((len(calls_us), loops, deadline))
         return False
 
-    monkeypatch.setattr(choose, "loops_fit", no_time)
+    monkeypatch.setattr(head_to_head, "loops_fit", no_time)
     slow, fast = _graphs()[1], _graphs()[0]
     r = SearchResult(slow, 10.0, 5.0, {"fake": 1}, 1, 2, 0.0, "budget",
                      candidates=[Candidate(5.0, fast, ("fake",)), Candidate(10.0, slow, ())],
