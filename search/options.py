@@ -31,6 +31,7 @@ from taso_jax.search.rules import Substitution, default_substitutions, load_subs
 from taso_jax.search.second_opinions import (
     add_ablation_candidate,
     add_analytic_candidate,
+    add_as_written_candidate,
     add_near_tie_candidate,
 )
 
@@ -65,8 +66,10 @@ VISITED_HELD = 8
 #: of a convolution with other groups are priced side by side
 #: (:meth:`taso_jax.search.cost.MeasuredCostModel._measure_beside`); the end-to-end choice
 #: duels a confirmed candidate with one ahead of it by median. 7: the calibrated cost model
-#: is the default (:mod:`taso_jax.search.calibrated`).
-SEARCH_REVISION = 7
+#: is the default (:mod:`taso_jax.search.calibrated`). 8: the best graph priced with its
+#: convolutions as written is a candidate where the search priced them in NHWC
+#: (:func:`taso_jax.search.second_opinions.add_as_written_candidate`).
+SEARCH_REVISION = 8
 
 #: The runtimes a result can be made fast in.
 TARGETS = ("xla", "onnxruntime")
@@ -241,7 +244,10 @@ def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Subst
                         need: Callable[[], float | None] | None = None) -> None:
     """Add the candidates that second-guess the search's cost model to ``result``.
 
-    The best graph of a search under the analytic cost model
+    The best graph of a search with convolutions priced in the layout they are written in,
+    where ``cost_model`` priced them in NHWC
+    (:func:`~taso_jax.search.second_opinions.add_as_written_candidate`), the best graph of
+    a search under the analytic cost model
     (:func:`~taso_jax.search.second_opinions.add_analytic_candidate`), the best graph with its
     rules' near ties taken (:func:`~taso_jax.search.second_opinions.add_near_tie_candidate`)
     and the best graph of a search without one rule every candidate applies
@@ -257,6 +263,11 @@ def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Subst
     ``result.graph`` is not changed.
     """
     deadline = deadline or Deadline.start(opts.time_limit)
+    seconds = _second_opinion_seconds(deadline, need)
+    if seconds is None:
+        return
+    add_as_written_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
+                             budget=opts.budget, time_limit=seconds)
     seconds = _second_opinion_seconds(deadline, need)
     if seconds is None:
         return
