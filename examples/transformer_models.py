@@ -8,7 +8,8 @@
   ``S`` tokens and as one decode step against a KV cache of ``S`` positions; a two-layer MLP
   whose linears carry LoRA adapters, ``x @ W + s * (x @ A) @ B``; attention under constant
   masks built from ``jnp.arange`` (sliding window, prefix-LM, packed documents) and under
-  ALiBi's per-head causal bias;
+  ALiBi's per-head causal bias; a top-2-of-8 mixture-of-experts MLP in the dense
+  formulation, on uniform and on skewed routing;
 * library modules: flax NNX ``MultiHeadAttention`` with ``nnx.make_causal_mask``, equinox
   ``MultiheadAttention`` with a causal mask, and transformers' Flax BERT-base
   (``FlaxBertModel``) and GPT-2 small (``FlaxGPT2LMHeadModel``), built from their default

@@ -237,6 +237,8 @@ def _replay(ctx, jaxpr, ins):
         sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         args = [read(v) for v in eqn.invars]
         if sub is not None:
+            if getattr(sub, "consts", ()) or getattr(sub, "jaxpr", sub).constvars:
+                return None
             res = _replay(ctx, getattr(sub, "jaxpr", sub), args)
         else:
             importer = JAXPR_IMPORTERS.get(eqn.primitive.name)
