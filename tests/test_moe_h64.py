@@ -90,6 +90,29 @@ def test_import_recognizes_silu_and_leaves_other_forms():
     assert "gated_experts" not in _ops(taso_jax.from_jax(tanh, g, x, w1, w2))
 
 
+def test_import_recognizes_scattered_gates_and_batches():
+    """Gates written by a scatter (``zeros.at[rows, chosen].set(weights)``) and a batch of 2
+    flattened to tokens import as ``gated_experts`` too: the gates may be anything."""
+    fn, w, (x,) = transformer_models.MODELS["moe_top2"](batch=2, **SIZES)
+
+    def scattered(w, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        top, chosen = jax.lax.top_k(tokens @ w["router"], 2)
+        rows = jnp.arange(tokens.shape[0])[:, None]
+        gates = jnp.zeros((tokens.shape[0], 8), x.dtype).at[rows, chosen].set(
+            jax.nn.softmax(top, axis=-1))
+        h = jax.nn.relu(jnp.einsum("td,edh->teh", tokens, w["w1"]))
+        y = jnp.einsum("teh,ehd->ted", h, w["w2"])
+        return jnp.einsum("te,ted->td", gates, y).reshape(x.shape)
+
+    for f in (fn, scattered):
+        g = taso_jax.from_jax(f, w, x, weight_argnums=0)
+        nodes = [n for n in g.nodes if n.op == "gated_experts"]
+        assert len(nodes) == 1 and nodes[0].inputs[1].shape == (2 * SIZES["seq"], SIZES["dim"])
+    np.testing.assert_allclose(np.asarray(jax.jit(scattered)(w, x)),
+                               np.asarray(jax.jit(fn)(w, x)), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e3])
 @pytest.mark.parametrize("per_token", [1, 2, 8])
 def test_lowering_law_numerically(per_token, scale):
