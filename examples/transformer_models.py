@@ -8,7 +8,8 @@
   ``S`` tokens and as one decode step against a KV cache of ``S`` positions; a two-layer MLP
   whose linears carry LoRA adapters, ``x @ W + s * (x @ A) @ B``; attention under constant
   masks built from ``jnp.arange`` (sliding window, prefix-LM, packed documents) and under
-  ALiBi's per-head causal bias;
+  ALiBi's per-head causal bias; a top-2-of-8 mixture-of-experts MLP in the dense
+  formulation, on uniform and on skewed routing;
 * library modules: flax NNX ``MultiHeadAttention`` with ``nnx.make_causal_mask``, equinox
   ``MultiheadAttention`` with a causal mask, and transformers' Flax BERT-base
   (``FlaxBertModel``) and GPT-2 small (``FlaxGPT2LMHeadModel``), built from their default
@@ -314,6 +315,53 @@ def make_alibi_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1
     return fn, {}, cast(_qkv(seq, batch, heads, head_dim, "bhsd"), dtype)
 
 
+def make_moe_top2(seq: int = 256, dtype: str = "float32", batch: int = 1, dim: int = 512,
+                  hidden: int = 1024, experts: int = 8, routing: str = "uniform"):
+    """A top-2-of-``experts`` mixture-of-experts MLP in the dense formulation (Mixtral,
+    Jiang et al. 2024; Shazeer et al., "Outrageously large neural networks", 2017).
+
+    The tokens ``x [batch, seq, dim]`` are flattened to ``[T, dim]``; router logits
+    ``x @ wr`` pick two experts per token (``jax.lax.top_k``), a softmax over the two gives
+    their weights, and ``one_hot`` spreads them into a dense gate matrix ``[T, experts]``
+    (zeros for the experts not chosen). Every expert (``relu(x @ w1[e]) @ w2[e]``,
+    ``w1 [experts, dim, hidden]``, ``w2 [experts, hidden, dim]``) runs on every token, and
+    the gates combine the results (``einsum("te,ted->td")``). ``routing="uniform"``: random
+    router weights, which spread the tokens about evenly; ``"skewed"``: a router whose
+    logits rank expert 0 first and expert 1 second for every token.
+
+    Raises:
+        ValueError: an unknown ``routing``.
+    """
+    if routing not in ("uniform", "skewed"):
+        raise ValueError(f"moe_top2: routing {routing!r} is not 'uniform' or 'skewed'")
+    rng = np.random.default_rng(0)
+    wr = _normal(rng, (dim, experts), dim ** -0.5)
+    if routing == "skewed":  # a large constant logit per expert, falling with its index
+        wr = jnp.zeros((dim, experts)).at[0].set(-1.0 * jnp.arange(experts))
+    w = {"router": wr, "w1": _normal(rng, (experts, dim, hidden), dim ** -0.5),
+         "w2": _normal(rng, (experts, hidden, dim), hidden ** -0.5)}
+    x = _normal(np.random.default_rng(1), (batch, seq, dim))
+    if routing == "skewed":
+        x = x.at[..., 0].set(1.0)  # the router reads feature 0 only
+
+    def fn(w, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        top, chosen = jax.lax.top_k(tokens @ w["router"], 2)
+        gates = jnp.einsum("tk,tke->te", jax.nn.softmax(top, axis=-1),
+                           jax.nn.one_hot(chosen, w["w1"].shape[0], dtype=x.dtype))
+        h = jax.nn.relu(jnp.einsum("td,edh->teh", tokens, w["w1"]))
+        y = jnp.einsum("teh,ehd->ted", h, w["w2"])
+        return jnp.einsum("te,ted->td", gates, y).reshape(x.shape)
+
+    return fn, cast(w, dtype), cast((x,), dtype)
+
+
+def make_moe_top2_skewed(seq: int = 256, dtype: str = "float32", batch: int = 1,
+                         dim: int = 512, hidden: int = 1024, experts: int = 8):
+    """:func:`make_moe_top2` with ``routing="skewed"``: every token goes to experts 0 and 1."""
+    return make_moe_top2(seq, dtype, batch, dim, hidden, experts, routing="skewed")
+
+
 def make_masked_attention(seq: int = 1024, dtype: str = "float32", batch: int = 1,
                           heads: int = 12, head_dim: int = 64):
     """Attention with an additive padding mask read at run time, ``[batch, 1, seq, seq]`` of
@@ -503,6 +551,7 @@ MODELS = {"causal_attention": make_causal_attention,
           "prefix_lm_attention": make_prefix_lm_attention,
           "packed_documents_attention": make_packed_documents_attention,
           "alibi_attention": make_alibi_attention,
+          "moe_top2": make_moe_top2, "moe_top2_skewed": make_moe_top2_skewed,
           "gqa_causal_attention": make_gqa_causal_attention,
           "gqa_causal_attention_dpa": make_gqa_causal_attention_dpa,
           "linen_attention": make_linen_attention,
@@ -520,6 +569,8 @@ TINY = {"causal_attention": {"heads": 2, "head_dim": 8},
         "prefix_lm_attention": {"heads": 2, "head_dim": 8, "prefix": 4},
         "packed_documents_attention": {"heads": 2, "head_dim": 8},
         "alibi_attention": {"heads": 2, "head_dim": 8},
+        "moe_top2": {"dim": 16, "hidden": 24},
+        "moe_top2_skewed": {"dim": 16, "hidden": 24},
         "gqa_causal_attention": {"heads": 4, "kv_heads": 2, "head_dim": 8},
         "gqa_causal_attention_dpa": {"heads": 4, "kv_heads": 2, "head_dim": 8},
         "linen_attention": {"heads": 2, "head_dim": 8},

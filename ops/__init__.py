@@ -360,6 +360,7 @@ from taso_jax.ops import (  # noqa: E402,F401
     conv,
     elementwise,
     elementwise_jaxpr,
+    experts,
     im2col,
     matmul,
     nn,

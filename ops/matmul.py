@@ -193,6 +193,11 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
     counts as laid out when only its axes of size 1 are out of place.
     """
     lhs, rhs = ins
+    from taso_jax.ops.experts import experts_idiom
+
+    experts = experts_idiom(ctx, lhs, rhs, dimension_numbers)
+    if experts is not None:
+        return [experts]
     (lc, rc), (lb, rb) = dimension_numbers
     out = ctx.out_types[0]
     if ctx.type(lhs).dtype != ctx.type(rhs).dtype or ctx.type(lhs).dtype != out.dtype:
