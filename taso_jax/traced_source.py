@@ -146,7 +146,8 @@ class TracedSource:
                 entry.reserved_s = self._reserve()  # as guessed (or timed) when it starts
             result = optimizer.search(
                 self.graph, deadline, progress,
-                confirm=any(_is_tracer(x) for x in self.traced.leaves), reserve=self._reserve)
+                confirm=any(_is_tracer(x) for x in self.traced.leaves), reserve=self._reserve,
+                fold_weights=self.fold_weights)
         entry.result = self._result = result
         return result
 
