@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from taso_jax.ir.fold_check import FoldOverflow, fold_overflow
+from taso_jax.ir.fold_check import FoldOverflow, computes, fold_overflow
 from taso_jax.ir.graph import Graph
 
 __all__ = ["FoldGate", "FoldRefusal", "refuse_faulty_folds"]
@@ -78,7 +78,9 @@ class FoldGate:
         """The fault of what rewrite ``rw`` of ``graph`` by ``rule`` folds, or ``None``."""
         nodes = graph.node_set
         new = frozenset(n for n in rw.created
-                        if n.weight_only and n.op != "weight" and n not in nodes)
+                        if n.weight_only and n not in nodes and computes(n))
+        if not new:  # only copies of values (a concatenated or merged kernel)
+            return None
         if new not in self.judged:
             after = graph.replace(rw.mapping)
             weights = self.weights_of(after)

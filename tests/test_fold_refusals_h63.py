@@ -192,3 +192,49 @@ def test_the_decorator_refuses_the_rewrite_without_falling_back(monkeypatch):
     for got, want in zip(small, ref, strict=True):
         assert np.isfinite(np.asarray(got)).all()
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+
+
+def _copy_cases():
+    from taso_jax.ops import OPS
+
+    return [(name, i) for name, op in sorted(OPS.items())
+            if getattr(op, "copies_values", False) for i in range(len(op.examples))]
+
+
+def _example_inputs(in_types, rng):
+    xs = []
+    for t in in_types:
+        if t.dtype == "bool":
+            xs.append(rng.integers(0, 2, t.shape).astype(bool))
+        elif "int" in t.dtype:
+            xs.append(rng.integers(0, 2, t.shape).astype(t.dtype))
+        else:  # distinct values, none of them a constant an operator could make
+            xs.append((rng.random(t.shape) + 1.5).astype(t.dtype))
+    return xs
+
+
+def test_the_operators_that_copy_values_make_none():
+    """Every output element of a ``copies_values`` operator (what the fold check skips)
+    is an input element, or a constant of its attributes, on each of its examples."""
+    from taso_jax.ops import OPS
+
+    from taso_jax.ir.graph import leaf_node, make_node
+
+    cases = _copy_cases()
+    names = {name for name, _ in cases}
+    assert {"concat", "merge_gconv", "transpose", "enlarge"} <= names
+    assert not names & {"ewadd", "ewmul", "matmul", "conv2d", "cast"}
+    for name, i in cases:
+        op = OPS[name]
+        in_types, attrs = op.examples[i]
+        node = make_node(name, [leaf_node("input", f"a{k}", t).outputs[0]
+                                for k, t in enumerate(in_types)], attrs)
+        xs = _example_inputs(in_types, np.random.default_rng(i))
+        out = op.ref(*xs, **dict(node.attrs))
+        allowed = {float(v) for x in xs if np.issubdtype(x.dtype, np.floating)
+                   for v in x.ravel()}
+        allowed |= {0.0, float(dict(node.attrs).get("value", 0.0))}
+        for o in out if isinstance(out, tuple | list) else (out,):
+            o = np.asarray(o)
+            if np.issubdtype(o.dtype, np.floating):
+                assert {float(v) for v in o.ravel()} <= allowed, (name, i)

@@ -28,7 +28,7 @@ import numpy as np
 
 from taso_jax.ir.graph import Graph, Node, Tensor
 
-__all__ = ["FoldOverflow", "UNDERFLOW", "fold_overflow"]
+__all__ = ["FoldOverflow", "UNDERFLOW", "computes", "fold_overflow"]
 
 #: :attr:`FoldOverflow.value` of an underflow.
 UNDERFLOW = "0"
@@ -95,8 +95,9 @@ def fold_overflow(graph: Graph, original: Graph | None = None,
         A :class:`FoldOverflow` naming the operator, element type and value, or ``None``.
         Integer and boolean tensors are never faulted (they hold no inf or NaN). An
         operator with a non-finite input is not faulted either (the fault, if any, lies
-        upstream); values beyond the element type's range come out as inf in JAX, so an
-        overflowing cast is caught as such. An underflow is judged against the operator
+        upstream), nor is one that copies values (:func:`computes`); values beyond the
+        element type's range come out as inf in JAX, so an overflowing cast is caught as
+        such. An underflow is judged against the operator
         run on its own inputs in float64 (:func:`_underflowed`), so an input already 0 or
         subnormal (a weight zeroed by
         :func:`~taso_jax.ir.cleanup.flush_negligible_weights`) is no fault of the fold.
@@ -105,7 +106,7 @@ def fold_overflow(graph: Graph, original: Graph | None = None,
 
     old = original.node_set if original is not None else frozenset()
     wo = graph.weight_only
-    new = [n for n in graph.nodes if n in wo and n.op != "weight" and n not in old]
+    new = [n for n in graph.nodes if n in wo and n not in old and computes(n)]
     if not new:
         return None
     needed: set[Node] = set()
@@ -116,9 +117,11 @@ def fold_overflow(graph: Graph, original: Graph | None = None,
             needed.add(n)
             stack.extend(t.node for t in n.inputs)
     ordered = [n for n in graph.nodes if n in needed]  # topological
-    env = fold_values([n for n in ordered if n.op == "weight"],
-                      [n for n in ordered if n.op != "weight"],
-                      graph.weights if weights is None else weights)
+    values = graph.weights if weights is None else weights
+    env = _on_host(ordered, values)
+    if env is None:
+        env = fold_values([n for n in ordered if n.op == "weight"],
+                          [n for n in ordered if n.op != "weight"], values)
     finite: dict[Tensor, bool] = {}
 
     def is_finite(t: Tensor) -> bool:
@@ -127,7 +130,7 @@ def fold_overflow(graph: Graph, original: Graph | None = None,
         return finite[t]
 
     for n in ordered:
-        if n.op == "weight" or n in old or not all(is_finite(t) for t in n.inputs):
+        if n in old or not computes(n) or not all(is_finite(t) for t in n.inputs):
             continue
         for t in n.outputs:
             if not is_finite(t):
@@ -136,6 +139,47 @@ def fold_overflow(graph: Graph, original: Graph | None = None,
             t = next(t for t in n.outputs if _is_float(t.dtype))
             return FoldOverflow(n.op, t.dtype, t.shape, UNDERFLOW)
     return None
+
+
+def computes(node: Node) -> bool:
+    """Whether ``node``, folded ahead of time, may round, overflow or underflow.
+
+    Any operator but a weight and those that copy values (``OpDef.copies_values``: a
+    concatenation, a merged grouped kernel, a transpose, a zero padding).
+    """
+    from taso_jax.ops import OPS
+
+    op = OPS.get(node.op)
+    return node.op != "weight" and not (op is not None and op.copies_values)
+
+
+def _on_host(ordered: list[Node], values: Mapping) -> dict | None:
+    """The values of ``ordered`` (weights, then operators on them) computed in NumPy.
+
+    ``None`` where an operator has no NumPy form (``OpDef.numpy_ref``): JAX computes them
+    then (:func:`~taso_jax.ir.executor.fold_values`). The search asks this of every rewrite
+    that folds (:class:`~taso_jax.search.fold_refusals.FoldGate`): a batchnorm folded into
+    each kernel of a ResNet-50 is an ``ewmul`` of a new shape each, and JAX compiled one
+    executable for each (53 of them, 2 s of a 2 s search).
+    """
+    from taso_jax.ops import OPS
+
+    refs = {}
+    for n in ordered:
+        op = OPS.get(n.op)
+        if n.op != "weight" and (op is None or op.numpy_ref is None):
+            return None
+        refs[n] = None if n.op == "weight" else op.numpy_ref
+    env: dict[Tensor, object] = {}
+    with np.errstate(all="ignore"):  # what overflows is the finding, not a warning
+        for n in ordered:
+            if refs[n] is None:
+                env[n.outputs[0]] = np.asarray(values[n.name])
+                continue
+            out = refs[n](*(env[t] for t in n.inputs), **dict(n.attrs))
+            outs = tuple(out) if isinstance(out, tuple | list) else (out,)
+            env.update(zip(n.outputs, (np.asarray(o) for o in outs), strict=True))
+    return env
 
 
 def _underflowed(node: Node, env: Mapping) -> bool:
@@ -183,11 +227,18 @@ def _in_float64(node: Node, args) -> tuple:
     import jax
 
     from taso_jax.ir.executor import _is_float, run_node
+    from taso_jax.ops import OPS
 
     wide = [np.asarray(a).astype(np.float64) if _is_float(np.asarray(a).dtype)
             else np.asarray(a) for a in args]
     if node.op == "cast":
         return (wide[0],)
+    ref = getattr(OPS.get(node.op), "numpy_ref", None)
+    if ref is not None:
+        with np.errstate(all="ignore"):
+            out = ref(*wide, **dict(node.attrs))
+        return tuple(np.asarray(o, np.float64) for o in (out if isinstance(out, tuple | list)
+                                                          else (out,)))
     with jax.enable_x64(True):
         return tuple(np.asarray(v, np.float64) for v in run_node(node, wide))
 
