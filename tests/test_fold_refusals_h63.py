@@ -238,3 +238,34 @@ def test_the_operators_that_copy_values_make_none():
             o = np.asarray(o)
             if np.issubdtype(o.dtype, np.floating):
                 assert {float(v) for v in o.ravel()} <= allowed, (name, i)
+
+
+@pytest.mark.slow
+def test_a_cached_rewrite_that_overflows_on_new_weights_is_refused(monkeypatch, tmp_path):
+    """A graph cache entry found with ordinary weights, called in a later process (a new
+    decorator) with weights whose sum overflows: refused, no fallback, entry dropped."""
+    monkeypatch.setenv("TASO_JAX_GRAPH_CACHE", str(tmp_path))
+
+    def fn(w, x):
+        a = jnp.abs(x)
+        return a @ w[0] + a @ w[1]
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    ordinary = tuple(jnp.asarray(rng.standard_normal((64, 64)), jnp.float32) for _ in "ab")
+    first = taso_jax.optimize(fn, weight_argnums=0, time_limit=20, end_to_end=0,
+                              cost_model="analytic")
+    first(ordinary, x)
+    assert first.outcome().verdict == "rewritten" and list(tmp_path.iterdir())
+    big = (jnp.full((64, 64), 3e38, jnp.float32),) * 2
+    later = taso_jax.optimize(fn, weight_argnums=0, time_limit=20, end_to_end=0,
+                              cost_model="analytic")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = later(big, x * 1e-6)
+    assert not any("falling back" in str(c.message) for c in caught), caught
+    outcome = later.outcome()
+    assert outcome.verdict == "unchanged" and "rewrite refused" in outcome.why
+    assert outcome.report["search"]["stopped"] == "graph cache"  # not searched again
+    assert np.isfinite(np.asarray(got)).all()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
