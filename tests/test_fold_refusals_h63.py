@@ -269,3 +269,28 @@ def test_a_cached_rewrite_that_overflows_on_new_weights_is_refused(monkeypatch, 
     assert outcome.report["search"]["stopped"] == "graph cache"  # not searched again
     assert np.isfinite(np.asarray(got)).all()
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))  # float16 has no huge scale
+def test_the_output_check_sees_an_underflowed_fold_at_the_huge_scale(dtype):
+    """``A @ B`` flushed to 0 (``c = 1e-23``): at the huge input scale the original's
+    outputs are normal numbers, the rewrite's 0."""
+    from taso_jax.checks import check_graphs, compare_nonfinite, range_scales
+
+    def chain(folded: bool):
+        b = taso_jax.new_graph()
+        x = b.new_input((8, 16), dtype=dtype, name="x")
+        eye = _arr(np.eye(16) * 1e-23, dtype)
+        a, w = b.new_weight(data=eye, name="a"), b.new_weight(data=eye.copy(), name="b")
+        ax = b.abs(x)
+        b.mark_output(b.matmul(ax, b.matmul(a, w)) if folded else b.matmul(b.matmul(ax, a), w))
+        return b.graph()
+
+    graph, rewritten = chain(False), chain(True)
+    check = check_graphs(graph, rewritten)
+    assert not check["ok"] and check["failed_scale"] == range_scales(graph)[1]
+    assert "0 or subnormal where the original is normal" in check["nonfinite"]
+    # a subnormal where the original is one too, or at the tiny scale, is no fault
+    sub = np.array([1e-39, 1.0], np.float32)
+    assert compare_nonfinite([sub], [sub * np.float32(2)], underflow=True)["ok"]
+    assert compare_nonfinite([np.zeros(2, np.float32)], [np.ones(2, np.float32)])["ok"]
