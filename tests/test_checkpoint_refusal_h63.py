@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from taso_jax.search.rules import Substitution, default_substitutions, save_substitutions
+from taso_jax.search.rules import default_substitutions, save_substitutions
 
 from taso_jax.cli import main
 from taso_jax.cli_files import UsageError, check_checkpoint_text
@@ -62,5 +62,3 @@ def test_a_cut_short_checkpoint_resumes(tmp_path, capsys):
     assert "proved: 1" in capsys.readouterr().out
     assert any(ONE_RULE in line for line in ckpt.read_text().splitlines()[1:])
 
-
-assert Substitution  # imported for the rule file's type
