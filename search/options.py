@@ -343,8 +343,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
                chooser: Callable[..., dict] | None = None,
                progress: Callable[[int, float], None] | None = None,
                second_opinions: bool = True, record: int | None = VISITED_HELD,
-               confirm: bool = True,
-               reserve: Callable[[], float] | None = None,
+               confirm: bool = True, reserve: Callable[[], float] | None = None,
                fold_weights: Callable[[Graph], Mapping | None] | None = None) -> SearchResult:
     """The one search pipeline: backtracking search, second opinions, end-to-end choice.
 
@@ -379,19 +378,13 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
             ``jax.jit``). The search, the second opinions and the choice all end that much
             before ``deadline``: the search stops (``StopReason.CHOICE_RESERVE``) as soon as
             less than ``reserve()`` is left, which may grow once the caller knows better.
-        fold_weights: ``fold_weights(g)``, the weight values a candidate ``g``'s folds are
-            checked on before the choice (default ``g.weights``; ``None`` from it: not
-            checked): a rewrite whose pre-folded weight overflows or underflows is not
-            applied (:class:`~taso_jax.search.fold_refusals.FoldGate`), a candidate holding
-            one is dropped (:func:`~taso_jax.search.fold_refusals.refuse_faulty_folds`), and
-            ``result.fold_refusals`` says why.
+        fold_weights: ``g -> weights``, the values :mod:`~taso_jax.search.fold_refusals` checks.
 
     Returns:
         A :class:`~taso_jax.search.backtracking.SearchResult`; ``result.end_to_end`` holds
         what was timed when candidates were measured, ``result.unmeasurable`` the kernels
         the cost model could not time.
     """
-    # over 80 lines for its docstring (the contract); the body is 51 lines
     # import and rule loading took it all, or all but the caller's own reserve
     late = deadline is not None and (deadline.passed() or (
         reserve is not None and deadline.left() <= reserve()))
@@ -403,13 +396,11 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     # the choice's first step, compiling the input, overlaps the search
     ahead = (compile_ahead(graph) if chooser is None and confirm and opts.end_to_end > 0
              else None)
-    gate = FoldGate(graph, fold_weights)
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
-                                 budget=opts.budget, time_limit=limit,
-                                 progress=progress, keep=max(1, opts.end_to_end),
-                                 record=record,
-                                 stop=_search_stop(ahead, graph, deadline, end, reserve),
-                                 fold_gate=gate)
+                                 budget=opts.budget, time_limit=limit, progress=progress,
+                                 keep=max(1, opts.end_to_end),
+                                 record=record, fold_gate=(gate := FoldGate(graph, fold_weights)),
+                                 stop=_search_stop(ahead, graph, deadline, end, reserve))
     if late or deadline.passed():
         result.out_of_time_in = "import" if late else "search"
     # the search's cheapest graph (the choice's first candidate) compiles beside the second
