@@ -29,8 +29,9 @@ class FoldRefusal:
     """A rewrite refused because a weight it folds ahead of time overflowed or underflowed.
 
     Attributes:
-        rules: the substitutions every refused graph with this fault applied, in the order
-            the first of them applied them (the rewrite to blame is among them).
+        rules: the substitutions refused: those whose rewrites made the fault (the
+            search's gate), or those every candidate dropped for it applied, in order (the
+            rewrite to blame is among them).
         fault: what the fold computed (:class:`~taso_jax.ir.fold_check.FoldOverflow`).
         graphs: how many rewrites (by the search) or candidate graphs (after it) were
             refused for it.
@@ -59,7 +60,6 @@ class FoldGate:
     ``graph``); returns the fault, or ``None``. A set of new operators is judged once.
 
     Args:
-        original: the search's input graph.
         weights_of: ``weights_of(g)``, the weight values of ``g`` (default ``g.weights``);
             ``None`` from it: nothing is judged (a trace under a transformation).
 
@@ -67,9 +67,7 @@ class FoldGate:
         refused: fault -> :class:`~collections.Counter` of the rules refused for it.
     """
 
-    def __init__(self, original: Graph,
-                 weights_of: Callable[[Graph], Mapping | None] | None = None):
-        self.original = original
+    def __init__(self, weights_of: Callable[[Graph], Mapping | None] | None = None):
         self.weights_of = weights_of or (lambda g: g.weights)
         self.judged: dict[frozenset, FoldOverflow | None] = {}
         self.refused: dict[FoldOverflow, Counter] = {}
@@ -126,8 +124,9 @@ def refuse_faulty_folds(result, graph: Graph,
             faults[g.key] = None if weights is None else fold_overflow(g, graph, weights)
         return faults[g.key]
 
-    want = len(result.candidates)
-    kept = [c for c in result.candidates if fault(c.graph) is None]
+    first = list(result.candidates)
+    want = len(first)
+    kept = [c for c in first if fault(c.graph) is None]
     best_refused = fault(result.graph) is not None
     if len(kept) == want and not best_refused:
         result.fold_refusals = from_gate
@@ -145,7 +144,7 @@ def refuse_faulty_folds(result, graph: Graph,
         result.graph = best.graph if best is not None else graph
         result.cost_after = best.cost if best is not None else result.cost_before
         result.applied = Counter(best.path if best is not None else ())
-    refused = [c for c in (*result.candidates, *result.visited) if faults.get(c.graph.key)]
+    refused = [c for c in (*first, *result.visited) if faults.get(c.graph.key)]
     faulted = {r.fault for r in from_gate}
     result.fold_refusals = from_gate + [r for r in _grouped(refused, faults)
                                         if r.fault not in faulted]

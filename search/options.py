@@ -399,7 +399,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
                                  budget=opts.budget, time_limit=limit, progress=progress,
                                  keep=max(1, opts.end_to_end),
-                                 record=record, fold_gate=(gate := FoldGate(graph, fold_weights)),
+                                 record=record, fold_gate=(gate := FoldGate(fold_weights)),
                                  stop=_search_stop(ahead, graph, deadline, end, reserve))
     if late or deadline.passed():
         result.out_of_time_in = "import" if late else "search"

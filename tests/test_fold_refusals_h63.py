@@ -306,3 +306,21 @@ def test_the_output_check_sees_an_underflowed_fold_at_the_huge_scale(dtype):
     sub = np.array([1e-39, 1.0], np.float32)
     assert compare_nonfinite([sub], [sub * np.float32(2)], underflow=True)["ok"]
     assert compare_nonfinite([np.zeros(2, np.float32)], [np.ones(2, np.float32)])["ok"]
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16"))
+def test_candidates_holding_a_faulty_fold_are_dropped_after_the_search(dtype, optimizer):
+    """What a second opinion found, outside the search's gate: dropped before the choice,
+    the cheapest admissible graph standing in, the refusal named."""
+    from taso_jax.search.fold_refusals import refuse_faulty_folds
+
+    graph = _two_sums(dtype)
+    result = optimizer.search(graph, fold_weights=lambda g: None)  # no gate
+    assert fold_overflow(result.graph, graph) is not None
+    refusals = refuse_faulty_folds(result, graph)
+    assert [list(r.rules) for r in refusals] == [[FACTOR]] and refusals[0].graphs >= 1
+    assert result.fold_refusals == refusals
+    assert fold_overflow(result.graph, graph) is None
+    assert all(fold_overflow(c.graph, graph) is None for c in result.candidates)
+    assert result.candidates and result.cost_after == min(c.cost for c in result.candidates
+                                                          if c.graph is result.graph)
