@@ -147,6 +147,12 @@ class OpDef:
             inputs of ``matmul`` and of a convolution). An element of such an input too small
             to change a sum in floating point is zeroed in a weight
             (:func:`taso_jax.ir.cleanup.flush_negligible_weights`).
+        copies_values: every output element is an input element or a constant of the
+            attributes (zero padding): a layout or selection operator, which neither rounds
+            nor overflows nor underflows. A weight it folds ahead of time needs no check
+            (:func:`taso_jax.ir.fold_check.fold_overflow` skips it, and the search's
+            :class:`~taso_jax.search.fold_refusals.FoldGate` does not evaluate a rewrite
+            that folds only such operators).
     """
 
     name: str
@@ -173,6 +179,7 @@ class OpDef:
     priced_as: Callable[[Any], list | None] | None = None
     family: str = ""
     dot_operands: tuple[int, ...] = ()
+    copies_values: bool = False
 
     def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """Fill defaults, reject unknown names, and freeze values into a sorted tuple.

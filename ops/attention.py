@@ -363,7 +363,8 @@ def _repeat_onnx(ctx, ins, outs, *, axis, reps):
 
 
 declare(OpDef(
-    name="repeat", ref=_repeat, shape=_repeat_shape, arity=1, attrs={"axis": -1, "reps": 1},
+    name="repeat", copies_values=True,
+    ref=_repeat, shape=_repeat_shape, arity=1, attrs={"axis": -1, "reps": 1},
     to_onnx=_repeat_onnx, fusible=True,
     examples=(([TensorType((2, 3, 4), _F32)], {"axis": -2, "reps": 3}),),
     doc="each slice along axis repeated reps times in place (jnp.repeat with a scalar count; "

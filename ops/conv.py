@@ -551,7 +551,7 @@ def _enlarge_onnx(ctx, ins, outs):
 
 
 declare(OpDef(
-    name="enlarge", ref=_enlarge, shape=_enlarge_shape, arity=2,
+    name="enlarge", copies_values=True, ref=_enlarge, shape=_enlarge_shape, arity=2,
     to_onnx=_enlarge_onnx, flops=lambda i, o: 0.0,
     examples=(([TensorType((4, 2, 1, 1), _F32), TensorType((3, 2, 3, 5), _F32)], {}),),
     axioms=_ENLARGE_LAWS,
@@ -588,7 +588,7 @@ def _merge_gconv_onnx(ctx, ins, outs, *, groups, count):
 
 
 declare(OpDef(
-    name="merge_gconv", ref=_merge_gconv, shape=_merge_gconv_shape, arity=1,
+    name="merge_gconv", copies_values=True, ref=_merge_gconv, shape=_merge_gconv_shape, arity=1,
     attrs={"groups": 1, "count": 1},
     to_onnx=_merge_gconv_onnx, flops=lambda i, o, **_: 0.0,
     examples=(([TensorType((8, 2, 3, 3), _F32)], {"groups": 4, "count": 2}),

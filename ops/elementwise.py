@@ -434,7 +434,7 @@ def _where_shape(ts, **_):
     return [TensorType(broadcast_shape(c.shape, a.shape, b.shape), a.dtype)]
 
 
-declare(OpDef(name="where", ref=_where, shape=_where_shape, arity=3,
+declare(OpDef(name="where", copies_values=True, ref=_where, shape=_where_shape, arity=3,
               to_onnx=_emit("Where"), layout="elementwise", numpy_ref=np.where,
               examples=(([TensorType((2, 3), "bool"), TensorType((2, 3), _F32),
                           TensorType((1, 3), _F32)], {}),),

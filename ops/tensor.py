@@ -107,7 +107,7 @@ _TRANSPOSE_LAWS = (
 
 
 declare(OpDef(
-    name="concat", ref=lambda *xs, axis: jnp.concatenate(xs, axis=axis),
+    name="concat", copies_values=True, ref=lambda *xs, axis: jnp.concatenate(xs, axis=axis),
     numpy_ref=lambda *xs, axis: np.concatenate(xs, axis=axis),
     shape=_concat_shape, arity=None,
     
@@ -144,7 +144,7 @@ def _split_shape(ts, *, axis, sizes):
 
 
 declare(OpDef(
-    name="split", ref=_split, shape=_split_shape, arity=1,
+    name="split", copies_values=True, ref=_split, shape=_split_shape, arity=1,
     attrs={"axis": 0, "sizes": ()}, fusible=True,
     num_outputs=lambda attrs: len(attrs["sizes"]) if isinstance(attrs["sizes"], tuple) else None,
     to_onnx=lambda ctx, ins, outs, *, axis, sizes: ctx.node(
@@ -174,7 +174,7 @@ def _transpose_shape(ts, *, perm):
 
 
 declare(OpDef(
-    name="transpose", ref=lambda x, *, perm: jnp.transpose(x, perm),
+    name="transpose", copies_values=True, ref=lambda x, *, perm: jnp.transpose(x, perm),
     numpy_ref=lambda x, *, perm: np.transpose(x, perm),
     shape=_transpose_shape, arity=1,
     
@@ -242,7 +242,8 @@ def _reshape_to_onnx(ctx, ins, outs, *, shape):
 
 
 declare(OpDef(
-    name="reshape", ref=lambda x, *, shape: jnp.reshape(x, shape), shape=_reshape_shape, arity=1,
+    name="reshape", copies_values=True,
+    ref=lambda x, *, shape: jnp.reshape(x, shape), shape=_reshape_shape, arity=1,
     numpy_ref=lambda x, *, shape: np.reshape(x, shape),
     fusible=True,
     attrs={"shape": ()},
@@ -380,7 +381,7 @@ def _slice_onnx(ctx, ins, outs, *, starts, ends, steps):
 
 
 declare(OpDef(
-    name="slice", ref=_slice, shape=_slice_shape, arity=1,
+    name="slice", copies_values=True, ref=_slice, shape=_slice_shape, arity=1,
     attrs={"starts": (), "ends": (), "steps": ()}, fusible=True,
     numpy_ref=_slice,  # indexing, the same in NumPy
     to_onnx=_slice_onnx, flops=lambda i, o, **_: 0.0,
@@ -474,7 +475,8 @@ def _pad_shape(ts, *, pads, value):
 
 
 declare(OpDef(
-    name="pad", ref=_pad, shape=_pad_shape, arity=1, attrs={"pads": (), "value": 0.0},
+    name="pad", copies_values=True,
+    ref=_pad, shape=_pad_shape, arity=1, attrs={"pads": (), "value": 0.0},
     to_onnx=lambda ctx, ins, outs, *, pads, value: ctx.node(
         "Pad", [ins[0], ctx.const(_i64(pads)), ctx.scalar(value, ctx.dtype(ins[0]))], outs),
     flops=lambda i, o, **_: 0.0,
@@ -509,7 +511,7 @@ def _edge_pad_shape(ts, *, pads, mode):
 
 
 declare(OpDef(
-    name="edge_pad", ref=_edge_pad, shape=_edge_pad_shape, arity=1,
+    name="edge_pad", copies_values=True, ref=_edge_pad, shape=_edge_pad_shape, arity=1,
     attrs={"pads": (), "mode": "reflect"},
     to_onnx=lambda ctx, ins, outs, *, pads, mode: ctx.node(
         "Pad", [ins[0], ctx.const(_i64(pads))], outs, mode=mode),
@@ -573,7 +575,7 @@ def _gather_shape(ts, *, axis):
 
 
 declare(OpDef(
-    name="gather", ref=_gather, shape=_gather_shape, arity=2, attrs={"axis": 0},
+    name="gather", copies_values=True, ref=_gather, shape=_gather_shape, arity=2, attrs={"axis": 0},
     to_onnx=lambda ctx, ins, outs, *, axis: ctx.node("Gather", ins, outs, axis=axis),
     flops=lambda i, o, **_: 0.0, canon=_canon_axis,
     examples=(([TensorType((10, 4), _F32), TensorType((2, 3), "int64")], {"axis": 0}),),
@@ -593,7 +595,8 @@ def _expand_shape(ts, *, shape):
 
 
 declare(OpDef(
-    name="expand", ref=lambda x, *, shape: jnp.broadcast_to(x, shape), shape=_expand_shape, arity=1,
+    name="expand", copies_values=True,
+    ref=lambda x, *, shape: jnp.broadcast_to(x, shape), shape=_expand_shape, arity=1,
     attrs={"shape": ()},
     to_onnx=lambda ctx, ins, outs, *, shape: ctx.node(
         "Expand", [ins[0], ctx.ints(shape)], outs),

@@ -11,7 +11,7 @@ across rewrites (:func:`_refusal_key`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from taso_jax.search.cost import CostModel
@@ -33,11 +33,15 @@ class SearchState:
         pair_failed: sideways rewrites after which no second rewrite paid, by rule id and
             the nodes near what they created
             (see :func:`~taso_jax.search.descent._pair_step`).
+        fold_gate: ``fold_gate(graph, rewrite, rule)``, asked of each rewrite that
+            computes a new weight ahead of time; a truthy answer (the fault) refuses it
+            (:class:`~taso_jax.search.fold_refusals.FoldGate`). ``None``: none asked.
     """
 
     matching: MatchState = field(default_factory=MatchState)
     pair_hits: Counter = field(default_factory=Counter)
     pair_failed: set = field(default_factory=set)
+    fold_gate: Callable[[Graph, Rewrite, Substitution], object] | None = None
 
 
 def _relevant(subs: Sequence[Substitution], graph: Graph) -> list[Substitution]:
@@ -96,7 +100,9 @@ def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostMode
     strictly cheaper rewrite at a time, and a match that did not pay keeps its nodes and
     its price unless a step rebuilt them. Past ``deadline`` (a ``time.perf_counter()``
     value, optional) no more matches are prepared; past ``measure_until`` (likewise) no
-    more kernels are measured (:meth:`~taso_jax.search.cost.CostModel.node_cost`).
+    more kernels are measured (:meth:`~taso_jax.search.cost.CostModel.node_cost`). A
+    rewrite that computes a weight ahead of time which ``state.fold_gate`` faults is not
+    yielded (a refusal by design: the fold overflows or underflows).
     """
     if matches is None:
         matches = find_matches(sub, graph, state.matching, near=near, deadline=deadline)
@@ -113,9 +119,20 @@ def _prepared(graph: Graph, cost: float, sub: Substitution, cost_model: CostMode
             continue
         estimate = _estimate(graph, cost, rw, cost_model, limit, measure_until)
         if estimate < limit:
+            if state.fold_gate is not None and _folds(graph, rw) \
+                    and state.fold_gate(graph, rw, sub):
+                if key is not None:
+                    refused.add(key)  # its fold stays faulty while its nodes stay
+                continue
             yield rw, estimate
         elif key is not None and estimate - cost >= 0:
             refused.add(key)  # adds work wherever the graph's cost stands
+
+
+def _folds(graph: Graph, rw: Rewrite) -> bool:
+    """Whether ``rw`` creates an operator on weights only (one computed ahead of time)."""
+    nodes = graph.node_set
+    return any(n.weight_only and n.op != "weight" and n not in nodes for n in rw.created)
 
 
 #: Reasons a match cannot be rewritten that no other rewrite changes while its nodes stay:

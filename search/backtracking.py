@@ -124,6 +124,9 @@ class SearchResult:
         rule_stats: substitution name -> :class:`RuleStats` (matches found, rewrites
             queued, seconds) over the backtracking search's expansions (not the descent's).
         iteration_log: one :class:`Iteration` per graph expanded, in order.
+        fold_refusals: the candidates dropped for a weight they fold ahead of time that
+            overflows or underflows, one :class:`~taso_jax.search.fold_refusals.FoldRefusal`
+            per fault (set by :func:`taso_jax.search.options.run_search`).
     """
 
     graph: Graph
@@ -146,6 +149,7 @@ class SearchResult:
     outcome: object | None = None  # a taso_jax.outcome.Outcome (a layer above the search)
     rule_stats: dict = field(default_factory=dict)
     iteration_log: list = field(default_factory=list)
+    fold_refusals: list = field(default_factory=list)
 
     @property
     def path(self) -> tuple[str, ...]:
@@ -204,7 +208,8 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
                         progress: Callable[[int, float], None] | None = None,
                         greedy: bool = True, keep: int = 4,
                         record: int | None = None,
-                        stop: Callable[[], bool] | None = None) -> SearchResult:
+                        stop: Callable[[], bool] | None = None,
+                        fold_gate: Callable | None = None) -> SearchResult:
     """Search for the cheapest graph equivalent to ``graph`` under ``substitutions``.
 
     Args:
@@ -229,6 +234,8 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
             search (``stopped``: :attr:`StopReason.CHOICE_RESERVE`), as
             :func:`taso_jax.search.options.run_search` does to leave the end-to-end choice
             the time it needs.
+        fold_gate: asked of each rewrite that computes a new weight ahead of time; one it
+            faults is not applied (:class:`~taso_jax.search.fold_refusals.FoldGate`).
 
     Raises:
         ValueError: ``alpha < 1`` or a negative budget.
@@ -236,7 +243,7 @@ def backtracking_search(graph: Graph, substitutions: Sequence[Substitution],
     cost_model = cost_model or AnalyticCostModel()
     with cost_model.holding_nodes(), fewer_collections():
         return _search(graph, substitutions, cost_model, alpha, budget, time_limit,
-                       progress, greedy, keep, record, stop)
+                       progress, greedy, keep, record, stop, fold_gate)
 
 
 @dataclass
@@ -439,7 +446,8 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
             alpha: float, budget: int, time_limit: float,
             progress: Callable[[int, float], None] | None, greedy: bool,
             keep: int, record: int | None = None,
-            stop: Callable[[], bool] | None = None) -> SearchResult:
+            stop: Callable[[], bool] | None = None,
+            fold_gate: Callable | None = None) -> SearchResult:
     """The body of :func:`backtracking_search`: the descent, then the runner."""
     if alpha < 1.0:
         raise ValueError(f"alpha must be >= 1, got {alpha}")
@@ -449,6 +457,7 @@ def _search(graph: Graph, substitutions: Sequence[Substitution], cost_model: Cos
     end = t0 + time_limit  # of the search, and of measuring kernels (measure_until)
     run = _Backtracking(graph, substitutions, cost_model, alpha, budget, end, keep, record,
                         stop)
+    run.state.fold_gate = fold_gate
     start, start_cost, start_path = graph, run.cost0, ()
     if greedy:
         start, start_cost, rules = _descend(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -26,6 +26,7 @@ from taso_jax.search.cost import (
     MeasuredCostModel,
     get_cost_model,
 )
+from taso_jax.search.fold_refusals import FoldGate, refuse_faulty_folds
 from taso_jax.search.limits import SHARES, Deadline
 from taso_jax.search.rules import Substitution, default_substitutions, load_substitutions
 from taso_jax.search.second_opinions import (
@@ -353,8 +354,8 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
                chooser: Callable[..., dict] | None = None,
                progress: Callable[[int, float], None] | None = None,
                second_opinions: bool = True, record: int | None = VISITED_HELD,
-               confirm: bool = True,
-               reserve: Callable[[], float] | None = None) -> SearchResult:
+               confirm: bool = True, reserve: Callable[[], float] | None = None,
+               fold_weights: Callable[[Graph], Mapping | None] | None = None) -> SearchResult:
     """The one search pipeline: backtracking search, second opinions, end-to-end choice.
 
     This is the only place these are put together; every front door reaches it through
@@ -388,13 +389,13 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
             ``jax.jit``). The search, the second opinions and the choice all end that much
             before ``deadline``: the search stops (``StopReason.CHOICE_RESERVE``) as soon as
             less than ``reserve()`` is left, which may grow once the caller knows better.
+        fold_weights: ``g -> weights``, the values :mod:`~taso_jax.search.fold_refusals` checks.
 
     Returns:
         A :class:`~taso_jax.search.backtracking.SearchResult`; ``result.end_to_end`` holds
         what was timed when candidates were measured, ``result.unmeasurable`` the kernels
         the cost model could not time.
     """
-    # over 80 lines for its docstring (the contract); the body is 51 lines
     # import and rule loading took it all, or all but the caller's own reserve
     late = deadline is not None and (deadline.passed() or (
         reserve is not None and deadline.left() <= reserve()))
@@ -407,9 +408,9 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
     ahead = (compile_ahead(graph) if chooser is None and confirm and opts.end_to_end > 0
              else None)
     result = backtracking_search(graph, subs, cost_model, alpha=opts.alpha,
-                                 budget=opts.budget, time_limit=limit,
-                                 progress=progress, keep=max(1, opts.end_to_end),
-                                 record=record,
+                                 budget=opts.budget, time_limit=limit, progress=progress,
+                                 keep=max(1, opts.end_to_end),
+                                 record=record, fold_gate=(gate := FoldGate(fold_weights)),
                                  stop=_search_stop(ahead, graph, deadline, end, reserve))
     if late or deadline.passed():
         result.out_of_time_in = "import" if late else "search"
@@ -425,6 +426,7 @@ def run_search(graph: Graph, subs: Sequence[Substitution], cost_model: CostModel
         result.second_opinion_seconds = time.perf_counter() - t0
         if deadline.passed() and not result.out_of_time_in:
             result.out_of_time_in = "second opinions"
+    refuse_faulty_folds(result, graph, fold_weights, gate)
     layouts = chooser is None and opts.layout_candidates and has_nchw_convolutions(graph)
     if opts.end_to_end > 0 and (len(result.candidates) > 1 or layouts):
         for thread in (ahead, best):

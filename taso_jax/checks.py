@@ -4,8 +4,9 @@ The output checks compare a delivered graph with the input's reference outputs a
 input scales (:data:`CHECK_SCALES`) under one tolerance policy (:func:`compare_outputs`:
 ``|a - b| <= max(ATOL * max|b|, floor) + RTOL * |b|`` elementwise, integers exactly, NaN
 only with NaN), and at a tiny and a huge scale of the inputs' element type
-(:func:`range_scales`) where only the non-finite values are compared
-(:func:`compare_nonfinite`: a pre-folded weight that overflowed shows there): in
+(:func:`range_scales`) where only the non-finite values are compared, and at the huge
+one values flushed to 0 (:func:`compare_nonfinite`: a pre-folded weight that overflowed,
+or underflowed, shows there): in
 onnxruntime against the user's file (:func:`check_onnx`, the command
 line), under ``jax.jit`` against the input graph (:func:`check_graphs`, the Python API),
 and at other bindings of open sizes (:func:`check_other_sizes`). The noise model: float32
@@ -312,7 +313,7 @@ def _worst_scale(runs, rtol: float, atol: float | None, full, unit: float = 0.0)
     worst = None
     for scale, got, reference in runs:
         r = (compare_outputs(got, reference, rtol, atol, unit=unit) if scale in full
-             else compare_nonfinite(got, reference, rtol, atol))
+             else compare_nonfinite(got, reference, rtol, atol, underflow=scale > 1.0))
         r["failed_scale"] = None if r["ok"] else scale
         if worst is None or (worst["ok"] and not r["ok"]) or (
                 r["ok"] == worst["ok"] and r["max_abs_err"] > worst["max_abs_err"]):
@@ -528,21 +529,27 @@ def compare_outputs(actual, reference, rtol: float = RTOL, atol: float | None = 
     return out
 
 
-def compare_nonfinite(actual, reference, rtol: float = RTOL, atol: float | None = None
-                      ) -> dict:
+def compare_nonfinite(actual, reference, rtol: float = RTOL, atol: float | None = None,
+                      underflow: bool = False) -> dict:
     """Compare outputs by their non-finite values only (the scales of :func:`range_scales`).
 
     For each float output: where the reference is finite the actual value must be too; where
     the reference is +inf or -inf the actual must not be NaN nor the opposite infinity (a
     finite value is allowed: the rewrite overflowed less); where the reference is NaN
     anything goes. Integer, boolean and complex outputs, and finite values, are not
-    compared (subnormal rounding at tiny inputs is not a fault).
+    compared (subnormal rounding at tiny inputs is not a fault). With ``underflow`` (the
+    huge scale, where no input is tiny), a value 0 or subnormal where the reference is a
+    normal number of at least twice the type's smallest and :data:`ATOL` of the output's
+    largest magnitude fails too: a weight product folded ahead of time that flushed to 0
+    (``x * (c * c)``, ``c = 1e-23`` in float32) where the original at large inputs is not.
 
     Returns ``{"ok", "max_abs_err", "rtol", "atol", "outputs", "nonfinite_only": True}``
     (``rtol``/``atol`` as :func:`compare_outputs` would report them); ``max_abs_err`` is
     ``inf`` where a value does not match, else 0, and a failure adds ``"nonfinite"``: how
     many elements failed, and of what kind (``"inf where the original is finite"``...).
     """
+    import ml_dtypes
+
     ok, bad = len(actual) == len(reference), {}
     for a, b in zip(actual, reference, strict=False):
         a, b = np.asarray(a), np.asarray(b)
@@ -551,10 +558,14 @@ def compare_nonfinite(actual, reference, rtol: float = RTOL, atol: float | None 
             continue
         if not _is_float(b.dtype) or b.size == 0:
             continue
+        tiny = float(ml_dtypes.finfo(b.dtype).tiny)
         a, b = a.astype(np.float64), b.astype(np.float64)
         kinds = (("not finite where the original is finite", np.isfinite(b) & ~np.isfinite(a)),
                  ("NaN where the original is inf", np.isinf(b) & np.isnan(a)),
                  ("inf of the other sign", np.isinf(b) & np.isinf(a) & (a != b)))
+        if underflow:
+            kinds += (("0 or subnormal where the original is normal",
+                       _flushed(a, b, tiny)),)
         for what, where in kinds:
             if where.any():
                 bad[what] = bad.get(what, 0) + int(where.sum())
@@ -565,3 +576,16 @@ def compare_nonfinite(actual, reference, rtol: float = RTOL, atol: float | None 
     if bad:
         out["nonfinite"] = bad
     return out
+
+
+def _flushed(a: np.ndarray, b: np.ndarray, tiny: float) -> np.ndarray:
+    """Where ``a`` is 0 or subnormal (below ``tiny``) and finite ``b`` is clearly normal.
+
+    Clearly: at least twice ``tiny`` and :data:`ATOL` of ``b``'s largest finite magnitude
+    (what the value comparison at the usual scales lets go as noise).
+    """
+    finite = np.isfinite(b)
+    if not finite.any():
+        return np.zeros(b.shape, bool)
+    floor = max(2.0 * tiny, ATOL * float(np.abs(b[finite]).max()))
+    return finite & np.isfinite(a) & (np.abs(b) >= floor) & (np.abs(a) < tiny)

@@ -49,7 +49,8 @@ def _check_proof_files(args) -> None:
     The input rule file (``verify FILE``) and an existing ``--checkpoint`` must be regular
     files of at most :data:`MAX_RULE_FILE_BYTES`; the checkpoint (appended to, never
     replaced), ``-o`` and ``--report`` get :func:`check_output_path`, none of them an input,
-    the shipped rule set or another output.
+    the shipped rule set or another output; an existing checkpoint must be one
+    (:func:`check_checkpoint_text`).
     """
     from importlib.resources import files
 
@@ -63,10 +64,11 @@ def _check_proof_files(args) -> None:
     if args.checkpoint:
         check_input_file(args.checkpoint, "--checkpoint", MAX_RULE_FILE_BYTES,
                          must_exist=False)
-        check_checkpoint_text(args.checkpoint)
     check_outputs([(args.checkpoint, "--checkpoint", "the checkpoint"),
                    (args.output, "-o", "the output file"),
                    (args.report, "--report", "the report file")], protected)
+    if args.checkpoint:  # after: naming the input rule file is said as such
+        check_checkpoint_text(args.checkpoint)
 
 
 #: Lines of not-proved rules printed when no ``--report`` file is named.

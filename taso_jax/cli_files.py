@@ -148,13 +148,16 @@ def check_input_file(path: str, what: str, limit: int, must_exist: bool = True) 
 
 
 def check_checkpoint_text(path: str, option: str = "--checkpoint") -> None:
-    """Refuse an existing checkpoint that is not UTF-8 text, before any work.
+    """Refuse an existing file that is not a checkpoint, before any work.
 
-    A checkpoint is appended to: a binary file named by mistake (a model, an archive)
-    would get JSON lines written into it, and reading it failed as an internal error.
+    A checkpoint is appended to: a file named by mistake (a model, an archive, a rule file,
+    notes) would get JSON lines written into it. Refused: one that is not UTF-8 text, and
+    one with complete (newline-ended, not blank) lines none of which is a checkpoint line
+    (:func:`~taso_jax.verify.runner.checkpoint_record`). A checkpoint cut short before its
+    first line was complete has no complete line, and is resumed.
 
     Raises:
-        UsageError: naming the option and the path.
+        UsageError: naming the option and the path; the file is not touched.
     """
     try:
         with open(path, "rb") as f:
@@ -162,10 +165,17 @@ def check_checkpoint_text(path: str, option: str = "--checkpoint") -> None:
     except FileNotFoundError:
         return
     try:
-        data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(f"{option} {path!r} is not a checkpoint file (not UTF-8 text, byte "
                          f"{e.start}); it would be appended to: name a new file") from None
+    from taso_jax.verify.runner import checkpoint_record
+
+    complete = [line for line in text.split("\n")[:-1] if line.strip()]
+    if complete and not any(checkpoint_record(line) for line in complete):
+        raise UsageError(f"{option} {path!r} is not a checkpoint file (none of its "
+                         f"{len(complete)} complete lines is a proof record); it would be "
+                         "appended to: name a new file")
 
 
 def check_tolerances(args) -> None:

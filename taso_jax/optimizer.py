@@ -20,7 +20,7 @@ write or compile:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from taso_jax.checks import RTOL, check_tolerances
 from taso_jax.ir.graph import Graph, GraphBuilder
@@ -85,7 +85,8 @@ class Optimizer:
     def search(self, graph: Graph | GraphBuilder, deadline: Deadline | None = None,
                progress: Callable[[int, float], None] | None = None,
                record: int | None = VISITED_HELD, confirm: bool = True,
-               reserve: Callable[[], float] | None = None) -> SearchResult:
+               reserve: Callable[[], float] | None = None,
+               fold_weights: Callable[[Graph], Mapping | None] | None = None) -> SearchResult:
         """The search pipeline on ``graph``: search, second opinions, end-to-end choice.
 
         ``deadline`` (default: ``options.time_limit`` from now) bounds all of it; ``record``
@@ -95,8 +96,10 @@ class Optimizer:
         own baseline before using it (the decorator, against ``jax.jit`` of the function).
         ``reserve()``: seconds the caller keeps for itself before ``deadline`` (the
         decorator's compile, check and comparison; see
-        :func:`~taso_jax.search.options.run_search`).
-        Returns the
+        :func:`~taso_jax.search.options.run_search`). ``fold_weights(g)``: the weight values
+        a candidate's pre-folded weights are checked on (default ``g.weights``); a candidate
+        whose fold overflows or underflows is dropped before the choice
+        (``result.fold_refusals``). Returns the
         :class:`~taso_jax.search.backtracking.SearchResult`, with ``rules`` (the counts of
         rules used and left out) set. ``graph`` is not changed.
         """
@@ -106,7 +109,8 @@ class Optimizer:
         result = run_search(graph, self.rules, self.cost_model, self.options,
                             deadline=deadline, chooser=self.target.chooser(self.options),
                             progress=progress, second_opinions=self.target.second_opinions,
-                            record=record, confirm=confirm, reserve=reserve)
+                            record=record, confirm=confirm, reserve=reserve,
+                            fold_weights=fold_weights)
         result.pipeline_seconds = time.perf_counter() - started  # search, opinions, choice
         result.rules = dict(self.rule_counts)
         if result.out_of_time_in == "import" and "not_proved_in_time" in self.rule_counts:
@@ -143,12 +147,14 @@ class Optimizer:
         a graph (the Python API), which becomes a :class:`~taso_jax.pipeline.GraphSource`:
         a rewritten graph is compared with the input graph under ``jax.jit`` at the input
         scales of :data:`~taso_jax.checks.CHECK_SCALES` (tolerances ``rtol``/``atol``), and
-        by its non-finite values at :func:`~taso_jax.checks.range_scales`; where it differs,
-        or a weight it computes ahead of time overflows from finite weights
-        (:func:`~taso_jax.ir.fold_check.fold_overflow`, whatever ``check`` says), the input
-        is delivered (:attr:`~taso_jax.outcome.Verdict.FALLBACK`) with a
-        ``RuntimeWarning``; ``check=False`` turns the check off (then a wrong rule given
-        with ``trust_proofs`` or as objects goes unnoticed). Never slower: the end-to-end
+        by its non-finite values at :func:`~taso_jax.checks.range_scales`; where it differs
+        the input is delivered (:attr:`~taso_jax.outcome.Verdict.FALLBACK`) with a
+        ``RuntimeWarning``. A candidate with a weight computed ahead of time that overflows
+        or underflows (:func:`~taso_jax.ir.fold_check.fold_overflow`, whatever ``check``
+        says) is refused by the search, and another is delivered (the input at worst:
+        :attr:`~taso_jax.outcome.Verdict.UNCHANGED`), the report saying why;
+        ``check=False`` turns the check off (then a wrong rule given with ``trust_proofs``
+        or as objects goes unnoticed). Never slower: the end-to-end
         choice (``end_to_end > 0``) keeps the input unless a candidate is confirmed faster.
         The steps are :func:`~taso_jax.pipeline.deliver`'s.
 

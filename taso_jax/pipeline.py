@@ -14,9 +14,11 @@ a front door imported: an ONNX file, a built graph, a traced function) and retur
 3. the source may deliver its input before any check (:meth:`Source.screen`: the
    decorator's decision read from its graph cache, a time limit passed before the
    end-to-end choice, nothing to gain);
-4. the weights it computes ahead of time are checked: one that overflows its element type
-   from finite weights (:func:`~taso_jax.ir.fold_check.fold_overflow`, on
-   :meth:`Source.fold_weights`) delivers the input;
+4. the weights it computes ahead of time are checked again (the search dropped the
+   candidates whose folds overflow or underflow: :mod:`taso_jax.search.fold_refusals`, on
+   :meth:`Source.fold_weights`; a graph from the decorator's graph cache was not searched):
+   one that does is refused, and the input is delivered
+   (:attr:`~taso_jax.outcome.Verdict.UNCHANGED`, saying why);
 5. the graph found is made deliverable (:meth:`Source.prepare`: an exported file, jitted
    stages); one that cannot be made is not delivered
    (:attr:`~taso_jax.outcome.Verdict.FALLBACK`);
@@ -49,6 +51,7 @@ from typing import Any, Protocol
 from taso_jax.ir.graph import Graph
 from taso_jax.outcome import Verdict, kept_input_verdict, make_outcome
 from taso_jax.records import search_report
+from taso_jax.search.fold_refusals import FoldRefusal
 from taso_jax.search.limits import Deadline
 
 __all__ = ["Source", "GraphSource", "NotDeliverable", "deliver", "stopped_before"]
@@ -195,7 +198,7 @@ class GraphSource:
 
     def deliver_input(self, report, verdict, why, deadline) -> None:
         """Nothing to write: the outcome holds the input graph; a failed check warns."""
-        if report.get("check", {}).get("ok") is False or "fold_check" in report:
+        if report.get("check", {}).get("ok") is False:
             warnings.warn(f"taso_jax.optimize: returning the input graph: {why}",
                           RuntimeWarning, stacklevel=6)
 
@@ -216,7 +219,8 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
         result = search(optimizer, deadline, progress)
     else:
         result = optimizer.search(graph, deadline, progress,
-                                  reserve=getattr(source, "after_search_seconds", None))
+                                  reserve=getattr(source, "after_search_seconds", None),
+                                  fold_weights=getattr(source, "fold_weights", None))
     report = search_report(source.name, graph, result, optimizer.options, optimizer.rules,
                            source.notes)
     unchanged = result.graph.key == graph.key
@@ -237,6 +241,8 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     if not (unchanged and not source.checks_unchanged):
         source.time_graphs(optimizer.target, result.graph, report, deadline)
     kept = kept_input_verdict(graph, result, report)
+    if kept is not None and kept[1] is None and report.get("fold_refusals"):
+        kept = (kept[0], "; ".join(r["why"] for r in report["fold_refusals"]))
     cleaned = kept is not None and getattr(source, "cleans_up", lambda: False)()
     if kept is not None and not source.checks_unchanged and not cleaned:
         return done(*kept)
@@ -246,8 +252,9 @@ def deliver(optimizer, source: Source, deadline: Deadline | None = None, progres
     if not unchanged:
         overflow = _fold_overflow(source, result.graph, graph)
         if overflow is not None:
-            report["fold_check"] = overflow.to_json()
-            return done(Verdict.FALLBACK, str(overflow))
+            refusal = FoldRefusal(tuple(dict.fromkeys(result.path)), overflow)
+            report["fold_refusals"] = [*report.get("fold_refusals", []), refusal.to_json()]
+            return done(Verdict.UNCHANGED, str(refusal))
     try:
         prepared = source.prepare(result.graph, report)
     except NotDeliverable as e:

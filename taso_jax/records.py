@@ -207,4 +207,6 @@ def search_report(name: str, graph: Graph, result, options: OptimizeOptions, sub
         "laws": {s.name: s.law for s in substitutions if s.name in result.applied},
         "proof": {s.name: s.proof_status for s in substitutions if s.name in result.applied},
         "end_to_end": dict(result.end_to_end or {}),
+        **({"fold_refusals": [r.to_json() for r in result.fold_refusals]}
+           if getattr(result, "fold_refusals", None) else {}),
     }

@@ -221,8 +221,7 @@ def format_report(r: dict) -> str:
         lines.append("output check: not needed, the input model is returned unchanged")
     elif r.get("check"):
         lines.append(_check_line(r["check"]))
-    if r.get("fold_check"):
-        lines.append(f"weights computed ahead of time: {r['fold_check']['why']}")
+    lines += [refusal["why"] for refusal in r.get("fold_refusals") or ()]
     if r.get("written"):
         lines.append(_written_line(r))
     return "\n".join(lines)

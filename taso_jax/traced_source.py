@@ -146,7 +146,8 @@ class TracedSource:
                 entry.reserved_s = self._reserve()  # as guessed (or timed) when it starts
             result = optimizer.search(
                 self.graph, deadline, progress,
-                confirm=any(_is_tracer(x) for x in self.traced.leaves), reserve=self._reserve)
+                confirm=any(_is_tracer(x) for x in self.traced.leaves), reserve=self._reserve,
+                fold_weights=self.fold_weights)
         entry.result = self._result = result
         return result
 
@@ -287,7 +288,8 @@ class TracedSource:
         """The signature's calls run ``jax.jit`` of the original.
 
         By choice (``original_kept``), or as a fallback (a graph cache entry that failed is
-        removed).
+        removed, as is one whose pre-folded weights overflow or underflow on this call's
+        weights).
         """
         entry = self.entry
         if entry.staged is None and self._result is not None:  # decided before prepare
@@ -297,6 +299,8 @@ class TracedSource:
             if self.hit is not None:  # another process's entry that this one will not use
                 graph_cache.drop(self.key)
         else:
+            if self.hit is not None and report.get("fold_refusals"):
+                graph_cache.drop(self.key)  # its fold is faulty on these weights: search again
             entry.original_kept = report["original_kept"] = why
 
     def _store(self, result, kept: str | None, check: dict | None) -> None:

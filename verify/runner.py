@@ -165,6 +165,24 @@ def checkpoint_digest(rule_id: str, axioms: str, limits: dict, result: dict) -> 
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def checkpoint_record(line: str) -> dict | None:
+    """The record a checkpoint line holds (``id``, ``result`` and more), or ``None``.
+
+    Only its shape is read (a JSON object with a string ``id`` and a ``result`` whose
+    ``status`` is one of :data:`_STATUSES`), not its digest: a line of another run, or of
+    the earlier format without one, is still a checkpoint line.
+    """
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    if (isinstance(rec, dict) and isinstance(rec.get("id"), str)
+            and isinstance(rec.get("result"), dict)
+            and rec["result"].get("status") in _STATUSES):
+        return rec
+    return None
+
+
 def _read_checkpoint(path, limits: dict, axioms: str) -> dict[str, dict]:
     """Finished proofs in a checkpoint file whose digests check out: rule id -> result.
 
@@ -176,14 +194,9 @@ def _read_checkpoint(path, limits: dict, axioms: str) -> dict[str, dict]:
     try:
         with open(path) as f:
             for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by the interruption
-                if not (isinstance(rec, dict) and isinstance(rec.get("id"), str)
-                        and isinstance(rec.get("result"), dict)
-                        and rec["result"].get("status") in _STATUSES):
-                    continue
+                rec = checkpoint_record(line)
+                if rec is None:
+                    continue  # a line cut short by the interruption, or not one of ours
                 if rec.get("digest") == checkpoint_digest(rec["id"], axioms, limits,
                                                           rec["result"]):
                     done[rec["id"]] = rec["result"]
@@ -192,6 +205,23 @@ def _read_checkpoint(path, limits: dict, axioms: str) -> dict[str, dict]:
     except UnicodeDecodeError:  # a binary file: appending proofs to it would damage it
         raise ValueError(f"{path}: not a checkpoint file (not UTF-8 text)") from None
     return done
+
+
+def _open_checkpoint(path):
+    """``path`` opened to append proof lines, each on a line of its own.
+
+    A run stopped mid-line left a last line without its newline: one is added first, or
+    the next record would be glued to the cut one and lost to the next resume too.
+    """
+    cut = False
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END):
+            f.seek(-1, os.SEEK_END)
+            cut = f.read(1) != b"\n"
+    log = open(path, "a")  # noqa: SIM115 -- closed by the caller
+    if cut:
+        log.write("\n")
+    return log
 
 
 def _resumable(found: dict[str, dict], limits_key: str, trust_proofs: bool
@@ -273,7 +303,7 @@ def verify_substitutions(subs: Sequence[Substitution], rlimit: int | None = None
     results, counts, reproved = _resumed(subs, found, limits_key, trust_proofs)
     jobs = [(i, s.to_json()) for i, s in enumerate(subs) if results[i] is None]
     it, engine, pool = _proof_engine(jobs, cluster, workers, rlimit, timeout_ms, deadline)
-    log = open(checkpoint, "a") if checkpoint else None  # noqa: SIM115
+    log = _open_checkpoint(checkpoint) if checkpoint else None
     cut = False
     try:
         for done, (i, r) in enumerate(it, len(subs) - len(jobs) + 1):
