@@ -15,8 +15,11 @@ The markdown table has one row per model (each tool's speed-up; ``≠`` marks un
 outputs, ``(input)`` a file that is the input's bytes, so its figure is the noise alone,
 ``fails`` a tool that gave no file or a file that does not run) and a geometric
 mean over the models, where a tool's failed or unequal file counts as 1.00x (the user keeps
-the original). The peers install with ``pip install -e '.[peers]'``; a peer that is not
-installed is left out.
+the original). Its first column, ``noise``, is the original timed the same way against a
+second session of itself: how far from 1.00x a file that changes nothing lands on that
+model. Below the table, the models where taso-jax's file ran slower than the best peer's,
+or slower than 0.97x, by more than that noise (at least 3%): issue 62's done-when. The
+peers install with ``pip install -e '.[peers]'``; a peer that is not installed is left out.
 
 Usage: ``python benchmarks/onnx_peers.py MODEL.onnx... [--time-limit 20] [--rounds 20]
 [--out results.md]``. Exit 2 (one line) when a model file does not exist.
@@ -132,7 +135,8 @@ def measure_model(path: str, tools, workdir: str, time_limit: float, rounds: int
     feeds = dict(zip((n.name for n in graph.inputs), random_inputs(graph, seed=0),
                      strict=True))
     original = session(path)
-    row = {}
+    row = {"noise": {"speedup": paired_speedup(original, session(path), feeds, rounds),
+                     "equal": True, "same": True}}
     for tool in tools:
         dst = os.path.join(workdir, f"{Path(path).stem}.{tool}.onnx")
         try:
@@ -168,6 +172,7 @@ def table(rows: dict, tools) -> str:
 
     One column per tool of ``tools``, a geometric-mean row last, then each failure in words.
     """
+    tools = ["noise", *tools]
     lines = ["| model | " + " | ".join(tools) + " |", "|---" * (len(tools) + 1) + "|"]
     notes = []
     for model, row in rows.items():
@@ -181,7 +186,39 @@ def table(rows: dict, tools) -> str:
     lines.append("| **geomean** | " + " | ".join(
         f"{geomean({m: r for m, r in rows.items() if 'error' not in r}, t):.3f}x"
         for t in tools) + " |")
-    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+    return "\n".join(lines + ([""] + notes if notes else []) + [""] + shortfalls(rows)) + "\n"
+
+
+def _kept(entry: dict | None) -> float | None:
+    """A file's speed-up as the user gets it: 1.0 where it failed or is unequal."""
+    if entry is None:
+        return None
+    return entry["speedup"] if "speedup" in entry and entry["equal"] else 1.0
+
+
+def shortfalls(rows: dict, least: float = 0.97, floor: float = 0.03) -> list[str]:
+    """Lines naming the models where taso-jax fell short beyond the noise.
+
+    A model's noise is ``|1 - noise|`` of its ``noise`` cell, at least ``floor``. Short of
+    the best peer: taso-jax's speed-up times ``1 + noise`` below the best peer's; slow:
+    taso-jax's times ``1 + noise`` below ``least``.
+    """
+    behind, slow = [], []
+    for model, row in rows.items():
+        ours = _kept(row.get("taso-jax"))
+        if "error" in row or ours is None:
+            continue
+        margin = 1.0 + max(abs(1.0 - row.get("noise", {}).get("speedup", 1.0)), floor)
+        peers = [v for t, e in row.items() if t not in ("noise", "taso-jax")
+                 for v in [_kept(e)] if v is not None]
+        if peers and ours * margin < max(peers):
+            behind.append(f"{model} ({ours:.2f}x, best peer {max(peers):.2f}x)")
+        if ours * margin < least:
+            slow.append(f"{model} ({ours:.2f}x)")
+    return [f"taso-jax behind the best peer beyond the noise: {len(behind)}"
+            + (f": {', '.join(behind)}" if behind else ""),
+            f"taso-jax below {least:.2f}x beyond the noise: {len(slow)}"
+            + (f": {', '.join(slow)}" if slow else "")]
 
 
 def main(argv=None) -> int:

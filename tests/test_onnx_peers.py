@@ -28,13 +28,34 @@ def test_the_table_marks_unequal_and_failed_files_and_counts_them_as_1x_in_the_g
             "b": {"onnxsim": {"speedup": 0.5, "equal": True, "same": True},
                   "taso-jax": {"error": "RuntimeError: exit 1"}},
             "c": {"error": "ModelError: not loaded"}}
+    rows["a"]["noise"] = {"speedup": 1.05, "equal": True, "same": True}
     text = peers.table(rows, ["onnxsim", "taso-jax"])
     lines = text.splitlines()
-    assert lines[0] == "| model | onnxsim | taso-jax |"
-    assert lines[2] == "| a | 2.00x | 4.00x ≠ |" and lines[3] == "| b | 0.50x (input) | fails |"
-    assert lines[4] == "| c | - | - |"
-    assert lines[5] == "| **geomean** | 1.000x | 1.000x |"  # sqrt(2 * 0.5); 1 and 1
+    assert lines[0] == "| model | noise | onnxsim | taso-jax |"
+    assert lines[2] == "| a | 1.05x (input) | 2.00x | 4.00x ≠ |"
+    assert lines[3] == "| b | - | 0.50x (input) | fails |"
+    assert lines[4] == "| c | - | - | - |"
+    assert lines[5] == "| **geomean** | 1.050x | 1.000x | 1.000x |"  # sqrt(2 * 0.5); 1 and 1
     assert "- b, taso-jax: RuntimeError: exit 1" in text and "- c: not measured" in text
+    # a's unequal file is kept as 1.00x: behind onnxsim's 2.00x by more than its 5% noise
+    assert "taso-jax behind the best peer beyond the noise: 1: a (1.00x, best peer 2.00x)" \
+        in text
+    assert "taso-jax below 0.97x beyond the noise: 0" in text
+
+
+def test_a_shortfall_within_the_noise_is_not_one():
+    peers = _script()
+
+    def row(noise, peer, ours):
+        return {"noise": {"speedup": noise, "equal": True, "same": True},
+                "onnxsim": {"speedup": peer, "equal": True, "same": False},
+                "taso-jax": {"speedup": ours, "equal": True, "same": False}}
+
+    lines = peers.shortfalls({"quiet": row(1.0, 1.02, 1.0), "noisy": row(0.9, 1.08, 1.0),
+                              "slow": row(1.02, 1.0, 0.9), "behind": row(1.0, 1.2, 1.1)})
+    assert lines[0] == ("taso-jax behind the best peer beyond the noise: 2: "
+                        "slow (0.90x, best peer 1.00x), behind (1.10x, best peer 1.20x)")
+    assert lines[1] == "taso-jax below 0.97x beyond the noise: 1: slow (0.90x)"
 
 
 def test_one_tool_is_measured_on_a_tiny_model(tmp_path):
@@ -53,6 +74,7 @@ def test_one_tool_is_measured_on_a_tiny_model(tmp_path):
     onnx.save(m, src)
     row = peers.measure_model(str(src), ["ort-offline"], str(tmp_path), 5.0, rounds=3)
     entry = row["ort-offline"]
+    assert row["noise"]["same"] is True and np.isfinite(row["noise"]["speedup"])
     assert entry["equal"] is True and np.isfinite(entry["speedup"]) and entry["speedup"] > 0
     assert entry["same"] is False  # onnxruntime's file drops the Identity
     assert peers.main([str(tmp_path / "missing.onnx")]) == 2
