@@ -34,6 +34,7 @@ from taso_jax.search.second_opinions import (
     add_analytic_candidate,
     add_as_written_candidate,
     add_near_tie_candidate,
+    prices_nchw_as_nhwc,
 )
 
 from taso_jax.ir.executor import forget_compiled
@@ -69,7 +70,8 @@ VISITED_HELD = 8
 #: duels a confirmed candidate with one ahead of it by median. 7: the calibrated cost model
 #: is the default (:mod:`taso_jax.search.calibrated`). 8: the best graph priced with its
 #: convolutions as written is a candidate where the search priced them in NHWC
-#: (:func:`taso_jax.search.second_opinions.add_as_written_candidate`).
+#: (:func:`taso_jax.search.second_opinions.add_as_written_candidate`), in the analytic
+#: search's place.
 SEARCH_REVISION = 8
 
 #: The runtimes a result can be made fast in.
@@ -245,11 +247,12 @@ def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Subst
                         need: Callable[[], float | None] | None = None) -> None:
     """Add the candidates that second-guess the search's cost model to ``result``.
 
-    The best graph of a search with convolutions priced in the layout they are written in,
-    where ``cost_model`` priced them in NHWC
-    (:func:`~taso_jax.search.second_opinions.add_as_written_candidate`), the best graph of
-    a search under the analytic cost model
-    (:func:`~taso_jax.search.second_opinions.add_analytic_candidate`), the best graph with its
+    The best graph of a search under another pricing: with convolutions priced in the
+    layout they are written in, where ``cost_model`` priced them in NHWC
+    (:func:`~taso_jax.search.second_opinions.add_as_written_candidate`; the analytic
+    search's NCHW roofline is the cruder form of the same opinion, and a fourth search
+    took 3-5 s from the choice of the 60 s corpus runs), else under the analytic cost model
+    (:func:`~taso_jax.search.second_opinions.add_analytic_candidate`); the best graph with its
     rules' near ties taken (:func:`~taso_jax.search.second_opinions.add_near_tie_candidate`)
     and the best graph of a search without one rule every candidate applies
     (:func:`~taso_jax.search.second_opinions.add_ablation_candidate`), each limited to the
@@ -267,13 +270,10 @@ def add_second_opinions(result: SearchResult, graph: Graph, subs: Sequence[Subst
     seconds = _second_opinion_seconds(deadline, need)
     if seconds is None:
         return
-    add_as_written_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
-                             budget=opts.budget, time_limit=seconds)
-    seconds = _second_opinion_seconds(deadline, need)
-    if seconds is None:
-        return
-    add_analytic_candidate(result, graph, subs, cost_model, alpha=opts.alpha,
-                           budget=opts.budget, time_limit=seconds)
+    other = add_as_written_candidate if prices_nchw_as_nhwc(cost_model) \
+        else add_analytic_candidate
+    other(result, graph, subs, cost_model, alpha=opts.alpha, budget=opts.budget,
+          time_limit=seconds)
     seconds = _second_opinion_seconds(deadline, need)
     if seconds is None:
         return

@@ -4,12 +4,12 @@ A cost model prices kernels one at a time, at one moment, on a machine whose spe
 drifts. Each function here adds to a search's candidates a graph that the cost model may
 have ranked wrongly, for the end-to-end choice
 (:func:`taso_jax.search.choose.choose_fastest`) to time: the best graph under the analytic
-cost model (:func:`add_analytic_candidate`), the best graph priced with convolutions in the layout
-they are written in, where the search priced them in NHWC (:func:`add_as_written_candidate`),
-the best graph with its rules' near ties taken
-(:func:`add_near_tie_candidate`), and the best graph of a search without one rule that
-every candidate applies (:func:`add_ablation_candidate`).
-:func:`taso_jax.search.options.add_second_opinions` adds all four.
+cost model (:func:`add_analytic_candidate`) or, where the search priced NCHW convolutions
+in NHWC, the best graph priced with them as written (:func:`add_as_written_candidate`, in
+its place); the best graph with its rules' near ties taken (:func:`add_near_tie_candidate`);
+and the best graph of a search without one rule that every candidate applies
+(:func:`add_ablation_candidate`).
+:func:`taso_jax.search.options.add_second_opinions` adds three of them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from taso_jax.search.rules import Substitution
 from taso_jax.ir.graph import Graph
 
 __all__ = ["add_analytic_candidate", "add_as_written_candidate", "add_near_tie_candidate",
-           "add_ablation_candidate", "NEAR_TIE"]
+           "add_ablation_candidate", "prices_nchw_as_nhwc", "NEAR_TIE"]
 
 
 def add_analytic_candidate(result: SearchResult, graph: Graph,
@@ -77,12 +77,19 @@ def add_as_written_candidate(result: SearchResult, graph: Graph,
     """
     from taso_jax.search.calibrated import CalibratedCostModel
 
-    if not (isinstance(cost_model, CalibratedCostModel) and cost_model.nhwc_convolutions):
+    if not prices_nchw_as_nhwc(cost_model):
         return None
     as_written = CalibratedCostModel(cache_path=False, calibration=cost_model.calibration,
                                      max_compiles=0)
     return _add_best_under(as_written, result, graph, substitutions, cost_model, alpha,
                            budget, time_limit, judged=True)
+
+
+def prices_nchw_as_nhwc(cost_model: CostModel) -> bool:
+    """Whether ``cost_model`` is a calibrated model pricing NCHW convolutions in NHWC."""
+    from taso_jax.search.calibrated import CalibratedCostModel
+
+    return isinstance(cost_model, CalibratedCostModel) and cost_model.nhwc_convolutions
 
 
 def _add_best_under(other: CostModel, result: SearchResult, graph: Graph,

@@ -888,8 +888,8 @@ def test_second_opinions_leave_the_end_to_end_choice_its_share(monkeypatch):
     assert calls == []
     options.add_second_opinions(None, None, [], None, opts,
                                 Deadline(time.perf_counter() + reserve + 0.6, 10.0))
-    assert [c[0] for c in calls] == ["add_as_written_candidate", "add_analytic_candidate",
-                                     "add_near_tie_candidate", "add_ablation_candidate"]
+    assert [c[0] for c in calls] == ["add_analytic_candidate", "add_near_tie_candidate",
+                                     "add_ablation_candidate"]
     assert all(0.25 * 1.0 <= t <= 0.6 for _, t in calls)
 
 
@@ -912,7 +912,7 @@ def test_second_opinions_leave_the_choice_what_one_comparison_needs(monkeypatch)
     assert calls == []
     options.add_second_opinions(None, None, [], None, opts,
                                 Deadline(time.perf_counter() + 30.0, 60.0), need=lambda: None)
-    assert len(calls) == 4 and all(t <= 6.0 for t in calls)
+    assert len(calls) == 3 and all(t <= 6.0 for t in calls)
 
 
 def test_the_input_is_compiled_ahead_for_the_choice(monkeypatch):

@@ -74,3 +74,27 @@ def test_no_search_priced_as_written_where_the_search_already_was():
     analytic = AnalyticCostModel()
     result = backtracking_search(g, SUBS, analytic, budget=20, keep=2)
     assert add_as_written_candidate(result, g, SUBS, analytic, budget=20) is None
+
+
+def test_the_search_priced_as_written_takes_the_analytic_search_s_place(monkeypatch):
+    """Where the search priced NCHW convolutions in NHWC, the second opinion under another
+    pricing is the as-written search; elsewhere it is the analytic one. Either way three
+    second opinions run, not four: a fourth took 3-5 s from the choice of 60 s runs."""
+    import time
+
+    from taso_jax.search import options
+    from taso_jax.search.limits import Deadline
+
+    calls = []
+    for name in ("add_as_written_candidate", "add_analytic_candidate",
+                 "add_near_tie_candidate", "add_ablation_candidate"):
+        monkeypatch.setattr(options, name,
+                            lambda *a, _name=name, **k: calls.append(_name))
+    cal = _calibration()
+    for nhwc in (True, False):
+        calls.clear()
+        model = CalibratedCostModel(cache_path=False, calibration=cal, nhwc_convolutions=nhwc)
+        options.add_second_opinions(None, None, [], model, options.OptimizeOptions(),
+                                    Deadline(time.perf_counter() + 60.0, 60.0))
+        first = "add_as_written_candidate" if nhwc else "add_analytic_candidate"
+        assert calls == [first, "add_near_tie_candidate", "add_ablation_candidate"]
