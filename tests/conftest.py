@@ -265,3 +265,21 @@ def returns_soon(call, seconds: float = 20):
     t.join(seconds)
     assert box, "blocked"
     return box[0]
+
+
+def search_jax(fn, args):
+    """``fn`` traced at ``args``, searched under the analytic model (no end-to-end timing).
+
+    Returns ``(imported graph, searched graph, run)``: ``run(*args)`` calls the searched
+    graph compiled, unwrapping a single output.
+    """
+    import taso_jax
+
+    g = taso_jax.from_jax(fn, *args)
+    result = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0, time_limit=60)
+    compiled = taso_jax.compile_graph(result.graph)
+
+    def run(*a):
+        out = compiled(*a)
+        return out[0] if isinstance(out, tuple | list) else out
+    return g, result.graph, run

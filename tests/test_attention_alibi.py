@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import search_jax
 from taso_jax.ops import OPS, TensorType
 from taso_jax.ops.attention_masks import PLAN_GRAIN, block_plan, parse_plan
 from taso_jax.search.calibrated import CalibratedCostModel
@@ -34,14 +35,6 @@ def _model(seq=SEQ):
     fn, w, inputs = transformer_models.MODELS["alibi_attention"](seq=seq, heads=HEADS,
                                                                  head_dim=HEAD_DIM)
     return (lambda *a: fn(w, *a)), inputs
-
-
-def _search(f, inputs):
-    g = taso_jax.from_jax(f, *inputs)
-    result = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0, time_limit=60)
-    compiled = taso_jax.compile_graph(result.graph)
-    return g, result.graph, lambda *a: (lambda o: o[0] if isinstance(o, tuple | list)
-                                        else o)(compiled(*a))
 
 
 def _plan_and_mask(g):
@@ -118,7 +111,7 @@ def test_search_lowers_alibi_to_query_blocks_equal_at_two_scales():
     blocks, and the graph equals ``jax.jit`` of the original at the inputs and with the
     queries x10."""
     f, inputs = _model()
-    _, out, run = _search(f, inputs)
+    _, out, run = search_jax(f, inputs)
     atts = [n for n in out.nodes if n.op == "block_masked_attention"]
     assert len(atts) == 1 and dict(atts[0].attrs)["impl"] == "blocked"
     assert atts[0].inputs[3].shape == (1, HEADS, SEQ, SEQ)
@@ -221,7 +214,7 @@ def test_a_mask_that_differs_over_the_batch_is_read_with_the_scores_leading_axes
 
     for heads in (1, 2):
         inputs = [jax.random.normal(jax.random.key(s), (2, heads, n, 16)) for s in range(3)]
-        g, out, run = _search(f, inputs)
+        g, out, run = search_jax(f, inputs)
         if heads == 1:
             assert _plan_and_mask(g)[1].shape == (2, 1, n, n)
             assert any(x.op == "block_masked_attention" for x in out.nodes)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import search_jax
 from taso_jax.ops import OPS, ShapeError
 from taso_jax.ops.attention_masks import (
     PLAN_GRAIN,
@@ -111,14 +112,6 @@ def _mask_fn(keep, fill, additive):
     return fn
 
 
-def _search(fn, args):
-    g = taso_jax.from_jax(fn, *args)
-    result = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0, time_limit=60)
-    compiled = taso_jax.compile_graph(result.graph)
-    return g, result.graph, lambda *a: (lambda o: o[0] if isinstance(o, tuple | list)
-                                        else o)(compiled(*a))
-
-
 @pytest.mark.parametrize("additive,fill", [(True, -np.inf), (True, -1e9),
                                            (False, float(np.finfo(np.float32).min))])
 def test_flipped_entry_read_end_to_end(additive, fill):
@@ -131,7 +124,7 @@ def test_flipped_entry_read_end_to_end(additive, fill):
     flipped = keep.copy()
     flipped[-1, 0] = True
     args = [jax.random.normal(jax.random.key(s), (1, 2, n, 16)) for s in range(3)]
-    g, out, run = _search(_mask_fn(flipped, fill, additive), args)
+    g, out, run = search_jax(_mask_fn(flipped, fill, additive), args)
     plans = [dict(x.attrs)["plan"] for x in g.nodes if x.op == "block_mask"]
     assert len(plans) == 1 and parse_plan(plans[0], n, n)[1][-1, 0] == "P"
     atts = [x for x in out.nodes if x.op == "block_masked_attention"]
@@ -156,7 +149,7 @@ def test_workloads_lowered_and_equal_at_two_scales(name):
     def f(*a):
         return fn(w, *a)
 
-    _, out, run = _search(f, inputs)
+    _, out, run = search_jax(f, inputs)
     atts = [x for x in out.nodes if x.op == "block_masked_attention"]
     assert len(atts) == 1 and dict(atts[0].attrs)["impl"] == "blocked"
     assert "S" in dict(atts[0].attrs)["plan"]

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import search_jax
 from taso_jax.ops import OPS, ShapeError, TensorType
 from taso_jax.ops.experts import capacity, dense_experts
 from taso_jax.search.rules import default_substitutions
@@ -47,14 +48,6 @@ def _layer(t=64, e=8, d=16, h=24, per_token=2, seed=0):
     return (_gates(t, e, per_token, seed), jnp.asarray(rng.standard_normal((t, d)), jnp.float32),
             jnp.asarray(rng.standard_normal((e, d, h)) * d ** -0.5, jnp.float32),
             jnp.asarray(rng.standard_normal((e, h, d)) * h ** -0.5, jnp.float32))
-
-
-def _search(fn, args):
-    g = taso_jax.from_jax(fn, *args)
-    result = taso_jax.search_graph(g, cost_model="analytic", end_to_end=0, time_limit=60)
-    compiled = taso_jax.compile_graph(result.graph)
-    return g, result.graph, lambda *a: (lambda o: o[0] if isinstance(o, tuple | list)
-                                        else o)(compiled(*a))
 
 
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
@@ -177,7 +170,7 @@ def test_search_lowers_and_stays_equal(routing):
     def f(x):
         return fn(w, x)
 
-    _, out, run = _search(f, inputs)
+    _, out, run = search_jax(f, inputs)
     nodes = [n for n in out.nodes if n.op == "gated_experts"]
     assert len(nodes) == 1 and nodes[0].attr("impl") == "capacity"
     for scale in (1.0, 1e3):
