@@ -33,11 +33,25 @@ __all__ = [
     "onnx_importer",
     "jaxpr_importer",
     "get_op",
+    "is_float_dtype",
 ]
 
 
 class ShapeError(ValueError):
     """Raised by a shape rule when inputs or attributes are not valid for an operator."""
+
+
+def is_float_dtype(dtype) -> bool:
+    """Whether ``dtype`` (a name or NumPy dtype) is a floating type, ml_dtypes' included.
+
+    NumPy does not count ``bfloat16`` (nor the float8 types) among ``np.floating``: their
+    kind is ``V``. A shape rule that asked NumPy alone refused every bfloat16 attention,
+    softmax and normalization, so no rule that introduces them ever applied in bfloat16.
+    """
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    return bool(np.issubdtype(dt, np.floating) or (dt.kind == "V" and "float" in dt.name))
 
 
 class TensorType(NamedTuple):
@@ -147,6 +161,14 @@ class OpDef:
             inputs of ``matmul`` and of a convolution). An element of such an input too small
             to change a sum in floating point is zeroed in a weight
             (:func:`taso_jax.ir.cleanup.flush_negligible_weights`).
+        runs_here: for an operator some of whose forms run only on some devices (a vendor
+            library's fused kernel: ``attention(impl="cudnn")``), ``runs_here(node)`` says
+            why the search may not build ``node`` on JAX's default device, or ``None``: the
+            form cannot run here, or another form of the same node that runs here is known
+            to be faster (measured, and named in the operator's docstring). Its reference
+            function computes the same values everywhere (so its laws are checked on any
+            machine); the search applies no rule whose target holds such a node
+            (:func:`taso_jax.search.match.instantiate`).
         copies_values: every output element is an input element or a constant of the
             attributes (zero padding): a layout or selection operator, which neither rounds
             nor overflows nor underflows. A weight it folds ahead of time needs no check
@@ -180,6 +202,7 @@ class OpDef:
     family: str = ""
     dot_operands: tuple[int, ...] = ()
     copies_values: bool = False
+    runs_here: Callable[[Any], str | None] | None = None
 
     def normalize_attrs(self, attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """Fill defaults, reject unknown names, and freeze values into a sorted tuple.

@@ -14,7 +14,9 @@ picks one per device through the rules ``attention(impl='naive') => attention(im
 * ``blocked``: for causal attention, queries in blocks of ``block`` rows, each against the
   key prefix it can see, so the masked upper triangle is neither computed nor stored (about
   half the arithmetic at ``Sq = Sk``); normalized after the second matmul; at most
-  :data:`MAX_BLOCKS` blocks.
+  :data:`MAX_BLOCKS` blocks;
+* ``cudnn``: cuDNN's fused attention with its causal flag, on a CUDA GPU in float16 or
+  bfloat16 (:mod:`taso_jax.ops.cudnn_attention`); the search offers it nowhere else.
 
 The blocked form gives the masked keys exactly zero weight, as the naive form does
 with ``fill = -inf``; with a finite ``fill`` (``-1e9``, ``finfo.min``) the naive form gives
@@ -32,8 +34,14 @@ softmax across key blocks.
 from __future__ import annotations
 
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare
+from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, is_float_dtype
 from taso_jax.ops._lazy import LazyModule
+from taso_jax.ops.cudnn_attention import (
+    causal_fraction,
+    check_cudnn_shapes,
+    cudnn_attention,
+    cudnn_unavailable,
+)
 from taso_jax.ops.elementwise import broadcast_shape
 
 jax = LazyModule("jax")
@@ -43,7 +51,7 @@ __all__ = ["causal_offset", "causal_scores", "repeat_idiom", "IMPLS", "SKIP_FILL
            "ADDITIVE_FILL", "MAX_BLOCKS"]
 
 #: The lowerings of ``attention``.
-IMPLS = ("naive", "blocked")
+IMPLS = ("naive", "blocked", "cudnn")
 #: Most query blocks of the blocked lowering: XLA compiles each block's kernels apart (32
 #: blocks of 64 at S=2048 took 4.4 s to compile on XLA:CPU, and ran slower than 16 of 128).
 MAX_BLOCKS = 16
@@ -78,7 +86,7 @@ def _causal_mask_shape(ts, *, offset, fill):
     (x,) = ts
     if len(x.shape) < 2:
         raise ShapeError(f"causal_mask: needs rank >= 2, got {x.shape}")
-    if not np.issubdtype(np.dtype(x.dtype), np.floating):
+    if not is_float_dtype(x.dtype):
         raise ShapeError(f"causal_mask: needs a float tensor, got {x.dtype}")
     return [x]
 
@@ -141,7 +149,7 @@ def causal_scores(ctx, x):
     from taso_jax.ops.elementwise_jaxpr import _unbroadcast
 
     if x.node.op != "ewadd" or len(x.shape) < 2 \
-            or not np.issubdtype(np.dtype(x.dtype), np.floating):
+            or not is_float_dtype(x.dtype):
         return x
     for s, m in (x.node.inputs, x.node.inputs[::-1]):
         if s.shape != x.shape or ctx.weight_only(s) or not ctx.weight_only(m):
@@ -167,7 +175,7 @@ def _naive(q, kt, v, *, causal, offset, fill):
     s = jnp.matmul(q, kt)
     if causal:
         s = _causal_mask(s, offset=offset, fill=fill)
-    return jnp.matmul(jax.nn.softmax(s, axis=-1), v)
+    return jnp.matmul(jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
 
 
 def _blocked(q, kt, v, *, offset, fill, block):
@@ -181,13 +189,16 @@ def _blocked(q, kt, v, *, offset, fill, block):
         keep = _keep(stop - start, sk, offset, row0=start, cols=hi)
         s = jnp.where(keep, s, jnp.asarray(fill, s.dtype))
         e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
-        outs.append(jnp.matmul(e, v[..., :hi, :]) / jnp.sum(e, axis=-1, keepdims=True))
+        num = jnp.matmul(e.astype(v.dtype), v[..., :hi, :], preferred_element_type=s.dtype)
+        outs.append((num / jnp.sum(e, axis=-1, keepdims=True)).astype(v.dtype))
     return jnp.concatenate(outs, axis=-2)
 
 
 def _attention(q, kt, v, *, causal, offset, fill, impl, block):
     if impl == "blocked" and causal:
         return _blocked(q, kt, v, offset=offset, fill=fill, block=block)
+    if impl == "cudnn":
+        return cudnn_attention(q, kt, v, causal=causal)
     return _naive(q, kt, v, causal=causal, offset=offset, fill=fill)
 
 
@@ -199,9 +210,9 @@ def _attention_shape(ts, *, causal, offset, fill, impl, block):
     if q.shape[-1] != kt.shape[-2] or kt.shape[-1] != v.shape[-2]:
         raise ShapeError(f"attention: sizes do not chain in q{q.shape} kt{kt.shape} "
                          f"v{v.shape}")
-    if not q.dtype == kt.dtype == v.dtype or not np.issubdtype(np.dtype(q.dtype), np.floating):
-        raise ShapeError(f"attention: needs one float dtype, got {q.dtype}, {kt.dtype}, "
-                         f"{v.dtype}")
+    if q.dtype != kt.dtype or not is_float_dtype(q.dtype) or not is_float_dtype(v.dtype):
+        raise ShapeError(f"attention: needs float operands, the scores' of one type, got "
+                         f"{q.dtype}, {kt.dtype}, {v.dtype}")
     if impl not in IMPLS or int(block) < 1:
         raise ShapeError(f"attention: unknown lowering {impl!r} (block {block})")
     if impl == "blocked" and -(-q.shape[-2] // int(block)) > MAX_BLOCKS:
@@ -210,19 +221,23 @@ def _attention_shape(ts, *, causal, offset, fill, impl, block):
     if impl != "naive" and (float(fill) > SKIP_FILL or (causal and offset < 0)):
         raise ShapeError(f"attention: the {impl} lowering skips masked keys, which the "
                          f"fill {fill} does not make zero")
+    if impl == "cudnn":
+        check_cudnn_shapes("attention", q, kt, v, reps=1, causal=causal, offset=offset)
     batch = broadcast_shape(q.shape[:-2], kt.shape[:-2], v.shape[:-2])
-    return [TensorType(batch + (q.shape[-2], v.shape[-1]), q.dtype)]
+    return [TensorType(batch + (q.shape[-2], v.shape[-1]), v.dtype)]
 
 
 def _attention_flops(ins, outs, *, causal, impl, offset=0, block=128, **_):
     """Two matmuls and a softmax over the score matrix.
 
     The blocked form does them over its blocks' key prefixes: about half at ``Sq = Sk``,
-    less the smaller the blocks.
+    less the smaller the blocks; the cuDNN form over the tiles of 128 it does not skip.
     """
     q, kt, _v = ins
     rows, sk = outs[0].size // outs[0].shape[-1], kt.shape[-1]
     full = float(rows) * sk * (2 * q.shape[-1] + 2 * outs[0].shape[-1] + 5)
+    if causal and impl == "cudnn":
+        return full * causal_fraction(q.shape[-2], sk)
     if not (causal and impl == "blocked"):
         return full
     sq = q.shape[-2]
@@ -243,6 +258,8 @@ def _composition(node, mask=None, causal=None):
     if causal is not None:
         steps.append(("causal_mask", [len(steps) - 1], causal))
     steps.append(("softmax", [len(steps) - 1], {"axis": -1}))
+    if v.dtype != q.dtype:
+        steps.append(("cast", [len(steps) - 1], {"to": v.dtype}))
     steps.append(("matmul", [len(steps) - 1, v], {}))
     return steps
 
@@ -255,20 +272,49 @@ def _attention_composition(node):
     introduces it lay beyond the search's alpha relaxation, and the blocked lowerings
     behind it out of reach.
     """
-    if node.attr("impl") == "blocked" and node.attr("causal"):
+    if (node.attr("impl") == "blocked" and node.attr("causal")) or node.attr("impl") == "cudnn":
         return None
     causal = ({"offset": node.attr("offset"), "fill": node.attr("fill")}
               if node.attr("causal") else None)
     return _composition(node, causal=causal)
 
 
-def _attention_onnx(ctx, ins, outs, *, causal, offset, fill, impl, block, kt_shape=None):
+def _runs_here(node):
+    """Why the search may not build ``node`` on this device (``OpDef.runs_here``).
+
+    The cuDNN form where cuDNN cannot run. The query-blocked form where the cuDNN form of
+    the same node runs: on an H200 in bfloat16, cuDNN's causal attention ran 1.6x, 2.4x and
+    3.7x faster than the naive form at S=1024, 2048 and 4096 where query blocks gave 1.1x,
+    1.1x and 1.3x (``benchmarks/cudnn_attention.py``), and timing the blocked forms cost
+    seconds of XLA:GPU compiles per search (one per block size, eight to sixteen blocks).
+    """
+    impl, types = node.attr("impl"), [t.type for t in node.inputs]
+    if impl == "cudnn":
+        return cudnn_unavailable(*types)
+    if impl != "blocked" or cudnn_unavailable(*types) is not None:
+        return None
+    try:
+        check_cudnn_shapes(node.op, *types, reps=node.attr("reps", 1),
+                           causal=node.attr("causal"), offset=node.attr("offset"))
+    except ShapeError:
+        return None
+    return "cuDNN's fused attention runs here, faster than query blocks"
+
+
+def _attention_onnx(ctx, ins, outs, *, causal, offset, fill, impl, block, kt_shape=None,
+                    v_dtype=None):
     s = ctx.tmp("MatMul", ins[:2])
     if causal:
         rows, cols = ctx.shape(ins[0])[-2], (kt_shape or ctx.shape(ins[1]))[-1]
         s = ctx.tmp("Where", [ctx.const(_keep_numpy(rows, cols, offset)),
                               s, ctx.const(np.asarray(fill, ctx.dtype(ins[0])))])
-    ctx.node("MatMul", [ctx.tmp("Softmax", [s], axis=-1), ins[2]], outs)
+    p = ctx.tmp("Softmax", [s], axis=-1)
+    v_dtype = v_dtype or ctx.dtype(ins[2])
+    if v_dtype != ctx.dtype(ins[0]):  # scores taken wider than the values
+        from onnx import helper
+
+        p = ctx.tmp("Cast", [p], to=helper.np_dtype_to_tensor_dtype(np.dtype(v_dtype)))
+    ctx.node("MatMul", [p, ins[2]], outs)
 
 
 # ---- laws ---------------------------------------------------------------------------------
@@ -280,6 +326,10 @@ _QKV = {"q": ("...", "M", "K"), "kt": ("...", "K", "N"), "v": ("...", "N", "P")}
 #: Grouped K/V heads: one K/V head (a unit axis) against the G query heads of its group.
 _QKV_G = {"q": ("...", "G", "M", "K"), "kt": ("...", 1, "K", "N"), "v": ("...", 1, "N", "P")}
 _F = (float("-inf"), -1e9)
+#: The cast's type in the numeric check of the laws with scores taken wider than the values.
+_WIDE = ("float64",)
+_QKV_HEADS = {"q": ("B", "H", "M", "K"), "kt": ("B", "H", "K", "N"), "v": ("B", "H", "N", "K")}
+_QKV_SQUARE = {"q": ("B", "H", "M", "K"), "kt": ("B", "H", "K", "M"), "v": ("B", "H", "M", "K")}
 _ATTENTION_LAWS = (
     axiom("attention(q, kt, v) = matmul(softmax(matmul(q, kt), axis=-1), v)", _QKV,
           derive="rtl"),
@@ -305,20 +355,48 @@ _ATTENTION_LAWS = (
           _QKV_G, derive="rtl", theorem=True, s=(0.125,), o=(0, 1), f=_F),
     axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = attention(q, kt, v, causal=True, offset=o, fill=f, impl=i, block=b)",
           _QKV_G, derive="ltr", theorem=True, o=(0, 1), f=_F, i=("blocked",), b=(128, 256, 512)),
+    # Scores taken wider than the values (16-bit operands accumulated in float32, the softmax
+    # in float32, the probabilities cast back for the second product: the form of
+    # jax.nn.dot_product_attention, flax and equinox in bfloat16), the same laws with the
+    # cast. Over the reals a cast between float types is the identity, and typed graphs
+    # bind ``t`` to the values' float type only (the second product needs it), so these are
+    # the definitions again; checked numerically at float64 (``t`` the identity there).
+    *(law for shapes, theorem in ((_QKV, False), (_QKV_G, True)) for law in (
+        axiom("attention(q, kt, v) = matmul(cast(softmax(matmul(q, kt), axis=-1), to=t), v)",
+              shapes, derive="rtl", theorem=theorem, t=_WIDE),
+        axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = matmul(cast(softmax(causal_mask(matmul(q, kt), offset=o, fill=f), axis=-1), to=t), v)",
+              shapes, derive="rtl", theorem=theorem, o=(0, 1), f=_F, t=_WIDE),
+        axiom("attention(scalar_mul(q, scalar=s), kt, v) = matmul(cast(softmax(scalar_mul(matmul(q, kt), scalar=s), axis=-1), to=t), v)",
+              shapes, derive="rtl", theorem=True, s=(0.125,), t=_WIDE),
+        axiom("attention(scalar_mul(q, scalar=s), kt, v, causal=True, offset=o, fill=f) = matmul(cast(softmax(causal_mask(scalar_mul(matmul(q, kt), scalar=s), offset=o, fill=f), axis=-1), to=t), v)",
+              shapes, derive="rtl", theorem=True, s=(0.125,), o=(0, 1), f=_F, t=_WIDE),
+        # the scores cast up after the mask, the softmax in float32 (equinox in bfloat16)
+        axiom("attention(q, kt, v) = matmul(cast(softmax(cast(matmul(q, kt), to=w), axis=-1), to=t), v)",
+              shapes, derive="rtl", theorem=theorem, w=_WIDE, t=_WIDE),
+        axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = matmul(cast(softmax(cast(causal_mask(matmul(q, kt), offset=o, fill=f), to=w), axis=-1), to=t), v)",
+              shapes, derive="rtl", theorem=theorem, o=(0, 1), f=_F, w=_WIDE, t=_WIDE))),
+    # cuDNN's fused attention (ops/cudnn_attention.py): heads on axis -3, one head dimension
+    # for queries and values, and for its causal flag a square score matrix at offset 0.
+    axiom("attention(q, kt, v) = attention(q, kt, v, impl=i)", _QKV_HEADS, derive="ltr",
+          i=("cudnn",)),
+    axiom("attention(q, kt, v, causal=True, offset=0, fill=f) = attention(q, kt, v, causal=True, offset=0, fill=f, impl=i)",
+          _QKV_SQUARE, derive="ltr", f=_F, i=("cudnn",)),
 )
 
 declare(OpDef(
     name="attention", ref=_attention, shape=_attention_shape, arity=3,
     attrs={"causal": False, "offset": 0, "fill": float("-inf"), "impl": "naive", "block": 128},
     to_onnx=_attention_onnx, flops=_attention_flops, axioms=_ATTENTION_LAWS,
-    composition=_attention_composition,
+    composition=_attention_composition, runs_here=_runs_here,
     examples=(([TensorType((2, 6, 4), _F32), TensorType((2, 4, 6), _F32),
                 TensorType((2, 6, 3), _F32)], {}),
               ([TensorType((1, 2, 7, 4), _F32), TensorType((1, 2, 4, 7), _F32),
                 TensorType((1, 2, 7, 5), _F32)], {"causal": True}),
               ([TensorType((2, 9, 4), _F32), TensorType((2, 4, 11), _F32),
                 TensorType((2, 11, 3), _F32)],
-               {"causal": True, "offset": 2, "impl": "blocked", "block": 4})),
+               {"causal": True, "offset": 2, "impl": "blocked", "block": 4}),
+              ([TensorType((1, 2, 8, 8), _F32), TensorType((1, 2, 8, 8), _F32),
+                TensorType((1, 2, 8, 8), _F32)], {"causal": True, "impl": "cudnn"})),
     doc="softmax(q @ kt [causal mask]) @ v over the last two axes, keys transposed "
         "(scaled dot-product attention, Vaswani et al. 2017, Section 3.2.1)"))
 
@@ -398,6 +476,8 @@ def _grouped(q, kt, v, *, reps, causal, offset, fill, impl, block):
     Query heads ``[..., G*reps, Sq, D]`` as ``[..., G, reps, Sq, D]`` against K/V heads
     ``[..., G, 1, ...]``: the matmuls broadcast the one K/V head over its group.
     """
+    if impl == "cudnn":
+        return cudnn_attention(q, kt, v, causal=causal)
     lead, (h, sq, d) = q.shape[:-3], q.shape[-3:]
     g = h // reps
     out = _attention(q.reshape(*lead, g, reps, sq, d), kt[..., :, None, :, :],
@@ -414,6 +494,13 @@ def _grouped_shape(ts, *, reps, causal, offset, fill, impl, block):
     if kt.shape[-3] != v.shape[-3] or q.shape[-3] != kt.shape[-3] * reps:
         raise ShapeError(f"grouped_attention: {q.shape[-3]} query heads are not {reps} per "
                          f"K/V head of {kt.shape[-3]}")
+    if impl == "cudnn":
+        check_cudnn_shapes("grouped_attention", q, kt, v, reps=reps, causal=causal,
+                           offset=offset)
+        if causal and float(fill) > SKIP_FILL:
+            raise ShapeError(f"grouped_attention: the cuDNN lowering skips masked keys, "
+                             f"which the fill {fill} does not make zero")
+        impl = "naive"  # the products per group below: the same shapes
     split = [TensorType((*q.shape[:-3], kt.shape[-3], reps, *q.shape[-2:]), q.dtype),
              TensorType((*kt.shape[:-2], 1, *kt.shape[-2:]), kt.dtype),
              TensorType((*v.shape[:-2], 1, *v.shape[-2:]), v.dtype)]
@@ -428,13 +515,16 @@ def _grouped_flops(ins, outs, *, reps, **attrs):
 
 def _grouped_onnx(ctx, ins, outs, *, reps, **attrs):
     kt, v = (_repeat_nodes(ctx, t, -3, reps) for t in ins[1:])
-    _attention_onnx(ctx, [ins[0], kt, v], outs, **attrs, kt_shape=ctx.shape(ins[1]))
+    _attention_onnx(ctx, [ins[0], kt, v], outs, **attrs, kt_shape=ctx.shape(ins[1]),
+                    v_dtype=ctx.dtype(ins[2]))
 
 
 # The definition (K/V heads repeated), and the same in the [batch, seq, heads, dim] layout
 # that JAX code repeats in before its einsums transpose the keys and values (an axiom: it
 # also states that the repeat commutes with those two transposes).
 _GQA = {"q": ("B", "r*G", "M", "K"), "kt": ("B", "G", "K", "N"), "v": ("B", "G", "N", "P")}
+_GQA_HEADS = {"q": ("B", "r*G", "M", "K"), "kt": ("B", "G", "K", "N"), "v": ("B", "G", "N", "K")}
+_GQA_SQUARE = {"q": ("B", "r*G", "M", "K"), "kt": ("B", "G", "K", "M"), "v": ("B", "G", "M", "K")}
 _GQA_BSHD = {"q": ("B", "r*G", "M", "K"), "k": ("B", "N", "G", "K"), "v": ("B", "N", "G", "P")}
 _GQA_LAWS = (
     axiom("grouped_attention(q, kt, v, reps=r, causal=c, offset=o, fill=f) = attention(q, repeat(kt, axis=-3, reps=r), repeat(v, axis=-3, reps=r), causal=c, offset=o, fill=f)",
@@ -453,17 +543,24 @@ _GQA_LAWS = (
     # The causal grouped form lowered to query blocks, as attention's lowering law.
     axiom("grouped_attention(q, kt, v, reps=r, causal=True, offset=o, fill=f) = grouped_attention(q, kt, v, reps=r, causal=True, offset=o, fill=f, impl=i, block=b)",
           _GQA, derive="ltr", r=(2,), o=(0,), f=_F, i=("blocked",), b=(128, 256, 512)),
+    # cuDNN's fused attention reads each K/V head once for its group of query heads.
+    axiom("grouped_attention(q, kt, v, reps=r) = grouped_attention(q, kt, v, reps=r, impl=i)",
+          _GQA_HEADS, derive="ltr", r=(2,), i=("cudnn",)),
+    axiom("grouped_attention(q, kt, v, reps=r, causal=True, offset=0, fill=f) = grouped_attention(q, kt, v, reps=r, causal=True, offset=0, fill=f, impl=i)",
+          _GQA_SQUARE, derive="ltr", r=(2,), f=_F, i=("cudnn",)),
 )
 
 declare(OpDef(
     name="grouped_attention", ref=_grouped, shape=_grouped_shape, arity=3,
     attrs={"reps": 1, "causal": False, "offset": 0, "fill": float("-inf"), "impl": "naive",
            "block": 128},
-    to_onnx=_grouped_onnx, flops=_grouped_flops, axioms=_GQA_LAWS,
+    to_onnx=_grouped_onnx, flops=_grouped_flops, axioms=_GQA_LAWS, runs_here=_runs_here,
     examples=(([TensorType((2, 6, 5, 4), _F32), TensorType((2, 3, 4, 7), _F32),
                 TensorType((2, 3, 7, 3), _F32)], {"reps": 2}),
               ([TensorType((1, 4, 9, 4), _F32), TensorType((1, 1, 4, 9), _F32),
-                TensorType((1, 1, 9, 5), _F32)], {"reps": 4, "causal": True})),
+                TensorType((1, 1, 9, 5), _F32)], {"reps": 4, "causal": True}),
+              ([TensorType((1, 4, 6, 8), _F32), TensorType((1, 2, 8, 6), _F32),
+                TensorType((1, 2, 6, 8), _F32)], {"reps": 2, "causal": True, "impl": "cudnn"})),
     doc="attention(q, repeat(kt, reps, axis=-3), repeat(v, reps, axis=-3)) without the "
         "copies: reps query heads share each K/V head (grouped-query attention, Ainslie et "
         "al. 2023)"))
@@ -489,7 +586,7 @@ def _masked_shape(ts):
     (out,) = _attention_shape([q, kt, v], causal=False, offset=0, fill=float("-inf"),
                               impl="naive", block=128)
     scores = broadcast_shape(q.shape[:-2], kt.shape[:-2]) + (q.shape[-2], kt.shape[-1])
-    if mask.dtype != q.dtype or len(mask.shape) > len(scores) \
+    if mask.dtype != q.dtype or v.dtype != q.dtype or len(mask.shape) > len(scores) \
             or broadcast_shape(scores, mask.shape) != scores:
         raise ShapeError(f"masked_attention: mask {mask.shape} {mask.dtype} does not "
                          f"broadcast into the scores {scores} {q.dtype}")

@@ -60,7 +60,7 @@ the prefix-LM mask; FlashAttention (Dao et al., 2022) for skipping masked key bl
 from __future__ import annotations
 
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare
+from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, is_float_dtype
 from taso_jax.ops._lazy import LazyModule
 from taso_jax.ops.attention import ADDITIVE_FILL, MAX_BLOCKS, _attention_shape
 from taso_jax.ops.elementwise import broadcast_shape
@@ -190,7 +190,7 @@ def _block_mask(s, m, *, plan):
 
 def _block_mask_shape(ts, *, plan):
     s, m = ts
-    if len(s.shape) < 2 or not np.issubdtype(np.dtype(s.dtype), np.floating):
+    if len(s.shape) < 2 or not is_float_dtype(s.dtype):
         raise ShapeError(f"block_mask: needs float scores of rank >= 2, got {s.shape} {s.dtype}")
     if m.dtype != s.dtype or len(m.shape) > len(s.shape) or m.shape[-2:] != s.shape[-2:] \
             or broadcast_shape(s.shape, m.shape) != s.shape:
@@ -258,6 +258,9 @@ def _masked_shape(ts, *, plan, impl, block):
     q, kt, v, m = ts
     (out,) = _attention_shape([q, kt, v], causal=False, offset=0, fill=float("-inf"),
                               impl="naive", block=128)
+    if v.dtype != q.dtype:
+        raise ShapeError(f"block_masked_attention: needs one float type, got {q.dtype}, "
+                         f"{v.dtype}")
     scores = TensorType(broadcast_shape(q.shape[:-2], kt.shape[:-2])
                         + (q.shape[-2], kt.shape[-1]), q.dtype)
     _block_mask_shape([scores, m], plan=plan)
@@ -451,7 +454,7 @@ def block_scores(ctx, x):
     reads the same either way (module docstring: the import's step). Call it only for a
     softmax over the last axis of ``x``, after ``attention.causal_scores``.
     """
-    if len(x.shape) < 2 or not np.issubdtype(np.dtype(x.dtype), np.floating):
+    if len(x.shape) < 2 or not is_float_dtype(x.dtype):
         return x
     found = _additive(ctx, x)
     if found is None:

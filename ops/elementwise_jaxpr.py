@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import partial
 
 import numpy as np
-from taso_jax.ops import jaxpr_importer
+from taso_jax.ops import is_float_dtype, jaxpr_importer
 from taso_jax.ops._lazy import LazyModule, deferred
 from taso_jax.ops.elementwise import _max_min_with_scalar, _scalar_const
 
@@ -32,9 +32,14 @@ for _prim, _op in (("pow", "pow"), ("tanh", "tanh"),
     jaxpr_importer(_prim)(lambda ctx, ins, _op=_op, **_: [ctx.op(_op, ins)])
 
 
+def _inexact(dtype) -> bool:
+    """A float (bfloat16 included) or complex element type."""
+    return is_float_dtype(dtype) or np.issubdtype(np.dtype(dtype), np.complexfloating)
+
+
 def _constant_scalar(ctx, t) -> float | None:
     """The value of a rank-0 float constant (a literal of the traced function), else None."""
-    if ctx.type(t).shape != () or not np.issubdtype(np.dtype(ctx.type(t).dtype), np.floating):
+    if ctx.type(t).shape != () or not is_float_dtype(ctx.type(t).dtype):
         return None
     v = ctx.const(t)
     return None if v is None else float(np.asarray(v))
@@ -76,7 +81,7 @@ def _import_sub_div(ctx, ins, **_):
         norm = norm_idiom(ctx, a, b, divide=True)
         if norm is not None:
             return [norm]
-    real = ctx.source_op == "sub" or np.issubdtype(np.dtype(ctx.type(b).dtype), np.inexact)
+    real = ctx.source_op == "sub" or _inexact(ctx.type(b).dtype)
     v = _constant_scalar(ctx, b) if ctx.source_op == "div" else None
     if v is not None and v != 0 and not ctx.weight_only(a) and a.shape == ctx.out_types[0].shape:
         return [ctx.op("scalar_mul", [a], scalar=1.0 / v)]
@@ -106,7 +111,7 @@ def _import_gt(ctx, ins, **_):
 @jaxpr_importer("ge", "le")
 def _import_ge_le(ctx, ins, **_):
     # a >= b is not (a < b) for integers and booleans; for floats NaN makes both false
-    if np.issubdtype(np.dtype(ctx.type(ins[0]).dtype), np.inexact):
+    if _inexact(ctx.type(ins[0]).dtype):
         return None
     a, b = ins if ctx.source_op == "ge" else ins[::-1]
     return [ctx.op("logical_not", [ctx.op("less", [a, b])])]
@@ -182,7 +187,7 @@ def _causal_select(ctx, pred, on_true, on_false):
     from taso_jax.ops.attention import causal_offset
 
     out = ctx.out_types[0]
-    if len(out.shape) < 2 or not np.issubdtype(np.dtype(out.dtype), np.floating):
+    if len(out.shape) < 2 or not is_float_dtype(out.dtype):
         return None
     keep = ctx.const(_unbroadcast(pred))
     if keep is None or np.shape(keep)[-2:] != out.shape[-2:]:
@@ -218,7 +223,7 @@ def _causal_additive(ctx, a, b):
     from taso_jax.ops.attention import causal_offset
 
     out = ctx.out_types[0]
-    if len(out.shape) < 2 or not np.issubdtype(np.dtype(out.dtype), np.floating):
+    if len(out.shape) < 2 or not is_float_dtype(out.dtype):
         return None
     for x, m in ((a, b), (b, a)):
         if ctx.type(x).shape != out.shape or ctx.weight_only(x):

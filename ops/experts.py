@@ -49,7 +49,15 @@ import math
 import threading
 
 import numpy as np
-from taso_jax.ops import JAXPR_IMPORTERS, OpDef, ShapeError, TensorType, axiom, declare
+from taso_jax.ops import (
+    JAXPR_IMPORTERS,
+    OpDef,
+    ShapeError,
+    TensorType,
+    axiom,
+    declare,
+    is_float_dtype,
+)
 from taso_jax.ops._lazy import LazyModule
 
 jax = LazyModule("jax")
@@ -123,7 +131,7 @@ def _gated_experts(g, x, w1, w2, *, activation, impl, capacity_factor):
 
 def _shape(ts, *, activation, impl, capacity_factor):
     g, x, w1, w2 = ts
-    if len({t.dtype for t in ts}) != 1 or not np.issubdtype(np.dtype(x.dtype), np.floating):
+    if len({t.dtype for t in ts}) != 1 or not is_float_dtype(x.dtype):
         raise ShapeError(f"gated_experts: needs one float dtype, got {[t.dtype for t in ts]}")
     if len(g.shape) != 2 or len(x.shape) != 2 or len(w1.shape) != 3 or len(w2.shape) != 3:
         raise ShapeError("gated_experts: needs g [T, E], x [T, d], w1 [E, d, h], w2 [E, h, d]")

@@ -35,7 +35,7 @@ Puri and Simard, "High performance convolutional neural networks for document pr
 from __future__ import annotations
 
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare
+from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, is_float_dtype
 from taso_jax.ops._lazy import LazyModule
 from taso_jax.ops.conv import _act, _conv2d_shape, _emit_act
 from taso_jax.ops.dims import is_open
@@ -68,7 +68,7 @@ def _im2col_shape(ts, *, strides, padding, dilations, activation):
     if w.shape[1] != x.shape[1]:
         raise ShapeError(f"conv2d_im2col: a one-group kernel [O, {x.shape[1]}, KH, KW] is "
                          f"needed, got {w.shape}")
-    if not np.issubdtype(np.dtype(x.dtype), np.floating):
+    if not is_float_dtype(x.dtype):
         raise ShapeError(f"conv2d_im2col: needs a float dtype, got {x.dtype}")
     n, c, _, _ = x.shape
     kh, kw = int(w.shape[2]), int(w.shape[3])

@@ -134,8 +134,19 @@ def _split_free(shape, free):
     return [a for a in free if a != m], m
 
 
-def _dot(ctx, lhs, rhs, lc, rc, lb, rb):
-    """``lhs`` against ``rhs`` as one batched ``matmul``: shape (batch, lhs free, rhs free)."""
+def _product(ctx, a, b, wide: str | None):
+    """``matmul(a, b)``, or with ``wide`` (``"float32"``) ``matmul(cast(a), cast(b))``."""
+    if wide is not None:
+        a, b = (ctx.op("cast", [t], to=wide) for t in (a, b))
+    return ctx.op("matmul", [a, b])
+
+
+def _dot(ctx, lhs, rhs, lc, rc, lb, rb, wide: str | None = None):
+    """``lhs`` against ``rhs`` as one batched ``matmul``: shape (batch, lhs free, rhs free).
+
+    ``wide``: the products accumulate in this type (``preferred_element_type``), the
+    operands cast to it right before the ``matmul``, after the moves that lay them out.
+    """
     ls, rs = ctx.type(lhs).shape, ctx.type(rhs).shape
     lf = [i for i in range(len(ls)) if i not in (*lc, *lb)]
     rf = [i for i in range(len(rs)) if i not in (*rc, *rb)]
@@ -151,7 +162,7 @@ def _dot(ctx, lhs, rhs, lc, rc, lb, rb):
         else:
             m = int(np.prod([ls[i] for i in lf], dtype=np.int64))
             a = ctx.reshape(ctx.transpose(lhs, (*lb, *lf, *lc)), (*(ls[i] for i in lb), m, k))
-        return ctx.reshape(ctx.op("matmul", [a, b]), shape), len(lb), len(lf), len(rf)
+        return ctx.reshape(_product(ctx, a, b, wide), shape), len(lb), len(lf), len(rf)
     # Free axes kept apart as broadcast batch axes: a [*batch, *El, 1.., M, K] against
     # b [*batch, 1.., *Er, K, N]. Positions in the product: batch, El, Er, M, N; a side that is
     # not split has no broadcast axes and one folded M (or N).
@@ -166,7 +177,7 @@ def _dot(ctx, lhs, rhs, lc, rc, lb, rb):
                     (*batch, *(ls[i] for i in el), *(1,) * len(er), m, k))
     b = ctx.reshape(ctx.transpose(rhs, (*rb, *er, *rc, *rorder[len(er):])),
                     (*batch, *(1,) * len(el), *(rs[i] for i in er), k, n))
-    y = ctx.op("matmul", [a, b])
+    y = _product(ctx, a, b, wide)
     nb, ne = len(lb), len(el) + len(er)
     # Product axes: batch, El, Er, M, N -> batch, lhs free in order, rhs free in order.
     pos = {("l", x): nb + i for i, x in enumerate(el)}
@@ -191,6 +202,12 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
     is taken the other way round and transposed: ``einsum("bkhd,bhqk->bhdq", v, p)`` becomes
     ``p @ v`` transposed, the form in which attention's laws see it. The right operand
     counts as laid out when only its axes of size 1 are out of place.
+
+    Operands of a 16-bit float type accumulated in float32 (``preferred_element_type``, as
+    ``jax.nn.dot_product_attention`` and flax take attention scores in bfloat16) become
+    ``matmul(cast(a, float32), cast(b, float32))``: each product of two such values is exact
+    in float32, so this is the same arithmetic, and XLA folds the widening casts back into
+    the product's operands (its convert-operand folding). Other mixed types stay opaque.
     """
     lhs, rhs = ins
     from taso_jax.ops.experts import experts_idiom
@@ -200,8 +217,12 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
         return [experts]
     (lc, rc), (lb, rb) = dimension_numbers
     out = ctx.out_types[0]
+    wide = None
     if ctx.type(lhs).dtype != ctx.type(rhs).dtype or ctx.type(lhs).dtype != out.dtype:
-        return None  # mixed precision
+        if ctx.type(lhs).dtype != ctx.type(rhs).dtype or out.dtype != "float32" \
+                or ctx.type(lhs).dtype not in ("bfloat16", "float16"):
+            return None  # mixed precision
+        wide = "float32"
     ls, rs = ctx.type(lhs).shape, ctx.type(rhs).shape
     lf = [i for i in range(len(ls)) if i not in (*lc, *lb)]
     rf = [i for i in range(len(rs)) if i not in (*rc, *rb)]
@@ -216,7 +237,7 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
         right_laid_out_as_left = (list(rc) == list(range(len(rs) - len(rc), len(rs)))
                                   and list(lc) != list(range(len(ls) - len(lc), len(ls))))
     if left_laid_out or not right_laid_out_as_left or not lf or not rf:
-        return [ctx.reshape(_dot(ctx, lhs, rhs, lc, rc, lb, rb)[0], out.shape)]
-    y, nb, nr, nl = _dot(ctx, rhs, lhs, rc, lc, rb, lb)  # (batch, rhs free, lhs free)
+        return [ctx.reshape(_dot(ctx, lhs, rhs, lc, rc, lb, rb, wide)[0], out.shape)]
+    y, nb, nr, nl = _dot(ctx, rhs, lhs, rc, lc, rb, lb, wide)  # (batch, rhs free, lhs free)
     perm = (*range(nb), *range(nb + nr, nb + nr + nl), *range(nb, nb + nr))
     return [ctx.reshape(ctx.transpose(y, perm), out.shape)]

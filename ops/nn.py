@@ -58,6 +58,30 @@ def _through(t, ops: tuple[str, ...]):
     return t
 
 
+#: Element types whose reductions JAX accumulates in float32 (``jnp.sum``, ``jnp.mean``).
+NARROW_FLOATS = ("bfloat16", "float16")
+
+
+def accumulated_wide(t):
+    """``(inner, dtype)`` if ``t`` is a float32 result cast back to a 16-bit float.
+
+    ``jnp.sum`` and ``jnp.mean`` of a bfloat16 or float16 array trace as
+    ``cast(reduce_sum(cast(x, float32)), dtype)``; ``inner`` is the float32 tensor under
+    the outer cast. Else ``(t, None)``.
+    """
+    if t.node.op == "cast" and t.dtype in NARROW_FLOATS \
+            and t.node.inputs[0].dtype == "float32":
+        return t.node.inputs[0], t.dtype
+    return t, None
+
+
+def widened_from(t, dtype: str):
+    """``x`` if ``t`` is ``cast(x, float32)`` with ``x`` of ``dtype``, else ``None``."""
+    if t.node.op == "cast" and t.dtype == "float32" and t.node.inputs[0].dtype == dtype:
+        return t.node.inputs[0]
+    return None
+
+
 def _unit_moves(n) -> bool:
     """``n``, a transpose, keeps its axes longer than 1 in order."""
     moved = [a for a in dict(n.attrs)["perm"] if n.inputs[0].shape[a] != 1]
@@ -129,7 +153,8 @@ def softmax_idiom(ctx, num, den):
 
     The written-out form, as ``jax.nn.softmax`` traces: ``e / sum(e, axis)`` with
     ``e = exp(x - stop_gradient(max(x, axis)))``, the reductions' axis restored by a
-    reshape. The maximum may be taken over another view of ``x`` that differs from it only
+    reshape; in bfloat16 and float16 the sum accumulated in float32 and cast back, as
+    ``jnp.sum`` traces it, and as the operator computes it. The maximum may be taken over another view of ``x`` that differs from it only
     in unit axes (``jax.nn.dot_product_attention`` moves a unit group axis in between) when
     both reduce the last axis, or in the order of the leading axes when the maximum is
     moved back the same way (the same function with grouped K/V heads). It is the
@@ -141,7 +166,10 @@ def softmax_idiom(ctx, num, den):
     if num.node.op != "exp" or num.node.inputs[0].node.op != "ewsub":
         return None
     x, shift = num.node.inputs[0].node.inputs
-    total = _reduced_axis(_through(den, ("reshape",)), "reduce_sum")
+    inner, narrow = accumulated_wide(_through(den, ("reshape",)))
+    total = _reduced_axis(_through(inner, ("reshape",)), "reduce_sum")
+    if total is not None and narrow is not None:  # summed in float32, as jnp.sum does
+        total = (widened_from(total[0], narrow), total[1])
     peak = _reduced_axis(_through(shift, ("reshape", "clip", "transpose")), "reduce_max")
     if total is None or peak is None or total != (num, peak[1]):
         return None

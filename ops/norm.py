@@ -33,8 +33,9 @@ following matmul.
 from __future__ import annotations
 
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare
+from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, is_float_dtype
 from taso_jax.ops._lazy import LazyModule
+from taso_jax.ops.nn import accumulated_wide, widened_from
 from taso_jax.ops.tensor import _i64
 
 jax = LazyModule("jax")
@@ -46,7 +47,7 @@ _F32 = "float32"
 
 
 def _float_input(name: str, x: TensorType, rank: int = 1) -> None:
-    if len(x.shape) < rank or not np.issubdtype(np.dtype(x.dtype), np.floating):
+    if len(x.shape) < rank or not is_float_dtype(x.dtype):
         raise ShapeError(f"{name}: needs a float tensor of rank >= {rank}, got {x}")
 
 
@@ -218,7 +219,7 @@ def _value(ctx, t) -> float | None:
     if v is None:
         return None
     v = np.asarray(v).reshape(-1)
-    return float(v[0]) if v.size and np.issubdtype(v.dtype, np.floating) \
+    return float(v[0]) if v.size and is_float_dtype(v.dtype) \
         and np.all(v == v[0]) else None
 
 
@@ -229,8 +230,11 @@ def _attr(t, name):
 def _mean_last(t):
     """``x`` if ``t`` is the mean of ``x`` over its last axis (reduced or kept), else None.
 
-    The sum may be scaled by ``1 / D`` before or after the reshape that restores the axis.
+    The sum may be scaled by ``1 / D`` before or after the reshape that restores the axis;
+    in bfloat16 and float16, as ``jnp.mean`` traces it and the norms compute it, the sum
+    and the scaling in float32 between two casts.
     """
+    t, narrow = accumulated_wide(_through(t))
     t = _through(t)
     scaled = t.node.op == "scalar_mul"
     if scaled:
@@ -244,7 +248,7 @@ def _mean_last(t):
         return None
     if scaled and not np.isclose(factor * x.shape[-1], 1.0, rtol=1e-6, atol=0):
         return None
-    return x
+    return x if narrow is None else widened_from(x, narrow)
 
 
 def _square(t):

@@ -36,7 +36,15 @@ recurrent neural networks on GPUs", 2016, Section 3.1).
 from __future__ import annotations
 
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, onnx_importer
+from taso_jax.ops import (
+    OpDef,
+    ShapeError,
+    TensorType,
+    axiom,
+    declare,
+    is_float_dtype,
+    onnx_importer,
+)
 from taso_jax.ops._lazy import LazyModule
 
 jax = LazyModule("jax")
@@ -288,7 +296,7 @@ def _recurrent_shape(op: str, gates: int, ts, *, direction, layout, clip, hoiste
         raise ShapeError(f"{op}: expects {base} inputs (and sequence lengths), got {len(ts)}")
     x = ts[0]
     dtype = x.dtype
-    if not np.issubdtype(np.dtype(dtype), np.floating):
+    if not is_float_dtype(dtype):
         raise ShapeError(f"{op}: needs a float input, got {dtype}")
     k = 1 if hoisted else 2
     r = ts[k]
@@ -344,7 +352,7 @@ def _rnn_project_shape(ts, *, layout):
     if len(x.shape) != 3 or len(w.shape) != 3 or x.shape[2] != w.shape[2]:
         raise ShapeError(f"rnn_project: needs X [T, B, I] (or [B, T, I]) and W [D, G, I], "
                          f"got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype != w.dtype or not np.issubdtype(np.dtype(x.dtype), np.floating):
+    if x.dtype != w.dtype or not is_float_dtype(x.dtype):
         raise ShapeError(f"rnn_project: needs one float dtype, got {x.dtype}, {w.dtype}")
     steps, batch = (x.shape[1], x.shape[0]) if layout else (x.shape[0], x.shape[1])
     return [TensorType((steps, w.shape[0], batch, w.shape[1]), x.dtype)]

@@ -19,7 +19,15 @@ opaque and runs in onnxruntime.
 from __future__ import annotations
 
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, onnx_importer
+from taso_jax.ops import (
+    OpDef,
+    ShapeError,
+    TensorType,
+    axiom,
+    declare,
+    is_float_dtype,
+    onnx_importer,
+)
 from taso_jax.ops._lazy import LazyModule
 from taso_jax.ops.dims import is_open, open_dims
 
@@ -134,7 +142,7 @@ def _resize_shape(ts, *, sizes, scales, mode, coordinate_transformation_mode, ne
             mode == "nearest" and nearest_mode not in NEAREST_MODES):
         raise ShapeError(f"resize: unsupported mode {mode!r}, "
                          f"{coordinate_transformation_mode!r}, {nearest_mode!r}")
-    if mode == "linear" and not np.issubdtype(np.dtype(x.dtype), np.floating):
+    if mode == "linear" and not is_float_dtype(x.dtype):
         raise ShapeError(f"resize: linear interpolation of {x.dtype}")
     return [TensorType(x.shape[:len(x.shape) - len(sizes)]
                        + tuple(s if is_open(s) else int(s) for s in sizes), x.dtype)]

@@ -24,7 +24,7 @@ convolution of MobileNets (Howard et al., 2017, Section 3.1).
 from __future__ import annotations
 
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare
+from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, is_float_dtype
 from taso_jax.ops._lazy import LazyModule
 from taso_jax.ops.conv import _act, _conv2d_shape, _emit_act
 from taso_jax.ops.tensor import _i64
@@ -98,7 +98,7 @@ def _taps_shape(ts, *, strides, padding, dilations, groups, activation):
     if w.shape[:2] != (c, 1) or groups != c:
         raise ShapeError(f"conv2d_taps: a depthwise kernel [{c}, 1, KH, KW] and {c} groups "
                          f"are needed for {c} channels, got {w.shape}, {groups} groups")
-    if not np.issubdtype(np.dtype(x.dtype), np.floating):
+    if not is_float_dtype(x.dtype):
         raise ShapeError(f"conv2d_taps: needs a float dtype, got {x.dtype}")
     if int(w.shape[2]) * int(w.shape[3]) > MAX_TAPS:
         raise ShapeError(f"conv2d_taps: {w.shape[2]}x{w.shape[3]} kernel has more than "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from taso_jax.ops import is_float_dtype
 
 __all__ = ["robust_time", "stand_in_rounds", "ROUNDS", "WIDE_SPREAD", "KERNEL_BUDGET_US",
            "SHARED_INPUT_BYTES", "RANDOM_BLOCK"]
@@ -80,7 +81,7 @@ def stand_in_rounds(types: Sequence) -> list[list]:
     values = []
     for t in types:
         n = int(np.prod(t.shape, dtype=np.int64))
-        if np.issubdtype(np.dtype(t.dtype), np.floating):
+        if is_float_dtype(t.dtype):
             block = rng.standard_normal(min(n, RANDOM_BLOCK), dtype=np.float32)
             values.append(np.resize(block, t.shape).astype(t.dtype, copy=False))
         elif t.dtype == "bool":

@@ -100,6 +100,13 @@ DECISION_REPEATS = 9
 #: Seconds a kernel's compilation is guessed to take before it is timed (0.1-1 s on a CPU),
 #: so that a decision that cannot be timed before the deadline is left to the curves.
 COMPILE_GUESS_S = 0.5
+#: The same on a GPU, where XLA autotunes each matrix product: on an H200, timing the forms
+#: of one causal attention (S=2048, query blocks among them) took 5-12 s of a decorator's
+#: 10 s, guessed at 0.5 s a kernel.
+COMPILE_GUESS_GPU_S = 2.0
+#: Seconds each kernel compiled and timed so far in this process took (compile and runs
+#: together), the guess for the next ones where it is larger: ``[seconds, kernels]``.
+_OBSERVED = [0.0, 0]
 #: How many standard deviations of the curves' uncertainty make two prices "close".
 CLOSE_SIGMAS = 1.0
 
@@ -503,7 +510,11 @@ class CalibratedCostModel(CostModel):
         timed = {}
         for key, k in kernels.items():
             # the measured model's price: its time less a call's overhead, plus a launch
+            t1 = time.perf_counter()
             timed[key] = measurer._cost(k)
+            if key in fresh:
+                _OBSERVED[0] += time.perf_counter() - t1
+                _OBSERVED[1] += 1
             self._stats.compiles += key in fresh
             self._stats.from_cache += key not in fresh
             if until is not None and time.perf_counter() > until and len(timed) < len(kernels):
@@ -520,13 +531,17 @@ class CalibratedCostModel(CostModel):
     def _measuring_seconds(self, kernels: dict, fresh: set) -> float:
         """A guess at the seconds timing ``kernels`` takes.
 
-        Each of the ``fresh`` ones is compiled (:data:`COMPILE_GUESS_S`) and run
+        Each of the ``fresh`` ones is compiled (:data:`COMPILE_GUESS_S`, on a GPU
+        :data:`COMPILE_GUESS_GPU_S`, or the mean this process has seen if more) and run
         :data:`DECISION_REPEATS` times and more (warm-ups, a retimed round) at its
         calibrated price; cached ones cost nothing.
         """
         runs = 2 * DECISION_REPEATS
-        return sum(COMPILE_GUESS_S + min(runs * self._kernel_price(k)[0] * 1e-6,
-                                         KERNEL_BUDGET_US * 1e-6)
+        guess = COMPILE_GUESS_GPU_S if device_class(self.device) == "gpu" else COMPILE_GUESS_S
+        if _OBSERVED[1]:
+            guess = max(guess, _OBSERVED[0] / _OBSERVED[1])
+        return sum(guess + min(runs * self._kernel_price(k)[0] * 1e-6,
+                               KERNEL_BUDGET_US * 1e-6)
                    for key, k in kernels.items() if key in fresh)
 
     def _measurer_model(self) -> MeasuredCostModel:

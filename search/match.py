@@ -476,12 +476,18 @@ def instantiate(nodes: tuple[PNode, ...], variables: Mapping[str, Tensor],
     """Build pattern nodes on tensors bound to their variables, resolving symbolic attributes.
 
     Raises:
-        ShapeError: a node's shape rule rejects the bound tensors.
+        ShapeError: a node's shape rule rejects the bound tensors, or the node is a form
+            that cannot run on this device (``OpDef.runs_here``: cuDNN attention on a CPU).
         KeyError: an unbound variable, symbol or attribute variable.
     """
     built: list[Node] = []
     for p in nodes:
         ins = [Tensor(built[r.node], r.output) if isinstance(r, NodeRef) else variables[r.name]
                for r in p.inputs]
-        built.append(make_node(p.op, ins, {k: resolve_attr(v, sym) for k, v in p.attrs}))
+        node = make_node(p.op, ins, {k: resolve_attr(v, sym) for k, v in p.attrs})
+        runs_here = OPS[p.op].runs_here
+        why = runs_here(node) if runs_here is not None else None
+        if why:
+            raise ShapeError(f"{p.op}: {why}")
+        built.append(node)
     return built

@@ -71,8 +71,9 @@ VISITED_HELD = 8
 #: is the default (:mod:`taso_jax.search.calibrated`). 8: the best graph priced with its
 #: convolutions as written is a candidate where the search priced them in NHWC
 #: (:func:`taso_jax.search.second_opinions.add_as_written_candidate`), in the analytic
-#: search's place.
-SEARCH_REVISION = 8
+#: search's place. 9: attention's cuDNN form (built only where cuDNN runs:
+#: ``OpDef.runs_here``), attention with scores wider than its values, bfloat16 operands.
+SEARCH_REVISION = 9
 
 #: The runtimes a result can be made fast in.
 TARGETS = ("xla", "onnxruntime")

@@ -303,3 +303,23 @@ def test_a_decision_that_cannot_be_timed_before_the_deadline_is_left_to_the_curv
     # two kernels to compile (0.5 s each, guessed) with 0.2 s left
     assert not cm.refine([[a], [b]], until=time.perf_counter() + 0.2)
     assert cm.stats()["over_budget"] == 1 and cm.stats()["compiles"] == 0
+
+
+def test_compile_guess_follows_the_device_and_what_was_seen(monkeypatch):
+    """A kernel not timed yet is guessed at 0.5 s to compile on a CPU, 2 s on a GPU (XLA
+    autotunes its products), or the mean this process has seen where that is more; a
+    decision that would pass its deadline by the guess is left to the curves."""
+    cal = Calibration.fit(_synthetic(50, 50.0), AnalyticCostModel())
+    cm = CalibratedCostModel(calibration=cal, cache_path=False)
+    kernel = [n for n in _bert_like().nodes if n.op == "matmul"][0]
+    kernels = {"k": kernel}
+    monkeypatch.setattr(calibrated, "_OBSERVED", [0.0, 0])
+    cpu = cm._measuring_seconds(kernels, {"k"})
+    assert calibrated.COMPILE_GUESS_S <= cpu < calibrated.COMPILE_GUESS_GPU_S
+    monkeypatch.setattr(cm, "device", "gpu:NVIDIA H200")
+    gpu = cm._measuring_seconds(kernels, {"k"})
+    assert gpu == pytest.approx(cpu - calibrated.COMPILE_GUESS_S
+                                + calibrated.COMPILE_GUESS_GPU_S)
+    monkeypatch.setattr(calibrated, "_OBSERVED", [30.0, 3])  # 10 s a kernel seen here
+    assert cm._measuring_seconds(kernels, {"k"}) == pytest.approx(gpu + 8.0)
+    assert cm._measuring_seconds(kernels, set()) == 0.0  # timed before: from the cache

@@ -20,6 +20,7 @@ import numpy as np
 
 from taso_jax._machine import usable_cores
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
+from taso_jax.ops import is_float_dtype
 from taso_jax.search.choose import (
     keep_fastest,
     loops_fit,
@@ -156,7 +157,7 @@ def time_onnx_models(models: Sequence, inputs: dict, repeats: int = 20,
 
 
 def _random(t, rng) -> np.ndarray:
-    if np.issubdtype(np.dtype(t.dtype), np.floating):
+    if is_float_dtype(t.dtype):
         return rng.standard_normal(t.shape).astype(t.dtype)
     if t.dtype == "bool":
         return rng.integers(0, 2, t.shape).astype(bool)
