@@ -21,7 +21,7 @@ import numpy as np
 
 from taso_jax._compile_cache import enable_persistent_cache
 from taso_jax.ir.graph import Graph, Node, Tensor
-from taso_jax.ops import OPS
+from taso_jax.ops import OPS, is_float_dtype
 from taso_jax.ops._lazy import LazyModule
 
 jax = LazyModule("jax")  # imported at first use: see taso_jax.ops._lazy
@@ -496,14 +496,9 @@ def _malloc_trim():
 _TRIM = False
 
 
-def _is_float(dtype) -> bool:
-    """Whether ``dtype`` is a floating type, bfloat16 and the other ml_dtypes floats included.
-
-    NumPy does not count ml_dtypes' ``bfloat16`` among ``np.floating`` (its kind is ``V``);
-    read without importing JAX, which the ONNX import's probes must not load.
-    """
-    dt = np.dtype(dtype)
-    return bool(np.issubdtype(dt, np.floating) or dt.kind == "V" and "float" in dt.name)
+#: Whether a dtype is a floating type, bfloat16 and the other ml_dtypes floats included
+#: (read without importing JAX, which the ONNX import's probes must not load).
+_is_float = is_float_dtype
 
 
 def random_array(shape, dtype, rng: np.random.Generator, high: int | range | None = None
