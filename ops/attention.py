@@ -4,7 +4,10 @@ Each with its lowerings per device.
 
 ``attention(q, kt, v)`` is ``softmax(q @ kt) @ v`` over the last two axes, with the keys
 given transposed (``kt``: ``[..., D, Sk]``), as JAX's ``dot_general`` import and ONNX
-exporters leave them; a scale is folded into ``q`` beforehand. Its laws are its naive
+exporters leave them; a scale is folded into ``q`` beforehand. ``q`` and ``kt`` may be of a
+wider float type than ``v`` (scores taken in float32 from bfloat16 operands, as
+``jax.nn.dot_product_attention`` does): the probabilities are then cast to ``v``'s type for
+the second product, and the output has ``v``'s type. Its laws are its naive
 composition (matmul, causal mask, softmax, matmul), so the rules that introduce it are read
 off those laws and proved like any other (``taso_jax.verify.from_laws``). Its ``impl``
 attribute names a lowering; each computes the same function, and the measured cost model
@@ -397,8 +400,9 @@ declare(OpDef(
                {"causal": True, "offset": 2, "impl": "blocked", "block": 4}),
               ([TensorType((1, 2, 8, 8), _F32), TensorType((1, 2, 8, 8), _F32),
                 TensorType((1, 2, 8, 8), _F32)], {"causal": True, "impl": "cudnn"})),
-    doc="softmax(q @ kt [causal mask]) @ v over the last two axes, keys transposed "
-        "(scaled dot-product attention, Vaswani et al. 2017, Section 3.2.1)"))
+    doc="softmax(q @ kt [causal mask]) @ v over the last two axes, keys transposed, the "
+        "probabilities in v's type (scaled dot-product attention, Vaswani et al. 2017, "
+        "Section 3.2.1)"))
 
 
 # ---- grouped K/V heads ---------------------------------------------------------------------
