@@ -373,10 +373,12 @@ _ATTENTION_LAWS = (
               shapes, derive="rtl", theorem=True, s=(0.125,), t=_WIDE),
         axiom("attention(scalar_mul(q, scalar=s), kt, v, causal=True, offset=o, fill=f) = matmul(cast(softmax(causal_mask(scalar_mul(matmul(q, kt), scalar=s), offset=o, fill=f), axis=-1), to=t), v)",
               shapes, derive="rtl", theorem=True, s=(0.125,), o=(0, 1), f=_F, t=_WIDE),
-        # the scores cast up after the mask, the softmax in float32 (equinox in bfloat16)
-        axiom("attention(q, kt, v) = matmul(cast(softmax(cast(matmul(q, kt), to=w), axis=-1), to=t), v)",
+        # the scores widened after the mask, the softmax in float32 (equinox in bfloat16):
+        # ``widen`` changes no value (its shape rule refuses a narrowing), so the law holds
+        # for every type it is well typed at
+        axiom("attention(q, kt, v) = matmul(cast(softmax(widen(matmul(q, kt), to=w), axis=-1), to=t), v)",
               shapes, derive="rtl", theorem=theorem, w=_WIDE, t=_WIDE),
-        axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = matmul(cast(softmax(cast(causal_mask(matmul(q, kt), offset=o, fill=f), to=w), axis=-1), to=t), v)",
+        axiom("attention(q, kt, v, causal=True, offset=o, fill=f) = matmul(cast(softmax(widen(causal_mask(matmul(q, kt), offset=o, fill=f), to=w), axis=-1), to=t), v)",
               shapes, derive="rtl", theorem=theorem, o=(0, 1), f=_F, w=_WIDE, t=_WIDE))),
     # cuDNN's fused attention (ops/cudnn_attention.py): heads on axis -3, one head dimension
     # for queries and values, and for its causal flag a square score matrix at offset 0.

@@ -17,6 +17,7 @@ from taso_jax.ops import (
     TensorType,
     axiom,
     declare,
+    is_float_dtype,
     onnx_importer,
 )
 from taso_jax.ops._lazy import LazyModule, deferred
@@ -503,6 +504,41 @@ declare(OpDef(name="cast", ref=_cast,
                         ([TensorType((2, 3), "float32")], {"to": "int32"}),
                         ([TensorType((2, 3), "bool")], {"to": "float16"})),
               doc="convert element type (ONNX Cast)"))
+
+
+def exact_widening(src, dst) -> bool:
+    """Whether every value of float type ``src`` is a value of float type ``dst``.
+
+    As many significand bits or more and an exponent range as wide or wider (bfloat16 and
+    float16 into float32 or float64, float32 into float64, any type into itself); not
+    bfloat16 into float16 nor float16 into bfloat16.
+    """
+    import ml_dtypes
+    from taso_jax.ops import is_float_dtype
+
+    if not (is_float_dtype(src) and is_float_dtype(dst)):
+        return False
+    a, b = ml_dtypes.finfo(np.dtype(src)), ml_dtypes.finfo(np.dtype(dst))
+    return b.nmant >= a.nmant and b.maxexp >= a.maxexp and b.minexp <= a.minexp
+
+
+def _widen_shape(ts, *, to):
+    (x,) = ts
+    if not exact_widening(x.dtype, to):
+        raise ShapeError(f"widen: {x.dtype} values are not all {to} values")
+    return [TensorType(x.shape, to)]
+
+
+# A cast between float types that changes no value: bfloat16 scores widened to float32 for
+# their softmax (equinox, flax's force_fp32_for_softmax). Unlike ``cast``, it is the identity
+# on values, so a law may pass through it; its shape rule refuses any narrowing.
+declare(OpDef(name="widen", ref=_cast, shape=_widen_shape, arity=1,
+              attrs={"to": "float32"}, to_onnx=_cast_onnx, layout="elementwise",
+              numpy_ref=_cast_numpy, copies_values=True,
+              examples=(([TensorType((2, 3), "float16")], {"to": "float32"}),
+                        ([TensorType((2, 3), "float32")], {"to": "float64"})),
+              doc="convert a float type to one that holds its every value (an exact ONNX "
+                  "Cast)"))
 
 
 @onnx_importer("Cast", same_meaning={24: "adds round_mode, which applies to casts to "

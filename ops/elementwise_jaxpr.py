@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 from taso_jax.ops import is_float_dtype, jaxpr_importer
 from taso_jax.ops._lazy import LazyModule, deferred
-from taso_jax.ops.elementwise import _max_min_with_scalar, _scalar_const
+from taso_jax.ops.elementwise import _max_min_with_scalar, _scalar_const, exact_widening
 
 jax = LazyModule("jax")
 jnp = LazyModule("jax.numpy")
@@ -244,7 +244,10 @@ def _causal_additive(ctx, a, b):
 @jaxpr_importer("convert_element_type")
 def _import_convert(ctx, ins, *, new_dtype, **_):
     to = str(np.dtype(new_dtype))
-    return [ins[0] if ctx.type(ins[0]).dtype == to else ctx.op("cast", ins, to=to)]
+    if ctx.type(ins[0]).dtype == to:
+        return [ins[0]]
+    return [ctx.op("widen" if exact_widening(ctx.type(ins[0]).dtype, to) else "cast", ins,
+                   to=to)]
 
 
 @jaxpr_importer("copy", "copy_p", "optimization_barrier")

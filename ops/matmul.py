@@ -135,9 +135,9 @@ def _split_free(shape, free):
 
 
 def _product(ctx, a, b, wide: str | None):
-    """``matmul(a, b)``, or with ``wide`` (``"float32"``) ``matmul(cast(a), cast(b))``."""
+    """``matmul(a, b)``, or with ``wide`` (``"float32"``) ``matmul(widen(a), widen(b))``."""
     if wide is not None:
-        a, b = (ctx.op("cast", [t], to=wide) for t in (a, b))
+        a, b = (ctx.op("widen", [t], to=wide) for t in (a, b))
     return ctx.op("matmul", [a, b])
 
 

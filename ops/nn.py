@@ -76,8 +76,9 @@ def accumulated_wide(t):
 
 
 def widened_from(t, dtype: str):
-    """``x`` if ``t`` is ``cast(x, float32)`` with ``x`` of ``dtype``, else ``None``."""
-    if t.node.op == "cast" and t.dtype == "float32" and t.node.inputs[0].dtype == dtype:
+    """``x`` if ``t`` is ``x`` of ``dtype`` widened to float32, else ``None``."""
+    if t.node.op in ("widen", "cast") and t.dtype == "float32" \
+            and t.node.inputs[0].dtype == dtype:
         return t.node.inputs[0]
     return None
 

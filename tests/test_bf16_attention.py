@@ -75,3 +75,24 @@ def test_causal_mask_over_4096_positions_is_recognized():
     fn, w, ins = tm.MODELS["causal_attention"](4096, "bfloat16", heads=1, head_dim=8)
     ops = _ops(taso_jax.from_jax(fn, w, *ins))
     assert ops["causal_mask"] == 1 and ops["where"] == 0 and ops["opaque"] == 0
+
+
+def test_widen_refuses_every_narrowing():
+    """``widen`` is a cast that changes no value, so laws may pass through it: its shape rule
+    takes only conversions into a type that holds every value of the source."""
+    op = OPS["widen"]
+    for src, dst in [("bfloat16", "float32"), ("float16", "float32"), ("float32", "float64"),
+                     ("bfloat16", "bfloat16")]:
+        assert op.infer([TensorType((2,), src)], {"to": dst}) == [TensorType((2,), dst)]
+    for src, dst in [("float32", "bfloat16"), ("bfloat16", "float16"), ("float16", "bfloat16"),
+                     ("float64", "float32"), ("int32", "float64"), ("float32", "int32")]:
+        with pytest.raises(taso_jax.ShapeError):
+            op.infer([TensorType((2,), src)], {"to": dst})
+
+
+def test_jaxpr_widening_converts_import_as_widen():
+    def fn(x):
+        return (x.astype("float32") * 2).astype("bfloat16")
+
+    g = taso_jax.from_jax(fn, jax.numpy.ones((4,), "bfloat16"))
+    assert _ops(g)["widen"] == 1 and _ops(g)["cast"] == 1
