@@ -19,8 +19,8 @@ later, Hopper), the same head dimension for queries and values. Elsewhere the re
 function computes the same values by einsums in the same layout (JAX's own XLA
 implementation takes its softmax in float32, which a float64 check would see), so the
 lowering's law is checked numerically on any machine (float64 on a CPU: the layout moves,
-the grouping of heads, the scale and the causal flag), and the search applies no rule that introduces the lowering where it
-cannot run (``OpDef.runs_here``). cuDNN accumulates in float32 and rounds the output to the
+the grouping of heads, the scale and the causal flag), and the search applies no rule that
+introduces the lowering where it cannot run (``OpDef.runs_here``). cuDNN accumulates in float32 and rounds the output to the
 operands' type, as XLA's attention does, but in another order: the end-to-end output check
 compares within the element type's tolerance.
 

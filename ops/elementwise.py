@@ -514,7 +514,6 @@ def exact_widening(src, dst) -> bool:
     bfloat16 into float16 nor float16 into bfloat16.
     """
     import ml_dtypes
-    from taso_jax.ops import is_float_dtype
 
     if not (is_float_dtype(src) and is_float_dtype(dst)):
         return False

@@ -19,6 +19,7 @@ from taso_jax.ops import (
 from taso_jax.ops._lazy import LazyModule
 from taso_jax.ops.conv import _ACT_ONNX, _act, check_activation
 from taso_jax.ops.elementwise import broadcast_shape
+from taso_jax.ops.nn import NARROW_FLOATS
 
 jnp = LazyModule("jax.numpy")
 
@@ -205,8 +206,8 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
 
     Operands of a 16-bit float type accumulated in float32 (``preferred_element_type``, as
     ``jax.nn.dot_product_attention`` and flax take attention scores in bfloat16) become
-    ``matmul(cast(a, float32), cast(b, float32))``: each product of two such values is exact
-    in float32, so this is the same arithmetic, and XLA folds the widening casts back into
+    ``matmul(widen(a, float32), widen(b, float32))``: each product of two such values is
+    exact in float32, so this is the same arithmetic, and XLA folds the widening casts into
     the product's operands (its convert-operand folding). Other mixed types stay opaque.
     """
     lhs, rhs = ins
@@ -220,7 +221,7 @@ def _import_dot_general(ctx, ins, *, dimension_numbers, preferred_element_type=N
     wide = None
     if ctx.type(lhs).dtype != ctx.type(rhs).dtype or ctx.type(lhs).dtype != out.dtype:
         if ctx.type(lhs).dtype != ctx.type(rhs).dtype or out.dtype != "float32" \
-                or ctx.type(lhs).dtype not in ("bfloat16", "float16"):
+                or ctx.type(lhs).dtype not in NARROW_FLOATS:
             return None  # mixed precision
         wide = "float32"
     ls, rs = ctx.type(lhs).shape, ctx.type(rhs).shape

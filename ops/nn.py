@@ -155,13 +155,12 @@ def softmax_idiom(ctx, num, den):
     The written-out form, as ``jax.nn.softmax`` traces: ``e / sum(e, axis)`` with
     ``e = exp(x - stop_gradient(max(x, axis)))``, the reductions' axis restored by a
     reshape; in bfloat16 and float16 the sum accumulated in float32 and cast back, as
-    ``jnp.sum`` traces it, and as the operator computes it. The maximum may be taken over another view of ``x`` that differs from it only
-    in unit axes (``jax.nn.dot_product_attention`` moves a unit group axis in between) when
-    both reduce the last axis, or in the order of the leading axes when the maximum is
-    moved back the same way (the same function with grouped K/V heads). It is the
-    definition of softmax (ONNX Softmax-13), so nothing
-    is lost; under
-    ``jax.grad`` the operator's derivative is the same, since softmax is invariant to the
+    ``jnp.sum`` traces it, and as the operator computes it. The maximum may be taken over
+    another view of ``x`` that differs from it only in unit axes
+    (``jax.nn.dot_product_attention`` moves a unit group axis in between) when both reduce
+    the last axis, or in the order of the leading axes when the maximum is moved back the
+    same way (the same function with grouped K/V heads). It is the definition of softmax
+    (ONNX Softmax-13), so nothing is lost; under ``jax.grad`` the operator's derivative is the same, since softmax is invariant to the
     shift.
     """
     if num.node.op != "exp" or num.node.inputs[0].node.op != "ewsub":
