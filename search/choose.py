@@ -390,6 +390,12 @@ def choose_fastest(result, repeats: int = 20, sample: int = 0,
 
 #: Why a screen-only choice picked its graph by estimate (:func:`screen_fastest`).
 BY_ESTIMATE = "no time left to screen the candidates: the cheapest by estimate was picked"
+#: How far below its price a graph's call is taken to run, at the least, where a screen-only
+#: choice asks whether screening could fit before compiling anything: the calibrated price
+#: of sliding-window attention at S=4096 was 3.3 s for a 1.15 s call (kernels' prices are a
+#: median 1.5x off on held-out models), and compiling and calling the input to learn that
+#: took 5.8 s of a 10 s first call.
+PRICE_SLACK = 4.0
 
 
 def screen_fastest(result, graphs: list[tuple], repeats: int = 20,
@@ -405,7 +411,9 @@ def screen_fastest(result, graphs: list[tuple], repeats: int = 20,
     whose fastest round is lowest is picked, if that round is below the input's; else the
     input is kept. With a single candidate, or no time to screen, the graph cheapest by
     estimate is picked untimed (the report's ``"picked_by"`` is then ``"estimate"``, with
-    :data:`BY_ESTIMATE` as ``"why_untimed"``); among graphs within :data:`ESTIMATE_TIE` of
+    :data:`BY_ESTIMATE` as ``"why_untimed"``; so too, with nothing compiled, where two
+    screening loops of the input's calls priced :data:`PRICE_SLACK` times below its
+    estimate would not fit); among graphs within :data:`ESTIMATE_TIE` of
     the cheapest, which the cost model cannot tell apart, the one with the fewest runtime
     operators (fewer kernels and intermediate buffers: a LoRA adapter merged into its weight
     rather than a concatenation of its first factor with that weight). No confirmation
@@ -437,6 +445,10 @@ def screen_fastest(result, graphs: list[tuple], repeats: int = 20,
     left = float("inf") if deadline is None else deadline - time.perf_counter()
     if 2 * COMPILE_SECONDS_PER_NODE * len(graphs[0][1].nodes) > left:
         return by_estimate(BY_ESTIMATE)
+    # two screening loops of the input's calls, each a PRICE_SLACK below its price
+    least = 2 * 2 * (SCREEN_MIN_ROUNDS + 2) * graphs[0][0] * 1e-6 / PRICE_SLACK
+    if least > left:
+        return by_estimate(f"{BY_ESTIMATE} (screening two needs at least {least:.1f} s)")
     xs = _inputs_for(graphs[0][1])
     t0 = time.perf_counter()
     base = compiled_run(graphs[0][1], xs)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from taso_jax.search.choose import COMPILE_SECONDS_PER_NODE
+from taso_jax.search.paired_test import DECISIVE_ROUNDS
 
 __all__ = ["OriginalRun", "first_call_reserve", "CONFIRM_LEAST_ROUNDS", "SPAN_SECONDS",
            "LIMIT_SLACK", "COMPILE_GUESS_S"]
@@ -111,7 +112,8 @@ class OriginalRun:
 
 
 
-def first_call_reserve(run: OriginalRun, optimizer, graph) -> Callable[[], float]:
+def first_call_reserve(run: OriginalRun, optimizer, graph,
+                       limit_seconds: float | None = None) -> Callable[[], float]:
     """``reserve()``: seconds a first call needs after its search, before its limit.
 
     That is compiling the optimized stages (as long as compiling the original), one call
@@ -120,7 +122,11 @@ def first_call_reserve(run: OriginalRun, optimizer, graph) -> Callable[[], float
     warm them and size the samples). Until ``run`` has timed the original, its call is
     guessed from ``graph``'s price (``optimizer``'s calibrated cost model where the search
     prices with it, else the analytic roofline) and its compile from
-    :data:`COMPILE_GUESS_S`, for the original's compile too.
+    :data:`COMPILE_GUESS_S`, for the original's compile too. Where that need exceeds the
+    whole limit (``limit_seconds``, the first call's time limit), the comparison will be
+    the decisive one instead (:data:`~taso_jax.search.paired_test.DECISIVE_ROUNDS` rounds
+    of both, warmed by the check), which may run past the limit by :data:`LIMIT_SLACK` of
+    it: the need is that, less the slack.
     """
     from taso_jax.search.cost import AnalyticCostModel
 
@@ -131,11 +137,18 @@ def first_call_reserve(run: OriginalRun, optimizer, graph) -> Callable[[], float
     guessed_compile = COMPILE_GUESS_S + COMPILE_SECONDS_PER_NODE * len(graph.nodes)
     calls = 1 + 2 * (CONFIRM_LEAST_ROUNDS + 2)
 
+    def need(compile_seconds: float, call: float) -> float:
+        full = compile_seconds + calls * call
+        if limit_seconds is None or full <= limit_seconds:
+            return full
+        decisive = compile_seconds + (1 + 2 * DECISIVE_ROUNDS) * call
+        return max(decisive - LIMIT_SLACK * limit_seconds, compile_seconds + call)
+
     def reserve() -> float:
         if run.ok:
-            return run.compile_seconds + calls * run.call_seconds
+            return need(run.compile_seconds, run.call_seconds)
         if run.compile_seconds is not None:  # compiled; its call is running
-            return run.compile_seconds + (calls + 1) * guessed_call
-        return 2 * guessed_compile + (calls + 1) * guessed_call
+            return need(run.compile_seconds, guessed_call) + guessed_call
+        return need(2 * guessed_compile, guessed_call) + guessed_call
 
     return reserve

@@ -5,8 +5,9 @@ original should run instead, or ``None``; :class:`~taso_jax.traced_source.Traced
 gives it to the pipeline as its admission (:meth:`~taso_jax.pipeline.Source.admit`).
 :func:`_nothing_to_run` says where a graph left unchanged has too little weight-only work
 to gain from: then nothing is compiled, checked or timed. The reasons that start with
-:data:`_PAST_LIMIT` or :data:`_UNTIMED` are the time limit's, not a measurement's
-(:func:`past_limit`).
+:data:`_PAST_LIMIT`, :data:`_UNTIMED` or :data:`_UNDECIDED` are the time limit's, not a
+measurement's (:func:`past_limit`). Calls too long for the least signed-rank loop get a
+decisive comparison instead (:func:`_decisive`): a few rounds, each won by a wide margin.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from taso_jax.frontends.signature_entry import _Entry, _is_tracer
 from taso_jax.ir.executor import time_function, time_interleaved
 from taso_jax.search.choose import CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, device_name
 from taso_jax.search.limits import Deadline
-from taso_jax.search.paired_test import MIN_SPEEDUP, confirm_faster, rounds_for
+from taso_jax.search.paired_test import (
+    DECISIVE_ROUNDS,
+    DECISIVE_SPEEDUP,
+    MIN_SPEEDUP,
+    confirm_faster,
+    decisive_speedup,
+    rounds_for,
+)
 
 __all__ = ["keep_original", "past_limit", "BASELINE_REPEATS"]
 
@@ -39,6 +47,13 @@ _PAST_LIMIT = "not compiled, checked or timed against jax.jit"
 #: How ``original_kept`` starts where the optimized stages were checked but the time limit
 #: left no room for the comparison with ``jax.jit``.
 _UNTIMED = "checked but not timed against jax.jit"
+#: How ``original_kept`` starts where the optimized function led a comparison that the time
+#: limit held to a few rounds of long calls, by less than a decisive margin.
+_UNDECIDED = "ahead of jax.jit, but not decisively in the rounds the time limit held"
+#: The gain the search must price (its cost before over after) for a decisive comparison
+#: to be tried: GPT-2 small's merges, priced about 1.07x, would spend two 3 s calls to lose
+#: the first round.
+PRICED_LEAST = DECISIVE_SPEEDUP
 #: Interleaved runs of each when the optimized function is timed against the original.
 BASELINE_REPEATS = 25
 #: The phases of the search pipeline (``SearchResult.out_of_time_in``) that, cut by the time
@@ -97,7 +112,7 @@ def _nothing_to_run(graph, result) -> bool:
 
 def past_limit(kept: str | None) -> bool:
     """Whether ``original_kept`` says the time limit, not a measurement, kept the original."""
-    return bool(kept) and kept.startswith((_PAST_LIMIT, _UNTIMED))
+    return bool(kept) and kept.startswith((_PAST_LIMIT, _UNTIMED, _UNDECIDED))
 
 
 def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, static_pos,
@@ -118,8 +133,13 @@ def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, sta
     what is left holds (the first to halfway), at least :data:`CONFIRM_LEAST_ROUNDS`,
     and :data:`SPAN_SECONDS` of rounds need no check loop; where even the least loop
     would pass the deadline by more than :data:`LIMIT_SLACK` of the limit (with the
-    original's call as the background run timed it, then as one call alone), nothing is
-    timed and the reason starts "checked but not timed".
+    original's call as the background run timed it, then as one call alone), the
+    comparison is the decisive one (:func:`_decisive`: at most
+    :data:`~taso_jax.search.paired_test.DECISIVE_ROUNDS` rounds, each won by
+    :data:`~taso_jax.search.paired_test.DECISIVE_SPEEDUP`) where the search priced at
+    least :data:`PRICED_LEAST` (``result.cost_before / cost_after``); where it priced less, or even
+    the decisive comparison does not fit, nothing is timed and the reason starts "checked
+    but not timed".
     This is the first call's one comparison: the end-to-end choice before it only
     screened the candidates (:func:`~taso_jax.search.choose.screen_fastest`), and its
     verdict and rounds are the report's ``"baseline"``. Called under a transformation
@@ -157,16 +177,26 @@ def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, sta
     call = _original_call_seconds(run, original, warm, deadline)
     least = 2 * (CONFIRM_LEAST_ROUNDS + 2) * call  # seconds of the least loop
     rounds = rounds_for(call, CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, BASELINE_REPEATS)
+    # both ran just before (the background run, the output check): no warm-up call
+    hot = run is not None and run.ok and entry.original_warm
     if deadline is not None and least > deadline.left() + LIMIT_SLACK * deadline.seconds:
+        warmup = 0 if hot else 1 if warm else 2
+        decisive = 2 * (DECISIVE_ROUNDS + warmup) * call
+        priced = result.cost_before / result.cost_after if result.cost_after > 0 else 1.0
+        if priced < PRICED_LEAST:  # a decisive margin is not even priced: no timing
+            why = (f"a decisive one needs {DECISIVE_SPEEDUP:g}x, and the search priced "
+                   f"{priced:.2f}x")
+        elif decisive <= deadline.left() + LIMIT_SLACK * deadline.seconds:
+            return _decisive(entry, original, optimized, call, warmup)
+        else:
+            why = f"a decisive one {decisive:.1f} s"
         entry.report["baseline"] = {"skipped": True, "call_us": call * 1e6,
                                     "device": device_name()}
         return (f"{_UNTIMED}: one comparison with it needs about {least:.1f} s "
-                f"({CONFIRM_LEAST_ROUNDS} rounds of {call * 1e3:.0f} ms calls), and "
+                f"({CONFIRM_LEAST_ROUNDS} rounds of {call * 1e3:.0f} ms calls; {why}), and "
                 f"{max(deadline.left(), 0.0):.1f} s of the time limit "
                 f"({deadline.seconds:g} s) was left")
     loops = []
-    # both ran just before (the background run, the output check): no warm-up call
-    hot = run is not None and run.ok and entry.original_warm
 
     def loop():
         # within the time limit, the first loop to halfway, so that a check loop fits
@@ -193,3 +223,40 @@ def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, sta
     return (f"jax.jit of the original is as fast or faster: {a:.1f} us against {b:.1f} us "
             f"optimized (medians of {len(ta)}, interleaved; the optimized won "
             f"{test['wins']} of {len(ta)} rounds, {test['speedup']:.2f}x)")
+
+
+def _decisive(entry: _Entry, original, optimized, call: float, warmup: int) -> str | None:
+    """The comparison of calls too long for the least signed-rank loop, or ``None`` if won.
+
+    Up to :data:`~taso_jax.search.paired_test.DECISIVE_ROUNDS` interleaved rounds, one
+    call of each a round (the order swapped every round), stopped at the first round the
+    optimized function does not win by :data:`~taso_jax.search.paired_test.
+    DECISIVE_SPEEDUP`; it is confirmed faster only if every round did
+    (:func:`~taso_jax.search.paired_test.decisive_speedup`). A gain that large is no noise
+    of the machine; a smaller one keeps the original, with the time limit as the reason
+    where the optimized was ahead (the verdict ``time_limit``: a longer limit might confirm
+    it), and the measurement where it was not.
+    """
+    base: list[float] = []
+    cand: list[float] = []
+    for r in range(DECISIVE_ROUNDS):
+        fns = [original, optimized] if r % 2 == 0 else [optimized, original]
+        times = time_interleaved(fns, 1, warmup=warmup if r == 0 else 0, call_us=call * 1e6)
+        tb, tc = times if r % 2 == 0 else times[::-1]
+        base += tb
+        cand += tc
+        if tb[0] < DECISIVE_SPEEDUP * tc[0]:
+            break  # this round cannot be decisive: the rest would not change the verdict
+    test = decisive_speedup(base, cand, DECISIVE_SPEEDUP, DECISIVE_ROUNDS)
+    a, b = float(np.median(base)), float(np.median(cand))
+    entry.report["baseline"] = {"jit_us": a, "optimized_us": b, "repeats": len(base),
+                                "paired": test, "device": device_name()}
+    if test["faster"]:
+        return None
+    if test["speedup"] < MIN_SPEEDUP:
+        return (f"jax.jit of the original is as fast or faster: {a:.1f} us against {b:.1f} "
+                f"us optimized (medians of {len(base)} rounds of long calls, interleaved; "
+                f"{test['speedup']:.2f}x)")
+    return (f"{_UNDECIDED}: {len(base)} rounds of {call:.1f} s calls, the least "
+            f"{test['least_speedup']:.2f}x, where a comparison this short needs "
+            f"{DECISIVE_SPEEDUP:g}x in each of {DECISIVE_ROUNDS}")

@@ -141,7 +141,8 @@ class TracedSource:
         else:
             if entry.original_run is not None and self.options.end_to_end > 0:
                 self._reserve = _timed_when_it_stops(
-                    first_call_reserve(entry.original_run, optimizer, self.graph),
+                    first_call_reserve(entry.original_run, optimizer, self.graph,
+                                       deadline.seconds),
                     entry.original_run, deadline)
                 entry.reserved_s = self._reserve()  # as guessed (or timed) when it starts
             result = optimizer.search(
