@@ -73,7 +73,8 @@ VISITED_HELD = 8
 #: (:func:`taso_jax.search.second_opinions.add_as_written_candidate`), in the analytic
 #: search's place. 9: attention's cuDNN form (built only where cuDNN runs:
 #: ``OpDef.runs_here``), attention with scores wider than its values, bfloat16 operands.
-SEARCH_REVISION = 9
+#: 10: the CPU calibration refitted to kernels timed on an idle machine.
+SEARCH_REVISION = 10
 
 #: The runtimes a result can be made fast in.
 TARGETS = ("xla", "onnxruntime")
