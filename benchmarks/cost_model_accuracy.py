@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibrate import held_out, read_samples  # noqa: E402
+from calibrate import held_out, kernel_node, read_samples  # noqa: E402
 
 
 def spearman(a, b) -> float:
@@ -62,17 +62,6 @@ def spearman(a, b) -> float:
         return float("nan")
     ra, rb = ranks(a), ranks(b)
     return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def kernel_node(key: str):
-    """The kernel a cost-cache key names, on placeholder inputs (for timing it again)."""
-    from taso_jax.ops import TensorType
-
-    from taso_jax.ir.graph import leaf_node, make_node
-
-    op, attrs, ins = eval(key, {"TensorType": TensorType, "inf": math.inf, "nan": math.nan})  # noqa: S307 - our own keys
-    leaves = [leaf_node("input", f"x{i}", t) for i, t in enumerate(ins)]
-    return make_node(op, [n.outputs[0] for n in leaves], dict(attrs))
 
 
 def retime_sides(new: list[str], gone: list[str], rounds: int = 6) -> tuple[float, float]:

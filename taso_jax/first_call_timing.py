@@ -180,22 +180,8 @@ def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, sta
     # both ran just before (the background run, the output check): no warm-up call
     hot = run is not None and run.ok and entry.original_warm
     if deadline is not None and least > deadline.left() + LIMIT_SLACK * deadline.seconds:
-        warmup = 0 if hot else 1 if warm else 2
-        decisive = 2 * (DECISIVE_ROUNDS + warmup) * call
-        priced = result.cost_before / result.cost_after if result.cost_after > 0 else 1.0
-        if priced < PRICED_LEAST:  # a decisive margin is not even priced: no timing
-            why = (f"a decisive one needs {DECISIVE_SPEEDUP:g}x, and the search priced "
-                   f"{priced:.2f}x")
-        elif decisive <= deadline.left() + LIMIT_SLACK * deadline.seconds:
-            return _decisive(entry, original, optimized, call, warmup)
-        else:
-            why = f"a decisive one {decisive:.1f} s"
-        entry.report["baseline"] = {"skipped": True, "call_us": call * 1e6,
-                                    "device": device_name()}
-        return (f"{_UNTIMED}: one comparison with it needs about {least:.1f} s "
-                f"({CONFIRM_LEAST_ROUNDS} rounds of {call * 1e3:.0f} ms calls; {why}), and "
-                f"{max(deadline.left(), 0.0):.1f} s of the time limit "
-                f"({deadline.seconds:g} s) was left")
+        return _too_long_for_the_least_loop(entry, result, original, optimized, call,
+                                            0 if hot else 1 if warm else 2, least, deadline)
     loops = []
 
     def loop():
@@ -223,6 +209,30 @@ def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, sta
     return (f"jax.jit of the original is as fast or faster: {a:.1f} us against {b:.1f} us "
             f"optimized (medians of {len(ta)}, interleaved; the optimized won "
             f"{test['wins']} of {len(ta)} rounds, {test['speedup']:.2f}x)")
+
+
+def _too_long_for_the_least_loop(entry: _Entry, result, original, optimized, call: float,
+                                 warmup: int, least: float, deadline: Deadline) -> str | None:
+    """:func:`keep_original` where its least signed-rank loop (``least`` seconds) cannot fit.
+
+    The decisive comparison (:func:`_decisive`) where the search priced at least
+    :data:`PRICED_LEAST` (``result.cost_before / cost_after``) and its rounds, with
+    ``warmup`` calls of each first, fit before ``deadline`` plus its slack; else nothing is
+    timed, and the reason says which need was not met.
+    """
+    decisive = 2 * (DECISIVE_ROUNDS + warmup) * call
+    priced = result.cost_before / result.cost_after if result.cost_after > 0 else 1.0
+    if priced < PRICED_LEAST:  # a decisive margin is not even priced: no timing
+        why = f"a decisive one needs {DECISIVE_SPEEDUP:g}x, and the search priced {priced:.2f}x"
+    elif decisive <= deadline.left() + LIMIT_SLACK * deadline.seconds:
+        return _decisive(entry, original, optimized, call, warmup)
+    else:
+        why = f"a decisive one {decisive:.1f} s"
+    entry.report["baseline"] = {"skipped": True, "call_us": call * 1e6, "device": device_name()}
+    return (f"{_UNTIMED}: one comparison with it needs about {least:.1f} s "
+            f"({CONFIRM_LEAST_ROUNDS} rounds of {call * 1e3:.0f} ms calls; {why}), and "
+            f"{max(deadline.left(), 0.0):.1f} s of the time limit "
+            f"({deadline.seconds:g} s) was left")
 
 
 def _decisive(entry: _Entry, original, optimized, call: float, warmup: int) -> str | None:

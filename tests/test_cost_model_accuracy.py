@@ -65,3 +65,30 @@ def test_an_old_single_timing_file_is_read_as_one_pass(tmp_path):
     text = _accuracy(tmp_path, passes, retimes=1)
     assert _row_of(text, "measured change >= 10% in each of 1 timings")[1] == "2"
     assert "Test-retest" not in text  # one timing cannot be retested
+
+
+def test_retime_prices_each_kernel_again_and_never_overwrites_its_input(tmp_path):
+    """``calibrate.py retime``: every row of a collection gets its kernel's price on this
+    machine now (one timing per distinct kernel), the rewrites file travels beside it, and
+    the input file is refused as the output."""
+    import pytest
+
+    sys.path.insert(0, str(BENCH))
+    import calibrate
+
+    key = ("('matmul', (), (TensorType(shape=(64, 64), dtype='float32'), "
+           "TensorType(shape=(64, 64), dtype='float32')))")
+    samples = tmp_path / "k.jsonl"
+    rows = [_row("a", key, 2 * 64**3, 1e9), _row("b", key, 2 * 64**3, 1e9)]
+    samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    Path(str(samples) + ".rewrites.jsonl").write_text('{"rule": "r"}\n')
+    out = tmp_path / "k2.jsonl"
+    assert calibrate.main(["retime", str(samples), "--out", str(out)]) == 0
+    again = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["source"] for r in again] == ["a", "b"]
+    assert 0 < again[0]["micros"] < 1e6 and again[0]["micros"] == again[1]["micros"]
+    assert Path(str(out) + ".rewrites.jsonl").read_text() == '{"rule": "r"}\n'
+    before = samples.read_text()
+    with pytest.raises(SystemExit):
+        calibrate.main(["retime", str(samples), "--out", str(samples)])
+    assert samples.read_text() == before
