@@ -107,3 +107,5 @@ def test_runner_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert row["speedup"] > 0 and row["first_call_s"] > 0
     assert row["verdict"] in {"rewritten", "unchanged", "time_limit"}
     assert row["max_abs_diff"] <= 1e-5
+    # the second input scale: outputs of both at float inputs x10, against jax.jit's peak
+    assert row["max_abs_x10"] > 0 and row["max_abs_diff_x10"] <= 1e-5 * row["max_abs_x10"]
