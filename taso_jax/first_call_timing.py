@@ -137,9 +137,9 @@ def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, sta
     comparison is the decisive one (:func:`_decisive`: at most
     :data:`~taso_jax.search.paired_test.DECISIVE_ROUNDS` rounds, each won by
     :data:`~taso_jax.search.paired_test.DECISIVE_SPEEDUP`) where the search priced at
-    least :data:`PRICED_LEAST` (``result.cost_before / cost_after``); where it priced less, or even
-    the decisive comparison does not fit, nothing is timed and the reason starts "checked
-    but not timed".
+    least :data:`PRICED_LEAST` (``result.cost_before / cost_after``); where it priced
+    less, or even the decisive comparison does not fit, nothing is timed and the reason
+    starts "checked but not timed".
     This is the first call's one comparison: the end-to-end choice before it only
     screened the candidates (:func:`~taso_jax.search.choose.screen_fastest`), and its
     verdict and rounds are the report's ``"baseline"``. Called under a transformation
