@@ -396,6 +396,12 @@ BY_ESTIMATE = "no time left to screen the candidates: the cheapest by estimate w
 #: median 1.5x off on held-out models), and compiling and calling the input to learn that
 #: took 5.8 s of a 10 s first call.
 PRICE_SLACK = 4.0
+#: Candidates a screen-only choice screens: those priced within this factor of the cheapest
+#: (the curves' uncertainty is a standard deviation of 0.3-0.7 in log time, a factor of
+#: 1.3-2). With one alone, there is nothing to pick between: sliding-window attention at
+#: S=4096 had its blocks priced 79 ms and the unblocked form 466 ms, and compiling the input
+#: to screen them took 5.8 s of a 10 s first call.
+SCREEN_WITHIN = 2.0
 
 
 def screen_fastest(result, graphs: list[tuple], repeats: int = 20,
@@ -413,7 +419,8 @@ def screen_fastest(result, graphs: list[tuple], repeats: int = 20,
     estimate is picked untimed (the report's ``"picked_by"`` is then ``"estimate"``, with
     :data:`BY_ESTIMATE` as ``"why_untimed"``; so too, with nothing compiled, where two
     screening loops of the input's calls priced :data:`PRICE_SLACK` times below its
-    estimate would not fit); among graphs within :data:`ESTIMATE_TIE` of
+    estimate would not fit, and where only one candidate is priced within
+    :data:`SCREEN_WITHIN` of the cheapest); among graphs within :data:`ESTIMATE_TIE` of
     the cheapest, which the cost model cannot tell apart, the one with the fewest runtime
     operators (fewer kernels and intermediate buffers: a LoRA adapter merged into its weight
     rather than a concatenation of its first factor with that weight). No confirmation
@@ -442,6 +449,9 @@ def screen_fastest(result, graphs: list[tuple], repeats: int = 20,
 
     if len(graphs) < 3:
         return by_estimate(None)  # one candidate: the caller's comparison decides alone
+    lowest = min(c for c, _, _ in graphs[1:])
+    if sum(c <= lowest * SCREEN_WITHIN for c, _, _ in graphs[1:]) < 2:
+        return by_estimate(None)  # the others priced far dearer: nothing to screen between
     left = float("inf") if deadline is None else deadline - time.perf_counter()
     if 2 * COMPILE_SECONDS_PER_NODE * len(graphs[0][1].nodes) > left:
         return by_estimate(BY_ESTIMATE)

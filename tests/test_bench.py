@@ -703,3 +703,23 @@ def test_a_screen_only_choice_picks_by_estimate_without_time_and_never_confirms(
     e2 = choose_fastest(r2, repeats=15, confirm=False)
     assert e2["picked_by"] == "screening" and e2["measured"] == 3 and e2["paired"] is None
     assert r2.graph is not slow  # slower than the other candidate by two matmuls' work
+
+
+def test_a_screen_only_choice_screens_nothing_where_one_candidate_is_priced_far_below():
+    """Screening picks between candidates the cost model cannot tell apart; where every
+    other one is priced more than SCREEN_WITHIN above the cheapest, nothing is compiled
+    and the cheapest is picked for the caller to confirm."""
+    from taso_jax.search import choose
+
+    g, slow = _matmul_graphs()
+    b = taso_jax.new_graph(seed=2)
+    x = b.new_input((256, 512), name="x")
+    b.mark_output(b.relu(b.matmul(x, b.new_weight((512, 512)))), "y")
+    source = b.graph()
+    far = 5.0 * choose.SCREEN_WITHIN * 1.01
+    cands = [Candidate(5.0, g, ("one",)), Candidate(far, slow, ("three",), judged=True)]
+    r = SearchResult(source, 10.0, 10.0, {}, 1, 3, 0.0, "budget", candidates=cands,
+                     visited=[Candidate(10.0, source, ()), *cands])
+    e = choose_fastest(r, repeats=15, confirm=False)
+    assert r.graph is g and e["picked_by"] == "estimate" and e["measured"] == 0
+    assert "why_untimed" not in e and e["confirmed_by"] == "caller"
