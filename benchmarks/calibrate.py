@@ -261,9 +261,9 @@ def read_samples(path: str):
 
 def _outputs_of(key: str) -> tuple[float, int]:
     """Output elements and ``groups`` of the kernel named by a cost-cache key."""
-    from taso_jax.ops import OPS, TensorType
+    from taso_jax.ops import OPS
 
-    op, attrs, ins = eval(key, {"TensorType": TensorType, "inf": math.inf, "nan": math.nan})  # noqa: S307 - our own keys
+    op, attrs, ins = parse_key(key)
     groups = dict(attrs).get("groups", 1)
     return (float(sum(t.size for t in OPS[op].infer(list(ins), dict(attrs)))),
             int(groups) if isinstance(groups, int) else 1)
@@ -348,13 +348,18 @@ def retime(args) -> int:
     return 0
 
 
-def kernel_node(key: str):
-    """The kernel a cost-cache key names, on placeholder inputs (for timing it again)."""
+def parse_key(key: str) -> tuple:
+    """``(operator, attributes as pairs, input TensorTypes)`` of a cost-cache key."""
     from taso_jax.ops import TensorType
 
+    return eval(key, {"TensorType": TensorType, "inf": math.inf, "nan": math.nan})  # noqa: S307 - our own keys
+
+
+def kernel_node(key: str):
+    """The kernel a cost-cache key names, on placeholder inputs (for timing it again)."""
     from taso_jax.ir.graph import leaf_node, make_node
 
-    op, attrs, ins = eval(key, {"TensorType": TensorType, "inf": math.inf, "nan": math.nan})  # noqa: S307 - our own keys
+    op, attrs, ins = parse_key(key)
     leaves = [leaf_node("input", f"x{i}", t) for i, t in enumerate(ins)]
     return make_node(op, [n.outputs[0] for n in leaves], dict(attrs))
 

@@ -179,9 +179,10 @@ def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, sta
     rounds = rounds_for(call, CONFIRM_LOOP_SECONDS, CONFIRM_MIN_ROUNDS, BASELINE_REPEATS)
     # both ran just before (the background run, the output check): no warm-up call
     hot = run is not None and run.ok and entry.original_warm
+    warmup = 0 if hot else 1 if warm else 2
     if deadline is not None and least > deadline.left() + LIMIT_SLACK * deadline.seconds:
         return _too_long_for_the_least_loop(entry, result, original, optimized, call,
-                                            0 if hot else 1 if warm else 2, least, deadline)
+                                            warmup, least, deadline)
     loops = []
 
     def loop():
@@ -193,7 +194,7 @@ def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, sta
         loops.append(1)
         first = len(loops) == 1
         return time_interleaved([original, optimized], n,
-                                warmup=(0 if hot else 1 if warm else 2) if first else 0,
+                                warmup=warmup if first else 0,
                                 call_us=call * 1e6 if hot else None)
 
     # Rounds spanning SPAN_SECONDS under the time limit (CONFIRM_LOOP_SECONDS without
