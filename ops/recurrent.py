@@ -387,18 +387,32 @@ def _emit(ctx, op_type: str, x, w, r, b, seq, states, extra, outs, *, direction,
     ONNX orders the inputs X, W, R, B, sequence_lens, initial_h, initial_c, P.
     """
     attrs = {"direction": direction, "hidden_size": int(hidden), **more}
+    # An optional input of zeros is written absent, which means zero (ONNX LSTM/GRU): a zero
+    # state filled in on import, or read off a ConstantOfShape
+    # (:func:`taso_jax.frontends.onnx_cleanup.drop_zero_states`), is computed by nothing
+    # and fits every batch size.
+    b = "" if ctx.is_zero(b) else b
+    states = ["" if ctx.is_zero(s) else s for s in states]
+    extra = ["" if ctx.is_zero(e) else e for e in extra]
     if clip is not None:
         attrs["clip"] = float(clip)
     if layout:  # onnxruntime's CPU kernels refuse layout=1 ("batchwise ... not supported")
         x = ctx.tmp("Transpose", [x], perm=[1, 0, 2])
-        states = [ctx.tmp("Transpose", [s], perm=[1, 0, 2]) for s in states]
+        states = [s and ctx.tmp("Transpose", [s], perm=[1, 0, 2]) for s in states]
         inner = [ctx.fresh() for _ in outs]
-        ctx.node(op_type, [x, w, r, b, seq or "", *states, *extra], inner, **attrs)
+        ctx.node(op_type, _trimmed([x, w, r, b, seq or "", *states, *extra]), inner, **attrs)
         ctx.node("Transpose", [inner[0]], [outs[0]], perm=[2, 0, 1, 3])
         for i, o in zip(inner[1:], outs[1:], strict=True):
             ctx.node("Transpose", [i], [o], perm=[1, 0, 2])
         return
-    ctx.node(op_type, [x, w, r, b, seq or "", *states, *extra], outs, **attrs)
+    ctx.node(op_type, _trimmed([x, w, r, b, seq or "", *states, *extra]), outs, **attrs)
+
+
+def _trimmed(names: list[str]) -> list[str]:
+    """``names`` without trailing absent (empty) inputs, as ONNX writers leave them."""
+    while names and not names[-1]:
+        names = names[:-1]
+    return names
 
 
 def _lstm_onnx(ctx, ins, outs, *, direction, layout, clip, input_forget):

@@ -19,7 +19,7 @@ from taso_jax.ops import (
     onnx_importer,
 )
 from taso_jax.ops._lazy import LazyModule
-from taso_jax.ops.dims import is_open, open_dims, same_size
+from taso_jax.ops.dims import expr_of, is_open, open_dims, same_size
 
 jnp = LazyModule("jax.numpy")
 
@@ -366,18 +366,49 @@ def _extent(s, e, st):
     return n
 
 
+def _from_end(v, d):
+    """``-c`` where bound ``v`` is open size ``d`` less a constant ``c > 0`` at every binding.
+
+    ONNX Slice counts a negative start or end from the back of the axis, so the written
+    model slices the same part at every size without computing ``d`` at run time.
+    """
+    if d is None or not (is_open(v) or is_open(d)):
+        return None
+    diff = expr_of(d) - expr_of(v)
+    return -int(diff) if diff.is_Integer and int(diff) > 0 else None
+
+
 def _slice_onnx(ctx, ins, outs, *, starts, ends, steps):
-    """ONNX Slice; an end at an open size's full extent is written as "to the end"."""
-    big = np.iinfo(np.int64).min
+    """ONNX Slice, on the axes it narrows; bounds at an open size's end counted from the back.
+
+    An end at an open size's full extent is written as "to the end", one a constant short
+    of it as a negative index (:func:`_from_end`), and so is a start; an axis taken whole
+    (start 0, step 1, to the end) is left out of ``axes``.
+    """
+    low, high = np.iinfo(np.int64).min, np.iinfo(np.int64).max
     try:
         in_shape = ctx.shape(ins[0])
     except KeyError:
         in_shape = (None,) * len(starts)
-    ends = [e if e >= 0 else big for e in ends]
-    ends = [np.iinfo(np.int64).max if is_open(e) and st > 0 and d is not None
-            and same_size(e, d) else e for e, st, d in zip(ends, steps, in_shape, strict=True)]
-    ctx.node("Slice", [ins[0], ctx.ints(starts), ctx.ints(ends),
-                       ctx.const(_i64(range(len(starts)))), ctx.const(_i64(steps))], outs)
+    axes, s_out, e_out, st_out = [], [], [], []
+    for k, (s, e, st, d) in enumerate(zip(starts, ends, steps, in_shape, strict=True)):
+        e = e if e >= 0 else low
+        if st > 0 and d is not None and (same_size(e, d) if is_open(e) or is_open(d)
+                                         else int(e) >= int(d)):
+            e = high
+        elif st > 0 and _from_end(e, d) is not None:
+            e = _from_end(e, d)
+        if st > 0 and _from_end(s, d) is not None:
+            s = _from_end(s, d)
+        if st == 1 and not is_open(s) and int(s) == 0 and e == high:
+            continue  # the whole axis
+        axes.append(k)
+        s_out.append(s), e_out.append(e), st_out.append(st)
+    if not axes:  # every axis whole: a copy
+        ctx.node("Identity", [ins[0]], outs)
+        return
+    ctx.node("Slice", [ins[0], ctx.ints(s_out), ctx.ints(e_out), ctx.const(_i64(axes)),
+                       ctx.const(_i64(st_out))], outs)
 
 
 declare(OpDef(
@@ -594,18 +625,46 @@ def _expand_shape(ts, *, shape):
     return [TensorType(tuple(shape), x.dtype)]
 
 
+def _expand_onnx(ctx, ins, outs, *, shape):
+    """ONNX ``Expand``, each size the input already has written as 1.
+
+    ``Expand`` broadcasts (ONNX operator specification, Expand-13): a 1 keeps the input's
+    size, so an open size the input has (a batch) needs no ``Shape`` computed at run time.
+    """
+    have = ctx.shape(ins[0])
+    lead = len(shape) - len(have)
+    target = [1 if k >= lead and same_size(have[k - lead], d) else d
+              for k, d in enumerate(shape)]
+    ctx.node("Expand", [ins[0], ctx.ints(target)], outs)
+
+
 declare(OpDef(
     name="expand", copies_values=True,
     ref=lambda x, *, shape: jnp.broadcast_to(x, shape), shape=_expand_shape, arity=1,
     attrs={"shape": ()},
-    to_onnx=lambda ctx, ins, outs, *, shape: ctx.node(
-        "Expand", [ins[0], ctx.ints(shape)], outs),
+    to_onnx=_expand_onnx,
     flops=lambda i, o, **_: 0.0,
     numpy_ref=lambda x, *, shape: np.broadcast_to(x, tuple(int(d) for d in shape)),
     examples=(([TensorType((3, 1), _F32)], {"shape": (2, 3, 4)}),),
     doc="broadcast to a static shape (ONNX Expand)"))
-onnx_importer("Expand")(lambda ctx, ins, **_: [ctx.op("expand", [ins[0]],
-                                                      shape=ctx.out_types[0].shape)])
+@onnx_importer("Expand")
+def _import_expand(ctx, ins, **_):
+    """``expand`` to the inferred output shape, an open size the input has kept open.
+
+    ONNX infers the output at the bound sizes; where the input's size on an axis is open
+    and equals the output's there (above 1, so not broadcast), the output's is taken to be
+    the same open size: the shape input was read off the input (``Shape``), as exporters
+    write it. Where that is not so, the check at other sizes finds it (the original and the
+    written file then disagree, and the input is kept).
+    """
+    out = list(ctx.out_types[0].shape)
+    have = ctx.type(ins[0]).shape
+    lead = len(out) - len(have)
+    for k, d in enumerate(have):
+        if lead + k >= 0 and is_open(d) and not is_open(out[lead + k]) \
+                and int(d) == int(out[lead + k]) > 1:
+            out[lead + k] = d
+    return [ctx.op("expand", [ins[0]], shape=tuple(out))]
 
 
 # ---- jaxpr primitives ---------------------------------------------------------------------

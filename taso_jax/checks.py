@@ -122,7 +122,7 @@ def measure_speed(before: Graph, after: Graph, repeats: int = 30, seed: int = 0,
 
 
 def measure_onnxruntime(original, optimized, inputs: dict, repeats: int = 20,
-                        deadline: float | None = None) -> dict:
+                        deadline: float | None = None, seconds: float | None = None) -> dict:
     """Median wall time in microseconds of both ONNX models in onnxruntime, same process.
 
     What a user of the ONNX file runs: CPU execution provider, onnxruntime's default
@@ -132,7 +132,8 @@ def measure_onnxruntime(original, optimized, inputs: dict, repeats: int = 20,
     """
     from taso_jax.frontends.onnxruntime_target import time_onnx_models
 
-    times = time_onnx_models([original, optimized], inputs, repeats=repeats, deadline=deadline)
+    times = time_onnx_models([original, optimized], inputs, repeats=repeats, deadline=deadline,
+                             seconds=seconds)
     repeats = len(times[0])
     a, b = float(np.median(times[0])), float(np.median(times[1]))
     return {"before_us": a, "after_us": b, "speedup": a / b if b else float("nan"),

@@ -13,6 +13,10 @@ before any search, so the search sees the simple graph:
   What follows (``Cast``, ``Sqrt``, ``Div``: an attention scale) then reads weights only,
   and is computed once, ahead of time. Where a size read is open the chain is kept, so the
   written file still runs at every size.
+* :func:`drop_zero_states`: an LSTM's or GRU's initial state (or bias, or peepholes) that
+  is zero at every size, as PyTorch writes a default state (``ConstantOfShape`` of
+  ``Shape(x)``, sliced per layer), becomes a zero weight, which the export omits (ONNX
+  LSTM/GRU: an absent optional input is zero), so the file no longer computes it.
 * :func:`~taso_jax.ir.cleanup.simplify`: identity reshapes, casts and transposes.
 * :func:`~taso_jax.ir.cleanup.flush_negligible_weights`: kernel elements too small to
   change a sum (under ``2**-100`` in float32) but slow on a CPU, zeroed.
@@ -32,11 +36,12 @@ import numpy as np
 
 from taso_jax.frontends.onnx_opaque import _outer_names
 from taso_jax.ir.cleanup import flush_negligible_weights, rebuild, simplify
-from taso_jax.ir.graph import Graph, Node, Tensor, leaf_node
+from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
 from taso_jax.ops import TensorType
 from taso_jax.ops.dims import is_open
 
-__all__ = ["clean_imported", "fold_static_sizes", "merge_duplicate_regions", "file_leftovers"]
+__all__ = ["clean_imported", "fold_static_sizes", "merge_duplicate_regions", "drop_zero_states",
+           "file_leftovers", "is_zero"]
 
 
 def _shape_range(node: Node) -> tuple[int, int, str] | None:
@@ -164,10 +169,85 @@ def merge_duplicate_regions(graph: Graph) -> tuple[Graph, Counter]:
     return rebuild(graph, replace)
 
 
+# Operators whose output is zero wherever their first (data) input is: they move, copy or
+# convert elements and add none (concat: wherever all its inputs are).
+_KEEPS_ZERO = frozenset({"slice", "reshape", "transpose", "expand", "repeat", "cast", "split",
+                         "concat"})
+# The inputs of ``lstm(x, w, r, b, h0, c0, p)``, ``gru(x, w, r, b, h0)`` and their ``_scan``
+# forms (on ``xw`` for ``x, w``; ops/recurrent.py)
+# that ONNX makes optional, zero when absent: B, initial_h, initial_c, P.
+_OPTIONAL_ZERO = {"lstm": (3, 4, 5, 6), "gru": (3, 4), "lstm_scan": (2, 3, 4, 5),
+                  "gru_scan": (2, 3)}
+
+
+def is_zero(t: Tensor, weights: dict, depth: int = 16) -> bool:
+    """Whether tensor ``t`` is zero in every element at every binding of the open sizes.
+
+    True for a weight of zeros, an opaque ONNX ``ConstantOfShape`` whose ``value`` is zero
+    (or absent: ONNX's default is a float32 zero), and the output of an operator that only
+    moves or converts elements (:data:`_KEEPS_ZERO`) of such tensors; False otherwise
+    (``depth`` bounds the walk).
+    """
+    node = t.node
+    if node.op == "weight":
+        value = weights.get(node.name)
+        return value is not None and not np.any(np.asarray(value))
+    if depth <= 0:
+        return False
+    if node.op == "opaque":
+        call = node.attr("call")
+        if getattr(call, "label", None) != "ConstantOfShape" or len(call.nodes) != 1:
+            return False
+        from onnx import numpy_helper
+
+        (proto,) = call.protos()
+        value = [numpy_helper.to_array(a.t) for a in proto.attribute if a.name == "value"]
+        return not value or not np.any(value[0])
+    if node.op not in _KEEPS_ZERO:
+        return False
+    data = node.inputs if node.op == "concat" else node.inputs[:1]
+    return all(is_zero(u, weights, depth - 1) for u in data)
+
+
+def drop_zero_states(graph: Graph) -> tuple[Graph, Counter]:
+    """``graph`` with each optional LSTM/GRU input that is zero (:func:`is_zero`) a zero weight.
+
+    A recurrence's ``B``, ``initial_h``, ``initial_c`` and ``P`` inputs mean zero where
+    absent (ONNX operator specification, LSTM and GRU, opsets 7-22). PyTorch writes a
+    default ``h0`` as ``ConstantOfShape`` of sizes read from the input (the batch is open),
+    then slices it per layer; such an input becomes a zero weight of its type (at the
+    bound sizes), which the ONNX export writes as an absent input
+    (:func:`ops.recurrent._emit`), so the file runs at every batch size and computes no
+    state. Returns ``(graph, counts)`` as :func:`~taso_jax.ir.cleanup.rebuild`.
+    """
+    made: dict[str, np.ndarray] = {}
+    weights = graph.weights
+
+    def replace(node: Node):
+        slots = _OPTIONAL_ZERO.get(node.op, ())
+        swap = [k for k in slots if k < len(node.inputs)
+                and node.inputs[k].node.op != "weight" and is_zero(node.inputs[k], weights)]
+        if not swap:
+            return None
+        ins = list(node.inputs)
+        for k in swap:
+            t = ins[k]
+            name = f"{node.op}_zero_state_{len(made)}"
+            while name in weights or name in made:
+                name += "_"
+            made[name] = np.zeros(tuple(int(d) for d in t.shape), t.dtype)
+            ins[k] = leaf_node("weight", name, TensorType(made[name].shape, t.dtype)).outputs[0]
+        new = intern_node(node.op, node.attrs, tuple(ins), node.types)
+        return new.outputs, "zero_recurrent_input"
+
+    return rebuild(graph, replace, made)
+
+
 def clean_imported(graph: Graph, static_axes: dict | None = None) -> Graph:
     """``graph`` merged, folded and simplified: what the import delivers to the search.
 
     :func:`merge_duplicate_regions`, :func:`fold_static_sizes` (with ``static_axes``),
+    :func:`drop_zero_states`,
     :func:`~taso_jax.ir.cleanup.simplify`, then
     :func:`~taso_jax.ir.cleanup.flush_negligible_weights`. What was done is counted in
     ``meta["cleanup"]`` (law -> times), beside what the file ran for nothing
@@ -175,9 +255,10 @@ def clean_imported(graph: Graph, static_axes: dict | None = None) -> Graph:
     """
     graph, merged = merge_duplicate_regions(graph)
     graph, folded = fold_static_sizes(graph, static_axes)
+    graph, zeros = drop_zero_states(graph)
     graph, simpler = simplify(graph)
     graph, flushed = flush_negligible_weights(graph)
-    counts = dict(merged + folded + simpler + flushed)
+    counts = dict(merged + folded + zeros + simpler + flushed)
     if not counts:
         return graph
     return Graph(graph.inputs, graph.outputs, graph.output_names, graph.weights,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from taso_jax.frontends.onnx_opaque import _outer_names
 from taso_jax.ir.graph import Graph, Tensor
 from taso_jax.ops import OPS, TensorType
 from taso_jax.ops.dims import is_open
@@ -40,6 +41,7 @@ class _ExportContext:
         # open size name -> (graph input, axis) where it can be read at run time
         self.symbols: dict[str, tuple[str, int]] = {}
         self._size_tensors: dict = {}
+        self._arrays: dict[str, np.ndarray] = {}  # initializer name -> its array
 
     def fresh(self, prefix: str = "t") -> str:
         self._n += 1
@@ -65,8 +67,14 @@ class _ExportContext:
         name = name or self.fresh("c")
         # the array itself; it becomes a TensorProto only inside the graph (export_onnx)
         self.initializers.append((name, array))
+        self._arrays[name] = array
         self.types[name] = TensorType(array.shape, str(array.dtype))
         return name
+
+    def is_zero(self, name: str) -> bool:
+        """Whether ``name`` is an initializer written so far whose elements are all zero."""
+        array = self._arrays.get(name)
+        return array is not None and not np.any(array)
 
     def scalar(self, value, dtype) -> str:
         return self.const(np.asarray(value, dtype))
@@ -248,7 +256,8 @@ def export_onnx(graph: Graph, opset: int | None = None, external: dict | None = 
         n.name, helper.np_dtype_to_tensor_dtype(np.dtype(n.types[0].dtype)),
         list(n.types[0].shape)) for n in graph.inputs]
     g = helper.make_graph(ctx.nodes, str(graph.meta.get("name", "graph")), inputs, outputs)
-    _write_initializers(g, ctx.initializers, external)
+    read = {x for n in ctx.nodes for x in (*n.input, *_outer_names(n))} | set(out_name.values())
+    _write_initializers(g, [(nm, a) for nm, a in ctx.initializers if nm in read], external)
     named = {n.name for n in graph.inputs}
     for name, value in (graph.meta.get("input_defaults") or {}).items():
         if name in named:  # an input with a default value (ONNX IR 4+) keeps it
@@ -290,14 +299,18 @@ def _write_nodes(ctx, graph: Graph, names: dict, out_name: dict, skipped) -> Non
     Raises:
         ValueError: an operator without an ONNX mapping.
     """
+    gemms = _biased_products(graph, skipped)
     for n in graph.nodes:
-        if n.op in ("input", "weight") or n in skipped:
+        if n.op in ("input", "weight") or n in skipped or n in gemms.values():
             continue
         outs = []
         for t in n.outputs:
             names[t] = out_name.get(t) or ctx.fresh()
             ctx.types[names[t]] = t.type
             outs.append(names[t])
+        if n in gemms:
+            _write_gemm(ctx, gemms[n], n, names, outs[0])
+            continue
         ins = [names[t] for t in n.inputs]
         if n.op == "opaque":
             n.attr("call").to_onnx(ctx, ins, outs)
@@ -306,6 +319,63 @@ def _write_nodes(ctx, graph: Graph, names: dict, out_name: dict, skipped) -> Non
         if opdef.to_onnx is None:
             raise ValueError(f"operator {n.op!r} has no ONNX mapping")
         opdef.to_onnx(ctx, ins, outs, **dict(n.attrs))
+
+def _biased_products(graph: Graph, skipped) -> dict:
+    """``{add node: matmul node}`` for each product of a weight that a bias is added to.
+
+    The matmul (no activation) reads a 2-D weight-only ``B`` ``[K, N]``; its output is
+    read by that one ``ewadd`` alone, and is no graph output; the add's other input is a
+    weight-only float bias of ``N`` elements (``[N]`` or ``[1, N]``). Such a pair is
+    written as one ONNX ``Gemm`` (:func:`_write_gemm`).
+    """
+    readers: dict = {}
+    for n in graph.nodes:
+        for t in n.inputs:
+            readers.setdefault(t, []).append(n)
+    outputs = set(graph.outputs)
+    pairs = {}
+    for a in graph.nodes:
+        if a.op != "ewadd" or a in skipped or a.weight_only:
+            continue
+        for k in (0, 1):
+            m, bias = a.inputs[k].node, a.inputs[1 - k]
+            if (m.op != "matmul" or m.attr("activation") != "none" or m in skipped
+                    or len(m.inputs[1].shape) != 2 or not m.inputs[1].node.weight_only
+                    or m.outputs[0] in outputs or len(readers.get(m.outputs[0], ())) != 1
+                    or not bias.node.weight_only or bias.dtype not in ("float32", "float64")
+                    or tuple(bias.shape) not in ((m.inputs[1].shape[1],),
+                                                 (1, m.inputs[1].shape[1]))
+                    or a.types[0].shape != m.types[0].shape):
+                continue
+            pairs[a] = m
+            break
+    return pairs
+
+
+def _write_gemm(ctx, m, a, names: dict, out: str) -> None:
+    """``matmul(x, B) + bias`` (:func:`_biased_products`) as ONNX ``Gemm``.
+
+    onnxruntime runs a ``Gemm`` as one kernel with the bias added as it writes, where a
+    ``MatMul`` on a 3-D input and an ``Add`` are two (its ``MatMul``/``Add`` fusion is for
+    2-D inputs only; onnxsim's 1.12x on a voice activity detector, 2026-11-30). ``x`` of
+    more than two dimensions is flattened to ``[-1, K]`` and the result reshaped back,
+    with one open leading size written as ``-1`` (ONNX Gemm-13, Reshape-14).
+    """
+    x = names[m.inputs[0]]
+    shape = m.types[0].shape
+    if len(shape) > 2:
+        k = m.inputs[0].shape[-1]
+        x = ctx.tmp("Reshape", [x, ctx.const(np.array([-1, int(k)], np.int64))])
+    bias = names[a.inputs[1] if a.inputs[0].node is m else a.inputs[0]]
+    if len(shape) <= 2:
+        ctx.node("Gemm", [x, names[m.inputs[1]], bias], [out])
+        return
+    y = ctx.tmp("Gemm", [x, names[m.inputs[1]], bias])
+    open_ = [d for d in shape if is_open(d)]
+    target = (ctx.const(np.array([-1 if is_open(d) else int(d) for d in shape], np.int64))
+              if len(open_) <= 1 else ctx.ints(shape))
+    ctx.node("Reshape", [y, target], [out])
+
 
 def _write_initializers(g, initializers: list, external: dict | None) -> None:
     """Move ``initializers`` (``(name, array)``, emptied here) into graph ``g``.

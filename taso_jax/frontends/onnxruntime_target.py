@@ -127,8 +127,13 @@ def onnxruntime_folded_values(graph: Graph) -> tuple[list, list]:
                   for t in keys]
 
 
+#: The most rounds :func:`time_onnx_models` adds to fill its ``seconds``.
+MAX_ROUNDS = 2000
+
+
 def time_onnx_models(models: Sequence, inputs: dict, repeats: int = 20,
-                     warmup: int = 2, deadline: float | None = None) -> list[list[float]]:
+                     warmup: int = 2, deadline: float | None = None,
+                     seconds: float | None = None) -> list[list[float]]:
     """Wall times in microseconds of each ONNX model (bytes, path or session) on ``inputs``.
 
     All sessions are created first (intra-op threads not spinning, see
@@ -137,13 +142,20 @@ def time_onnx_models(models: Sequence, inputs: dict, repeats: int = 20,
     noise hits every model alike (the order is reversed every other round, so no model
     always runs first). Inputs a model does not declare are left out of its feed. Past
     ``deadline`` (a ``time.perf_counter()`` value) the rounds stop (at least 3 run).
+    ``seconds``: more rounds where they fit, as many as the last warm-up round says fill
+    that many seconds (at most :data:`MAX_ROUNDS`): a model of 50 microseconds gets
+    thousands, so a 3% difference is not lost in the noise of 20.
     """
     sessions = [m if hasattr(m, "run") else ort_session(m, spinning=False, trim=True)
                 for m in models]
     feeds = [{i.name: inputs[i.name] for i in s.get_inputs()} for s in sessions]
     for _ in range(warmup):
+        t0 = time.perf_counter()
         for s, f in zip(sessions, feeds, strict=True):
             s.run(None, f)
+        round_s = time.perf_counter() - t0
+    if seconds and warmup:
+        repeats = max(repeats, min(MAX_ROUNDS, int(seconds / max(round_s, 1e-9))))
     times: list[list[float]] = [[] for _ in models]
     runs = list(zip(sessions, feeds, times, strict=True))
     for r in range(repeats):
