@@ -19,10 +19,11 @@ import pytest
 HID, INP = 16, 8
 
 
-def _gru_model(state: str, value: float = 0.0):
+def _gru_model(state: str, value: float = 0.0, activations=None):
     """``GRU(x)``, ``x`` ``[T, N, I]``; ``state``: "absent", or "shape" (PyTorch's default
     ``h0 = zeros(1, N, H)``: ``ConstantOfShape`` of sizes read from ``x``, then a ``Slice``
-    of its one layer), filled with ``value``."""
+    of its one layer), filled with ``value``. ``activations`` other than the defaults keep
+    the GRU opaque on import."""
     import onnx
     from onnx import TensorProto as T
     from onnx import helper as h
@@ -44,7 +45,8 @@ def _gru_model(state: str, value: float = 0.0):
                               value=nh.from_array(np.array([value], np.float32))),
                   h.make_node("Slice", ["zeros", "zero", "one", "zero"], ["h0"])]
         ins += ["", "", "h0"]
-    nodes.append(h.make_node("GRU", ins, ["Y", "Yh"], hidden_size=HID))
+    more = {"activations": activations} if activations else {}
+    nodes.append(h.make_node("GRU", ins, ["Y", "Yh"], hidden_size=HID, **more))
     graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, ["T", "N", INP])],
                          [h.make_tensor_value_info("Y", T.FLOAT, ["T", 1, "N", HID]),
                           h.make_tensor_value_info("Yh", T.FLOAT, [1, "N", HID])], inits)
@@ -93,6 +95,17 @@ def test_a_pytorch_default_state_is_computed_by_nothing_and_the_file_runs_at_eve
     (gru,) = written.graph.node
     assert list(gru.input) == ["x", "W", "R"]  # B and initial_h absent: zero
     assert {i.name for i in written.graph.initializer} == {"W", "R"}  # no unread zeros
+    _same_at(original, written, "x", [(1, 1, INP), (5, 3, INP)])
+
+
+def test_an_opaque_recurrence_reads_no_zero_state_either(tmp_path):
+    original = _gru_model("shape", activations=["Sigmoid", "Relu"])
+    graph, written = _written(original, tmp_path)
+    assert any(n.op == "opaque" and n.attr("call").label == "GRU" for n in graph.nodes)
+    assert graph.meta["cleanup"]["zero_recurrent_input"] == 1
+    assert _ops(written) == ["GRU"]
+    (gru,) = written.graph.node
+    assert [x for x in gru.input if x] == ["x", "W", "R"]
     _same_at(original, written, "x", [(1, 1, INP), (5, 3, INP)])
 
 

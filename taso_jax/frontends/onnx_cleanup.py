@@ -224,6 +224,8 @@ def drop_zero_states(graph: Graph) -> tuple[Graph, Counter]:
     weights = graph.weights
 
     def replace(node: Node):
+        if node.op == "opaque":
+            return _opaque_without_zero_states(node, weights)
         slots = _OPTIONAL_ZERO.get(node.op, ())
         swap = [k for k in slots if k < len(node.inputs)
                 and node.inputs[k].node.op != "weight" and is_zero(node.inputs[k], weights)]
@@ -241,6 +243,38 @@ def drop_zero_states(graph: Graph) -> tuple[Graph, Counter]:
         return new.outputs, "zero_recurrent_input"
 
     return rebuild(graph, replace, made)
+
+
+# Recurrences kept opaque (other activations, quantized forms): (domain, op type) -> the
+# slots of their initial states, zero when absent (ONNX LSTM, GRU and RNN; onnxruntime's
+# com.microsoft DynamicQuantizeLSTM, which takes LSTM's first eight inputs).
+_OPAQUE_STATES = {("", "LSTM"): (5, 6), ("", "GRU"): (5,), ("", "RNN"): (5,),
+                  ("com.microsoft", "DynamicQuantizeLSTM"): (5, 6)}
+
+
+def _opaque_without_zero_states(node: Node, weights: dict):
+    """An opaque recurrence (:data:`_OPAQUE_STATES`) with its zero initial states absent."""
+    from taso_jax.frontends.onnx_opaque import OnnxNode
+
+    call = node.attr("call")
+    if not isinstance(call, OnnxNode) or len(call.nodes) != 1:
+        return None
+    (proto,) = call.protos()
+    slots = _OPAQUE_STATES.get((proto.domain or "", proto.op_type), ())
+    where = dict(zip(call.in_names, node.inputs, strict=True))
+    drop = [k for k in slots if k < len(proto.input) and proto.input[k] in where
+            and is_zero(where[proto.input[k]], weights)]
+    if not drop:
+        return None
+    for k in drop:
+        proto.input[k] = ""
+    read = {x for x in [*proto.input, *_outer_names(proto)] if x}
+    keep = [k for k, name in enumerate(call.in_names) if name in read]
+    new_call = OnnxNode((proto.SerializeToString(),), tuple(call.in_names[k] for k in keep),
+                        call.out_names, call.opsets, call.ir_version, call.label)
+    new = intern_node("opaque", (("call", new_call),), tuple(node.inputs[k] for k in keep),
+                      node.types)
+    return new.outputs, "zero_recurrent_input"
 
 
 def clean_imported(graph: Graph, static_axes: dict | None = None) -> Graph:
