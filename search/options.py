@@ -73,8 +73,10 @@ VISITED_HELD = 8
 #: (:func:`taso_jax.search.second_opinions.add_as_written_candidate`), in the analytic
 #: search's place. 9: attention's cuDNN form (built only where cuDNN runs:
 #: ``OpDef.runs_here``), attention with scores wider than its values, bfloat16 operands.
-#: 10: the CPU calibration refitted to kernels timed on an idle machine.
-SEARCH_REVISION = 10
+#: 10: the CPU calibration refitted to kernels timed on an idle machine. 11: onnxruntime
+#: timed on one thread (:func:`taso_jax.frontends.onnxruntime_target.ort_session`); the
+#: ONNX export writes zero recurrent states absent and products with a bias as ``Gemm``.
+SEARCH_REVISION = 11
 
 #: The runtimes a result can be made fast in.
 TARGETS = ("xla", "onnxruntime")

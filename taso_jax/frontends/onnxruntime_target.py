@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from taso_jax._machine import usable_cores
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
 from taso_jax.ops import is_float_dtype
 from taso_jax.search.choose import (
@@ -37,9 +36,13 @@ def ort_session(model, spinning: bool = True, external: dict | None = None,
                 trim: bool = False):
     """An onnxruntime ``InferenceSession`` of ``model`` (bytes or path) on the CPU provider.
 
-    ``spinning=False`` stops the intra-op threads from busy-waiting after a run. Timings of
-    several sessions interleaved need it: a session's spinning threads otherwise take the
-    cores from the next one. ``external``: the arrays
+    ``spinning=False`` makes a session for timing beside others: one thread, so none
+    busy-waits after a run and takes the cores from the next session. One thread, not
+    several without spinning: threads woken for every kernel cost more than a small model
+    (an 84-node text segmenter: 31 us on one thread, 87 us on two that do not spin), which
+    a deployment, spinning by default, does not pay, and a candidate ranked by them ran
+    1.34x faster there and 0.90x slower in a default session (2026-11-30). One thread is
+    also how ``benchmarks/onnx_peers.py`` times the files. ``external``: the arrays
     of initializers that ``model`` holds as external references (as
     :func:`~taso_jax.frontends.onnx_io.export_onnx` leaves them), by name.
 
@@ -55,6 +58,7 @@ def ort_session(model, spinning: bool = True, external: dict | None = None,
     so.log_severity_level = 4  # a model that fails is reported by the caller, in one line
     if not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.intra_op_num_threads = so.inter_op_num_threads = 1
     if external:  # onnxruntime copies them into the session
         so.add_external_initializers(list(external), [
             ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
@@ -217,9 +221,10 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
     than XLA). A session run from Python costs a fixed overhead that the whole model pays
     once; it is measured (a one-element ``Add``) and an operator is priced at its median
     less that overhead, plus 1 microsecond. Costs are cached in the kernel cost cache under
-    the device ``"onnxruntime <version>:<cpu cores> cores"``. Weight-only nodes are free (the
-    exported model stores them as initializers); opaque nodes are priced analytically (they
-    are the same in every candidate).
+    the device ``"onnxruntime <version>:1 thread"`` (sessions for timing run on one thread,
+    :func:`ort_session`). Weight-only nodes are free (the exported model stores them as
+    initializers); opaque nodes are priced analytically (they are the same in every
+    candidate).
 
     Args:
         cache_path, repeats, calibrate: as :class:`~taso_jax.search.cost.MeasuredCostModel`.
@@ -238,7 +243,7 @@ class OnnxRuntimeCostModel(MeasuredCostModel):
     def _device() -> str:
         import onnxruntime as ort
 
-        return f"onnxruntime {ort.__version__}:{usable_cores()} cores"
+        return f"onnxruntime {ort.__version__}:1 thread"  # as timing sessions run
 
     @staticmethod
     def _fallback() -> AnalyticCostModel:
