@@ -197,6 +197,7 @@ def run_one(path: Path, target: str, out: Path, args) -> dict:
     if row["exit"] != 0 or row["copy"] or not out.exists():
         return row
     deadline = time.perf_counter() + args.measure_limit
+    _try(row, "leftovers", written_leftovers, out)
     _try(row, "graph", load_onnx, str(path))
     if isinstance(row["graph"], dict):
         return row
@@ -217,6 +218,19 @@ def run_one(path: Path, target: str, out: Path, args) -> dict:
         else:
             row["equal_second"] = row.pop("graph2")
     return row
+
+
+def written_leftovers(out: Path) -> dict:
+    """What the written file runs for nothing (issue 62's done-when for the XLA target):
+    nodes that reach no output, and sizes it reads at run time that are fixed."""
+    import onnx
+
+    from taso_jax.frontends.onnx_cleanup import file_leftovers, fixed_sizes_read
+
+    model = onnx.load(str(out))
+    found = {"dead": file_leftovers(model).get("dead", 0),
+             "fixed sizes read": fixed_sizes_read(model)}
+    return {k: v for k, v in found.items() if v}
 
 
 def _search_facts(r: dict) -> dict:
@@ -266,6 +280,11 @@ def format_row(row: dict) -> str:
         eq = "same file" if copy else "-"
     opaque = ", ".join(f"{k} x{v}" for k, v in sorted(row.get("opaque", {}).items())) or "-"
     note = row.get("error") or (f"bound {row['bound']}" if row.get("bound") else "")
+    left = row.get("leftovers")
+    if left:
+        note += ("; " if note else "") + "runs for nothing: " + (
+            left["error"][:60] if "error" in left else
+            ", ".join(f"{k} {v}" for k, v in left.items()))
     if second and "error" not in second:
         note += ("; " if note else "") + "2nd: " + " ".join(
             f"{k}={','.join(map(str, v))}" for k, v in second.items())
@@ -294,6 +313,7 @@ def summary(rows: list[dict]) -> list[str]:
             if (f.get("out_of_time_in") or f.get("stopped") == "time limit")
             and not f.get("expanded")]
     over = [r["model"] for r in rows if r["wall_s"] > 1.1 * r.get("limit_s", 60.0)]
+    idle_work = [r["model"] for r in ran if r.get("leftovers")]
     return [f"{len(rows)} runs; exit codes {dict(sorted(exits.items(), key=str))}; "
             f"{len(rewritten)} of {len(ran)} that ran rewritten; {len(faster)} of them "
             f">= 1.1x under jax.jit at the bound size; written files not equal at the bound "
@@ -301,7 +321,9 @@ def summary(rows: list[dict]) -> list[str]:
             f"kernels compiled by the search's cost model: median "
             f"{compiles[len(compiles) // 2] if compiles else '-'}, most "
             f"{compiles[-1] if compiles else '-'}; ended at the time limit having expanded "
-            f"no graph: {idle or 'none'}; runs over 1.1x the time limit: {over or 'none'}"]
+            f"no graph: {idle or 'none'}; runs over 1.1x the time limit: {over or 'none'}",
+            f"written files that run nodes reaching no output or read fixed sizes at run "
+            f"time: {idle_work or 'none'}"]
 
 
 def write_table(path: Path, preamble: list[str], rows: list[dict], done: bool) -> None:

@@ -206,3 +206,26 @@ def test_cheap_models_are_timed_over_a_span_of_seconds(seconds, least):
     times = time_onnx_models([model, model], {"x": x}, repeats=20, seconds=seconds)
     assert len(times[0]) == len(times[1])
     assert len(times[0]) >= least if seconds else len(times[0]) == least
+
+
+def test_a_size_read_at_run_time_is_counted_only_where_it_is_fixed(tmp_path):
+    """``fixed_sizes_read``, the benchmark's check of written files: ``Shape`` of a ``[1, 4]``
+    sum counts, ``Shape`` of the ``[N, 4]`` input does not; the export of the Expand-and-
+    Slice model above reads none."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    from taso_jax.frontends.onnx_cleanup import fixed_sizes_read
+
+    nodes = [h.make_node("ReduceSum", ["x", "ax"], ["r"], keepdims=1),
+             h.make_node("Shape", ["r"], ["fixed"]), h.make_node("Shape", ["x"], ["open"])]
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, ["N", 4])],
+                         [h.make_tensor_value_info("fixed", T.INT64, [2]),
+                          h.make_tensor_value_info("open", T.INT64, [2])],
+                         [nh.from_array(np.array([0], np.int64), "ax")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    assert fixed_sizes_read(model) == 1
+    original = _expand_slice_model()
+    assert "Shape" in _ops(original)
+    assert fixed_sizes_read(_written(original, tmp_path)[1]) == 0

@@ -41,7 +41,7 @@ from taso_jax.ops import TensorType
 from taso_jax.ops.dims import is_open
 
 __all__ = ["clean_imported", "fold_static_sizes", "merge_duplicate_regions", "drop_zero_states",
-           "file_leftovers", "is_zero"]
+           "file_leftovers", "is_zero", "fixed_sizes_read"]
 
 
 def _shape_range(node: Node) -> tuple[int, int, str] | None:
@@ -332,3 +332,29 @@ def file_leftovers(model) -> dict[str, int]:
             counts["duplicate"] += 1
         seen.add(key)
     return {k: v for k, v in counts.items() if v}
+
+
+def fixed_sizes_read(model) -> int:
+    """How many ``Shape`` and ``Size`` nodes of ``model`` read a tensor of fixed sizes only.
+
+    Such a node computes, at every run, a constant (ONNX shape inference,
+    ``onnx.shape_inference.infer_shapes``, gives every size of what it reads as a number,
+    open sizes being names), which a written file should hold as one (issue 62). A
+    tensor whose sizes inference cannot give counts as open.
+    """
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - a model inference cannot follow: nothing known fixed
+        return 0
+    g = inferred.graph
+    fixed = {}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            fixed[vi.name] = all(d.HasField("dim_value") for d in t.shape.dim)
+    for init in g.initializer:
+        fixed[init.name] = True
+    return sum(1 for n in g.node if n.op_type in ("Shape", "Size") and not n.domain
+               and fixed.get(n.input[0], False))
