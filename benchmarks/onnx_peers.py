@@ -14,8 +14,9 @@ the command's own tolerance; inputs drawn as the command draws them,
 The markdown table has one row per model (each tool's speed-up; ``≠`` marks unequal
 outputs, ``(input)`` a file that is the input's bytes, so its figure is the noise alone,
 ``fails`` a tool that gave no file or a file that does not run) and a geometric
-mean over the models, where a tool's failed or unequal file counts as 1.00x (the user keeps
-the original). Its first column, ``noise``, is the original timed the same way against a
+mean over the models, where a tool's failed or unequal file, or one that is the input's
+bytes, counts as 1.00x (the user keeps the original). Its first column, ``noise``, is the
+original timed the same way against a
 second session of itself: how far from 1.00x a file that changes nothing lands on that
 model. Below the table, the models where taso-jax's file ran slower than the best peer's,
 or slower than 0.97x, by more than that noise (at least 3%): issue 62's done-when. The
@@ -161,8 +162,9 @@ def _cell(entry: dict | None) -> str:
 
 
 def geomean(rows: dict, tool: str) -> float:
-    """Geometric mean of ``tool``'s speed-ups; failed or unequal files count as 1.0."""
-    values = [e["speedup"] if "speedup" in e and e["equal"] else 1.0
+    """Geometric mean of ``tool``'s speed-ups; failed or unequal files and files that are
+    the input's bytes count as 1.0 (the column ``noise`` keeps its figures)."""
+    values = [e["speedup"] if tool == "noise" else _kept(e)
               for e in (row.get(tool) for row in rows.values()) if e is not None]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
@@ -190,9 +192,13 @@ def table(rows: dict, tools) -> str:
 
 
 def _kept(entry: dict | None) -> float | None:
-    """A file's speed-up as the user gets it: 1.0 where it failed or is unequal."""
+    """A file's speed-up as the user gets it: 1.0 where it failed or is unequal, and where
+    it is the input's own bytes (what it measured is the noise: an unchanged file "ran"
+    1.11x on 2026-11-30)."""
     if entry is None:
         return None
+    if entry.get("same"):
+        return 1.0
     return entry["speedup"] if "speedup" in entry and entry["equal"] else 1.0
 
 

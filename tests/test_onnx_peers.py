@@ -35,7 +35,8 @@ def test_the_table_marks_unequal_and_failed_files_and_counts_them_as_1x_in_the_g
     assert lines[2] == "| a | 1.05x (input) | 2.00x | 4.00x ≠ |"
     assert lines[3] == "| b | - | 0.50x (input) | fails |"
     assert lines[4] == "| c | - | - | - |"
-    assert lines[5] == "| **geomean** | 1.050x | 1.000x | 1.000x |"  # sqrt(2 * 0.5); 1 and 1
+    # onnxsim: sqrt(2 * 1), its file for b being the input's bytes (0.5x is the noise)
+    assert lines[5] == "| **geomean** | 1.050x | 1.414x | 1.000x |"
     assert "- b, taso-jax: RuntimeError: exit 1" in text and "- c: not measured" in text
     # a's unequal file is kept as 1.00x: behind onnxsim's 2.00x by more than its 5% noise
     assert "taso-jax behind the best peer beyond the noise: 1: a (1.00x, best peer 2.00x)" \
@@ -56,6 +57,10 @@ def test_a_shortfall_within_the_noise_is_not_one():
     assert lines[0] == ("taso-jax behind the best peer beyond the noise: 2: "
                         "slow (0.90x, best peer 1.00x), behind (1.10x, best peer 1.20x)")
     assert lines[1] == "taso-jax below 0.97x beyond the noise: 1: slow (0.90x)"
+    unchanged = row(1.0, 1.2, 1.0)
+    unchanged["onnxsim"]["same"] = True  # the peer wrote the input back: 1.2x was noise
+    assert peers.shortfalls({"unchanged": unchanged})[0] == (
+        "taso-jax behind the best peer beyond the noise: 0")
 
 
 def test_one_tool_is_measured_on_a_tiny_model(tmp_path):
