@@ -186,6 +186,11 @@ def from_expression(value: int, text: str, known: frozenset[str] | None = None) 
     return _make(value, parsed)
 
 
+#: ``[True]`` once this process has made a :class:`Dim`: from then on, hash-consing tells
+#: nodes apart by their sizes' expressions too (:func:`taso_jax.ir.graph.intern_node`).
+MADE = [False]
+
+
 class Dim(int):
     """A size: its value at the bound sizes (the ``int``) and its expression over open sizes.
 
@@ -203,6 +208,7 @@ class Dim(int):
         """A size of ``value`` at the bound sizes and ``expr`` (SymPy) over the open ones."""
         self = super().__new__(cls, int(value))
         self.expr = expr
+        MADE[0] = True
         return self
 
     def __reduce__(self):

@@ -259,9 +259,13 @@ def _import_reshape(ctx, ins, *, axis=1, allowzero=0, **_):
     # with the open sizes that the ONNX operator carries over from its input.
     shape = ctx.out_types[0].shape
     derived = _carried_sizes(ctx, ins, int(axis), int(allowzero))
+    fixed = (getattr(ctx, "out_fixed", None) or [None])[0] or ()
     if derived is not None and len(derived) == len(shape):
-        shape = tuple(d if is_open(d) or not is_open(e) or int(e) != int(d) else e
-                      for d, e in zip(shape, derived, strict=True))
+        # a size the symbolic inference found to be a number stays one: at a binding of 1,
+        # an input's 12*N equals a head count of 12 (a MiniLM's keys, 2026-11-30)
+        shape = tuple(d if is_open(d) or not is_open(e) or int(e) != int(d)
+                      or (k < len(fixed) and fixed[k]) else e
+                      for k, (d, e) in enumerate(zip(shape, derived, strict=True)))
     return [ctx.op("reshape", [ins[0]], shape=shape)]
 
 

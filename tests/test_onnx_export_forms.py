@@ -229,3 +229,54 @@ def test_a_size_read_at_run_time_is_counted_only_where_it_is_fixed(tmp_path):
     original = _expand_slice_model()
     assert "Shape" in _ops(original)
     assert fixed_sizes_read(_written(original, tmp_path)[1]) == 0
+
+
+def test_two_reshapes_equal_only_at_the_binding_stay_two_nodes():
+    """``[1, 1, N]`` to ``(1, 1, N, 1)`` and to ``(1, 1, 1, N)`` are one shape at ``N = 1``;
+    hash-consing keeps them apart by their sizes' expressions (a MiniLM's attention mask
+    read the one as the other on main at f2966a4)."""
+    from taso_jax.ir.graph import leaf_node, make_node
+    from taso_jax.ops import TensorType
+    from taso_jax.ops.dims import Dim, symbol
+
+    n = Dim(1, symbol("N"))
+    x = leaf_node("input", "x", TensorType((1, 1, n), "float32")).outputs[0]
+    a = make_node("reshape", [x], {"shape": (1, 1, n, 1)})
+    b = make_node("reshape", [x], {"shape": (1, 1, 1, n)})
+    assert a is not b
+    assert make_node("reshape", [x], {"shape": (1, 1, n, 1)}) is a
+
+
+def _position_model():
+    """``x + E[positions[:, :T]]``: a BERT position embedding, ``x`` ``[1, T, 8]``, the ids
+    sliced to the input's length ``T`` (open) from a ``[1, 16]`` table of positions."""
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(np.arange(16, dtype=np.int64)[None], "positions"),
+             nh.from_array(rng.standard_normal((16, 8)).astype(np.float32), "E"),
+             nh.from_array(np.array([1], np.int64), "one"),
+             nh.from_array(np.array([0], np.int64), "zero"),
+             nh.from_array(np.array([2], np.int64), "two")]
+    nodes = [h.make_node("Shape", ["x"], ["s"]),
+             h.make_node("Slice", ["s", "one", "two"], ["t"]),
+             h.make_node("Slice", ["positions", "zero", "t", "one"], ["ids"]),
+             h.make_node("Gather", ["E", "ids"], ["pe"], axis=0),
+             h.make_node("Add", ["x", "pe"], ["y"])]
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [1, "T", 8])],
+                         [h.make_tensor_value_info("y", T.FLOAT, [1, "T", 8])], inits)
+    m = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.checker.check_model(m)
+    return m
+
+
+def test_a_weight_slice_to_an_open_length_is_computed_at_run_time(tmp_path):
+    original = _position_model()
+    graph, written = _written(original, tmp_path)
+    assert any(n.op == "gather" and n.weight_only for n in graph.nodes)
+    assert "Gather" in _ops(written)  # not one constant of the bound length
+    _same_at(original, written, "x", [(1, 1, 8), (1, 5, 8)])

@@ -30,6 +30,10 @@ class ImportContext:
         source_op: the ONNX op type or JAX primitive being imported (``"MaxPool"``,
             ``"sub"``): importers registered for several read it.
         out_types: the :class:`TensorType` of each output of that node or equation.
+        out_fixed: per output, one flag per axis where the symbolic inference of a model's
+            open sizes reached it: whether that size is a number at every binding (an
+            importer must not take it for an open size that equals it at the binding);
+            ``None`` where nothing is known.
         dedupe_literals: equal constant arrays become one weight (jaxpr literals repeat).
     """
 
@@ -40,6 +44,8 @@ class ImportContext:
         self.constants = constants
         self.source_op = ""
         self.out_types: list[TensorType] = []
+        self.out_fixed: list[tuple | None] = []
+        self.static_axes: dict | None = None  # value name -> flags (the ONNX import sets it)
         self._dedupe = dedupe_literals
         self._literals: dict[tuple, Tensor] = {}
         self._cache: dict[Tensor, np.ndarray | None] = {}

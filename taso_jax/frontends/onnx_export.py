@@ -20,7 +20,7 @@ import numpy as np
 from taso_jax.frontends.onnx_opaque import _outer_names
 from taso_jax.ir.graph import Graph, Tensor
 from taso_jax.ops import OPS, TensorType
-from taso_jax.ops.dims import is_open
+from taso_jax.ops.dims import is_open, open_dims
 
 __all__ = ["export_onnx", "EXTERNAL_MIN_BYTES", "PROTOBUF_LIMIT_BYTES", "serialize_onnx",
            "write_onnx"]
@@ -157,7 +157,9 @@ def _fold_no_larger(graph: Graph, keys: list, values: list) -> tuple[list, list,
     A folded value larger (in bytes) than the weights it is computed from would make the
     file grow: an int8-quantized MiniLM, its weights cast to float32 and scaled ahead of
     time, went from 21 MB of weights to 86 MB. Such a value's weight-only subgraph is
-    written as operators on its weights instead. Returns ``(keys, values, nodes)``: the
+    written as operators on its weights instead; so is a value whose sizes follow the
+    model's open ones (position embeddings sliced to the input's length: folded, they held
+    the bound length only). Returns ``(keys, values, nodes)``: the
     tensors still stored with their values (plus the weights those subgraphs read, as
     stored), and the weight-only nodes written as operators.
     """
@@ -180,7 +182,8 @@ def _fold_no_larger(graph: Graph, keys: list, values: list) -> tuple[list, list,
         if t.node.op == "weight":
             continue
         nodes, leaves = cone(t)
-        if t.type.nbytes > sum(graph.weights[n.name].nbytes for n in leaves):
+        if open_dims(t.shape) or t.type.nbytes > sum(graph.weights[n.name].nbytes
+                                                      for n in leaves):
             computed |= nodes
             read |= leaves
     if not computed:

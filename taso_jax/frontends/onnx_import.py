@@ -197,8 +197,9 @@ def load_onnx(source, input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     inputs = _graph_inputs(g, env, types, where)
     opsets = tuple(sorted((o.domain, o.version) for o in model.opset_import))
     opaque: dict[str, int] = {}
-    _import_nodes(model, env, types, ImportContext(weights, opset), opsets, opaque, where,
-                  deadline)
+    ctx = ImportContext(weights, opset)
+    ctx.static_axes = static_axes
+    _import_nodes(model, env, types, ctx, opsets, opaque, where, deadline)
     outputs, names = [], []
     for o in g.output:
         outputs.append(env[o.name])
@@ -518,6 +519,7 @@ def _import_node(node, env, types, ctx, opsets, ir_version, opaque) -> list[Tens
         if importer is not None and all(t is not None for t, o in zip(
                 out_types, node.output, strict=True) if o):
             ctx.out_types = out_types
+            ctx.out_fixed = [(ctx.static_axes or {}).get(o) for o in node.output]
             ctx.source_op = node.op_type
             try:
                 res = importer(ctx, ins, **_attrs(node))

@@ -126,6 +126,7 @@ def _infer(light, names: Mapping[tuple[str, int], str], deadline=None) -> dict[s
     ``names``; empty where the inference fails or ``deadline`` passes (it is a help, never
     a requirement).
     """
+    _weights_as_inputs(light)
     for inp in light.graph.input:
         dims = inp.type.tensor_type.shape.dim
         for axis, d in enumerate(dims):
@@ -146,3 +147,28 @@ def _infer(light, names: Mapping[tuple[str, int], str], deadline=None) -> dict[s
                         d.dim_value if d.HasField("dim_value") else None
                         for d in tt.shape.dim]
     return out
+
+
+def _weights_as_inputs(light) -> None:
+    """The light model's weights without data made graph inputs of their type and sizes.
+
+    The tool reads an initializer's values wherever an operator's rule may compute on them
+    (a ``Cast`` of an int8 embedding table): one without data raised, and the whole
+    inference of a quantized MiniLM was lost with it (2026-11-30). A graph input has sizes
+    and no values, which every rule allows for.
+    """
+    from onnx import helper
+
+    kept = []
+    for init in light.graph.initializer:
+        empty = not init.raw_data and not any(
+            len(getattr(init, f)) for f in ("float_data", "int32_data", "int64_data",
+                                            "double_data", "uint64_data", "string_data"))
+        if empty and all(d > 0 for d in init.dims) and init.dims:
+            light.graph.input.append(helper.make_tensor_value_info(
+                init.name, init.data_type, list(init.dims)))
+        else:
+            kept.append(init)
+    if len(kept) != len(light.graph.initializer):
+        del light.graph.initializer[:]
+        light.graph.initializer.extend(kept)

@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from taso_jax.ops import OPS, ShapeError, TensorType, get_op
+from taso_jax.ops.dims import MADE as _DIMS_MADE
+from taso_jax.ops.dims import Dim as _Dim
 
 __all__ = ["Graph", "GraphBuilder", "Node", "Tensor", "make_node", "new_graph", "GraphError",
            "composition_nodes"]
@@ -127,9 +129,30 @@ _TABLE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
 
 
+_EXPR = object()  # marks an open size in a hash-consing key
+
+
+def _with_exprs(value):
+    """``value`` (an attribute, nested tuples) with each open size as its value and expression.
+
+    A :class:`~taso_jax.ops.dims.Dim` equals and hashes as its value, so without this two
+    reshapes of ``[1, 1, N]`` to ``(1, 1, N, 1)`` and to ``(1, 1, 1, N)``, the same at a
+    binding of ``N = 1``, were one node (a MiniLM's attention mask, 2026-11-30).
+    """
+    if isinstance(value, _Dim):
+        return (_EXPR, int(value), value.expr)
+    if isinstance(value, tuple) and any(isinstance(x, tuple | _Dim) for x in value):
+        return tuple(_with_exprs(x) for x in value)
+    return value
+
+
 def intern_node(op: str, attrs: tuple, inputs: tuple, types: tuple) -> Node:
-    """Return the unique node for ``(op, attrs, inputs)``, creating it with ``types``."""
-    key = (op, attrs, inputs)
+    """Return the unique node for ``(op, attrs, inputs)``, creating it with ``types``.
+
+    Once open sizes exist in the process, attributes that differ only in their sizes'
+    expressions make different nodes (:func:`_with_exprs`).
+    """
+    key = (op, _with_exprs(attrs) if _DIMS_MADE[0] else attrs, inputs)
     with _LOCK:
         node = _TABLE.get(key)
         if node is None:
