@@ -19,7 +19,13 @@ from taso_jax.ops import (
     onnx_importer,
 )
 from taso_jax.ops._lazy import LazyModule
-from taso_jax.ops.dims import expr_of, is_open, open_dims, same_size
+from taso_jax.ops.dims import is_open, open_dims, same_size
+from taso_jax.ops.tensor_sizes import (
+    carried_sizes,
+    from_end,
+    open_bounds,
+    runtime_bounds,
+)
 
 jnp = LazyModule("jax.numpy")
 
@@ -258,7 +264,7 @@ def _import_reshape(ctx, ins, *, axis=1, allowzero=0, **_):
     # All shapes are static after import, so the target shape is the inferred output shape,
     # with the open sizes that the ONNX operator carries over from its input.
     shape = ctx.out_types[0].shape
-    derived = _carried_sizes(ctx, ins, int(axis), int(allowzero))
+    derived = carried_sizes(ctx, ins, int(axis), int(allowzero))
     fixed = (getattr(ctx, "out_fixed", None) or [None])[0] or ()
     if derived is not None and len(derived) == len(shape):
         # a size the symbolic inference found to be a number stays one: at a binding of 1,
@@ -267,84 +273,6 @@ def _import_reshape(ctx, ins, *, axis=1, allowzero=0, **_):
                       or (k < len(fixed) and fixed[k]) else e
                       for k, (d, e) in enumerate(zip(shape, derived, strict=True)))
     return [ctx.op("reshape", [ins[0]], shape=shape)]
-
-
-def _product(dims) -> int:
-    out = 1
-    for d in dims:
-        out = d * out
-    return out
-
-
-def _aligned_sizes(x: tuple, y: tuple) -> tuple:
-    """``y``'s sizes, each matched to an equal one of ``x`` at the same place from either end.
-
-    A reshape whose target is computed at run time (``Shape``, ``Gather``, ``Concat``)
-    mostly keeps the leading and trailing sizes and merges or splits the middle: the sizes
-    equal from the left and from the right are taken from ``x`` (with their open sizes),
-    and where one size of ``y`` is left between them it is the product of ``x``'s sizes
-    left there. A guess, not a derivation: the check at a second binding of the open
-    sizes catches a wrong one (and the input is then kept).
-    """
-    n, m = len(x), len(y)
-    out = list(y)
-    i = 0
-    while i < min(n, m) and int(x[i]) == int(y[i]):
-        out[i] = x[i]
-        i += 1
-    j = 0
-    while j < min(n, m) - i and int(x[n - 1 - j]) == int(y[m - 1 - j]):
-        out[m - 1 - j] = x[n - 1 - j]
-        j += 1
-    if m - i - j == 1 and n - i - j >= 1:
-        rest = _product(x[i:n - j])
-        if int(rest) == int(y[i]):
-            out[i] = rest
-    return tuple(out)
-
-
-def _carried_sizes(ctx, ins, axis: int, allowzero: int) -> tuple | None:
-    """The output sizes of an ONNX Reshape, Flatten, Squeeze or Unsqueeze, from its input's.
-
-    Computed from the operator's definition (ONNX operator spec: Reshape's 0 copies the
-    input's size at that position and -1 takes what is left; Flatten's two sizes are the
-    products before and after ``axis``; Squeeze and Unsqueeze drop and insert sizes of 1),
-    so that a size following an input's open size (:class:`~taso_jax.ops.dims.Dim`) keeps
-    its expression where onnxruntime's symbolic shape inference gave none (its Flatten of
-    an open batch is a fresh name). A Reshape whose target is computed at run time gets
-    :func:`_aligned_sizes`. ``None`` where the input has no open size, or the axes of a
-    Squeeze or Unsqueeze are not constants.
-    """
-    x = tuple(ctx.type(ins[0]).shape)
-    if not open_dims(x):
-        return None
-    op = ctx.source_op
-    if op == "Flatten":
-        a = axis + len(x) if axis < 0 else axis
-        return (_product(x[:a]), _product(x[a:]))
-    if op not in ("Reshape", "Squeeze", "Unsqueeze"):
-        return None
-    value = ctx.const(ins[1]) if len(ins) > 1 and ins[1] is not None else None
-    if op == "Squeeze":
-        axes = ({int(a) % len(x) for a in np.ravel(value)} if value is not None
-                else {k for k, d in enumerate(x) if int(d) == 1 and not is_open(d)})
-        return tuple(d for k, d in enumerate(x) if k not in axes)
-    if value is None:
-        return _aligned_sizes(x, ctx.out_types[0].shape) if op == "Reshape" else None
-    if op == "Unsqueeze":
-        rank = len(x) + np.size(value)
-        axes = {int(a) % rank for a in np.ravel(value)}
-        rest = iter(x)
-        return tuple(1 if k in axes else next(rest) for k in range(rank))
-    out = [x[k] if t == 0 and not allowzero and k < len(x) else int(t)
-           for k, t in enumerate(np.ravel(value).tolist())]
-    if out.count(-1) == 1:
-        k = out.index(-1)
-        known = _product(out[:k] + out[k + 1:])
-        if int(known) == 0:
-            return None
-        out[k] = _product(x) // known
-    return tuple(out)
 
 
 # ---- slice / pad / gather / expand --------------------------------------------------------
@@ -370,23 +298,11 @@ def _extent(s, e, st):
     return n
 
 
-def _from_end(v, d):
-    """``-c`` where bound ``v`` is open size ``d`` less a constant ``c > 0`` at every binding.
-
-    ONNX Slice counts a negative start or end from the back of the axis, so the written
-    model slices the same part at every size without computing ``d`` at run time.
-    """
-    if d is None or not (is_open(v) or is_open(d)):
-        return None
-    diff = expr_of(d) - expr_of(v)
-    return -int(diff) if diff.is_Integer and int(diff) > 0 else None
-
-
 def _slice_onnx(ctx, ins, outs, *, starts, ends, steps):
     """ONNX Slice, on the axes it narrows; bounds at an open size's end counted from the back.
 
     An end at an open size's full extent is written as "to the end", one a constant short
-    of it as a negative index (:func:`_from_end`), and so is a start; an axis taken whole
+    of it as a negative index (:func:`from_end`), and so is a start; an axis taken whole
     (start 0, step 1, to the end) is left out of ``axes``.
     """
     low, high = np.iinfo(np.int64).min, np.iinfo(np.int64).max
@@ -400,10 +316,10 @@ def _slice_onnx(ctx, ins, outs, *, starts, ends, steps):
         if st > 0 and d is not None and (same_size(e, d) if is_open(e) or is_open(d)
                                          else int(e) >= int(d)):
             e = high
-        elif st > 0 and _from_end(e, d) is not None:
-            e = _from_end(e, d)
-        if st > 0 and _from_end(s, d) is not None:
-            s = _from_end(s, d)
+        elif st > 0 and from_end(e, d) is not None:
+            e = from_end(e, d)
+        if st > 0 and from_end(s, d) is not None:
+            s = from_end(s, d)
         if st == 1 and not is_open(s) and int(s) == 0 and e == high:
             continue  # the whole axis
         axes.append(k)
@@ -424,43 +340,6 @@ declare(OpDef(
                                             "steps": (2, -2)}),),
     doc="strided slice with per-axis start, end (exclusive; -1 past the front) and step "
         "(ONNX Slice)"))
-
-
-def _open_bounds(bounds, s: int, e: int, st: int, d) -> tuple:
-    """Slice ``bounds`` (Python's ``slice.indices`` at the bound size) over an open size ``d``.
-
-    Where the axis's size is open (:class:`~taso_jax.ops.dims.Dim`), a start or end counted
-    from the back (negative) or past the end is the size's expression plus the offset, so
-    the written model slices the same part at other sizes; others stay as bound.
-    """
-    if not is_open(d) or st <= 0:
-        return bounds
-    start, stop, step = bounds
-    if s < 0 and start == int(d) + s:
-        start = d + s
-    if e >= int(d) and stop == int(d):
-        stop = d
-    elif e < 0 and stop == int(d) + e:
-        stop = d + e
-    return start, stop, step
-
-
-def _runtime_bounds(s, e, st: int, d, extent) -> tuple:
-    """Slice bounds on an axis of size ``d`` whose start or end is computed at run time.
-
-    ``s`` or ``e`` is ``None`` where it comes from ``Shape`` arithmetic (as this project's
-    export writes a bound at an open size): the other bound is taken as given, and the
-    missing one where ``extent`` entries (the output's size, from ONNX shape inference,
-    with its expression where open) begin or end. Forward steps only, and a step of 1
-    where the start is missing (``ValueError``).
-    """
-    if st <= 0 or (s is None and st != 1) or (s is None and e is None):
-        raise ValueError("a slice whose bounds are computed at run time")
-    if s is None:  # the end as given, the start extent entries before it
-        stop = _open_bounds(slice(0, int(e), 1).indices(int(d)), 0, int(e), 1, d)[1]
-        return stop - extent, stop, 1
-    start = _open_bounds(slice(int(s), int(d), st).indices(int(d)), int(s), int(d), st, d)[0]
-    return start, start + st * (extent - 1) + 1 if int(extent) > 0 else start, st
 
 
 @onnx_importer("Slice")
@@ -486,9 +365,9 @@ def _import_slice(ctx, ins, **attrs):
         a = a + len(shape) if a < 0 else a
         s, e = (None if b is None else int(b[k]) for b in (starts, ends))
         if s is None or e is None:  # computed at run time: read off the output's size
-            full[a] = _runtime_bounds(s, e, int(st), shape[a], ctx.out_types[0].shape[a])
+            full[a] = runtime_bounds(s, e, int(st), shape[a], ctx.out_types[0].shape[a])
             continue
-        full[a] = _open_bounds(slice(s, e, int(st)).indices(shape[a]), s, e, int(st),
+        full[a] = open_bounds(slice(s, e, int(st)).indices(shape[a]), s, e, int(st),
                                shape[a])
     # Python's range end for a negative step that runs past the front is -1: store as -1.
     return [ctx.op("slice", [ins[0]], starts=tuple(f[0] for f in full),

@@ -235,9 +235,10 @@ def test_two_reshapes_equal_only_at_the_binding_stay_two_nodes():
     """``[1, 1, N]`` to ``(1, 1, N, 1)`` and to ``(1, 1, 1, N)`` are one shape at ``N = 1``;
     hash-consing keeps them apart by their sizes' expressions (a MiniLM's attention mask
     read the one as the other on main at f2966a4)."""
-    from taso_jax.ir.graph import leaf_node, make_node
     from taso_jax.ops import TensorType
     from taso_jax.ops.dims import Dim, symbol
+
+    from taso_jax.ir.graph import leaf_node, make_node
 
     n = Dim(1, symbol("N"))
     x = leaf_node("input", "x", TensorType((1, 1, n), "float32")).outputs[0]
