@@ -568,6 +568,20 @@ declare(OpDef(
         "[B, T, I]) and [D, G, I] -> [T, D, B, G] (ONNX LSTM/GRU's X*(W^T))"))
 
 
+#: The inputs of each declared recurrence that ONNX makes optional and zero when absent
+#: (``B``, ``initial_h``, ``initial_c``, ``P``), by position: ``lstm(x, w, r, b, h0, c0, p)``,
+#: ``gru(x, w, r, b, h0)``, and their ``_scan`` forms on ``xw`` for ``x, w``. The export
+#: writes an all-zero one absent (:func:`_emit`); the cleanup makes a provably zero one a
+#: zero weight (:func:`taso_jax.frontends.onnx_cleanup.drop_zero_states`).
+ZERO_WHEN_ABSENT = {"lstm": (3, 4, 5, 6), "gru": (3, 4), "lstm_scan": (2, 3, 4, 5),
+                    "gru_scan": (2, 3)}
+#: The initial-state slots of ONNX recurrences the import may keep opaque (other
+#: activations; onnxruntime's com.microsoft DynamicQuantizeLSTM, which takes LSTM's first
+#: eight inputs): ``(domain, op type) -> positions``, zero when absent (ONNX LSTM, GRU, RNN).
+ONNX_STATE_SLOTS = {("", "LSTM"): (5, 6), ("", "GRU"): (5,), ("", "RNN"): (5,),
+                    ("com.microsoft", "DynamicQuantizeLSTM"): (5, 6)}
+
+
 # ---- ONNX importers -----------------------------------------------------------------------
 
 def _import_recurrent(ctx, ins, kind: str, *, activations=None, activation_alpha=None,

@@ -24,7 +24,6 @@ def _gru_model(state: str, value: float = 0.0, activations=None):
     ``h0 = zeros(1, N, H)``: ``ConstantOfShape`` of sizes read from ``x``, then a ``Slice``
     of its one layer), filled with ``value``. ``activations`` other than the defaults keep
     the GRU opaque on import."""
-    import onnx
     from onnx import TensorProto as T
     from onnx import helper as h
     from onnx import numpy_helper as nh
@@ -50,7 +49,15 @@ def _gru_model(state: str, value: float = 0.0, activations=None):
     graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, ["T", "N", INP])],
                          [h.make_tensor_value_info("Y", T.FLOAT, ["T", 1, "N", HID]),
                           h.make_tensor_value_info("Yh", T.FLOAT, [1, "N", HID])], inits)
-    m = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    return _checked(graph, 17)
+
+
+def _checked(graph, opset: int):
+    """The model of ``graph`` at ``opset`` (IR version 8), checked by ``onnx.checker``."""
+    import onnx
+    from onnx import helper as h
+
+    m = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
     m.ir_version = 8
     onnx.checker.check_model(m)
     return m
@@ -132,7 +139,6 @@ def test_a_state_of_another_value_is_kept():
 def _expand_slice_model():
     """``y = Expand(b, [1, N, 8])`` of a ``[1, N, 1]`` tensor and ``z = x[:, N-3:N-1, :]``,
     ``x`` ``[1, N, 8]`` with ``N`` open."""
-    import onnx
     from onnx import TensorProto as T
     from onnx import helper as h
     from onnx import numpy_helper as nh
@@ -148,10 +154,7 @@ def _expand_slice_model():
     graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [1, "N", 8])],
                          [h.make_tensor_value_info("y", T.FLOAT, [1, "N", 8]),
                           h.make_tensor_value_info("z", T.FLOAT, [1, 2, 8])], inits)
-    m = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
-    m.ir_version = 8
-    onnx.checker.check_model(m)
-    return m
+    return _checked(graph, 18)
 
 
 def test_expand_and_a_slice_from_an_open_end_read_no_size_at_run_time(tmp_path):
@@ -170,7 +173,6 @@ def test_expand_and_a_slice_from_an_open_end_read_no_size_at_run_time(tmp_path):
 
 def _linear_model():
     """``MatMul(x, W) + b``, ``x`` ``[1, T, 32]``, ``T`` open: a PyTorch ``Linear``."""
-    import onnx
     from onnx import TensorProto as T
     from onnx import helper as h
     from onnx import numpy_helper as nh
@@ -182,10 +184,7 @@ def _linear_model():
              h.make_node("Relu", ["q"], ["y"])]
     graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [1, "T", 32])],
                          [h.make_tensor_value_info("y", T.FLOAT, [1, "T", 24])], inits)
-    m = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
-    m.ir_version = 8
-    onnx.checker.check_model(m)
-    return m
+    return _checked(graph, 17)
 
 
 def test_a_product_and_its_bias_on_a_3d_input_are_written_as_one_gemm(tmp_path):
@@ -251,7 +250,6 @@ def test_two_reshapes_equal_only_at_the_binding_stay_two_nodes():
 def _position_model():
     """``x + E[positions[:, :T]]``: a BERT position embedding, ``x`` ``[1, T, 8]``, the ids
     sliced to the input's length ``T`` (open) from a ``[1, 16]`` table of positions."""
-    import onnx
     from onnx import TensorProto as T
     from onnx import helper as h
     from onnx import numpy_helper as nh
@@ -269,10 +267,7 @@ def _position_model():
              h.make_node("Add", ["x", "pe"], ["y"])]
     graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [1, "T", 8])],
                          [h.make_tensor_value_info("y", T.FLOAT, [1, "T", 8])], inits)
-    m = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
-    m.ir_version = 8
-    onnx.checker.check_model(m)
-    return m
+    return _checked(graph, 17)
 
 
 def test_a_weight_slice_to_an_open_length_is_computed_at_run_time(tmp_path):

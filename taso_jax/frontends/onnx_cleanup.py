@@ -37,8 +37,9 @@ import numpy as np
 from taso_jax.frontends.onnx_opaque import _outer_names
 from taso_jax.ir.cleanup import flush_negligible_weights, rebuild, simplify
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
-from taso_jax.ops import TensorType
+from taso_jax.ops import OPS, TensorType
 from taso_jax.ops.dims import is_open
+from taso_jax.ops.recurrent import ONNX_STATE_SLOTS, ZERO_WHEN_ABSENT
 
 __all__ = ["clean_imported", "fold_static_sizes", "merge_duplicate_regions", "drop_zero_states",
            "file_leftovers", "is_zero", "fixed_sizes_read"]
@@ -169,24 +170,14 @@ def merge_duplicate_regions(graph: Graph) -> tuple[Graph, Counter]:
     return rebuild(graph, replace)
 
 
-# Operators whose output is zero wherever their first (data) input is: they move, copy or
-# convert elements and add none (concat: wherever all its inputs are).
-_KEEPS_ZERO = frozenset({"slice", "reshape", "transpose", "expand", "repeat", "cast", "split",
-                         "concat"})
-# The inputs of ``lstm(x, w, r, b, h0, c0, p)``, ``gru(x, w, r, b, h0)`` and their ``_scan``
-# forms (on ``xw`` for ``x, w``; ops/recurrent.py)
-# that ONNX makes optional, zero when absent: B, initial_h, initial_c, P.
-_OPTIONAL_ZERO = {"lstm": (3, 4, 5, 6), "gru": (3, 4), "lstm_scan": (2, 3, 4, 5),
-                  "gru_scan": (2, 3)}
-
-
 def is_zero(t: Tensor, weights: dict, depth: int = 16) -> bool:
     """Whether tensor ``t`` is zero in every element at every binding of the open sizes.
 
     True for a weight of zeros, an opaque ONNX ``ConstantOfShape`` whose ``value`` is zero
     (or absent: ONNX's default is a float32 zero), and the output of an operator that only
-    moves or converts elements (:data:`_KEEPS_ZERO`) of such tensors; False otherwise
-    (``depth`` bounds the walk).
+    copies elements (``OpDef.copies_values``, with no nonzero ``value`` to pad with) whose
+    inputs of the output's element type are all such tensors; False otherwise (``depth``
+    bounds the walk).
     """
     node = t.node
     if node.op == "weight":
@@ -203,10 +194,11 @@ def is_zero(t: Tensor, weights: dict, depth: int = 16) -> bool:
         (proto,) = call.protos()
         value = [numpy_helper.to_array(a.t) for a in proto.attribute if a.name == "value"]
         return not value or not np.any(value[0])
-    if node.op not in _KEEPS_ZERO:
+    opdef = OPS.get(node.op)
+    if opdef is None or not opdef.copies_values or node.attr("value", 0.0) != 0:
         return False
-    data = node.inputs if node.op == "concat" else node.inputs[:1]
-    return all(is_zero(u, weights, depth - 1) for u in data)
+    data = [u for u in node.inputs if u.dtype == t.dtype]
+    return bool(data) and all(is_zero(u, weights, depth - 1) for u in data)
 
 
 def drop_zero_states(graph: Graph) -> tuple[Graph, Counter]:
@@ -226,7 +218,7 @@ def drop_zero_states(graph: Graph) -> tuple[Graph, Counter]:
     def replace(node: Node):
         if node.op == "opaque":
             return _opaque_without_zero_states(node, weights)
-        slots = _OPTIONAL_ZERO.get(node.op, ())
+        slots = ZERO_WHEN_ABSENT.get(node.op, ())
         swap = [k for k in slots if k < len(node.inputs)
                 and node.inputs[k].node.op != "weight" and is_zero(node.inputs[k], weights)]
         if not swap:
@@ -245,22 +237,15 @@ def drop_zero_states(graph: Graph) -> tuple[Graph, Counter]:
     return rebuild(graph, replace, made)
 
 
-# Recurrences kept opaque (other activations, quantized forms): (domain, op type) -> the
-# slots of their initial states, zero when absent (ONNX LSTM, GRU and RNN; onnxruntime's
-# com.microsoft DynamicQuantizeLSTM, which takes LSTM's first eight inputs).
-_OPAQUE_STATES = {("", "LSTM"): (5, 6), ("", "GRU"): (5,), ("", "RNN"): (5,),
-                  ("com.microsoft", "DynamicQuantizeLSTM"): (5, 6)}
-
-
 def _opaque_without_zero_states(node: Node, weights: dict):
-    """An opaque recurrence (:data:`_OPAQUE_STATES`) with its zero initial states absent."""
+    """An opaque recurrence (``ops.recurrent.ONNX_STATE_SLOTS``) with zero states absent."""
     from taso_jax.frontends.onnx_opaque import OnnxNode
 
     call = node.attr("call")
     if not isinstance(call, OnnxNode) or len(call.nodes) != 1:
         return None
     (proto,) = call.protos()
-    slots = _OPAQUE_STATES.get((proto.domain or "", proto.op_type), ())
+    slots = ONNX_STATE_SLOTS.get((proto.domain or "", proto.op_type), ())
     where = dict(zip(call.in_names, node.inputs, strict=True))
     drop = [k for k in slots if k < len(proto.input) and proto.input[k] in where
             and is_zero(where[proto.input[k]], weights)]
