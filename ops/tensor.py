@@ -265,7 +265,7 @@ def _import_reshape(ctx, ins, *, axis=1, allowzero=0, **_):
     # with the open sizes that the ONNX operator carries over from its input.
     shape = ctx.out_types[0].shape
     derived = carried_sizes(ctx, ins, int(axis), int(allowzero))
-    fixed = (getattr(ctx, "out_fixed", None) or [None])[0] or ()
+    fixed = (ctx.out_fixed or [None])[0] or ()
     if derived is not None and len(derived) == len(shape):
         # a size the symbolic inference found to be a number stays one: at a binding of 1,
         # an input's 12*N equals a head count of 12 (a MiniLM's keys, 2026-11-30)

@@ -331,11 +331,7 @@ def _biased_products(graph: Graph, skipped) -> dict:
     weight-only float bias of ``N`` elements (``[N]`` or ``[1, N]``). Such a pair is
     written as one ONNX ``Gemm`` (:func:`_write_gemm`).
     """
-    readers: dict = {}
-    for n in graph.nodes:
-        for t in n.inputs:
-            readers.setdefault(t, []).append(n)
-    outputs = set(graph.outputs)
+    readers, outputs = graph.consumers, graph.output_set
     pairs = {}
     for a in graph.nodes:
         if a.op != "ewadd" or a in skipped or a.weight_only:
