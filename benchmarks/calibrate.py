@@ -33,7 +33,17 @@ causal attention at S=1024 above the naive form it runs 1.8x faster than. Collec
 retime on an idle machine.
 
 ``fit`` fits the curves to every sample but the unseen models' and writes them as the
-package's calibration for this device class.
+package's calibration for this device class (its ``meta.host`` names the processor).
+
+Every command reads gzip-compressed files too (``.gz``). The collection behind the shipped
+CPU calibration (an AMD EPYC, 2 cores, 2026-11-30), its rewrites, the unseen models' and
+the rewrites' three timings are kept in ``benchmarks/data/``, so that the fit and its
+scores can be run again without collecting and timing again (20 minutes here)::
+
+    python benchmarks/calibrate.py fit benchmarks/data/kernels_cpu_2026-11-30.jsonl.gz
+    python benchmarks/cost_model_accuracy.py benchmarks/data/kernels_cpu_2026-11-30.jsonl.gz \
+        benchmarks/data/kernels_cpu_unseen_2026-11-30.jsonl.gz --split dev \
+        --retimed benchmarks/data/rewrites_retimed_cpu_dev_2026-11-30.json.gz
 """
 
 from __future__ import annotations
@@ -235,19 +245,35 @@ def collect(args) -> int:
     return 0
 
 
+def read_lines(path) -> list[str]:
+    """The non-empty lines of a text file, gzip-compressed where its name ends in ``.gz``
+    (the collections kept in ``benchmarks/data/``)."""
+    import gzip
+
+    p = Path(path)
+    text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def rewrites_path(path) -> Path:
+    """The rewrites file beside a collection: ``K.jsonl.rewrites.jsonl``, or for a
+    compressed ``K.jsonl.gz``, ``K.jsonl.rewrites.jsonl.gz``."""
+    p = str(path)
+    return Path(p[:-3] + ".rewrites.jsonl.gz") if p.endswith(".gz") else \
+        Path(p + ".rewrites.jsonl")
+
+
 def read_samples(path: str):
     """The samples of a ``collect`` output, as :class:`KernelSample` with their keys."""
     from taso_jax.ops import ShapeError
     from taso_jax.search.calibrated import KernelSample
 
     rows, refused = [], 0
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
+    for line in read_lines(path):
         r = json.loads(line)
-        if "groups" not in r:  # collected before outputs and groups were recorded
+        if "rows" not in r:  # collected before outputs, groups, product sizes were recorded
             try:
-                r["outputs"], r["groups"] = _outputs_of(r["key"])
+                r.update(_features_of(r["key"]))
             except ShapeError:  # a form the operator no longer takes (im2col past MAX_TAPS)
                 refused += 1
                 continue
@@ -259,14 +285,29 @@ def read_samples(path: str):
             for r in rows]
 
 
-def _outputs_of(key: str) -> tuple[float, int]:
-    """Output elements and ``groups`` of the kernel named by a cost-cache key."""
-    from taso_jax.ops import OPS
+def _features_of(key: str) -> dict:
+    """Output elements, ``groups`` and product sizes of the kernel a cost-cache key names."""
+    from taso_jax.search.calibrated import kernel_features
 
-    op, attrs, ins = parse_key(key)
-    groups = dict(attrs).get("groups", 1)
-    return (float(sum(t.size for t in OPS[op].infer(list(ins), dict(attrs)))),
-            int(groups) if isinstance(groups, int) else 1)
+    s = kernel_features(kernel_node(key))
+    return {"outputs": s.outputs, "groups": s.groups, "rows": s.rows, "inner": s.inner,
+            "cols": s.cols}
+
+
+def _host() -> str:
+    """The machine the kernels were timed on: its processor's model name and core count."""
+    import os
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
 
 
 def fit(args) -> int:
@@ -285,6 +326,7 @@ def fit(args) -> int:
         write_samples(args.write, train, {
             "device": f"{dev.platform}:{getattr(dev, 'device_kind', dev.platform)}",
             "measured": time.strftime("%Y-%m-%d"),
+            "host": _host(),
             "models": sorted({s.source for s in train}),
             "unseen": sorted({s.source for s in samples if s.source.startswith("unseen:")}),
             "how": "benchmarks/calibrate.py collect, then fit"})
@@ -317,8 +359,6 @@ def main(argv=None) -> int:
 
 def retime(args) -> int:
     """Time the kernels of a ``collect`` output again; write the rows with their new prices."""
-    import shutil
-
     from taso_jax.search.cost import MeasuredCostModel
 
     out = Path(args.out)
@@ -327,7 +367,7 @@ def retime(args) -> int:
     ops = set(args.ops.split(",")) if args.ops else None
     measurer = MeasuredCostModel(cache_path=False)
     prices: dict[str, float] = {}
-    rows = [json.loads(line) for line in Path(args.samples).read_text().splitlines() if line]
+    rows = [json.loads(line) for line in read_lines(args.samples)]
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + ".part")
     with tmp.open("w") as f:
@@ -341,9 +381,9 @@ def retime(args) -> int:
                     prices[key] = row["micros"]
             f.write(json.dumps({**row, "micros": prices.get(key, row["micros"])}) + "\n")
     tmp.replace(out)
-    rewrites = Path(args.samples + ".rewrites.jsonl")
+    rewrites = rewrites_path(args.samples)
     if rewrites.exists():
-        shutil.copyfile(rewrites, str(out) + ".rewrites.jsonl")
+        Path(str(out) + ".rewrites.jsonl").write_text("\n".join(read_lines(rewrites)) + "\n")
     print(f"{len(prices)} kernels timed again in {time.perf_counter() - t0:.0f} s; wrote {out}")
     return 0
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibrate import held_out, kernel_node, read_samples  # noqa: E402
+from calibrate import held_out, kernel_node, read_lines, read_samples, rewrites_path  # noqa: E402
 
 
 def spearman(a, b) -> float:
@@ -98,6 +98,15 @@ def _passes(stored) -> list[tuple[float, float]]:
     return [tuple(p) for p in stored]
 
 
+def form_rules() -> set[str]:
+    """Names of the rules that pick another form of one node (a lowering): those whose
+    close calls the search settles by timing (:func:`taso_jax.search.descent._alternative`)."""
+    from taso_jax.search.descent import _alternative
+    from taso_jax.search.rules import default_substitutions
+
+    return {r.name for r in default_substitutions() if _alternative(r)}
+
+
 def analytic_price(s) -> float:
     """The analytic roofline's price of a sample (CPU preset), microseconds."""
     from taso_jax.search.cost import AnalyticCostModel
@@ -123,15 +132,15 @@ def main(argv=None) -> int:
                     help="independent timings of each rewrite (alternating rounds each); a "
                          "change is reproducible when all of them see it, with one sign")
     args = ap.parse_args(argv)
-    from taso_jax.search.calibrated import Calibration
+    from taso_jax.search.calibrated import CLOSE_SIGMAS, Calibration
     from taso_jax.search.cost import AnalyticCostModel
 
     rows, rewrites = [], []
     for path in args.samples:
         rows += read_samples(path)
-        rw = Path(path + ".rewrites.jsonl")
+        rw = rewrites_path(path)
         if rw.exists():
-            rewrites += [json.loads(line) for line in rw.read_text().splitlines() if line]
+            rewrites += [json.loads(line) for line in read_lines(rw)]
     # a resumed collection records a model's rewrites again
     rewrites = list({json.dumps(r, sort_keys=True): r for r in rewrites}.values())
     def scored(source: str) -> bool:
@@ -174,10 +183,14 @@ def main(argv=None) -> int:
         price[(s.source, k)] = s
     retimed = {}
     if args.retimed and Path(args.retimed).exists():
-        retimed = json.loads(Path(args.retimed).read_text())
+        retimed = json.loads("\n".join(read_lines(args.retimed)))
     tables = {name: {"all": [0, 0], "decisive": [0, 0], "reproducible": [0, 0]}
-              for name in ("calibrated", "analytic", "one measurement")}
+              for name in ("calibrated", "calibrated, close forms timed", "analytic",
+                           "one measurement")}
+    forms = form_rules()
+    timed = {"all": 0, "decisive": 0, "reproducible": 0}  # close forms the search would time
     retest = [0, 0]  # decisive in the first timing, and the same sign in every other one
+    by_rule = defaultdict(lambda: [0, 0, 0])  # reproducible: rewrites, calibrated, measured
     for r in rewrites:
         if not scored(r["source"]):
             continue
@@ -212,21 +225,35 @@ def main(argv=None) -> int:
         if decisive and len(changes) > 1:
             retest[0] += reproducible
             retest[1] += 1
+        p_new, p_gone = (sum(cal.predict(s)[0] for s in side) for side in (new, gone))
         guesses = {
-            "calibrated": sum(cal.predict(s)[0] for s in new)
-            - sum(cal.predict(s)[0] for s in gone),
+            "calibrated": p_new - p_gone,
             "analytic": sum(analytic_price(s) for s in new)
             - sum(analytic_price(s) for s in gone),
             # the kernels' times when they were collected: one measurement, taken apart
             "one measurement": sum(s.micros for s in new) - sum(s.micros for s in gone)}
+        # the search times two forms of one node whose prices lie within the curves'
+        # uncertainty of each other (CalibratedCostModel.refine): one measurement decides
+        sigma = max(cal.predict(s)[1] for s in new + gone)
+        close = r.get("rule") in forms and \
+            max(p_new, p_gone) <= min(p_new, p_gone) * math.exp(CLOSE_SIGMAS * sigma)
+        guesses["calibrated, close forms timed"] = guesses["one measurement" if close
+                                                           else "calibrated"]
         kinds = ["all"] + ["decisive"] * decisive + ["reproducible"] * reproducible
+        for kind in kinds:
+            timed[kind] += close
+        if reproducible:
+            rule = by_rule[r.get("rule", "?")]
+            rule[0] += 1
+            rule[1] += (guesses["calibrated"] < 0) == (d_meas < 0)
+            rule[2] += (guesses["one measurement"] < 0) == (d_meas < 0)
         for name, d in guesses.items():
             for kind in kinds:
                 tables[name][kind][0] += (d < 0) == (d_meas < 0)
                 tables[name][kind][1] += 1
-    lines += ["", "| single rewrites of held-out models | rewrites | sign agreement (calibrated) "
-              "| sign agreement (analytic) | sign agreement (one measurement) |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| single rewrites of held-out models | rewrites | "
+              + " | ".join(f"sign agreement ({name})" for name in tables) + " |",
+              "|---|---|" + "---|" * len(tables)]
     labels = (("all", "all"),
               ("decisive", f"measured change >= {args.decisive:.0%} in the first timing"),
               ("reproducible", f"measured change >= {args.decisive:.0%} in each of "
@@ -235,15 +262,37 @@ def main(argv=None) -> int:
         n = tables["calibrated"][kind][1]
         lines.append(f"| {label} | {n} | " + " | ".join(
             f"{tables[name][kind][0] / max(n, 1):.1%}" for name in tables) + " |")
+    n = tables["calibrated"]["reproducible"][1]
+    lines += ["", f"Close forms timed: of the {n} reproducible rewrites, {timed['reproducible']} "
+                  "pick between two forms of one node (a convolution and its lowering) priced "
+                  f"within {CLOSE_SIGMAS:g} sigma of the curves' uncertainty of each other; "
+                  "the search times those (`CalibratedCostModel.refine`, at most "
+                  "`MAX_COMPILES` kernels a run), and the column \"close forms timed\" "
+                  "takes their sign from one measurement (all rewrites: "
+                  f"{timed['all']} of {tables['calibrated']['all'][1]})."]
     if retest[1]:
         lines += ["", f"Test-retest of the measurement itself: of {retest[1]} rewrites whose "
                       f"first timing changed the cost by >= {args.decisive:.0%}, "
                       f"{retest[0]} ({retest[0] / retest[1]:.1%}) did so, with the same "
                       f"sign, in all {args.retimes} timings."]
+    if by_rule:
+        lines += ["", "Reproducible rewrites by rule (the rule's name, as the search's "
+                      "report gives it):", "",
+                  "| rule | reproducible rewrites | calibrated agrees | one measurement "
+                  "agrees |", "|---|---|---|---|"]
+        for name, (n, c, m) in sorted(by_rule.items(), key=lambda kv: (-kv[1][0], kv[0])):
+            lines.append(f"| `{name}` | {n} | {c} | {m} |")
     lines += ["", "Curves (samples, leave-one-out sigma of log time):", ""]
     lines += [f"- `{k}`: n={v['n']}, sigma={v['sigma']}" for k, v in cal.summary().items()]
     if args.retimed:
-        Path(args.retimed).write_text(json.dumps(retimed))
+        data = json.dumps(retimed).encode()
+        if args.retimed.endswith(".gz"):
+            import gzip
+
+            data = gzip.compress(data, mtime=0)
+        tmp = Path(args.retimed + ".part")
+        tmp.write_bytes(data)
+        tmp.replace(args.retimed)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

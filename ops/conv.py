@@ -21,6 +21,7 @@ from taso_jax.ops import (
     axiom,
     declare,
     jaxpr_importer,
+    matrix_product_dims,
     onnx_importer,
 )
 from taso_jax.ops._lazy import LazyModule, deferred
@@ -93,6 +94,11 @@ def _conv2d_shape(ts, *, strides, padding, dilations, groups, activation):
 def _conv2d_flops(ins, outs, **_):
     o, cg, kh, kw = ins[1].shape
     return 2.0 * outs[0].size * cg * kh * kw
+
+
+def _conv2d_product(ins, outs, *, groups=1, **_):
+    o, cg, kh, kw = ins[1].shape
+    return matrix_product_dims(outs[0], o, cg * kh * kw, groups)
 
 
 def _conv2d_onnx(ctx, ins, outs, *, strides, padding, dilations, groups, activation):
@@ -213,7 +219,7 @@ declare(OpDef(
         ([TensorType((1, 8, 6, 6), _F32), TensorType((8, 1, 3, 3), _F32)], {"groups": 8}),
     ),
     axioms=_CONV2D_LAWS,
-    grouped_kernel_axis=1, dot_operands=(0, 1),
+    grouped_kernel_axis=1, dot_operands=(0, 1), product_dims=_conv2d_product,
     doc="2-D convolution, NCHW x OIHW -> NCHW, with groups and fused activation (ONNX Conv)"))
 
 
@@ -261,6 +267,11 @@ def _conv2d_nhwc_flops(ins, outs, **_):
     return 2.0 * outs[0].size * cg * kh * kw
 
 
+def _conv2d_nhwc_product(ins, outs, *, groups=1, **_):
+    kh, kw, cg, o = ins[1].shape
+    return matrix_product_dims(outs[0], o, cg * kh * kw, groups)
+
+
 def _conv2d_nhwc_onnx(ctx, ins, outs, *, strides, padding, dilations, groups, activation):
     # ONNX Conv is NCHW/OIHW only: transpose in, conv2d's own export, transpose out
     x = ctx.tmp("Transpose", [ins[0]], perm=list(NHWC_TO_NCHW))
@@ -285,7 +296,7 @@ declare(OpDef(
         ([TensorType((1, 9, 9, 4), _F32), TensorType((3, 1, 4, 4), _F32)],
          {"padding": (1, 0, 2, 1), "dilations": (2, 1), "activation": "tanh"}),
     ),
-    grouped_kernel_axis=2, dot_operands=(0, 1),
+    grouped_kernel_axis=2, dot_operands=(0, 1), product_dims=_conv2d_nhwc_product,
     doc="2-D convolution, NHWC x HWIO -> NHWC, with groups and fused activation; conv2d in "
         "the layouts XLA:CPU prefers (exported to ONNX as Transpose, Conv, Transpose)"))
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, is_float_dtype
 from taso_jax.ops._lazy import LazyModule
-from taso_jax.ops.conv import _act, _conv2d_shape, _emit_act
+from taso_jax.ops.conv import _act, _conv2d_product, _conv2d_shape, _emit_act
 from taso_jax.ops.dims import is_open
 from taso_jax.ops.taps import MAX_TAPS, kernel_taps, onnx_kernel_taps
 from taso_jax.ops.tensor import _i64
@@ -129,6 +129,7 @@ declare(OpDef(
     name="conv2d_im2col", lowering=True, ref=_im2col, shape=_im2col_shape, arity=2,
     attrs={"strides": (1, 1), "padding": "same", "dilations": (1, 1), "activation": "none"},
     to_onnx=_im2col_onnx, flops=_im2col_flops, axioms=_IM2COL_LAWS,
+    product_dims=_conv2d_product,
     examples=(
         ([TensorType((1, 3, 9, 9), "float32"), TensorType((4, 3, 3, 3), "float32")], {}),
         ([TensorType((2, 2, 8, 7), "float32"), TensorType((3, 2, 5, 3), "float32")],

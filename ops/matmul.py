@@ -14,6 +14,7 @@ from taso_jax.ops import (
     axiom,
     declare,
     jaxpr_importer,
+    matrix_product_dims,
     onnx_importer,
 )
 from taso_jax.ops._lazy import LazyModule
@@ -91,6 +92,8 @@ declare(OpDef(
               ([TensorType((2, 1, 3, 4), _F32), TensorType((6, 4, 5), _F32)],
                {"activation": "relu"})),
     axioms=_MATMUL_LAWS + _LORA_LAWS, dot_operands=(0, 1),
+    product_dims=lambda ins, outs, **_: matrix_product_dims(outs[0], outs[0].shape[-1],
+                                                            ins[0].shape[-1]),
     doc="batched matrix product with fused activation (ONNX MatMul; TASO matmul)"))
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare
 from taso_jax.ops._lazy import LazyModule
-from taso_jax.ops.conv import _act, _emit_act, check_activation
+from taso_jax.ops.conv import _act, _conv2d_product, _emit_act, check_activation
 
 jnp = LazyModule("jax.numpy")
 
@@ -82,6 +82,7 @@ declare(OpDef(
     name="pointwise_matmul", lowering=True, ref=_pointwise, shape=_pointwise_shape, arity=2,
     attrs={"activation": "none"},
     to_onnx=_pointwise_onnx, flops=_pointwise_flops, axioms=_POINTWISE_LAWS,
+    product_dims=_conv2d_product,
     examples=(
         ([TensorType((1, 4, 5, 6), "float32"), TensorType((3, 4, 1, 1), "float32")], {}),
         ([TensorType((2, 3, 4, 4), "float32"), TensorType((5, 3, 1, 1), "float32")],

@@ -20,7 +20,15 @@ the ONNX node it came from, so onnxruntime still runs its int8 kernels on the wr
 from __future__ import annotations
 
 import numpy as np
-from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, onnx_importer
+from taso_jax.ops import (
+    OpDef,
+    ShapeError,
+    TensorType,
+    axiom,
+    declare,
+    matrix_product_dims,
+    onnx_importer,
+)
 from taso_jax.ops._lazy import LazyModule
 
 jax = LazyModule("jax")
@@ -269,6 +277,8 @@ declare(OpDef(
     name="matmul_integer", ref=_matmul_integer, shape=_matmul_integer_shape, arity=4,
     to_onnx=lambda ctx, ins, outs: ctx.node("MatMulInteger", ins, outs),
     flops=lambda ins, outs: 2.0 * outs[0].size * ins[0].shape[-1],
+    product_dims=lambda ins, outs: matrix_product_dims(outs[0], outs[0].shape[-1],
+                                                       ins[0].shape[-1]),
     examples=(([TensorType((2, 3, 4), "uint8"), TensorType((4, 5), "int8"),
                 TensorType((), "uint8"), TensorType((5,), "int8")], {}),
               ([TensorType((3, 4), "int8"), TensorType((4, 2), "uint8"),

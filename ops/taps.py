@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from taso_jax.ops import OpDef, ShapeError, TensorType, axiom, declare, is_float_dtype
 from taso_jax.ops._lazy import LazyModule
-from taso_jax.ops.conv import _act, _conv2d_shape, _emit_act
+from taso_jax.ops.conv import _act, _conv2d_product, _conv2d_shape, _emit_act
 from taso_jax.ops.tensor import _i64
 from taso_jax.ops.windows import explicit_pads
 
@@ -145,7 +145,7 @@ declare(OpDef(
     name="conv2d_taps", lowering=True, ref=_taps, shape=_taps_shape, arity=2,
     attrs={"strides": (1, 1), "padding": "same", "dilations": (1, 1), "groups": 1,
            "activation": "none"},
-    to_onnx=_taps_onnx, flops=_taps_flops, axioms=_TAPS_LAWS,
+    to_onnx=_taps_onnx, flops=_taps_flops, axioms=_TAPS_LAWS, product_dims=_conv2d_product,
     examples=(
         ([TensorType((1, 4, 9, 9), "float32"), TensorType((4, 1, 3, 3), "float32")],
          {"groups": 4}),

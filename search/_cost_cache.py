@@ -30,8 +30,8 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "open_cost_cache"]
 #: ``PRAGMA application_id`` of a taso_jax cost cache: "tasj" in ASCII.
 APPLICATION_ID = 0x7461736A
 #: ``PRAGMA user_version`` of the current schema (``spread`` and ``method`` columns; the
-#: ``samples`` table of kernel features).
-SCHEMA_VERSION = 3
+#: ``samples`` table of kernel features; 4: their product sizes).
+SCHEMA_VERSION = 4
 #: Seconds a connection waits for another process's lock (creation, migration, a write).
 BUSY_TIMEOUT_S = 10.0
 
@@ -126,8 +126,10 @@ def _migrate(db: sqlite3.Connection) -> None:
         # curves (taso_jax.search.calibrated)
         db.execute("CREATE TABLE IF NOT EXISTS samples (device TEXT, key TEXT, op TEXT, "
                    "family TEXT, flops REAL, bytes REAL, narrow INTEGER, micros REAL, "
-                   "outputs REAL, groups INTEGER, PRIMARY KEY (device, key))")
-        _add_columns(db, "samples", (("outputs", "REAL"), ("groups", "INTEGER")))
+                   "outputs REAL, groups INTEGER, rows REAL, inner REAL, cols REAL, "
+                   "PRIMARY KEY (device, key))")
+        _add_columns(db, "samples", (("outputs", "REAL"), ("groups", "INTEGER"),
+                                     ("rows", "REAL"), ("inner", "REAL"), ("cols", "REAL")))
         columns = {row[1] for row in db.execute("PRAGMA table_info(cost)")}
         # caches written before spreads, then timing methods, were recorded (a time of
         # no method is measured again)

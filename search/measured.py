@@ -400,9 +400,10 @@ class MeasuredCostModel(CostModel):
             with self._lock:
                 self._db.execute(
                     "INSERT OR REPLACE INTO samples (device, key, op, family, flops, bytes, "
-                    "narrow, micros, outputs, groups) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "narrow, micros, outputs, groups, rows, inner, cols) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (self.device, key, f.op, f.family, f.flops, f.bytes, int(f.narrow), micros,
-                     f.outputs, f.groups))
+                     f.outputs, f.groups, f.rows, f.inner, f.cols))
                 self._db.commit()
         except sqlite3.Error as e:
             self._drop_cache(e)

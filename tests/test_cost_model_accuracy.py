@@ -13,7 +13,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 def _row(source: str, key: str, flops: float, micros: float) -> dict:
     return {"op": "matmul", "family": "matmul", "flops": flops, "bytes": flops / 4,
             "narrow": False, "micros": micros, "source": source, "outputs": flops / 64,
-            "groups": 1, "key": key}
+            "groups": 1, "rows": flops / 64 / 32, "inner": 32.0, "cols": 32.0, "key": key}
 
 
 def _accuracy(tmp_path: Path, passes: dict, retimes: int) -> str:

@@ -210,6 +210,35 @@ def test_resize_sizes_are_inferred_without_simplify():
     assert cheap.floor is sympy.floor
 
 
+def test_strided_slice_sizes_are_inferred_without_simplify(monkeypatch):
+    """A strided Slice of an open axis, as a depthwise convolution's kernel taps write it
+    (``x[:, :, 1:H-1:2]``): onnxruntime's rule sizes it ``simplify((end - start + step - 1)
+    // step)``, which took minutes over a detector's taps; it is inferred here without
+    ``simplify``, to the size a run gives."""
+    from onnxruntime.tools import symbolic_shape_infer as tool
+
+    from taso_jax.frontends.onnx_tensor_types import symbolic_inference
+
+    inits = [nh.from_array(np.array(v, np.int64), k) for k, v in
+             {"s": [1], "e": [-1], "a": [2], "t": [2]}.items()]
+    graph = h.make_graph(
+        [h.make_node("Relu", ["x0"], ["x"]),
+         h.make_node("Slice", ["x", "s", "e", "a", "t"], ["y"])], "g",
+        [h.make_tensor_value_info("x0", TensorProto.FLOAT, [1, 3, "H", 5])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    monkeypatch.setattr(tool.sympy, "simplify",
+                        lambda *a, **k: pytest.fail("simplify was called"))
+    inferred = symbolic_inference(model, auto_merge=True)
+    size = inferred.graph.output[0].type.tensor_type.shape.dim[2].dim_param
+    import sympy
+
+    h_ = sympy.Symbol("H", integer=True)
+    for n in (4, 7, 224, 225):
+        assert int(sympy.sympify(size, locals={"H": h_}).subs(h_, n)) == \
+            len(range(n)[1:-1:2])
+
+
 def test_symbolic_inference_is_given_up_past_its_deadline():
     """A passed deadline: no inference (the sizes stay fixed at the binding); none: done."""
     from taso_jax.search.limits import Deadline

@@ -163,3 +163,16 @@ def test_numpy_fold_matches_reference(name, i):
         got = op.numpy_ref(*xs, **dict(node.attrs))
         assert got.shape == want.shape
         np.testing.assert_array_equal(got.astype(want.dtype), want)
+
+
+@pytest.mark.parametrize("name,i", [(n, i) for n, i in CASES if OPS[n].product_dims is not None])
+def test_product_dims_multiply_to_the_flops(name, i):
+    """``OpDef.product_dims`` (rows, inner, columns a group) times the groups is the
+    operator's arithmetic: 2 FLOPs a multiply-add."""
+    op = OPS[name]
+    ins, attrs = op.examples[i]
+    attrs = dict(op.normalize_attrs(attrs))
+    outs = op.infer(ins, attrs)
+    rows, inner, cols = op.product_dims(ins, outs, **attrs)
+    groups = attrs.get("groups", 1)
+    assert 2 * rows * inner * cols * groups == pytest.approx(op.cost_flops(ins, outs, attrs))

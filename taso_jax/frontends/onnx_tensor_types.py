@@ -330,17 +330,17 @@ def symbolic_inference(model, auto_merge: bool = False, deadline=None):
     needs equal (a broadcast of two open sizes) instead of failing. ``deadline`` (a
     :class:`~taso_jax.search.limits.Deadline`, or ``None``: no limit) is looked at before
     each operator the tool infers; once it has passed, the inference is given up. Its
-    ``Resize`` rule runs without SymPy's ``simplify`` (:func:`_resize_rule`). None where
-    the tool fails or the deadline passed; it is a help, never a requirement.
+    ``Resize`` and ``Slice`` rules run without SymPy's ``simplify`` (:func:`_cheap_rule`).
+    None where the tool fails or the deadline passed; it is a help, never a requirement.
     """
     try:
         from onnxruntime.tools import symbolic_shape_infer as tool
 
         ssi = tool.SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)
         if "Resize" in ssi.dispatcher_:
-            ssi.dispatcher_["Resize"] = _resize_rule(tool, ssi.dispatcher_["Resize"])
+            ssi.dispatcher_["Resize"] = _cheap_rule(tool, ssi.dispatcher_["Resize"])
         if "Slice" in ssi.dispatcher_:
-            ssi.dispatcher_["Slice"] = _slice_rule(ssi, ssi.dispatcher_["Slice"])
+            ssi.dispatcher_["Slice"] = _slice_rule(ssi, _cheap_rule(tool, ssi.dispatcher_["Slice"]))
         if deadline is not None:
             ssi.dispatcher_ = {op: _until(rule, deadline)
                                for op, rule in ssi.dispatcher_.items()}
@@ -371,14 +371,18 @@ def _until(rule, deadline):
 
 
 class _CheapSimplify:
-    """The ``sympy`` module as the tool's ``Resize`` rule sees it: ``simplify`` made cheap.
+    """The ``sympy`` module as the tool's ``Resize`` and ``Slice`` rules see it.
 
-    The rule writes each size as ``simplify(floor(d * scale))``, ``d`` the input's size
-    expression. Past a few strided convolutions and upsamplings ``d`` nests floors, and
-    ``simplify`` of it took 76 of the 84 s a PP-OCRv4 detector's import took (18 Resize
-    nodes). Here ``simplify`` only makes each float an exact rational, which lets SymPy's
-    own evaluation drop the floor where the product is an integer (``floor(2*d) = 2*d``
-    for an integer ``d``): the same value, a form that may be longer.
+    Its ``simplify`` is made cheap. The ``Resize`` rule writes each size as
+    ``simplify(floor(d * scale))``, ``d`` the input's size expression. Past a few strided
+    convolutions and upsamplings ``d`` nests floors, and ``simplify`` of it took 76 of the
+    84 s a PP-OCRv4 detector's import took (18 Resize nodes). The ``Slice`` rule writes
+    ``simplify((end - start + step - 1) // step)``: on the same detector with its depthwise
+    convolutions written as kernel taps (strided Slices of padded inputs,
+    ``lower-conv2d_taps``), importing the written file ran for minutes (now 3 s). Here
+    ``simplify`` only makes each float an exact rational, which lets SymPy's own evaluation
+    drop the floor where the product is an integer (``floor(2*d) = 2*d`` for an integer
+    ``d``): the same value, a form that may be longer.
     """
 
     def __init__(self, sympy):
@@ -396,8 +400,8 @@ class _CheapSimplify:
 _TOOL_LOCK = threading.Lock()
 
 
-def _resize_rule(tool, rule):
-    """The tool's ``Resize`` rule run with :class:`_CheapSimplify` as its ``sympy``."""
+def _cheap_rule(tool, rule):
+    """The tool's ``rule`` for one operator run with :class:`_CheapSimplify` as its ``sympy``."""
     def resize(node):
         with _TOOL_LOCK:
             real = tool.sympy
