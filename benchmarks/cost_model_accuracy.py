@@ -225,7 +225,8 @@ def main(argv=None) -> int:
         if decisive and len(changes) > 1:
             retest[0] += reproducible
             retest[1] += 1
-        p_new, p_gone = (sum(cal.predict(s)[0] for s in side) for side in (new, gone))
+        priced = {id(s): cal.predict(s) for s in new + gone}  # (price, sigma) of each kernel
+        p_new, p_gone = (sum(priced[id(s)][0] for s in side) for side in (new, gone))
         guesses = {
             "calibrated": p_new - p_gone,
             "analytic": sum(analytic_price(s) for s in new)
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
             "one measurement": sum(s.micros for s in new) - sum(s.micros for s in gone)}
         # the search times two forms of one node whose prices lie within the curves'
         # uncertainty of each other (CalibratedCostModel.refine): one measurement decides
-        sigma = max(cal.predict(s)[1] for s in new + gone)
+        sigma = max(sigma for _, sigma in priced.values())
         close = r.get("rule") in forms and \
             max(p_new, p_gone) <= min(p_new, p_gone) * math.exp(CLOSE_SIGMAS * sigma)
         guesses["calibrated, close forms timed"] = guesses["one measurement" if close

@@ -28,8 +28,9 @@ What the curves leave, a kernel's neighbours explain: the residuals of the
 :data:`NEIGHBOURS` samples of its operator nearest in log FLOPs, bytes, outputs, groups and
 product sizes, weighed by a Gaussian of their distance (:data:`NEIGHBOUR_SCALE`) and
 shrunk towards none (:data:`NEIGHBOUR_PRIOR`), are added to its log price. On the
-development set this took the sign agreement on single rewrites (a convolution against
-its lowerings, grouped convolutions densified) from 73% to 86%.
+development set these took the sign agreement on reproducible single rewrites (a
+convolution against its lowerings, grouped convolutions densified) from 71% to 87%
+(``benchmarks/results/cost_model_accuracy_cpu_2026-11-30_amd_dev.md``).
 
 A curve's uncertainty is its leave-one-out residual (standard deviation of log time),
 measured, not assumed.

@@ -402,7 +402,7 @@ _TOOL_LOCK = threading.Lock()
 
 def _cheap_rule(tool, rule):
     """The tool's ``rule`` for one operator run with :class:`_CheapSimplify` as its ``sympy``."""
-    def resize(node):
+    def cheap(node):
         with _TOOL_LOCK:
             real = tool.sympy
             tool.sympy = _CheapSimplify(real)
@@ -410,7 +410,7 @@ def _cheap_rule(tool, rule):
                 return rule(node)
             finally:
                 tool.sympy = real
-    return resize
+    return cheap
 
 
 def _slice_rule(ssi, rule):
