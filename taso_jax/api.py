@@ -82,8 +82,11 @@ def optimize(graph=None, **options):
     with ``jax.jit`` of the original at the first call of each signature; a graph read from
     the graph cache is checked on its first use in each process, and ``check="always"``
     checks it every time); see
-    :class:`~taso_jax.decorator.OptimizedFunction`, and ``mode="background"``
-    (first calls run ``jax.jit`` of the original while the optimization runs in a thread).
+    :class:`~taso_jax.decorator.OptimizedFunction`, ``mode="background"``
+    (first calls run ``jax.jit`` of the original while the optimization runs in a thread),
+    and ``settle_on_calls`` (default ``True``: where the time limit left the comparison with
+    ``jax.jit`` out, the next calls run the two in turn until a paired test decides,
+    :mod:`taso_jax.call_trial`).
     Its search time limit defaults to 10 s, and optimized graphs are kept in a cache on
     disk, so that another process skips the search (:mod:`taso_jax.frontends.graph_cache`).
 

@@ -45,6 +45,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from taso_jax.call_trial import trial_call
 from taso_jax.first_call import FirstCallPipeline
 from taso_jax.first_call_check import _at_full_precision
 from taso_jax.frontends.background import _UNTRACEABLE, MAX_PENDING, _background_worker
@@ -152,7 +153,7 @@ class OptimizedFunction(FirstCallPipeline):
     def __init__(self, fn: Callable, *, weight_argnums=(), weight_argnames=(),
                  static_argnums=(), static_argnames=(), donate_argnums=(),
                  donate_argnames=(), check: bool | str = True, mode: str = "sync",
-                 **options):
+                 settle_on_calls: bool = True, **options):
         if not callable(fn):
             raise TypeError(f"taso_jax.optimize: expected a function, got {type(fn).__name__}")
         self.fn = fn
@@ -176,7 +177,7 @@ class OptimizedFunction(FirstCallPipeline):
         if mode not in ("sync", "background"):
             raise ValueError(f"taso_jax.optimize: mode must be 'sync' or 'background', "
                              f"got {mode!r}")
-        self.check, self.mode = check, mode
+        self.check, self.mode, self.settle_on_calls = check, mode, bool(settle_on_calls)
         self._pending: dict = {}  # signature -> Future of its _Entry (mode="background")
         self._cache: OrderedDict = OrderedDict()  # signature -> _Entry, least recent first
         self._positions: dict[int, tuple[set, set]] = {}
@@ -331,6 +332,8 @@ class OptimizedFunction(FirstCallPipeline):
             entry.last_call = (args, leaves)
         self._fast = (entry, flat, [args[i] for i in sorted(static_pos)]) if concrete else None
         self._kept_fast = None
+        if concrete and entry.trial is not None:  # the comparison the first call left out
+            return trial_call(self, entry, args, leaves, static_pos)
         if concrete and entry.all_arrays and (entry.fallback is not None
                                               or entry.original_kept is not None):
             # jax.jit of the user's function itself (its donation included), and, for the
@@ -480,6 +483,8 @@ class OptimizedFunction(FirstCallPipeline):
         once, not once for the check and the timing and again for the calls (4-9 s of a
         first call of transformers' Flax models under load).
         """
+        if entry.trial is not None:  # its calls run it in turn (taso_jax.call_trial)
+            return
         jitted, entry.user_jit = entry.user_jit, None
         donate_pos = self._positions.get(n_args, (set(), set(), set()))[2]
         key = (tuple(sorted(static_pos)), ())
@@ -593,7 +598,8 @@ class OptimizedFunction(FirstCallPipeline):
         """Why the last call's signature runs ``jax.jit`` of the original by choice, or None.
 
         The optimized function was not faster than ``jax.jit`` of the original, or the
-        search changed nothing; ``None`` when the optimized function runs.
+        search changed nothing; ``None`` when the optimized function runs. While the calls
+        after the first still compare the two (:mod:`taso_jax.call_trial`), the time limit's.
         """
         return self._entry().original_kept
 

@@ -34,7 +34,7 @@ from taso_jax.search.paired_test import (
     rounds_for,
 )
 
-__all__ = ["keep_original", "past_limit", "BASELINE_REPEATS"]
+__all__ = ["keep_original", "past_limit", "settles_on_calls", "BASELINE_REPEATS"]
 
 # The optimized function must beat ``jax.jit`` of the original by MIN_SPEEDUP (the paired
 # test's one margin, :data:`taso_jax.search.paired_test.MIN_SPEEDUP`, imported above) and
@@ -113,6 +113,15 @@ def _nothing_to_run(graph, result) -> bool:
 def past_limit(kept: str | None) -> bool:
     """Whether ``original_kept`` says the time limit, not a measurement, kept the original."""
     return bool(kept) and kept.startswith((_PAST_LIMIT, _UNTIMED, _UNDECIDED))
+
+
+def settles_on_calls(kept: str | None) -> bool:
+    """Whether the next calls can settle what kept the original (:mod:`taso_jax.call_trial`).
+
+    That is where the optimized stages were compiled and checked and only the time limit
+    cut the comparison with ``jax.jit`` (:data:`_UNTIMED`, :data:`_UNDECIDED`).
+    """
+    return bool(kept) and kept.startswith((_UNTIMED, _UNDECIDED))
 
 
 def keep_original(host, entry: _Entry, traced: TracedFunction, result, args, static_pos,

@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from taso_jax.call_trial import CallTrial
 from taso_jax.first_call_budget import OriginalRun, first_call_reserve
 from taso_jax.first_call_check import _compile_stages, _stored_check, compare_with_original
 from taso_jax.first_call_timing import (
@@ -40,6 +41,7 @@ from taso_jax.first_call_timing import (
     _nothing_to_run,
     keep_original,
     past_limit,
+    settles_on_calls,
 )
 from taso_jax.frontends import graph_cache
 from taso_jax.frontends.jaxpr_io import TracedFunction, _fn_name
@@ -274,11 +276,26 @@ class TracedSource:
         kept = keep_original(self.host, entry, self.traced, result, self.args, self.static_pos,
                              self._deadline)
         self._lap("timing against jax.jit")
+        stored = _stored_check(report.get("check"))
         if "baseline" in report or self.options.end_to_end == 0:  # timed
-            self._store(result, kept, check=_stored_check(report.get("check")))
+            self._store(result, kept, check=stored)
+        if self._settles_on_calls(kept, report):  # the next calls compare (call_trial)
+            entry.trial = CallTrial(kept, store=lambda k: self._store(result, k, check=stored))
         if kept is None:
             return prepared, Verdict.REWRITTEN, None
         return prepared, (Verdict.TIME_LIMIT if past_limit(kept) else Verdict.UNCHANGED), kept
+
+    def _settles_on_calls(self, kept: str | None, report: dict) -> bool:
+        """Whether the calls after the first compare the two (:mod:`taso_jax.call_trial`).
+
+        Where only the time limit cut the comparison (:func:`settles_on_calls`), the
+        outputs were checked equal (or the check is off), the decorator allows it
+        (``settle_on_calls``) and no input is donated (a donated input cannot be read by
+        the other function's turn).
+        """
+        host = self.host
+        return (settles_on_calls(kept) and host.settle_on_calls and not self.entry.donated
+                and (report.get("check", {}).get("ok") or not host.check))
 
     def deliver(self, prepared: _Entry, report: dict, unchanged: bool, deadline) -> None:
         """The signature's calls run the optimized stages."""

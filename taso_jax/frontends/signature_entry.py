@@ -61,6 +61,8 @@ class _Entry:
     reserved_s: float | None = None
     # the first call's Outcome (taso_jax.outcome), made by the delivery pipeline
     outcome: object = None
+    # the comparison the time limit left out, run on the next calls (taso_jax.call_trial)
+    trial: object = None
 
 
 def _is_tracer(x) -> bool:
