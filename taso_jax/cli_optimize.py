@@ -304,10 +304,7 @@ class _OnnxFile:
         return min(guess, AFTER_SEARCH_SHARE * self.args.time_limit)
 
     def time_graphs(self, target, optimized, report: dict, deadline) -> None:
-        """The report's own timing in the target's runtime (:func:`.cli_timing.report_timing`).
-
-        It ends where delivery's own time (:meth:`after_search_seconds`) begins.
-        """
+        """:func:`.cli_timing.report_timing`, until :meth:`after_search_seconds` are left."""
         if not self.args.no_time:
             report_timing(self.args, target, self.graph, optimized, report, deadline,
                          keep=self.after_search_seconds())
@@ -316,9 +313,9 @@ class _OnnxFile:
         """``optimized`` exported and serialized: ``(data, general)``.
 
         ``general`` is the same with the input's open sizes open again (``None`` where it
-        has none). One serialized copy serves the checks, the timing and the write (each
-        serialization is the size of the weights: 33 MB for minimol); over protobuf's 2 GB
-        limit, a file in scratch with its tensors beside it.
+        has none); in each, sizes that are fixed are folded (:func:`written_forms`). One
+        serialized copy serves the checks, the timing and the write (33 MB for minimol);
+        over protobuf's 2 GB limit, a file in scratch with its tensors beside it.
 
         Raises:
             NotDeliverable: the graph found does not export, or its export fails ONNX's
@@ -327,8 +324,9 @@ class _OnnxFile:
         """
         import onnx
 
+        from taso_jax.frontends.onnx_cleanup import written_forms
         from taso_jax.frontends.onnx_export import serialize_onnx
-        from taso_jax.frontends.onnx_io import ModelError, export_onnx, with_symbolic_dims
+        from taso_jax.frontends.onnx_io import ModelError, export_onnx
         from taso_jax.ir.executor import forget_compiled
         from taso_jax.pipeline import NotDeliverable
 
@@ -345,11 +343,12 @@ class _OnnxFile:
             what = "cleaned-up" if unchanged else "optimized"
             raise NotDeliverable(f"the {what} graph could not be exported to ONNX "
                                  f"({type(e).__name__}: {one_line(str(e), 160)})") from e
-        data = serialize_onnx(proto, os.path.join(self.scratch, "optimized.onnx"))
         symbolic = self.graph.meta.get("symbolic_dims") if self.original is not None else None
-        general = serialize_onnx(with_symbolic_dims(proto, symbolic, copy=False),
-                                 os.path.join(self.scratch, "general.onnx")) if symbolic else None
+        data, general, folded = written_forms(  # sizes computed at every run folded
+            proto, symbolic, lambda m, name: serialize_onnx(m, os.path.join(self.scratch, name)))
         del proto
+        if folded:
+            report["notes"].append(f"{folded} nodes computing fixed sizes folded in the file")
         try:
             onnx.checker.check_model(data, full_check=True)
         except Exception as e:

@@ -401,3 +401,91 @@ def test_a_size_the_symbolic_inference_did_not_follow_is_not_folded(monkeypatch)
     lost = load_onnx(model)
     assert "static_size_gather" not in lost.meta.get("cleanup", {})
     assert any(n.op == "gather" for n in lost.nodes)
+
+
+def _size_chain_model(x_shape, out_shape=None, big: bool = False):
+    """``y = x / sqrt(Shape(x)[2])`` and ``w = W1 * W2`` (weights alone) beside it; with
+    ``big``, a ``ConstantOfShape`` of ``Shape(x)`` (data, not a size) added to ``y``."""
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    inits = [nh.from_array(np.array(2, np.int64), "idx"),
+             nh.from_array(np.full((4,), 3.0, np.float32), "W1"),
+             nh.from_array(np.full((4,), 0.5, np.float32), "W2")]
+    nodes = [h.make_node("Shape", ["x"], ["s"]),
+             h.make_node("Gather", ["s", "idx"], ["d"], axis=0),
+             h.make_node("Cast", ["d"], ["df"], to=T.FLOAT),
+             h.make_node("Sqrt", ["df"], ["r"]),
+             h.make_node("Div", ["x", "r"], ["y0"]),
+             h.make_node("Mul", ["W1", "W2"], ["w"])]
+    if big:
+        nodes += [h.make_node("ConstantOfShape", ["s"], ["ones"],
+                              value=nh.from_array(np.array([1.0], np.float32))),
+                  h.make_node("Add", ["y0", "ones"], ["y"])]
+    else:
+        nodes.append(h.make_node("Identity", ["y0"], ["y"]))
+    out = out_shape or x_shape
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, x_shape)],
+                     [h.make_tensor_value_info("y", T.FLOAT, out),
+                      h.make_tensor_value_info("w", T.FLOAT, [4]),
+                      h.make_tensor_value_info("s", T.INT64, [3])], inits)
+    return onnx.helper.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+
+
+def _ort(model, feeds):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_a_written_file_computes_no_fixed_size_at_run_time():
+    """Shape of a fixed tensor, and the Gather, Cast and Sqrt that read only it, become
+    initializers (the Shape, a graph output, a Constant node); the product of weights alone
+    stays (onnxruntime's fusions may read it). Outputs unchanged."""
+    from taso_jax.frontends.onnx_cleanup import fixed_sizes_read, fold_fixed_sizes
+
+    model = _size_chain_model([2, 16, 64])
+    x = np.random.default_rng(0).standard_normal((2, 16, 64)).astype(np.float32)
+    before = _ort(model, {"x": x})
+    assert fixed_sizes_read(model) == 1
+    assert fold_fixed_sizes(model) == 3  # Shape, Gather, Cast, Sqrt; a Constant added
+    ops = [n.op_type for n in model.graph.node]
+    assert ops == ["Constant", "Div", "Mul", "Identity"] and fixed_sizes_read(model) == 0
+    after = _ort(model, {"x": x})
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert "r" in {t.name for t in model.graph.initializer}
+    assert not {"d", "df"} & {t.name for t in model.graph.initializer}  # unread: dropped
+
+
+def test_open_sizes_stay_computed_and_data_is_not_folded():
+    from taso_jax.frontends.onnx_cleanup import fold_fixed_sizes
+
+    assert fold_fixed_sizes(_size_chain_model(["N", 16, "K"])) == 0  # Shape(x)[2] is open
+    model = _size_chain_model([2, 16, 64], big=True)  # 2,048 elements of ones: folded
+    assert fold_fixed_sizes(model) == 4
+    model = _size_chain_model([8, 32, 64], big=True)  # 16,384: a node, computed
+    assert fold_fixed_sizes(model) == 3
+    assert "ConstantOfShape" in [n.op_type for n in model.graph.node]
+
+
+def test_the_bound_form_folds_bound_sizes_and_the_open_form_keeps_them():
+    """An export at the bound x=[1, 16, 64] of a model open in N and K: the bound form
+    folds Shape(x)[2], the open form keeps it computed and still runs at other sizes."""
+    import onnx
+
+    from taso_jax.frontends.onnx_cleanup import fixed_sizes_read, written_forms
+
+    bound = _size_chain_model([1, 16, 64])
+    forms = {}
+    data, general, folded = written_forms(
+        bound, {"x": {0: "N", 2: "K"}, "y": {0: "N", 2: "K"}},
+        lambda m, name: forms.setdefault(name, m.SerializeToString()))
+    assert folded == 3 and fixed_sizes_read(onnx.load_from_string(data)) == 0
+    opened = onnx.load_from_string(general)
+    assert [n.op_type for n in opened.graph.node][:4] == ["Shape", "Gather", "Cast", "Sqrt"]
+    x = np.ones((3, 16, 9), np.float32)
+    np.testing.assert_allclose(_ort(opened, {"x": x})[0], x / 3.0, rtol=1e-6)

@@ -42,7 +42,7 @@ from taso_jax.ops.dims import is_open
 from taso_jax.ops.recurrent import ONNX_STATE_SLOTS, ZERO_WHEN_ABSENT
 
 __all__ = ["clean_imported", "fold_static_sizes", "merge_duplicate_regions", "drop_zero_states",
-           "file_leftovers", "is_zero", "fixed_sizes_read"]
+           "file_leftovers", "is_zero", "fixed_sizes_read", "fold_fixed_sizes", "written_forms"]
 
 
 def _shape_range(node: Node) -> tuple[int, int, str] | None:
@@ -343,3 +343,171 @@ def fixed_sizes_read(model) -> int:
         fixed[init.name] = True
     return sum(1 for n in g.node if n.op_type in ("Shape", "Size") and not n.domain
                and fixed.get(n.input[0], False))
+
+
+#: ONNX operators :func:`fold_fixed_sizes` evaluates once their inputs are constants and
+#: one of them derives from a size: the arithmetic of shapes (ONNX operator spec).
+SIZE_ARITHMETIC = frozenset({
+    "Gather", "Slice", "Cast", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Identity",
+    "Add", "Sub", "Mul", "Div", "Mod", "Neg", "Abs", "Sqrt", "Pow", "Floor", "Ceil", "Max",
+    "Min", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or",
+    "Where", "ReduceProd", "ReduceSum", "ReduceMax", "ReduceMin", "Range", "Shape", "Size",
+    "ConstantOfShape", "Expand", "Tile", "Flatten"})
+#: The most elements a folded value may have: sizes and what is computed from them are
+#: short vectors; a ``ConstantOfShape`` or ``Expand`` of a feature map is data, kept a node.
+FOLDED_ELEMENTS = 4096
+
+
+#: The largest exported model (bytes) copied to fold its bound form apart from its open
+#: form; a larger one has only the sizes fixed at every size folded (a copy is the size of
+#: its weights).
+FOLD_COPY_BYTES = 2**28
+
+
+def written_forms(proto, symbolic: dict | None, serialize) -> tuple[object, object, int]:
+    """An exported model's written forms, sizes folded: ``(bound, open or None, folded)``.
+
+    ``proto`` is the export at the bound sizes; ``serialize(model, file name)`` gives a
+    form as written (:func:`~taso_jax.frontends.onnx_export.serialize_onnx`). The bound
+    form is folded (:func:`fold_fixed_sizes`; ``folded`` counts its nodes folded). Where
+    the input has open sizes (``symbolic``,
+    :func:`~taso_jax.frontends.onnx_shapes.symbolic_dims`), the open form
+    (:func:`~taso_jax.frontends.onnx_shapes.with_symbolic_dims`) is folded apart, only where
+    sizes are fixed at every size. Over :data:`FOLD_COPY_BYTES`, where a copy would cost
+    too much, the bound form is written before the open one is made in its place, unfolded.
+    ``proto`` is changed.
+    """
+    from taso_jax.frontends.onnx_shapes import with_symbolic_dims
+
+    if symbolic and proto.ByteSize() > FOLD_COPY_BYTES:
+        bound = serialize(proto, "optimized.onnx")
+        opened = with_symbolic_dims(proto, symbolic, copy=False)
+        fold_fixed_sizes(opened)
+        return bound, serialize(opened, "general.onnx"), 0
+    general = None
+    if symbolic:
+        opened = with_symbolic_dims(proto, symbolic, copy=True)
+        fold_fixed_sizes(opened)
+        general = serialize(opened, "general.onnx")
+        del opened
+    folded = fold_fixed_sizes(proto)
+    return serialize(proto, "optimized.onnx"), general, folded
+
+
+def fold_fixed_sizes(model) -> int:
+    """Fold, in place, what ``model`` computes from sizes that are fixed; how many nodes.
+
+    ``model`` is an ``onnx.ModelProto`` as written. A top-level ``Shape`` or ``Size`` (ONNX
+    operator spec: the input's sizes, from ``start`` to ``end``, as int64; their product)
+    whose input ONNX shape inference (``onnx.shape_inference.infer_shapes``) gives with
+    every size a number becomes an initializer holding them; then each node of
+    :data:`SIZE_ARITHMETIC` whose inputs are all initializers or ``Constant`` outputs, one of
+    them folded here, is evaluated by ONNX's reference evaluator
+    (``onnx.reference.ReferenceEvaluator``, at the model's opsets) and becomes an
+    initializer too, where its outputs hold at most :data:`FOLDED_ELEMENTS` elements. Only
+    values derived from sizes fold: arithmetic on weights alone stays, since onnxruntime's
+    own fusions may read it (a folded GELU constant cost 0.82-0.89x, issue 62). A graph
+    output folded is given by a ``Constant`` node, and open sizes (names, or unknown) are never read as numbers,
+    so the file still runs at every size it ran at. Nodes left with no reader are removed.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # noqa: BLE001 - a model inference cannot follow: nothing known fixed
+        return 0
+    dims = {}
+    for vi in [*inferred.input, *inferred.value_info, *inferred.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
+            dims[vi.name] = [d.dim_value for d in t.shape.dim]
+    values = {init.name: init for init in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and not n.domain and len(n.attribute) == 1 \
+                and n.attribute[0].name == "value":
+            values[n.output[0]] = n.attribute[0].t
+    outputs = {o.name for o in g.output}
+    opsets = list(model.opset_import)
+    folded: set[str] = set()
+    keep = []
+    for n in g.node:
+        value = _folded_value(n, dims, values, folded, opsets, helper)
+        if value is None:
+            keep.append(n)
+            continue
+        for name, arr in zip(n.output, value, strict=True):
+            values[name] = numpy_helper.from_array(np.asarray(arr), name)
+            folded.add(name)
+            if name in outputs:  # a graph output: a Constant node gives it
+                keep.append(helper.make_node("Constant", [], [name], value=values[name]))
+            else:
+                g.initializer.append(values[name])
+    if not folded:
+        return 0
+    count = len(g.node) - len(keep)
+    del g.node[:]
+    g.node.extend(keep)
+    return count + _drop_unread(model)
+
+
+def _folded_value(n, dims, values, folded, opsets, helper):
+    """The arrays ``n`` computes where :func:`fold_fixed_sizes` folds it, else ``None``."""
+    if n.domain or any(not o for o in n.output):
+        return None
+    if n.op_type in ("Shape", "Size") and n.input[0] in dims:
+        shape = dims[n.input[0]]
+        if n.op_type == "Size":
+            return [np.array(int(np.prod(shape)), np.int64)]
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        rank = len(shape)
+        start, end = int(attrs.get("start", 0)), int(attrs.get("end", rank))
+        start = min(max(start + rank if start < 0 else start, 0), rank)
+        end = min(max(end + rank if end < 0 else end, 0), rank)
+        return [np.array(shape[start:end], np.int64)]
+    if n.op_type not in SIZE_ARITHMETIC or not any(i in folded for i in n.input) \
+            or not all(i in values for i in n.input if i):
+        return None
+    from onnx import helper as h
+    from onnx.reference import ReferenceEvaluator
+
+    ins = [i for i in n.input if i]
+    graph = h.make_graph([n], "fold", [], [h.make_value_info(o, h.TypeProto())
+                                           for o in n.output], [values[i] for i in ins])
+    try:
+        out = ReferenceEvaluator(h.make_model(graph, opset_imports=opsets)).run(None, {})
+    except Exception:  # noqa: BLE001 - what the evaluator cannot run stays a node
+        return None
+    if any(np.asarray(a).size > FOLDED_ELEMENTS for a in out):
+        return None
+    return out
+
+
+def _drop_unread(model) -> int:
+    """Remove, in place, top-level nodes whose outputs nothing reads; how many.
+
+    Readers are the graph's outputs, the other nodes' inputs and the outer names their
+    subgraphs read; nodes are swept until none is left unread, then the initializers
+    nothing reads go too (a weight that only a folded chain read, such as the rows of a
+    position table sliced by a size).
+    """
+    g = model.graph
+    removed = 0
+    while True:
+        read = {o.name for o in g.output}
+        for n in g.node:
+            read.update(n.input)
+            read.update(_outer_names(n))
+        keep = [n for n in g.node if any(o in read for o in n.output if o)
+                or not any(n.output)]
+        if len(keep) == len(g.node):
+            break
+        removed += len(g.node) - len(keep)
+        del g.node[:]
+        g.node.extend(keep)
+    used = read | {i.name for i in g.input}
+    stale = [t for t in g.initializer if t.name not in used]
+    for t in stale:
+        g.initializer.remove(t)
+    return removed
