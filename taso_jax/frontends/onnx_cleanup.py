@@ -407,8 +407,9 @@ def fold_fixed_sizes(model) -> int:
     initializer too, where its outputs hold at most :data:`FOLDED_ELEMENTS` elements. Only
     values derived from sizes fold: arithmetic on weights alone stays, since onnxruntime's
     own fusions may read it (a folded GELU constant cost 0.82-0.89x, issue 62). A graph
-    output folded is given by a ``Constant`` node, and open sizes (names, or unknown) are never read as numbers,
-    so the file still runs at every size it ran at. Nodes left with no reader are removed.
+    output folded is given by a ``Constant`` node, and open sizes (names, or unknown) are
+    never read as numbers, so the file still runs at every size it ran at. Nodes and
+    initializers left with no reader are removed.
     """
     import onnx
     from onnx import helper, numpy_helper
