@@ -31,7 +31,7 @@ from taso_jax.cli_files import (
     check_output_path,
     check_tolerances,
 )
-from taso_jax.cli_sizes import _keep_sizes_open
+from taso_jax.cli_sizes import _keep_sizes_open, differ_note
 from taso_jax.cli_timing import onnxruntime_timing, report_timing
 
 __all__ = ["run_optimize"]
@@ -498,11 +498,9 @@ class _OnnxFile:
 
         Where the output check failed, a note says so (the command warns too).
         """
-        if report.get("check", {}).get("ok") is False:
+        if (check := report.get("check", {})).get("ok") is False:
             self.check_failed = True
-            report["notes"].append("the optimized model's outputs differ from the original's "
-                                   "(a fault in a rewrite or in taso_jax, please report "
-                                   "it): the input is written back unchanged")
+            report["notes"].append(differ_note(check))
         if self.original is not None:
             _write_copy(self.args, self.original, self.external_data, report)
             if report.get("written_copy_of_input") == "converted":

@@ -10,7 +10,26 @@ from __future__ import annotations
 from taso_jax._text import one_line
 from taso_jax.cli_files import _parse_shapes
 
-__all__ = ["_keep_sizes_open"]
+__all__ = ["_keep_sizes_open", "differ_note"]
+
+
+def differ_note(check: dict) -> str:
+    """The report's note where the output check failed and the input is written back.
+
+    At a scale of :func:`~taso_jax.checks.range_scales` only the ends of the number range
+    are compared (:func:`~taso_jax.checks.compare_nonfinite`): a failure there names the
+    scale and what differed, since sums taken in another order can overflow or cancel
+    differently at inputs that large; elsewhere it is a fault to report.
+    """
+    scale = check.get("failed_scale")
+    if check.get("nonfinite_only") and scale is not None:
+        what = ", ".join(f"{n} {k}" for k, n in sorted(check.get("nonfinite", {}).items()))
+        return (f"the optimized model's outputs differ from the original's at the end of the "
+                f"number range only (inputs x{scale:.3g}: {what or 'a size'}), where sums "
+                f"taken in another order overflow or cancel differently: the input is "
+                f"written back unchanged")
+    return ("the optimized model's outputs differ from the original's (a fault in a "
+            "rewrite or in taso_jax, please report it): the input is written back unchanged")
 
 
 def _keep_sizes_open(data: bytes, general: bytes, original: str, graph, report: dict, args):

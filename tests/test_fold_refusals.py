@@ -308,6 +308,29 @@ def test_the_output_check_sees_an_underflowed_fold_at_the_huge_scale(dtype):
     assert compare_nonfinite([np.zeros(2, np.float32)], [np.ones(2, np.float32)])["ok"]
 
 
+def test_a_lone_element_cancelling_to_0_at_the_huge_scale_is_no_flushed_fold():
+    """One element of 10,000 at 0 where the original's is 1e-3 (a sum of huge terms
+    cancelling, taken in another order) passes; a channel of them (1%) does not, and the
+    note then names the scale and what differed instead of blaming a rewrite."""
+    from taso_jax.checks import FLUSHED_SHARE, compare_nonfinite
+    from taso_jax.cli_sizes import differ_note
+
+    ref = np.ones((100, 100), np.float32)
+    ref[3, 7] = 1e-3
+    lone = ref.copy()
+    lone[3, 7] = 0.0
+    assert 1 <= FLUSHED_SHARE * ref.size < 100
+    assert compare_nonfinite([lone], [ref], underflow=True)["ok"]
+    channel = ref.copy()
+    channel[5] = 0.0
+    check = compare_nonfinite([channel], [ref], underflow=True)
+    assert not check["ok"] and check["nonfinite"] == {
+        "0 or subnormal where the original is normal": 100}
+    note = differ_note({**check, "failed_scale": 4.3e9})
+    assert "inputs x4.3e+09: 100 0 or subnormal" in note and "fault" not in note
+    assert "fault in a rewrite" in differ_note({"ok": False, "max_abs_err": 0.5})
+
+
 @pytest.mark.parametrize("dtype", ("float32", "float16"))
 def test_candidates_holding_a_faulty_fold_are_dropped_after_the_search(dtype, optimizer):
     """What a second opinion found, outside the search's gate: dropped before the choice,
