@@ -489,3 +489,27 @@ def test_the_bound_form_folds_bound_sizes_and_the_open_form_keeps_them():
     assert [n.op_type for n in opened.graph.node][:4] == ["Shape", "Gather", "Cast", "Sqrt"]
     x = np.ones((3, 16, 9), np.float32)
     np.testing.assert_allclose(_ort(opened, {"x": x})[0], x / 3.0, rtol=1e-6)
+
+
+def test_sizes_of_a_weight_and_constants_given_as_lists_fold_too():
+    """``Shape(W)`` of an initializer, then ``Gather`` with a ``Constant(value_ints)``."""
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    from taso_jax.frontends.onnx_cleanup import fold_fixed_sizes
+
+    nodes = [h.make_node("Constant", [], ["i"], value_ints=[1]),
+             h.make_node("Shape", ["W"], ["s"]),
+             h.make_node("Gather", ["s", "i"], ["k"], axis=0),
+             h.make_node("Reshape", ["x", "k"], ["y"])]
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [2, 3])],
+                     [h.make_tensor_value_info("y", T.FLOAT, [6])],
+                     [nh.from_array(np.zeros((4, 6), np.float32), "W")])
+    model = onnx.helper.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    assert fold_fixed_sizes(model) == 3
+    assert [n.op_type for n in model.graph.node] == ["Reshape"]
+    assert "W" not in {t.name for t in model.graph.initializer}  # read by Shape only
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(_ort(model, {"x": x})[0], x.ravel())

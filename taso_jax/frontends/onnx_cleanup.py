@@ -426,9 +426,12 @@ def fold_fixed_sizes(model) -> int:
             dims[vi.name] = [d.dim_value for d in t.shape.dim]
     values = {init.name: init for init in g.initializer}
     for n in g.node:
-        if n.op_type == "Constant" and not n.domain and len(n.attribute) == 1 \
-                and n.attribute[0].name == "value":
-            values[n.output[0]] = n.attribute[0].t
+        if n.op_type == "Constant" and not n.domain and len(n.attribute) == 1:
+            values[n.output[0]] = _constant(n, helper, numpy_helper)
+    for name, t in values.items():  # a weight's sizes are fixed too
+        if t is not None:
+            dims.setdefault(name, list(t.dims))
+    values = {k: v for k, v in values.items() if v is not None}
     outputs = {o.name for o in g.output}
     opsets = list(model.opset_import)
     folded: set[str] = set()
@@ -451,6 +454,19 @@ def fold_fixed_sizes(model) -> int:
     del g.node[:]
     g.node.extend(keep)
     return count + _drop_unread(model)
+
+
+def _constant(n, helper, numpy_helper):
+    """The tensor a ``Constant`` node gives (ONNX operator spec, Constant), or ``None``."""
+    a = n.attribute[0]
+    if a.name == "value":
+        return a.t
+    kinds = {"value_int": np.int64, "value_ints": np.int64, "value_float": np.float32,
+             "value_floats": np.float32}
+    if a.name not in kinds:
+        return None  # a sparse tensor or strings: not size arithmetic
+    return numpy_helper.from_array(np.asarray(helper.get_attribute_value(a), kinds[a.name]),
+                                   n.output[0])
 
 
 def _folded_value(n, dims, values, folded, opsets, helper):
