@@ -196,9 +196,6 @@ def _settle(host, entry, verdict: str, static_pos, n_args: int) -> None:
         else:
             entry.outcome = replace(outcome, verdict=Verdict.UNCHANGED,
                                     report={**report, "kept_input_because": kept}, why=kept)
-    if trial.store is not None:
-        try:
-            trial.store(kept)
-        except OSError:  # the graph cache is a convenience: a full disk costs a search
-            pass
+    if trial.store is not None:  # graph_cache.store: an unwritable cache stores nothing
+        trial.store(kept)
     host._hand_over_original(entry, static_pos, n_args)

@@ -54,11 +54,19 @@ def _shape_range(node: Node) -> tuple[int, int, str] | None:
 
     (proto,) = call.protos()
     attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
-    rank = len(node.inputs[0].shape)
+    return (*_shape_span(attrs, len(node.inputs[0].shape)), proto.input[0])
+
+
+def _shape_span(attrs: dict, rank: int) -> tuple[int, int]:
+    """``(start, end)`` of the axes an ONNX ``Shape`` reads.
+
+    ONNX spec, Shape-15: negative values count from the end, both are clamped to
+    ``[0, rank]``.
+    """
     start, end = int(attrs.get("start", 0)), int(attrs.get("end", rank))
     start = min(max(start + rank if start < 0 else start, 0), rank)
     end = min(max(end + rank if end < 0 else end, 0), rank)
-    return start, end, proto.input[0]
+    return start, end
 
 
 class _Open:
@@ -477,11 +485,8 @@ def _folded_value(n, dims, values, folded, opsets, helper):
         shape = dims[n.input[0]]
         if n.op_type == "Size":
             return [np.array(int(np.prod(shape)), np.int64)]
-        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-        rank = len(shape)
-        start, end = int(attrs.get("start", 0)), int(attrs.get("end", rank))
-        start = min(max(start + rank if start < 0 else start, 0), rank)
-        end = min(max(end + rank if end < 0 else end, 0), rank)
+        start, end = _shape_span({a.name: helper.get_attribute_value(a) for a in n.attribute},
+                                 len(shape))
         return [np.array(shape[start:end], np.int64)]
     if n.op_type not in SIZE_ARITHMETIC or not any(i in folded for i in n.input) \
             or not all(i in values for i in n.input if i):
