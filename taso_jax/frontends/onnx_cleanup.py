@@ -302,15 +302,7 @@ def file_leftovers(model) -> dict[str, int]:
     Kinds that do not occur are left out.
     """
     g = model.graph
-    producer = {o: i for i, n in enumerate(g.node) for o in n.output if o}
-    live, todo = set(), [producer[o.name] for o in g.output if o.name in producer]
-    while todo:
-        i = todo.pop()
-        if i in live:
-            continue
-        live.add(i)
-        n = g.node[i]
-        todo.extend(producer[x] for x in [*n.input, *_outer_names(n)] if x in producer)
+    live = _live_nodes(g)
     seen, counts = set(), Counter()
     counts["dead"] = len(g.node) - len(live)
     for i in sorted(live):
@@ -325,6 +317,23 @@ def file_leftovers(model) -> dict[str, int]:
             counts["duplicate"] += 1
         seen.add(key)
     return {k: v for k, v in counts.items() if v}
+
+
+def _live_nodes(g) -> set[int]:
+    """Indices of the top-level nodes of ONNX graph ``g`` that a graph output needs.
+
+    Through the nodes' inputs and the outer names their subgraphs read.
+    """
+    producer = {o: i for i, n in enumerate(g.node) for o in n.output if o}
+    live, todo = set(), [producer[o.name] for o in g.output if o.name in producer]
+    while todo:
+        i = todo.pop()
+        if i in live:
+            continue
+        live.add(i)
+        n = g.node[i]
+        todo.extend(producer[x] for x in [*n.input, *_outer_names(n)] if x in producer)
+    return live
 
 
 def fixed_sizes_read(model) -> int:
@@ -507,29 +516,21 @@ def _folded_value(n, dims, values, folded, opsets, helper):
 
 
 def _drop_unread(model) -> int:
-    """Remove, in place, top-level nodes whose outputs nothing reads; how many.
+    """Remove, in place, the top-level nodes no graph output needs (:func:`_live_nodes`).
 
-    Readers are the graph's outputs, the other nodes' inputs and the outer names their
-    subgraphs read; nodes are swept until none is left unread, then the initializers
-    nothing reads go too (a weight that only a folded chain read, such as the rows of a
-    position table sliced by a size).
+    Then the initializers nothing reads go too (a weight that only a folded chain read,
+    such as the rows of a position table sliced by a size). Returns the nodes removed.
     """
     g = model.graph
-    removed = 0
-    while True:
-        read = {o.name for o in g.output}
-        for n in g.node:
-            read.update(n.input)
-            read.update(_outer_names(n))
-        keep = [n for n in g.node if any(o in read for o in n.output if o)
-                or not any(n.output)]
-        if len(keep) == len(g.node):
-            break
-        removed += len(g.node) - len(keep)
-        del g.node[:]
-        g.node.extend(keep)
-    used = read | {i.name for i in g.input}
-    stale = [t for t in g.initializer if t.name not in used]
-    for t in stale:
+    live = _live_nodes(g)
+    keep = [n for i, n in enumerate(g.node) if i in live]
+    removed = len(g.node) - len(keep)
+    del g.node[:]
+    g.node.extend(keep)
+    read = {o.name for o in g.output} | {i.name for i in g.input}
+    for n in g.node:
+        read.update(n.input)
+        read.update(_outer_names(n))
+    for t in [t for t in g.initializer if t.name not in read]:
         g.initializer.remove(t)
     return removed
