@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 
 from taso_jax.first_call_budget import CONFIRM_LEAST_ROUNDS, SPAN_SECONDS
 from taso_jax.search.choose import device_name
@@ -108,8 +109,6 @@ class CallTrial:
 
     def baseline(self) -> dict:
         """The report's ``"baseline"`` entry for the trial (times in microseconds)."""
-        import numpy as np
-
         n = min(len(self.original), len(self.optimized))
         return {"jit_us": float(np.median(self.original[:n])) * 1e6,
                 "optimized_us": float(np.median(self.optimized[:n])) * 1e6,
@@ -183,13 +182,13 @@ def _settle(host, entry, verdict: str, static_pos, n_args: int) -> None:
     trial, entry.trial = entry.trial, None
     kept = trial.original_kept(verdict)
     entry.original_kept = kept
-    entry.report["baseline"] = trial.baseline()
+    entry.report["baseline"] = baseline = trial.baseline()
     entry.report["original_kept"] = kept
     outcome = entry.outcome
     if outcome is not None:
         report = {k: v for k, v in _thawed(outcome.report).items()
                   if k not in ("kept_input_because", "baseline", "original_kept")}
-        report.update(baseline=trial.baseline(), original_kept=kept)
+        report.update(baseline=baseline, original_kept=kept)
         if kept is None:
             entry.outcome = replace(outcome, verdict=Verdict.REWRITTEN, report=report,
                                     graph=entry.result.graph, why=None)
