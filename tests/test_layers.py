@@ -29,7 +29,7 @@ LAYERS = {"taso_jax.ops": 0, "taso_jax._io": 0, "taso_jax._text": 0, "taso_jax._
           # the front doors
           "taso_jax.api": 6, "taso_jax.decorator": 6, "taso_jax.first_call": 6,
           "taso_jax.first_call_budget": 6, "taso_jax.first_call_check": 6,
-          "taso_jax.first_call_timing": 6, "taso_jax.traced_source": 6,
+          "taso_jax.first_call_timing": 6, "taso_jax.traced_source": 6, "taso_jax.call_trial": 6,
           "taso_jax.examples": 6, "taso_jax.bench": 6,
           "taso_jax.cli": 7, "taso_jax.cli_files": 7, "taso_jax.cli_timing": 7,
           "taso_jax.cli_optimize": 7, "taso_jax.cli_sizes": 7,
