@@ -134,13 +134,12 @@ def trial_call(host, entry, args, leaves, static_pos):
     ``host`` is the :class:`~taso_jax.decorator.OptimizedFunction`, ``entry`` the
     signature's ``_Entry`` (its ``trial`` set), ``args`` the bound arguments and ``leaves``
     their array leaves. The original runs as the first call's check ran it (``jax.jit`` of
-    the function, already compiled), the optimized stages on weights folded before the
-    clock starts.
+    the function, already compiled), the optimized stages as the decorator calls them
+    (``_staged``), their weights folded before the clock starts.
     """
     from taso_jax.frontends.jaxpr_io import leaves_for_call
 
     trial = entry.trial
-    flat = leaves_for_call(leaves, entry.key_leaves)
     if entry.all_arrays:
         jitted = host._entry_jit(entry, static_pos)
 
@@ -148,17 +147,10 @@ def trial_call(host, entry, args, leaves, static_pos):
             return jitted(*args)
     else:
         def original():
-            return entry.jit_original(*flat)
+            return entry.jit_original(*leaves_for_call(leaves, entry.key_leaves))
 
-    optimized = None
-    if not trial.original_next():
-        weights = [x for x, k in zip(flat, entry.kinds, strict=True) if k == "weight"]
-        inputs = [x for x, k in zip(flat, entry.kinds, strict=True) if k == "input"]
-        folded = host._folded(entry, weights, True)
-
-        def optimized():
-            return jax.tree_util.tree_unflatten(entry.out_tree,
-                                                list(entry.run(folded, *inputs)))
+    optimized = None if trial.original_next() else host._staged(entry, leaves, entry.kinds,
+                                                                 True)
     out = trial.run(original, optimized)
     verdict = trial.verdict()
     if verdict is not None:

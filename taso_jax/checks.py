@@ -566,8 +566,9 @@ def compare_nonfinite(actual, reference, rtol: float = RTOL, atol: float | None 
                  ("NaN where the original is inf", np.isinf(b) & np.isnan(a)),
                  ("inf of the other sign", np.isinf(b) & np.isinf(a) & (a != b)))
         if underflow:
-            flushed = _flushed(a, b, tiny)
-            if flushed.sum() > FLUSHED_SHARE * _clearly_normal(b, tiny).sum():
+            normal = _clearly_normal(b, tiny)
+            flushed = normal & np.isfinite(a) & (np.abs(a) < tiny)  # 0 or subnormal
+            if flushed.sum() > FLUSHED_SHARE * normal.sum():
                 kinds += (("0 or subnormal where the original is normal", flushed),)
         for what, where in kinds:
             if where.any():
@@ -601,7 +602,3 @@ def _clearly_normal(b: np.ndarray, tiny: float) -> np.ndarray:
     floor = max(2.0 * tiny, ATOL * float(np.abs(b[finite]).max()))
     return finite & (np.abs(b) >= floor)
 
-
-def _flushed(a: np.ndarray, b: np.ndarray, tiny: float) -> np.ndarray:
-    """Where ``a`` is 0 or subnormal (below ``tiny``) and ``b`` is clearly normal."""
-    return _clearly_normal(b, tiny) & np.isfinite(a) & (np.abs(a) < tiny)

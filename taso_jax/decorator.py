@@ -483,8 +483,6 @@ class OptimizedFunction(FirstCallPipeline):
         once, not once for the check and the timing and again for the calls (4-9 s of a
         first call of transformers' Flax models under load).
         """
-        if entry.trial is not None:  # its calls run it in turn (taso_jax.call_trial)
-            return
         jitted, entry.user_jit = entry.user_jit, None
         donate_pos = self._positions.get(n_args, (set(), set(), set()))[2]
         key = (tuple(sorted(static_pos)), ())
@@ -541,14 +539,18 @@ class OptimizedFunction(FirstCallPipeline):
 
     def _execute(self, entry: _Entry, leaves, kinds, concrete: bool = False,
                  donate: bool = False):
-        leaves = leaves_for_call(leaves, entry.key_leaves)
         if entry.fallback is not None or entry.original_kept is not None:
-            return entry.jit_original(*leaves)
+            return entry.jit_original(*leaves_for_call(leaves, entry.key_leaves))
+        return self._staged(entry, leaves, kinds, concrete, donate)()
+
+    def _staged(self, entry: _Entry, leaves, kinds, concrete: bool, donate: bool = False):
+        """The optimized stages' call on ``leaves``, its weights folded now (a thunk)."""
+        leaves = leaves_for_call(leaves, entry.key_leaves)
         weights = [x for x, k in zip(leaves, kinds, strict=True) if k == "weight"]
         inputs = [x for x, k in zip(leaves, kinds, strict=True) if k == "input"]  # noqa
         run = entry.run_donating if donate and entry.run_donating is not None else entry.run
-        out = run(self._folded(entry, weights, concrete), *inputs)
-        return jax.tree_util.tree_unflatten(entry.out_tree, list(out))
+        folded = self._folded(entry, weights, concrete)
+        return lambda: jax.tree_util.tree_unflatten(entry.out_tree, list(run(folded, *inputs)))
 
     def _folded(self, entry: _Entry, weights, concrete: bool):
         """The folded weight-only values for these weights, computed once per weights.
@@ -598,8 +600,7 @@ class OptimizedFunction(FirstCallPipeline):
         """Why the last call's signature runs ``jax.jit`` of the original by choice, or None.
 
         The optimized function was not faster than ``jax.jit`` of the original, or the
-        search changed nothing; ``None`` when the optimized function runs. While the calls
-        after the first still compare the two (:mod:`taso_jax.call_trial`), the time limit's.
+        search changed nothing; ``None`` when it runs (or the calls still compare the two).
         """
         return self._entry().original_kept
 

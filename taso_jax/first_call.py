@@ -150,7 +150,8 @@ class FirstCallPipeline:
                           RuntimeWarning, stacklevel=3)
         if entry.original_run is not None:  # whatever the outcome, the reference goes
             entry.original_run.release()
-        self._hand_over_original(entry, static_pos, len(args))  # or drop it
+        if entry.trial is None:  # else its calls run it in turn (taso_jax.call_trial)
+            self._hand_over_original(entry, static_pos, len(args))  # or drop it
         entry.optimize_seconds = time.perf_counter() - t0
         entry.first_call["total"] = trace_s + entry.optimize_seconds
         return entry
