@@ -12,7 +12,8 @@ import stat
 
 from taso_jax._io import NamedFiles
 
-__all__ = ["UsageError", "check_output_path", "check_input_file", "check_checkpoint_text",
+__all__ = ["UsageError", "opaque_after_reimport", "check_output_path",
+           "check_input_file", "check_checkpoint_text",
            "check_tolerances",
            "check_outputs", "check_output_folder", "MAX_MODEL_BYTES", "MAX_RULE_FILE_BYTES"]
 
@@ -229,3 +230,34 @@ def check_output_folder(path: str, option: str) -> None:
         raise UsageError(f"{option} {path!r}: {probe!r} is not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UsageError(f"{option} {path!r}: folder {probe!r} is not writable")
+
+
+def opaque_after_reimport(data, optimized) -> str | None:
+    """What the written model (``data``: bytes or a path) loses when imported back, or None.
+
+    The XLA target's file is run by importing it
+    (:func:`~taso_jax.frontends.onnx_io.load_onnx`, here at the sizes the graph was
+    optimized at); an operator that the export wrote in a form the import does not declare
+    comes back opaque and runs in onnxruntime inside ``jax.jit``, one host callback each (a
+    streaming VAD's rewritten file ran 13x slower that way before the import read Slices
+    with bounds computed at run time). Returns a phrase naming the opaque operators beyond
+    the ``optimized`` graph's, or the import's error.
+    """
+    from collections import Counter
+
+    from taso_jax._text import one_line
+    from taso_jax.frontends.onnx_io import load_onnx
+
+    shapes = {n.name: tuple(int(d) for d in n.types[0].shape) for n in optimized.inputs}
+    try:
+        back = load_onnx(data, shapes)
+    except Exception as e:  # noqa: BLE001 - any failure to read our own file keeps the input
+        return f"importing it fails: {one_line(str(e), 160)}"
+
+    def opaque(g) -> Counter:
+        return Counter(n.attr("call").label for n in g.nodes if n.op == "opaque")
+
+    extra = opaque(back) - opaque(optimized)
+    if not extra:
+        return None
+    return "kept opaque: " + ", ".join(f"{k} x{v}" for k, v in sorted(extra.items()))

@@ -31,6 +31,7 @@ from taso_jax.cli_files import (
     check_output_path,
     check_tolerances,
 )
+from taso_jax.cli_files import opaque_after_reimport as _opaque_after_reimport
 from taso_jax.cli_sizes import _keep_sizes_open, differ_note
 from taso_jax.cli_timing import onnxruntime_timing, report_timing
 
@@ -409,6 +410,11 @@ class _OnnxFile:
         return self.original is not None and bool(meta.get("file_leftovers")
                                                   or meta.get("cleanup"))
 
+    def _cleaned(self) -> dict:
+        """What the import dropped and simplified, by kind: :meth:`cleans_up`'s counts."""
+        return dict(self.graph.meta.get("file_leftovers") or {},
+                    **(self.graph.meta.get("cleanup") or {}))
+
     def admit(self, prepared, report: dict, unchanged: bool):
         """The file to write, or why the input is written instead.
 
@@ -421,6 +427,8 @@ class _OnnxFile:
 
         if unchanged and self.original is not None:
             return self._admit_cleanup(prepared, report)
+        if self.cleans_up():  # the rewrite starts from the cleaned-up graph: a source too
+            report.setdefault("cleanup", self._cleaned())
         data, general = prepared
         if general is not None:
             data = _keep_sizes_open(data, general, self.original, self.graph, report,
@@ -462,8 +470,7 @@ class _OnnxFile:
         timing = measure_onnxruntime(self.reference, data, self.references[0][1],
                                      deadline=self.deadline and self.deadline.at,
                                      seconds=CLEANUP_SECONDS)
-        leftovers = dict(self.graph.meta.get("file_leftovers") or {},
-                         **(self.graph.meta.get("cleanup") or {}))
+        leftovers = self._cleaned()
         report["cleanup"] = {**leftovers, "timing": timing}
         if not timing["speedup"] >= 1.0:
             return None, Verdict.UNCHANGED, (
@@ -654,36 +661,6 @@ def _write_copy(args, original: str, external_data, report: dict) -> None:
         report["written_copy_of_input"] = True if original == args.model else "converted"
     if args.output:
         report["written"] = args.output
-
-
-def _opaque_after_reimport(data, optimized) -> str | None:
-    """What the written model (``data``: bytes or a path) loses when imported back, or None.
-
-    The XLA target's file is run by importing it
-    (:func:`~taso_jax.frontends.onnx_io.load_onnx`, here at the sizes the graph was
-    optimized at); an operator that the export wrote in a form the import does not declare
-    comes back opaque and runs in onnxruntime inside ``jax.jit``, one host callback each (a
-    streaming VAD's rewritten file ran 13x slower that way before the import read Slices
-    with bounds computed at run time). Returns a phrase naming the opaque operators beyond
-    the ``optimized`` graph's, or the import's error.
-    """
-    from collections import Counter
-
-    from taso_jax.frontends.onnx_io import load_onnx
-
-    shapes = {n.name: tuple(int(d) for d in n.types[0].shape) for n in optimized.inputs}
-    try:
-        back = load_onnx(data, shapes)
-    except Exception as e:  # noqa: BLE001 - any failure to read our own file keeps the input
-        return f"importing it fails: {one_line(str(e), 160)}"
-
-    def opaque(g) -> Counter:
-        return Counter(n.attr("call").label for n in g.nodes if n.op == "opaque")
-
-    extra = opaque(back) - opaque(optimized)
-    if not extra:
-        return None
-    return "kept opaque: " + ", ".join(f"{k} x{v}" for k, v in sorted(extra.items()))
 
 
 def _write_json(path: str | None, report: dict) -> None:

@@ -63,6 +63,24 @@ def test_a_shortfall_within_the_noise_is_not_one():
         "taso-jax behind the best peer beyond the noise: 0")
 
 
+def test_the_two_files_timed_against_each_other_decide_where_they_were():
+    """The best of three peers, each paired with the original apart, is biased upwards; a
+    direct pairing of taso-jax's file with the best peer's replaces the comparison."""
+    peers = _script()
+
+    def row(ours: float, direct: float) -> dict:
+        return {"noise": {"speedup": 1.01, "equal": True, "same": True},
+                "onnxsim": {"speedup": 1.10, "equal": True, "same": False},
+                "taso-jax": {"speedup": ours, "equal": True, "same": False,
+                             "vs_best_peer": {"peer": "onnxsim", "speedup": direct}}}
+
+    assert peers.shortfalls({"tied": row(1.0, 0.99)})[0] == (
+        "taso-jax behind the best peer beyond the noise: 0")
+    assert peers.shortfalls({"behind": row(1.0, 0.92)})[0] == (
+        "taso-jax behind the best peer beyond the noise: 1: behind (1.00x, best peer 1.10x; "
+        "against onnxsim's file directly 0.92x)")
+
+
 def test_one_tool_is_measured_on_a_tiny_model(tmp_path):
     import onnx
     from onnx import TensorProto as T

@@ -37,6 +37,7 @@ import numpy as np
 from taso_jax.frontends.onnx_opaque import _outer_names
 from taso_jax.ir.cleanup import flush_negligible_weights, rebuild, simplify
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, leaf_node
+from taso_jax.ir.weight_folds import fold_affine_into_products
 from taso_jax.ops import OPS, TensorType
 from taso_jax.ops.dims import is_open
 from taso_jax.ops.recurrent import ONNX_STATE_SLOTS, ZERO_WHEN_ABSENT
@@ -275,8 +276,10 @@ def clean_imported(graph: Graph, static_axes: dict | None = None) -> Graph:
 
     :func:`merge_duplicate_regions`, :func:`fold_static_sizes` (with ``static_axes``),
     :func:`drop_zero_states`,
-    :func:`~taso_jax.ir.cleanup.simplify`, then
-    :func:`~taso_jax.ir.cleanup.flush_negligible_weights`. What was done is counted in
+    :func:`~taso_jax.ir.cleanup.simplify`,
+    :func:`~taso_jax.ir.cleanup.flush_negligible_weights`, then
+    :func:`~taso_jax.ir.weight_folds.fold_affine_into_products` (after the flush, which
+    looks at weights the file stores, not at products of them). What was done is counted in
     ``meta["cleanup"]`` (law -> times), beside what the file ran for nothing
     (``meta["file_leftovers"]``, filled by the import).
     """
@@ -285,7 +288,8 @@ def clean_imported(graph: Graph, static_axes: dict | None = None) -> Graph:
     graph, zeros = drop_zero_states(graph)
     graph, simpler = simplify(graph)
     graph, flushed = flush_negligible_weights(graph)
-    counts = dict(merged + folded + zeros + simpler + flushed)
+    graph, affine = fold_affine_into_products(graph)
+    counts = dict(merged + folded + zeros + simpler + affine + flushed)
     if not counts:
         return graph
     return Graph(graph.inputs, graph.outputs, graph.output_names, graph.weights,
