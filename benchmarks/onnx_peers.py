@@ -214,6 +214,12 @@ def table(rows: dict, tools) -> str:
     lines.append("| **geomean** | " + " | ".join(
         f"{geomean({m: r for m, r in rows.items() if 'error' not in r}, t):.3f}x"
         for t in tools) + " |")
+    direct = [f"{model} against {d['peer']} {d['speedup']:.2f}x" for model, row in rows.items()
+              for d in [(row.get("taso-jax") or {}).get("vs_best_peer")] if d]
+    if direct:
+        notes += ["", "taso-jax's file timed against the best peer's directly, where that "
+                  "peer's figure was the higher (the peer file's median over taso-jax's): "
+                  + ", ".join(direct)]
     return "\n".join(lines + ([""] + notes if notes else []) + [""] + shortfalls(rows)) + "\n"
 
 

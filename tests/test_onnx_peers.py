@@ -76,6 +76,8 @@ def test_the_two_files_timed_against_each_other_decide_where_they_were():
 
     assert peers.shortfalls({"tied": row(1.0, 0.99)})[0] == (
         "taso-jax behind the best peer beyond the noise: 0")
+    assert "tied against onnxsim 0.99x" in peers.table({"tied": row(1.0, 0.99)},
+                                                       ["onnxsim", "taso-jax"])
     assert peers.shortfalls({"behind": row(1.0, 0.92)})[0] == (
         "taso-jax behind the best peer beyond the noise: 1: behind (1.00x, best peer 1.10x; "
         "against onnxsim's file directly 0.92x)")
