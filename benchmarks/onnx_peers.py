@@ -18,8 +18,12 @@ mean over the models, where a tool's failed or unequal file, or one that is the 
 bytes, counts as 1.00x (the user keeps the original). Its first column, ``noise``, is the
 original timed the same way against a
 second session of itself: how far from 1.00x a file that changes nothing lands on that
-model. Below the table, the models where taso-jax's file ran slower than the best peer's,
-or slower than 0.97x, by more than that noise (at least 3%): issue 62's done-when. The
+model. Where a peer's figure is above taso-jax's, the two files are then timed against each
+other directly (twice the rounds, fresh sessions), since the best of three figures each
+paired apart with the original is biased upwards; those ratios are listed under the table.
+Below them, the models where taso-jax's file ran slower than the best peer's (the direct
+ratio where there is one), or slower than 0.97x, by more than that noise (at least 3%):
+issue 62's done-when. The
 peers install with ``pip install -e '.[peers]'``; a peer that is not installed is left out.
 
 Usage: ``python benchmarks/onnx_peers.py MODEL.onnx... [--time-limit 20] [--rounds 20]
