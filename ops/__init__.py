@@ -161,6 +161,13 @@ class OpDef:
             inputs of ``matmul`` and of a convolution). An element of such an input too small
             to change a sum in floating point is zeroed in a weight
             (:func:`taso_jax.ir.cleanup.flush_negligible_weights`).
+        channel_scale: for a product linear in its weight (input 1) channel by channel,
+            ``(output axis, weight axis)``, both negative: scaling the weight's slices along
+            the weight axis by ``s[c]`` scales the output's slices along the output axis by
+            ``s[c]`` (``conv2d``: NCHW output axis -3, OIHW kernel axis -4, any ``groups``;
+            ``matmul``: the last axis of both). With no fused activation, a constant scale
+            or shift after such a product folds into its weights
+            (:mod:`taso_jax.ir.weight_folds`). ``None`` for other operators.
         runs_here: for an operator some of whose forms run only on some devices (a vendor
             library's fused kernel: ``attention(impl="cudnn")``), ``runs_here(node)`` says
             why the search may not build ``node`` on JAX's default device, or ``None``: the
@@ -210,6 +217,7 @@ class OpDef:
     priced_as: Callable[[Any], list | None] | None = None
     family: str = ""
     dot_operands: tuple[int, ...] = ()
+    channel_scale: tuple[int, int] | None = None
     copies_values: bool = False
     runs_here: Callable[[Any], str | None] | None = None
     product_dims: Callable[..., tuple[float, float, float]] | None = None

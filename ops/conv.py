@@ -220,6 +220,7 @@ declare(OpDef(
     ),
     axioms=_CONV2D_LAWS,
     grouped_kernel_axis=1, dot_operands=(0, 1), product_dims=_conv2d_product,
+    channel_scale=(-3, -4),
     doc="2-D convolution, NCHW x OIHW -> NCHW, with groups and fused activation (ONNX Conv)"))
 
 
@@ -297,6 +298,7 @@ declare(OpDef(
          {"padding": (1, 0, 2, 1), "dilations": (2, 1), "activation": "tanh"}),
     ),
     grouped_kernel_axis=2, dot_operands=(0, 1), product_dims=_conv2d_nhwc_product,
+    channel_scale=(-1, -1),
     doc="2-D convolution, NHWC x HWIO -> NHWC, with groups and fused activation; conv2d in "
         "the layouts XLA:CPU prefers (exported to ONNX as Transpose, Conv, Transpose)"))
 

@@ -91,7 +91,7 @@ declare(OpDef(
     examples=(([TensorType((3, 4), _F32), TensorType((4, 5), _F32)], {}),
               ([TensorType((2, 1, 3, 4), _F32), TensorType((6, 4, 5), _F32)],
                {"activation": "relu"})),
-    axioms=_MATMUL_LAWS + _LORA_LAWS, dot_operands=(0, 1),
+    axioms=_MATMUL_LAWS + _LORA_LAWS, dot_operands=(0, 1), channel_scale=(-1, -1),
     product_dims=lambda ins, outs, **_: matrix_product_dims(outs[0], outs[0].shape[-1],
                                                             ins[0].shape[-1]),
     doc="batched matrix product with fused activation (ONNX MatMul; TASO matmul)"))

@@ -182,3 +182,33 @@ def test_a_scaled_kernel_out_of_float_range_is_not_folded():
     assert "scale_folded_into_conv2d" not in g.meta.get("cleanup", {})
     assert [n.op for n in g.nodes if not n.weight_only and n.op != "input"] == [
         "conv2d", "ewmul"]
+
+
+def test_each_declared_channel_scale_holds_on_the_reference_functions():
+    """``OpDef.channel_scale``, checked as the axioms are: on every registry example without
+    a fused activation, ``P(x, w * s') = P(x, w) * s`` with ``s`` random per channel."""
+    import jax.numpy as jnp
+    from taso_jax.ops import OPS
+
+    declared = [op for op in OPS.values() if op.channel_scale is not None]
+    assert {op.name for op in declared} >= {"conv2d", "conv2d_nhwc", "matmul"}
+    checked = 0
+    for op in declared:
+        out_axis, w_axis = op.channel_scale
+        for in_types, attrs in op.examples:
+            if attrs.get("activation", "none") != "none":
+                continue
+            r = _rng(7)
+            x, w = (r.standard_normal(t.shape).astype(np.float32) for t in in_types[:2])
+            s = r.uniform(0.5, 2.0, w.shape[w_axis]).astype(np.float32)
+            lay_w = [1] * w.ndim
+            lay_w[w_axis] = s.size
+            full = {**op.attrs, **attrs}
+            y = np.asarray(op.ref(jnp.asarray(x), jnp.asarray(w), **full))
+            lay_y = [1] * y.ndim
+            lay_y[out_axis] = s.size
+            scaled = np.asarray(op.ref(jnp.asarray(x), jnp.asarray(w * s.reshape(lay_w)),
+                                       **full))
+            np.testing.assert_allclose(scaled, y * s.reshape(lay_y), rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 3

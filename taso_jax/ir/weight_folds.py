@@ -11,12 +11,12 @@ costs nothing at run time: the product reads the scaled weight, which the staged
 computes once (:class:`~taso_jax.ir.executor.StagedGraph`) and an ONNX export stores as an
 initializer.
 
-The laws, for a product ``P`` linear in its weight ``w`` per output channel (``conv2d``, NCHW
-activations and OIHW kernels, any ``groups``: output channel ``o`` reads ``w[o]`` only;
-``matmul`` with a 2-D weight ``[K, N]`` as its second operand: output column ``n`` reads
-``w[:, n]`` only), ``s`` and ``c`` weight-only tensors constant over every axis but the
-output-channel one (a scalar, ``[1]``, ``[C, 1, 1]``, ``[1, C, 1, 1]``; ``[N]`` or ``[1, N]``
-for a matrix product):
+The laws, for a product ``P`` linear in its weight ``w`` channel by channel (its
+declaration's ``OpDef.channel_scale``: ``conv2d``, NCHW activations and OIHW kernels, any
+``groups``, where output channel ``o`` reads ``w[o]`` only; ``matmul``, where output column
+``n`` reads ``w[..., n]`` only), ``s`` and ``c`` weight-only tensors constant over every axis
+but the output-channel one (a scalar, ``[1]``, ``[C, 1, 1]``, ``[1, C, 1, 1]``; ``[N]`` or
+``[1, N]`` for a matrix product):
 
 * ``P(x, w) * s = P(x, w * s')`` (``s'`` is ``s`` laid out along ``w``'s output axis);
 * ``(P(x, w) + b) * s = P(x, w * s') + b * s`` (distributivity, then the law above);
@@ -36,6 +36,7 @@ from collections import Counter
 
 from taso_jax.ir.fold_check import fold_overflow
 from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, make_node
+from taso_jax.ops import OPS
 from taso_jax.ops.dims import same_size
 
 __all__ = ["fold_affine_into_products"]
@@ -44,15 +45,21 @@ __all__ = ["fold_affine_into_products"]
 _FLOATS = ("float32", "float64", "float16", "bfloat16")
 
 
-def _channel_axis(t: Tensor) -> int | None:
-    """The output-channel axis of the product that computes ``t`` (negative), or ``None``."""
+def _channel_axes(t: Tensor) -> tuple[int, int] | None:
+    """``(output axis, weight axis)`` of the product computing ``t``, or ``None``.
+
+    From the operator's declaration (``OpDef.channel_scale``), where the product has no
+    fused activation and its weight (input 1) is weight-only.
+    """
     n = t.node
-    if n.op == "conv2d" and n.attr("activation", "none") == "none" and len(t.shape) == 4:
-        return -3
-    if (n.op == "matmul" and n.inputs[1].node.weight_only and len(n.inputs[1].shape) == 2
-            and len(t.shape) >= 2):
-        return -1
-    return None
+    op = OPS.get(n.op)
+    if (op is None or op.channel_scale is None or n.attr("activation", "none") != "none"
+            or not n.inputs[1].node.weight_only):
+        return None
+    out_axis, w_axis = op.channel_scale
+    if len(t.shape) < -out_axis or len(n.inputs[1].shape) < -w_axis:
+        return None
+    return out_axis, w_axis
 
 
 def _per_channel(s: Tensor, y: Tensor, axis: int) -> bool:
@@ -72,19 +79,15 @@ def _per_channel(s: Tensor, y: Tensor, axis: int) -> bool:
     return True
 
 
-def _scaled_weight(product: Node, s: Tensor, axis: int) -> Tensor:
-    """The product's weight times ``s`` laid out along the weight's output axis."""
+def _scaled_weight(product: Node, s: Tensor, w_axis: int) -> Tensor:
+    """The product's weight times ``s`` laid out along the weight's channel axis."""
     w = product.inputs[1]
     size = 1
     for d in s.shape:
         size *= int(d)
-    if size == 1:
-        lay = (1,) * len(w.shape)
-    elif axis == -3:  # OIHW: output channels first
-        lay = (size, 1, 1, 1)
-    else:  # [K, N]: output columns last
-        lay = (1, size)
-    s = make_node("reshape", [s], {"shape": lay}).outputs[0]
+    lay = [1] * len(w.shape)
+    lay[w_axis] = size
+    s = make_node("reshape", [s], {"shape": tuple(lay)}).outputs[0]
     return make_node("ewmul", [w, s]).outputs[0]
 
 
@@ -119,8 +122,8 @@ def _fold(node: Node, readers: Counter) -> tuple[Tensor, str, list] | None:
             return None
     else:
         z, b = y, None
-    axis = _channel_axis(z)
-    if axis is None or not _per_channel(s, z, axis):
+    axes = _channel_axes(z)
+    if axes is None or not _per_channel(s, z, axes[0]):
         return None
     if node.op == "ewadd":
         if b is None:  # already the product's bias
@@ -130,7 +133,7 @@ def _fold(node: Node, readers: Counter) -> tuple[Tensor, str, list] | None:
     else:
         product = z.node
         ins = list(product.inputs)
-        ins[1] = _scaled_weight(product, s, axis)
+        ins[1] = _scaled_weight(product, s, axes[1])
         out = make_node(product.op, ins, product.attr_dict).outputs[0]
         inner = []
         if b is not None:
