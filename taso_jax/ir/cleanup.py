@@ -149,7 +149,8 @@ def _simpler(node: Node, weights, readers: Counter) -> tuple[Tensor, str] | None
 
 
 def rebuild(graph: Graph, replace: Callable[[Node], tuple[Tensor, str] | None],
-            weights: dict | None = None) -> tuple[Graph, Counter]:
+            weights: dict | None = None, readers: Counter | None = None
+            ) -> tuple[Graph, Counter]:
     """``graph`` with each node rebuilt on its new inputs and offered to ``replace``.
 
     One pass in topological order: a node whose inputs changed is rebuilt (hash-consing
@@ -157,7 +158,9 @@ def rebuild(graph: Graph, replace: Callable[[Node], tuple[Tensor, str] | None],
     tuple of them, one per output, for a node of several) to use instead and the name of
     the law used (counted). ``replace`` sees a node's inputs
     already replaced, so chains collapse in one pass. ``weights`` are added to the graph's
-    (a ``replace`` that makes constants puts them there).
+    (a ``replace`` that makes constants puts them there). ``readers`` (tensor -> how many
+    nodes and graph outputs read it), where given, is kept up to date for the pass: a
+    rebuilt or replacing tensor takes over the readers of the one it stands for.
 
     Returns:
         ``(graph, counts)``: the new graph (the same object where nothing changed) and how
@@ -170,6 +173,9 @@ def rebuild(graph: Graph, replace: Callable[[Node], tuple[Tensor, str] | None],
             continue
         ins = tuple(new.get(t, t) for t in n.inputs)
         m = n if ins == n.inputs else intern_node(n.op, n.attrs, ins, n.types)
+        if readers is not None and m is not n:
+            for t, u in zip(n.outputs, m.outputs, strict=True):
+                readers[u] += readers[t]
         found = replace(m)
         if found is not None:
             value, law = found
@@ -177,6 +183,9 @@ def rebuild(graph: Graph, replace: Callable[[Node], tuple[Tensor, str] | None],
             values = value if isinstance(value, tuple) and not isinstance(value, Tensor) \
                 else (value,)
             new.update(zip(n.outputs, values, strict=True))
+            if readers is not None:
+                for t, v in zip(n.outputs, values, strict=True):
+                    readers[v] += readers[t]
             continue
         if m is not n:
             for t, u in zip(n.outputs, m.outputs, strict=True):

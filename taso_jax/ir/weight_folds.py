@@ -34,8 +34,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from taso_jax.ir.cleanup import _same_shape, rebuild
 from taso_jax.ir.fold_check import fold_overflow
-from taso_jax.ir.graph import Graph, Node, Tensor, intern_node, make_node
+from taso_jax.ir.graph import Graph, Node, Tensor, make_node
 from taso_jax.ops import OPS
 from taso_jax.ops.dims import same_size
 
@@ -140,9 +141,7 @@ def _fold(node: Node, readers: Counter) -> tuple[Tensor, str, list] | None:
             inner = [out]
             out = make_node("ewadd", [out, make_node("ewmul", [b, s]).outputs[0]]).outputs[0]
         law = f"scale_folded_into_{product.op}"
-    want = node.types[0]
-    if out.dtype != want.dtype or len(out.shape) != len(want.shape) or not all(
-            same_size(p, q) for p, q in zip(out.shape, want.shape, strict=True)):
+    if out.dtype != node.types[0].dtype or not _same_shape(out.shape, node.types[0].shape):
         return None
     return out, law, inner
 
@@ -151,9 +150,9 @@ def fold_affine_into_products(graph: Graph) -> tuple[Graph, Counter]:
     """``graph`` with the scales and shifts after its products folded into their weights.
 
     The laws are the module's: weight-only scales and shifts after convolutions and matrix
-    products go into the products' weights and biases. One pass in topological order, as
-    :func:`~taso_jax.ir.cleanup.rebuild`, that counts the readers of the tensors it makes,
-    so a chain (``Mul`` then ``Add``) folds in one pass. Each output keeps its name and
+    products go into the products' weights and biases. One pass of
+    :func:`~taso_jax.ir.cleanup.rebuild` that keeps the readers of the tensors it makes
+    counted, so a chain (``Mul`` then ``Add``) folds in one pass. Each output keeps its name and
     type. Returns ``(graph, counts)``: counts by law (``scale_folded_into_conv2d``,
     ``scale_folded_into_matmul``, ``shift_folded_into_bias``), and ``graph`` itself where
     nothing folded, or where a folded tensor came out non-finite from finite weights or
@@ -162,30 +161,19 @@ def fold_affine_into_products(graph: Graph) -> tuple[Graph, Counter]:
     """
     readers = Counter(t for n in graph.nodes for t in n.inputs)
     readers.update(graph.outputs)
-    counts: Counter = Counter()
-    new: dict[Tensor, Tensor] = {}
-    for n in graph.nodes:
-        if not n.inputs:
-            continue
-        ins = tuple(new.get(t, t) for t in n.inputs)
-        m = n if ins == n.inputs else intern_node(n.op, n.attrs, ins, n.types)
-        if m is not n:
-            for t, u in zip(n.outputs, m.outputs, strict=True):
-                new[t] = u
-                readers[u] += readers[t]
-        found = _fold(m, readers)
+
+    def replace(node: Node):
+        found = _fold(node, readers)
         if found is None:
-            continue
+            return None
         out, law, inner = found
-        counts[law] += 1
-        new[n.outputs[0]] = out
-        readers[out] += readers[n.outputs[0]]
         for t in inner:  # read by the new operators only
             readers[t] = 1
+        return out, law
+
+    folded, counts = rebuild(graph, replace, readers=readers)
     if not counts:
         return graph, counts
-    outputs = tuple(new.get(t, t) for t in graph.outputs)
-    folded = Graph(graph.inputs, outputs, graph.output_names, graph.weights, graph.meta)
     if fold_overflow(folded, graph) is not None:  # a scaled kernel left float's range
         return graph, Counter()
     return folded, counts
