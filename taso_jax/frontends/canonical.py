@@ -22,22 +22,9 @@ Source: the distributive and associative laws of TASO's axioms for ``ewadd`` and
 from __future__ import annotations
 
 from taso_jax.ir.graph import Graph, Node, Tensor, make_node, rebuild_node
+from taso_jax.ir.weight_folds import weight_operand
 
 __all__ = ["normalize_affine"]
-
-
-def _split(t: Tensor):
-    """``(runtime operand, weight-only operand)`` of a binary elementwise node, else None."""
-    n = t.node
-    if len(n.inputs) != 2:
-        return None
-    a, b = n.inputs
-    if a.node.weight_only == b.node.weight_only:
-        return None
-    y, c = (b, a) if a.node.weight_only else (a, b)
-    if y.shape != n.types[0].shape or y.dtype != c.dtype:
-        return None  # c must broadcast into y without enlarging it
-    return y, c
 
 
 def normalize_affine(graph: Graph) -> Graph:
@@ -52,7 +39,7 @@ def normalize_affine(graph: Graph) -> Graph:
 
     def affine(op: str, y: Tensor, c: Tensor) -> Tensor:
         """``op(y, c)`` for runtime ``y`` and weight-only ``c``, normalized."""
-        inner = _split(y) if y.node.op in ("ewadd", "ewmul") and exclusive.get(y) else None
+        inner = weight_operand(y) if y.node.op in ("ewadd", "ewmul") and exclusive.get(y) else None
         if inner is not None:
             z, d = inner
             if op == "ewmul" and y.node.op == "ewadd":  # (z + d) * c = z * c + d * c
@@ -71,7 +58,7 @@ def normalize_affine(graph: Graph) -> Graph:
             continue
         node = rebuild_node(n, (remap(t) for t in n.inputs))
         if n.op in ("ewmul", "ewadd") and not node.weight_only:
-            split = _split(node.outputs[0])
+            split = weight_operand(node.outputs[0])
             if split is not None:
                 node = affine(n.op, *split).node
         if node is not n:

@@ -40,7 +40,7 @@ from taso_jax.ir.graph import Graph, Node, Tensor, make_node
 from taso_jax.ops import OPS
 from taso_jax.ops.dims import same_size
 
-__all__ = ["fold_affine_into_products"]
+__all__ = ["fold_affine_into_products", "weight_operand"]
 
 #: Float element types a fold may change the rounding of.
 _FLOATS = ("float32", "float64", "float16", "bfloat16")
@@ -92,14 +92,23 @@ def _scaled_weight(product: Node, s: Tensor, w_axis: int) -> Tensor:
     return make_node("ewmul", [w, s]).outputs[0]
 
 
-def _split(node: Node) -> tuple[Tensor, Tensor] | None:
-    """``(y, s)`` for ``node = y (*|+) s`` with ``s`` weight-only and ``y`` not."""
-    a, b = node.inputs
-    if b.node.weight_only and not a.node.weight_only:
-        return a, b
-    if a.node.weight_only and not b.node.weight_only:
-        return b, a
-    return None
+def weight_operand(t: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(y, c)``: the runtime and the weight-only operand of the binary operator computing ``t``.
+
+    ``None`` unless exactly one operand is weight-only, and ``c`` broadcasts into ``y``
+    without enlarging it, of the same element type. Shared with
+    :func:`~taso_jax.frontends.canonical.normalize_affine`.
+    """
+    n = t.node
+    if len(n.inputs) != 2:
+        return None
+    a, b = n.inputs
+    if a.node.weight_only == b.node.weight_only:
+        return None
+    y, c = (b, a) if a.node.weight_only else (a, b)
+    if y.shape != n.types[0].shape or y.dtype != c.dtype:
+        return None
+    return y, c
 
 
 def _fold(node: Node, readers: Counter) -> tuple[Tensor, str, list] | None:
@@ -110,19 +119,15 @@ def _fold(node: Node, readers: Counter) -> tuple[Tensor, str, list] | None:
     """
     if node.op not in ("ewmul", "ewadd") or node.types[0].dtype not in _FLOATS:
         return None
-    split = _split(node)
+    split = weight_operand(node.outputs[0])
     if split is None:
         return None
     y, s = split
     if readers.get(y, 2) != 1:
         return None
-    biased = y.node.op == "ewadd" and _split(y.node) is not None
-    if biased:
-        z, b = _split(y.node)
-        if readers.get(z, 2) != 1:
-            return None
-    else:
-        z, b = y, None
+    z, b = (weight_operand(y) if y.node.op == "ewadd" else None) or (y, None)
+    if b is not None and readers.get(z, 2) != 1:
+        return None
     axes = _channel_axes(z)
     if axes is None or not _per_channel(s, z, axes[0]):
         return None
